@@ -1,0 +1,1 @@
+"""kvloop agents."""
