@@ -1,1 +1,1 @@
-"""kvloop common."""
+"""Pieces every kvloop process shares: logging, tracing, security settings."""

@@ -313,7 +313,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., ack: _Optional[_Union[BatchAck, _Mapping]] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size")
+    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,7 @@ class LookupRequest(_message.Message):
     REQUESTER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -328,7 +329,8 @@ class LookupRequest(_message.Message):
     requester_worker_id: str
     claim: bool
     block_size: int
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
+    packed_block_hashes: bytes
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class Holder(_message.Message):
     __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch")

@@ -1,0 +1,56 @@
+"""Typed kvloop settings parsed from ``kv_transfer_config.kv_connector_extra_config``.
+
+Only keys prefixed ``kvloop_`` belong to kvloop; everything else (``bidirectional_kv_xfer``,
+``decoder_kv_blocks_ttl``, ``kv_recompute_threshold``...) is vLLM NixlConnector's and is read by
+vLLM itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PREFIX = "kvloop_"
+
+
+class KvloopConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Directory daemon "host:port"; empty -> no lookups (the prefill side never pulls).
+    daemon: str = ""
+    # Stable name of this vLLM instance in the directory; defaults to the engine id.
+    worker_id: str = ""
+    # Served model name sent with lookups (blocks are namespaced by model).
+    model: str = ""
+    # Deadline of one Lookup RPC; the hook runs in the engine-core loop, keep it short.
+    lookup_timeout_ms: float = Field(default=20.0, gt=0, le=5000)
+    # Lease of retained runs announced to the directory. None -> vLLM's decoder_kv_blocks_ttl.
+    retention_ttl_s: float | None = Field(default=None, gt=0)
+    # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
+    # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
+    sharing: Literal["multi", "single"] = "multi"
+    # Do not pull when the holder's lease ends within this margin (vLLM declines reads within
+    # 5 s of the deadline on its own; keep this >= 5 s).
+    expiry_margin_s: float = Field(default=6.0, ge=0)
+    # Minimum pulled tokens beyond the local prefix (the daemon applies its own threshold too).
+    min_pull_tokens: int = Field(default=64, ge=0)
+    # Publish retained/released events (decode role).
+    publish_events: bool = True
+    # Ask the directory (prefill role).
+    lookup: bool = True
+    # NIXL progress-thread delay in microseconds (NIXL's Python API hard-codes 0 = busy spin).
+    # None leaves NIXL alone.
+    nixl_progress_delay_us: int | None = Field(default=1000, ge=0)
+
+    @field_validator("daemon")
+    @classmethod
+    def _check_daemon(cls, v: str) -> str:
+        if v and (":" not in v or not v.rsplit(":", 1)[1].isdigit()):
+            raise ValueError(f"kvloop_daemon must be host:port, got {v!r}")
+        return v
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> KvloopConfig:
+        extra = extra or {}
+        return cls(**{k[len(PREFIX) :]: v for k, v in extra.items() if k.startswith(PREFIX)})

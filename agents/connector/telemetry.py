@@ -1,0 +1,40 @@
+"""Spans, logs and metrics of the kvloop connector (one set per process)."""
+
+from __future__ import annotations
+
+import structlog
+from opentelemetry import trace
+from prometheus_client import Counter, Histogram
+
+TRACER_NAME = "kvloop.agents.connector"
+
+tracer = trace.get_tracer(TRACER_NAME)
+log = structlog.get_logger(TRACER_NAME)
+
+# Paths a prefill request can take.
+PATH_TRANSFER = "transfer"  # blocks pulled from a peer with a NIXL READ
+PATH_RECOMPUTE = "recompute"  # a peer holds blocks but pulling was not chosen / possible
+PATH_LOCAL = "local"  # the local prefix cache is at least as long as any peer's
+PATH_MISS = "miss"  # nobody holds anything beyond the local prefix
+PATH_EXPIRED = "expired"  # matching blocks exist but their lease ends too soon
+PATH_FAILED = "failed"  # the READ failed (dead peer, handshake, transfer): recomputed
+
+REQUESTS = Counter(
+    "kvloop_connector_requests", "Prefill requests by kvloop path", ["path", "reason"]
+)
+TOKENS = Counter(
+    "kvloop_connector_tokens", "Prompt tokens by how they were obtained", ["kind"]
+)  # kind: pulled | recomputed | local
+BYTES = Counter("kvloop_connector_pulled_bytes", "KV bytes pulled from peers")
+LOOKUP_SECONDS = Histogram(
+    "kvloop_connector_lookup_seconds",
+    "Directory lookup latency seen by the connector",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+)
+LOOKUP_ERRORS = Counter("kvloop_connector_lookup_errors", "Failed directory lookups", ["kind"])
+RETAINED = Counter("kvloop_connector_retained_runs", "Retained runs announced (decode role)")
+RETAINED_BLOCKS = Counter("kvloop_connector_retained_blocks", "Blocks in announced retained runs")
+RELEASED = Counter("kvloop_connector_released_runs", "Retained runs released", ["reason"])
+READS_SERVED = Counter(
+    "kvloop_connector_reads_served", "READ completion notices received for retained runs"
+)

@@ -1,0 +1,134 @@
+"""Worker-side half of the kvloop connector (runs where the KV cache lives).
+
+Data movement is vLLM's NixlConnector unchanged. kvloop adds:
+
+* multi-reader retention: vLLM frees a retained run after the first READ notice; for runs the
+  scheduler marked multi-reader (``metadata.kvloop_multi_reader``) the notice is counted and the
+  blocks stay until the lease (``decoder_kv_blocks_ttl``) ends, so several prefills can read
+  them correctly. Freed runs then go through vLLM's normal ``finished_sending`` path.
+* the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
+  (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.config import KvloopConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+_PATCHED_DELAY: list[int] = []
+
+
+def apply_nixl_progress_delay(delay_us: int) -> bool:
+    """Make NIXL agents created from now on use a progress-thread delay of ``delay_us``."""
+    if _PATCHED_DELAY:
+        _PATCHED_DELAY[0] = delay_us
+        return True
+    try:
+        import nixl._api as api  # resolves to nixl_cu12._api / nixl_cu13._api at runtime
+    except Exception:
+        return False
+    bind = getattr(api, "nixlBind", None)
+    if bind is None or not hasattr(bind, "nixlAgent"):
+        return False
+    real_agent = bind.nixlAgent
+
+    def agent_with_delay(name: str, cfg: Any, *a: Any, **kw: Any) -> Any:
+        try:
+            if cfg.useProgThread:
+                cfg.pthrDelay = _PATCHED_DELAY[0]
+        except Exception:
+            pass
+        return real_agent(name, cfg, *a, **kw)
+
+    class _BindProxy:
+        def __getattr__(self, item: str) -> Any:
+            return getattr(bind, item)
+
+    proxy = _BindProxy()
+    proxy.nixlAgent = agent_with_delay  # type: ignore[attr-defined]
+    api.nixlBind = proxy
+    _PATCHED_DELAY.append(delay_us)
+    return True
+
+
+class KvloopConnectorWorker(NixlPullConnectorWorker):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        cfg: KvloopConfig,
+    ) -> None:
+        self.cfg = cfg
+        if cfg.nixl_progress_delay_us is not None:
+            apply_nixl_progress_delay(cfg.nixl_progress_delay_us)
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._multi_reader: set[str] = set()
+        self.kvloop_reads: Counter[str] = Counter()
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        new = getattr(metadata, "kvloop_multi_reader", None)
+        if new:
+            self._multi_reader |= new
+        super().start_load_kv(metadata)
+
+    def _get_new_notifs(self) -> set[str]:
+        """vLLM's pull-mode notification handling, except multi-reader runs are not freed.
+
+        Mirrors ``NixlPullConnectorWorker._get_new_notifs`` (vllm 0.32.0).
+        """
+        assert self.transfer_topo is not None
+        notified_req_ids: set[str] = set()
+        for notifs in self.nixl_wrapper.get_new_notifs().values():
+            for notif in notifs:
+                msg = notif.decode("utf-8")
+                if msg.startswith("HB:"):
+                    self._handle_heartbeat(msg[3:])
+                    continue
+                req_id, expected_consumers = msg.rsplit(":", 1)
+                if req_id not in self._reqs_to_send and req_id not in self._reqs_to_process:
+                    self.xfer_stats.record_notification_after_expiry()
+                    tm.log.error(
+                        "kvloop.read_after_release",
+                        request_id=req_id,
+                        detail="a peer read blocks of a run that is no longer retained",
+                    )
+                    continue
+                self.expected_consumer_notifications_by_req[req_id] = int(expected_consumers)
+                self.consumer_notification_counts_by_req[req_id] += 1
+                if (
+                    self.consumer_notification_counts_by_req[req_id]
+                    == self.expected_consumer_notifications_by_req[req_id]
+                ):
+                    del self.consumer_notification_counts_by_req[req_id]
+                    del self.expected_consumer_notifications_by_req[req_id]
+                    if req_id in self._multi_reader:
+                        # One complete read of a shared run: count it, keep the blocks.
+                        self.kvloop_reads[req_id] += 1
+                        tm.READS_SERVED.inc()
+                        continue
+                    notified_req_ids.add(req_id)
+                    self._reqs_to_process.remove(req_id)
+                    self._reqs_to_send.pop(req_id, None)
+        return notified_req_ids
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        super()._reap_expired_send_leases(done_sending)
+        for req_id in done_sending:
+            if req_id in self._multi_reader:
+                self._multi_reader.discard(req_id)
+                reads = self.kvloop_reads.pop(req_id, 0)
+                tm.log.debug("kvloop.retention_expired", request_id=req_id, reads=reads)

@@ -1,0 +1,40 @@
+"""structlog setup shared by every kvloop process: JSON lines off a terminal, colours on one."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure_logging(level: str = "info", json_logs: bool | None = None) -> None:
+    """Route structlog and stdlib logging (grpc, otel) to stderr in one format.
+
+    ``json_logs=None`` picks JSON when stderr is not a terminal (systemd, CI, pipes).
+    """
+    if json_logs is None:
+        json_logs = not sys.stderr.isatty()
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    shared = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer()
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(foreign_pre_chain=shared, processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer])
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(numeric, logging.INFO) if numeric < logging.INFO else numeric)

@@ -1,0 +1,73 @@
+"""TLS / mutual TLS and per-role bearer tokens, shared by kvloopd and its clients."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Role(StrEnum):
+    ADMIN = "admin"  # everything, including DrainWorker
+    READ = "read"  # introspection and non-claiming lookups (routers, the CLI)
+    PREFILL = "prefill"  # lookups that claim retained blocks
+    AGENT = "agent"  # publishes one worker's events over Connect
+
+
+class TokenGrant(BaseModel):
+    """What one bearer token may do."""
+
+    model_config = ConfigDict(extra="forbid")
+    token: str = Field(min_length=16)
+    role: Role
+    # Agent tokens may be bound to one worker id: that agent may publish only for it.
+    worker_id: str | None = None
+
+
+class TlsSettings(BaseModel):
+    """Server TLS: certificate + key; a client CA turns on mutual TLS (client certs required)."""
+
+    model_config = ConfigDict(extra="forbid")
+    cert_file: Path
+    key_file: Path
+    client_ca_file: Path | None = None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        ca = self.client_ca_file.read_bytes() if self.client_ca_file else None
+        return grpc.ssl_server_credentials(
+            [(self.key_file.read_bytes(), self.cert_file.read_bytes())],
+            root_certificates=ca,
+            require_client_auth=ca is not None,
+        )
+
+
+class ClientSecurity(BaseModel):
+    """How a client reaches kvloopd: optional TLS (server CA, client cert for mTLS) and a token."""
+
+    model_config = ConfigDict(extra="forbid")
+    token: str | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> "ClientSecurity":
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("client cert_file and key_file go together (mutual TLS)")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.ca_file is not None or self.cert_file is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_file.read_bytes() if self.ca_file else None,
+            private_key=self.key_file.read_bytes() if self.key_file else None,
+            certificate_chain=self.cert_file.read_bytes() if self.cert_file else None,
+        )
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()

@@ -1,0 +1,115 @@
+"""kvloopd settings: defaults < TOML file < KVLOOP_* environment < command-line flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from kvloop.common.addresses import parse_host_port
+from kvloop.common.security import TlsSettings, TokenGrant
+from kvloop.daemon.index import IndexConfig
+from kvloop.daemon.policy import PolicyConfig
+
+DEFAULT_CONFIG_PATH = Path("/etc/kvloop/kvloopd.toml")
+
+
+class DaemonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVLOOP_", env_nested_delimiter="__", extra="forbid")
+
+    listen: str = "127.0.0.1:50051"
+    # Prometheus /metrics; empty string turns it off.
+    metrics_listen: str = "127.0.0.1:9464"
+    log_level: str = "info"
+    log_json: bool | None = None
+    # Also write spans as JSON lines here (besides OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set).
+    span_file: str | None = None
+
+    lease_s: float = Field(10.0, gt=0)
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    drop_after_s: float = Field(60.0, gt=0)
+    expiry_margin_s: float = Field(2.0, ge=0)
+    max_entries: int = Field(4_000_000, gt=0)
+    reap_interval_s: float = Field(0.5, gt=0)
+    # Largest accepted gRPC message and most block hashes in one message.
+    max_message_bytes: int = Field(16 * 1024 * 1024, gt=1024)
+    max_hashes_per_message: int = Field(262_144, gt=0)
+    shutdown_grace_s: float = Field(5.0, ge=0)
+
+    policy: PolicyConfig = PolicyConfig()
+    # Per-model policy overrides: [models."Qwen/Qwen3-32B"] recompute_threshold_tokens = 256
+    models: dict[str, PolicyConfig] = {}
+
+    tls: TlsSettings | None = None
+    # Bearer tokens; none configured = no authentication (loopback development).
+    tokens: list[TokenGrant] = []
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        parse_host_port(value, "listen")
+        return value
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _metrics_listen(cls, value: str) -> str:
+        if value:
+            parse_host_port(value, "metrics_listen")
+        return value
+
+    @field_validator("heartbeat_interval_s")
+    @classmethod
+    def _heartbeat(cls, value: float, info: Any) -> float:
+        lease = info.data.get("lease_s")
+        if lease is not None and value >= lease:
+            raise ValueError(f"heartbeat_interval_s ({value}) must be shorter than lease_s ({lease})")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=_config_path()))
+
+    def index_config(self) -> IndexConfig:
+        return IndexConfig(
+            lease_s=self.lease_s,
+            drop_after_s=self.drop_after_s,
+            expiry_margin_s=self.expiry_margin_s,
+            max_entries=self.max_entries,
+        )
+
+
+_explicit_config: Path | None = None
+
+
+def _config_path() -> Path | None:
+    path = _explicit_config or (Path(os.environ["KVLOOP_CONFIG"]) if os.environ.get("KVLOOP_CONFIG") else None)
+    if path is not None:
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        return path
+    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> DaemonSettings:
+    """Build settings; flags that are None are left to the file, environment and defaults."""
+    global _explicit_config
+    _explicit_config = config_file
+    try:
+        return DaemonSettings(**{k: v for k, v in flags.items() if v is not None})
+    finally:
+        _explicit_config = None

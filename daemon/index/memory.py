@@ -1,0 +1,556 @@
+"""In-memory block directory.
+
+Layout, chosen for lookup speed and memory per entry:
+- per namespace, ``retained`` maps a block hash to the id of the retained run holding it (an int),
+  or a list of run ids when several runs hold it (shared prefixes); ``stored`` does the same for
+  prefix-cache blocks, with worker slots instead of run ids;
+- a run keeps its hashes (the same bytes objects as the keys) and its physical block ids in an
+  ``array('I')``, so an entry costs a key, a dict slot and 12 bytes.
+
+Every retained run starts at the first block of its sequence and block hashes are chained, so the
+runs holding block i of a prompt also hold blocks 0..i-1: "some servable run holds block i" is
+monotone in i, and the longest servable prefix is found by binary search (O(log n) dict probes for
+an n-block prompt) instead of a walk over every block.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvloop.daemon.index.model import (
+    Change,
+    Cleared,
+    Event,
+    Holding,
+    LeaseState,
+    Location,
+    Namespace,
+    PrefixMatch,
+    Released,
+    Removed,
+    Retained,
+    Stored,
+    WorkerSpec,
+    WorkerView,
+)
+from kvloop.daemon.index.store import DirectoryError
+
+
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    lease_s: float = 10.0
+    # A worker whose lease lapsed (or whose stream closed) is dropped after this long.
+    drop_after_s: float = 60.0
+    # Never hand out a retained run whose lease ends sooner than this.
+    expiry_margin_s: float = 2.0
+    max_entries: int = 4_000_000
+
+
+class _Run:
+    __slots__ = ("run_id", "worker", "namespace", "hashes", "block_ids", "num_groups", "handle",
+                 "deadline", "single_use", "claimed", "tier")
+
+    def __init__(self, run_id: int, worker: "_Worker", namespace: Namespace, event: Retained, now: float):
+        self.run_id = run_id
+        self.worker = worker
+        self.namespace = namespace
+        self.hashes = event.hashes
+        self.block_ids = array("I", event.block_ids)
+        self.num_groups = event.num_groups
+        self.handle = event.handle
+        self.deadline = now + event.expires_in_ms / 1000.0
+        self.single_use = event.single_use
+        self.claimed = False
+        self.tier = event.tier
+
+    def ids_for(self, blocks: int) -> list[int]:
+        length = len(self.hashes)
+        ids = self.block_ids
+        return [i for g in range(self.num_groups) for i in ids[g * length: g * length + blocks]]
+
+
+class _Worker:
+    __slots__ = ("spec", "slot", "state", "connected", "last_seen", "last_sequence", "runs",
+                 "stored", "events_ingested", "resyncs", "retained_blocks")
+
+    def __init__(self, spec: WorkerSpec, slot: int, now: float):
+        self.spec = spec
+        self.slot = slot
+        self.state = LeaseState.ACTIVE
+        self.connected = True
+        self.last_seen = now
+        self.last_sequence = 0
+        self.runs: dict[str, _Run] = {}
+        self.stored: dict[Namespace, set[bytes]] = {}
+        self.events_ingested = 0
+        self.resyncs = 0
+        self.retained_blocks = 0
+
+
+class _NamespaceIndex:
+    __slots__ = ("retained", "stored")
+
+    def __init__(self) -> None:
+        self.retained: dict[bytes, int | list[int]] = {}
+        self.stored: dict[bytes, int | list[int]] = {}
+
+
+def _add(index: dict, key: bytes, value: int) -> bool:
+    current = index.get(key)
+    if current is None:
+        index[key] = value
+        return True
+    if type(current) is list:
+        if value in current:
+            return False
+        current.append(value)
+        return True
+    if current == value:
+        return False
+    index[key] = [current, value]
+    return True
+
+
+def _discard(index: dict, key: bytes, value: int) -> bool:
+    current = index.get(key)
+    if current is None:
+        return False
+    if type(current) is list:
+        try:
+            current.remove(value)
+        except ValueError:
+            return False
+        if len(current) == 1:
+            index[key] = current[0]
+        return True
+    if current == value:
+        del index[key]
+        return True
+    return False
+
+
+def _values(entry: int | list[int]) -> Iterable[int]:
+    return entry if type(entry) is list else (entry,)
+
+
+class MemoryStore:
+    """The DirectoryStore of a single kvloopd process (soft state rebuilt from agents)."""
+
+    def __init__(self, config: IndexConfig | None = None) -> None:
+        self.config = config or IndexConfig()
+        self._workers: dict[str, _Worker] = {}
+        self._slots: dict[int, _Worker] = {}
+        self._next_slot = itertools.count(1)
+        self._next_run = itertools.count(1)
+        self._namespaces: dict[Namespace, _NamespaceIndex] = {}
+        self._runs: dict[int, _Run] = {}  # insertion order = age, for eviction
+        self._expiry_heap: list[tuple[float, int]] = []
+        self._entries = 0
+        self.evictions = 0
+        self.events_ingested = 0
+
+    # ---- registration and leases -------------------------------------------------------------
+
+    def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+        self._check_model_compatible(spec)
+        worker = self._workers.get(spec.worker_id)
+        if worker is not None and worker.connected and now - worker.last_seen <= self.config.lease_s:
+            raise DirectoryError(
+                "ALREADY_EXISTS",
+                f"worker {spec.worker_id!r} is connected (epoch {worker.spec.epoch}, last seen "
+                f"{now - worker.last_seen:.1f}s ago); another agent may take over only after its lease "
+                f"({self.config.lease_s:.0f}s) lapses",
+            )
+        if worker is not None and worker.spec.epoch == spec.epoch:
+            worker.spec = spec
+            worker.connected = True
+            worker.last_seen = now
+            if last_sequence < worker.last_sequence:
+                # The agent lost batches we applied (it restarted without a new epoch): start over.
+                self._purge(worker)
+                worker.state = LeaseState.RESYNCING
+                return 0, True
+            if worker.state != LeaseState.RESYNCING:
+                worker.state = LeaseState.ACTIVE
+            return worker.last_sequence, worker.state == LeaseState.RESYNCING
+        if worker is not None:
+            self._drop_worker(worker)
+        worker = _Worker(spec, next(self._next_slot), now)
+        self._workers[spec.worker_id] = worker
+        self._slots[worker.slot] = worker
+        if last_sequence > 0:
+            # The agent has sent events in this epoch that we do not have (daemon restart).
+            worker.state = LeaseState.RESYNCING
+            return 0, True
+        return 0, False
+
+    def _check_model_compatible(self, spec: WorkerSpec) -> None:
+        for other in self._workers.values():
+            if other.spec.model != spec.model or other.spec.worker_id == spec.worker_id:
+                continue
+            mine = (spec.block_size, spec.hash_algorithm, spec.hash_length)
+            theirs = (other.spec.block_size, other.spec.hash_algorithm, other.spec.hash_length)
+            if mine != theirs:
+                raise DirectoryError(
+                    "FAILED_PRECONDITION",
+                    f"model {spec.model!r} is served with block_size={theirs[0]}, hash_algorithm="
+                    f"{theirs[1]!r}, hash_length={theirs[2]} (worker {other.spec.worker_id!r}); worker "
+                    f"{spec.worker_id!r} registered block_size={mine[0]}, hash_algorithm={mine[1]!r}, "
+                    f"hash_length={mine[2]}: their block hashes would never match",
+                )
+            return
+
+    def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.spec.epoch == epoch:
+            worker.connected = False
+            worker.last_seen = now
+
+    def heartbeat(self, worker_id: str, now: float) -> None:
+        worker = self._workers[worker_id]
+        worker.last_seen = now
+        if worker.state == LeaseState.EXPIRED:
+            worker.state = LeaseState.ACTIVE
+
+    def last_sequence(self, worker_id: str) -> int:
+        return self._workers[worker_id].last_sequence
+
+    def worker_spec(self, worker_id: str) -> WorkerSpec | None:
+        worker = self._workers.get(worker_id)
+        return worker.spec if worker else None
+
+    def model_spec(self, model: str) -> WorkerSpec | None:
+        """Any registered worker of the model (they agree on block size and hash layout)."""
+        return next((w.spec for w in self._workers.values() if w.spec.model == model), None)
+
+    def mark_resyncing(self, worker_id: str) -> None:
+        worker = self._workers[worker_id]
+        worker.state = LeaseState.RESYNCING
+
+    def set_draining(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.state = LeaseState.DRAINING
+        return True
+
+    def worker_state(self, worker_id: str, now: float) -> LeaseState | None:
+        worker = self._workers.get(worker_id)
+        return worker.state if worker else None
+
+    def _serving(self, worker: _Worker, now: float) -> bool:
+        return (
+            worker.connected
+            and worker.state == LeaseState.ACTIVE
+            and now - worker.last_seen <= self.config.lease_s
+        )
+
+    # ---- events ------------------------------------------------------------------------------
+
+    def begin_snapshot(self, worker_id: str, now: float) -> None:
+        worker = self._workers[worker_id]
+        self._purge(worker)
+        worker.state = LeaseState.RESYNCING
+        worker.resyncs += 1
+        worker.last_seen = now
+
+    def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
+        worker = self._workers[worker_id]
+        worker.last_sequence = sequence
+        worker.state = LeaseState.ACTIVE
+        worker.last_seen = now
+
+    def apply(self, worker_id: str, sequence: int, events: Sequence[Event], now: float) -> int:
+        worker = self._workers[worker_id]
+        touched = 0
+        for event in events:
+            kind = type(event)
+            if kind is Retained:
+                touched += self._retain(worker, event, now)
+            elif kind is Stored:
+                touched += self._store(worker, event)
+            elif kind is Removed:
+                touched += self._remove(worker, event)
+            elif kind is Released:
+                run = worker.runs.get(event.handle)
+                if run is not None:
+                    touched += self._drop_run(run)
+            elif kind is Cleared:
+                touched += self._purge(worker)
+        if sequence:
+            worker.last_sequence = sequence
+        worker.last_seen = now
+        worker.events_ingested += touched
+        self.events_ingested += touched
+        if self._entries > self.config.max_entries:
+            self._evict()
+        return touched
+
+    def _index(self, namespace: Namespace) -> _NamespaceIndex:
+        index = self._namespaces.get(namespace)
+        if index is None:
+            index = self._namespaces[namespace] = _NamespaceIndex()
+        return index
+
+    def _retain(self, worker: _Worker, event: Retained, now: float) -> int:
+        previous = worker.runs.get(event.handle)
+        if previous is not None:
+            self._drop_run(previous)
+        namespace = Namespace(worker.spec.model, event.lora_name)
+        run = _Run(next(self._next_run), worker, namespace, event, now)
+        index = self._index(namespace).retained
+        rid = run.run_id
+        if index.keys().isdisjoint(event.hashes):
+            fresh = dict.fromkeys(event.hashes, rid)
+            index.update(fresh)
+            added = len(fresh)
+        else:
+            added = sum(_add(index, h, rid) for h in event.hashes)
+        self._runs[rid] = run
+        worker.runs[event.handle] = run
+        worker.retained_blocks += len(event.hashes)
+        heapq.heappush(self._expiry_heap, (run.deadline, rid))
+        self._entries += added
+        return len(event.hashes)
+
+    def _drop_run(self, run: _Run) -> int:
+        if self._runs.pop(run.run_id, None) is None:
+            return 0
+        index = self._namespaces[run.namespace].retained
+        rid = run.run_id
+        removed = sum(_discard(index, h, rid) for h in run.hashes)
+        self._entries -= removed
+        worker = run.worker
+        if worker.runs.get(run.handle) is run:
+            del worker.runs[run.handle]
+        worker.retained_blocks -= len(run.hashes)
+        return len(run.hashes)
+
+    def _store(self, worker: _Worker, event: Stored) -> int:
+        namespace = Namespace(worker.spec.model, event.lora_name)
+        index = self._index(namespace).stored
+        mine = worker.stored.setdefault(namespace, set())
+        slot = worker.slot
+        added = 0
+        for h in event.hashes:
+            if h not in mine:
+                mine.add(h)
+                added += _add(index, h, slot)
+        self._entries += added
+        return len(event.hashes)
+
+    def _remove(self, worker: _Worker, event: Removed) -> int:
+        namespace = Namespace(worker.spec.model, event.lora_name)
+        mine = worker.stored.get(namespace)
+        if not mine:
+            return 0
+        index = self._namespaces[namespace].stored
+        removed = 0
+        for h in event.hashes:
+            if h in mine:
+                mine.discard(h)
+                removed += _discard(index, h, worker.slot)
+        self._entries -= removed
+        return removed
+
+    def _purge(self, worker: _Worker) -> int:
+        touched = sum(self._drop_run(run) for run in list(worker.runs.values()))
+        for namespace, hashes in worker.stored.items():
+            index = self._namespaces[namespace].stored
+            removed = sum(_discard(index, h, worker.slot) for h in hashes)
+            self._entries -= removed
+            touched += removed
+        worker.stored.clear()
+        return touched
+
+    def _drop_worker(self, worker: _Worker) -> None:
+        self._purge(worker)
+        self._workers.pop(worker.spec.worker_id, None)
+        self._slots.pop(worker.slot, None)
+
+    def _evict(self) -> None:
+        """Drop the oldest retained runs until under the bound (stored blocks go last)."""
+        target = int(self.config.max_entries * 0.95)
+        while self._entries > target and self._runs:
+            oldest = next(iter(self._runs.values()))
+            self._drop_run(oldest)
+            self.evictions += 1
+        if self._entries > target:
+            for worker in list(self._workers.values()):
+                if self._entries <= target:
+                    break
+                for namespace, hashes in worker.stored.items():
+                    index = self._namespaces[namespace].stored
+                    while hashes and self._entries > target:
+                        self._entries -= _discard(index, hashes.pop(), worker.slot)
+                        self.evictions += 1
+
+    # ---- queries -----------------------------------------------------------------------------
+
+    def _servable(self, run: _Run, floor: float, now: float, requester: str) -> bool:
+        worker = run.worker
+        return (
+            run.deadline > floor
+            and not run.claimed
+            and worker.connected
+            and worker.state == LeaseState.ACTIVE
+            and now - worker.last_seen <= self.config.lease_s
+            and worker.spec.worker_id != requester
+        )
+
+    def lookup(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[bytes],
+        local_blocks: int,
+        requester: str,
+        now: float,
+        claim: bool,
+    ) -> PrefixMatch:
+        ns = self._namespaces.get(namespace)
+        n = len(hashes)
+        if ns is None or local_blocks >= n:
+            return PrefixMatch(None, [])
+        index = ns.retained
+        runs = self._runs
+        floor = now + self.config.expiry_margin_s
+
+        def any_servable(position: int) -> bool:
+            entry = index.get(hashes[position])
+            if entry is None:
+                return False
+            return any(self._servable(runs[rid], floor, now, requester) for rid in _values(entry))
+
+        if not any_servable(local_blocks):
+            entry = index.get(hashes[local_blocks])
+            if entry is None:
+                return PrefixMatch(None, [])
+            return PrefixMatch(None, [], self._why_unservable([runs[r] for r in _values(entry)], floor, now))
+        lo, hi = local_blocks, n - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if any_servable(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        matched = lo + 1
+        candidates = [
+            run
+            for rid in _values(index[hashes[lo]])
+            if self._servable(run := runs[rid], floor, now, requester)
+            and len(run.hashes) >= matched
+            and run.hashes[lo] == hashes[lo]
+        ]
+        if not candidates:
+            return PrefixMatch(None, [])
+        candidates.sort(key=lambda r: r.deadline, reverse=True)
+        best = candidates[0]
+        if claim and best.single_use:
+            best.claimed = True
+        return PrefixMatch(
+            self._holding(best, matched, now),
+            [self._holding(r, matched, now) for r in candidates[1:8]],
+        )
+
+    def _why_unservable(self, held: list[_Run], floor: float, now: float) -> str:
+        if any(r.claimed for r in held):
+            return "claimed"
+        if any(r.deadline <= floor for r in held):
+            return "expired"
+        return "peer_unavailable"
+
+    def _holding(self, run: _Run, matched: int, now: float) -> Holding:
+        return Holding(
+            worker=run.worker.spec,
+            matched_blocks=matched,
+            handle=run.handle,
+            expires_in_ms=max(0, int((run.deadline - now) * 1000)),
+            block_ids=run.ids_for(matched),
+            num_groups=run.num_groups,
+            single_use=run.single_use,
+        )
+
+    def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
+        ns = self._namespaces.get(namespace)
+        if ns is None:
+            return []
+        floor = now + self.config.expiry_margin_s
+        found = []
+        for rid in _values(ns.retained.get(block_hash, [])):
+            run = self._runs[rid]
+            position = run.hashes.index(block_hash)
+            length = len(run.hashes)
+            found.append(Location(
+                worker_id=run.worker.spec.worker_id,
+                kind="retained",
+                position=position,
+                block_ids=[run.block_ids[g * length + position] for g in range(run.num_groups)],
+                handle=run.handle,
+                expires_in_ms=max(0, int((run.deadline - now) * 1000)),
+                servable=self._servable(run, floor, now, ""),
+                tier=run.tier,
+            ))
+        for slot in _values(ns.stored.get(block_hash, [])):
+            worker = self._slots[slot]
+            found.append(Location(worker.spec.worker_id, "stored", -1, [], "", 0, False, 0))
+        return found
+
+    def workers(self, now: float, model: str = "") -> list[WorkerView]:
+        views = []
+        for worker in self._workers.values():
+            if model and worker.spec.model != model:
+                continue
+            state = worker.state
+            if state == LeaseState.ACTIVE and not self._serving(worker, now):
+                state = LeaseState.EXPIRED
+            views.append(WorkerView(
+                spec=worker.spec,
+                state=state,
+                connected=worker.connected,
+                last_applied_sequence=worker.last_sequence,
+                stored_blocks=sum(len(s) for s in worker.stored.values()),
+                retained_blocks=worker.retained_blocks,
+                retained_runs=len(worker.runs),
+                last_seen_s_ago=max(0.0, now - worker.last_seen),
+                events_ingested=worker.events_ingested,
+                resyncs=worker.resyncs,
+            ))
+        return views
+
+    def models(self) -> list[str]:
+        return sorted({w.spec.model for w in self._workers.values()})
+
+    def retained_run_count(self) -> int:
+        return len(self._runs)
+
+    def entry_count(self) -> int:
+        return self._entries
+
+    # ---- maintenance -------------------------------------------------------------------------
+
+    def reap(self, now: float) -> list[Change]:
+        changes: list[Change] = []
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            _, rid = heapq.heappop(heap)
+            run = self._runs.get(rid)
+            if run is not None:
+                blocks = self._drop_run(run)
+                changes.append(Change("expired", run.worker.spec.worker_id, run.worker.spec.model, blocks,
+                                      f"retention {run.handle} lease ended"))
+        for worker in list(self._workers.values()):
+            idle = now - worker.last_seen
+            if worker.state == LeaseState.ACTIVE and idle > self.config.lease_s:
+                worker.state = LeaseState.EXPIRED
+                changes.append(Change("lease", worker.spec.worker_id, worker.spec.model, 0,
+                                      f"no message for {idle:.1f}s: blocks no longer served"))
+            if (not worker.connected or worker.state == LeaseState.EXPIRED) and idle > self.config.drop_after_s:
+                blocks = worker.retained_blocks + sum(len(s) for s in worker.stored.values())
+                self._drop_worker(worker)
+                changes.append(Change("dropped", worker.spec.worker_id, worker.spec.model, blocks,
+                                      f"silent for {idle:.1f}s: entries dropped"))
+        return changes

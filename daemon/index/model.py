@@ -1,0 +1,138 @@
+"""Domain types of the block directory (protocol-independent, so another store can share them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class LeaseState(IntEnum):
+    # Values equal kvloop.v1.LeaseState.
+    ACTIVE = 1
+    RESYNCING = 2
+    EXPIRED = 3
+    DRAINING = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Blocks are only comparable within one model and LoRA (cache salt is inside the hash)."""
+
+    model: str
+    lora_name: str = ""
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    worker_id: str
+    role: int
+    model: str
+    engine_id: str
+    nixl_endpoint: str
+    block_size: int
+    hash_algorithm: str
+    hash_length: int
+    epoch: int
+    kv_bytes_per_block: int = 0
+    http_endpoint: str = ""
+    parallel: tuple[int, int, int, int] = (1, 1, 1, 0)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Stored:
+    hashes: list[bytes]
+    lora_name: str = ""
+    tier: int = 0
+
+
+@dataclass(slots=True)
+class Retained:
+    hashes: list[bytes]
+    block_ids: list[int]
+    num_groups: int
+    handle: str
+    expires_in_ms: int
+    single_use: bool = False
+    lora_name: str = ""
+    tier: int = 0
+
+
+@dataclass(slots=True)
+class Removed:
+    hashes: list[bytes]
+    lora_name: str = ""
+
+
+@dataclass(slots=True)
+class Released:
+    handle: str
+
+
+@dataclass(slots=True)
+class Cleared:
+    pass
+
+
+Event = Stored | Retained | Removed | Released | Cleared
+
+
+@dataclass(slots=True)
+class Holding:
+    """One worker's servable prefix of a prompt."""
+
+    worker: WorkerSpec
+    matched_blocks: int
+    handle: str
+    expires_in_ms: int
+    block_ids: list[int]  # group-major, blocks [0, matched_blocks)
+    num_groups: int
+    single_use: bool
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """What a lookup found: the best holder, others of the same length, and why none if none."""
+
+    best: Holding | None
+    others: list[Holding]
+    # Set when blocks beyond the caller's local prefix exist but none is servable:
+    # "expired", "claimed" or "peer_unavailable".
+    unservable_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Location:
+    worker_id: str
+    kind: str  # "stored" | "retained"
+    position: int
+    block_ids: list[int]
+    handle: str
+    expires_in_ms: int
+    servable: bool
+    tier: int
+
+
+@dataclass(slots=True)
+class WorkerView:
+    spec: WorkerSpec
+    state: LeaseState
+    connected: bool
+    last_applied_sequence: int
+    stored_blocks: int
+    retained_blocks: int
+    retained_runs: int
+    last_seen_s_ago: float
+    events_ingested: int
+    resyncs: int
+
+
+@dataclass(slots=True)
+class Change:
+    """A directory change, for Watch subscribers."""
+
+    kind: str
+    worker_id: str
+    model: str
+    blocks: int = 0
+    detail: str = ""

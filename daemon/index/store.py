@@ -1,0 +1,80 @@
+"""The storage interface the service layer talks to.
+
+The in-memory index implements it today; a replicated backend (Valkey, etcd + oplog) can implement
+the same calls without touching the gRPC service. All times are monotonic seconds supplied by the
+caller, so stores stay deterministic under test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvloop.daemon.index.model import (
+    Change,
+    Event,
+    LeaseState,
+    Location,
+    Namespace,
+    PrefixMatch,
+    WorkerSpec,
+    WorkerView,
+)
+
+
+class DirectoryError(Exception):
+    """A request the directory refuses; `code` names the gRPC status the service maps it to."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DirectoryStore(Protocol):
+    def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+        """Register or re-register a worker. Returns (last applied sequence, resync required).
+
+        A new epoch atomically drops the worker's previous state.
+        """
+
+    def disconnect(self, worker_id: str, epoch: int, now: float) -> None: ...
+
+    def heartbeat(self, worker_id: str, now: float) -> None: ...
+
+    def apply(self, worker_id: str, sequence: int, events: Sequence[Event], now: float) -> int:
+        """Apply one validated batch; returns block entries touched."""
+
+    def begin_snapshot(self, worker_id: str, now: float) -> None: ...
+
+    def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None: ...
+
+    def last_sequence(self, worker_id: str) -> int: ...
+
+    def model_spec(self, model: str) -> WorkerSpec | None: ...
+
+    def worker_spec(self, worker_id: str) -> WorkerSpec | None: ...
+
+    def mark_resyncing(self, worker_id: str) -> None: ...
+
+    def set_draining(self, worker_id: str) -> bool: ...
+
+    def lookup(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[bytes],
+        local_blocks: int,
+        requester: str,
+        now: float,
+        claim: bool,
+    ) -> PrefixMatch: ...
+
+    def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]: ...
+
+    def workers(self, now: float, model: str = "") -> list[WorkerView]: ...
+
+    def worker_state(self, worker_id: str, now: float) -> LeaseState | None: ...
+
+    def reap(self, now: float) -> list[Change]:
+        """Expire leases and retained runs, drop long-dead workers; returns what changed."""
+
+    def entry_count(self) -> int: ...

@@ -1,0 +1,22 @@
+"""Prometheus metrics of kvloopd (names are part of the public interface: keep them stable)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LOOKUP_LATENCY = Histogram(
+    "kvloop_lookup_latency_seconds",
+    "Server-side Lookup time (index probe + policy), excluding gRPC transport",
+    buckets=(10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3),
+)
+DECISIONS = Counter("kvloop_decisions_total", "Lookup decisions", ["decision", "reason"])
+EVENTS_INGESTED = Counter("kvloop_block_events_ingested_total", "Block-hash events applied", ["kind"])
+BATCHES = Counter("kvloop_event_batches_total", "Event batches received", ["outcome"])
+RESYNCS = Counter("kvloop_resyncs_total", "Full-state resyncs requested or performed", ["cause"])
+REJECTED = Counter("kvloop_rejected_messages_total", "Messages refused as bad input", ["rpc", "reason"])
+EVICTIONS = Counter("kvloop_evictions_total", "Directory entries evicted by the memory bound")
+EXPIRED_RUNS = Counter("kvloop_expired_retentions_total", "Retained runs dropped at lease end")
+TRANSFER_REPORTS = Counter("kvloop_transfer_reports_total", "Transfer telemetry reports", ["ok"])
+ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
+WORKERS = Gauge("kvloop_workers", "Registered workers by lease state", ["state"])
+CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect stream")

@@ -1,0 +1,114 @@
+"""kvloopd's gRPC server: the Directory service plus health, reflection, metrics and tracing."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvloop.common.addresses import parse_host_port
+from kvloop.common.tracing import configure_tracing, shutdown_tracing
+from kvloop.daemon.config import DaemonSettings
+from kvloop.daemon.index import MemoryStore
+from kvloop.daemon.policy import CostModel
+from kvloop.daemon.service import DirectoryService
+from kvloop.v1 import directory_pb2 as pb
+from kvloop.v1 import directory_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("kvloop.daemon")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Directory"].full_name
+
+
+class DaemonStartError(RuntimeError):
+    pass
+
+
+async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> None:
+    """Run kvloopd until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
+    if configure_tracing("kvloopd", settings.span_file):
+        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorServer
+
+        GrpcAioInstrumentorServer().instrument()
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ]
+    server = grpc.aio.server(options=options)
+    store = MemoryStore(settings.index_config())
+    service = DirectoryService(
+        store,
+        CostModel(settings.policy, settings.models),
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        max_hashes=settings.max_hashes_per_message,
+        tokens=settings.tokens,
+    )
+    pb_grpc.add_DirectoryServicer_to_server(service, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    host, port = parse_host_port(settings.listen, "listen")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if settings.tls is not None:
+            bound = server.add_secure_port(address, settings.tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise DaemonStartError(f"cannot listen on {settings.listen}: {exc}") from None
+    if bound == 0:
+        raise DaemonStartError(f"cannot listen on {settings.listen} (address in use or not local)")
+    await server.start()
+    metrics_server = None
+    if settings.metrics_listen:
+        mhost, mport = parse_host_port(settings.metrics_listen, "metrics_listen")
+        tls = settings.tls
+        try:
+            metrics_server, _ = start_http_server(
+                mport, addr=mhost,
+                certfile=str(tls.cert_file) if tls else None, keyfile=str(tls.key_file) if tls else None,
+                client_cafile=str(tls.client_ca_file) if tls and tls.client_ca_file else None,
+                client_auth_required=bool(tls and tls.client_ca_file),
+            )
+        except OSError as exc:
+            await server.stop(None)
+            raise DaemonStartError(f"cannot serve metrics on {settings.metrics_listen}: {exc}") from None
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    log.info("kvloopd listening", listen=settings.listen, port=bound, metrics=settings.metrics_listen or None,
+             tls=settings.tls is not None, auth=bool(settings.tokens), lease_s=settings.lease_s)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def reaper() -> None:
+        while True:
+            await asyncio.sleep(settings.reap_interval_s)
+            service.reap()
+
+    reaping = asyncio.create_task(reaper())
+    try:
+        await stop.wait()
+    finally:
+        log.info("kvloopd shutting down", grace_s=settings.shutdown_grace_s)
+        reaping.cancel()
+        await health.enter_graceful_shutdown()
+        service.close_streams()
+        await server.stop(settings.shutdown_grace_s)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+        shutdown_tracing()
+        log.info("kvloopd stopped")

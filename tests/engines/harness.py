@@ -1,0 +1,280 @@
+"""Real vLLM engines for the connector tests, one per subprocess.
+
+Two in-process ``vllm.LLM`` engines cannot share one Python process (vLLM's parallel state,
+forward context and env cache are process-global), so each engine runs in its own spawned process
+with the in-process executor (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``) and is driven over a
+``multiprocessing`` pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32
+
+
+# ----------------------------------------------------------------------------------- model
+
+
+def build_tiny_llama(out: Path) -> Path:
+    """Random-weight Llama (hidden 384, 4 layers, 6 heads, vocab 1024) + a trained BPE tokenizer."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    words = [
+        "kv", "cache", "block", "transfer", "prefill", "decode", "engine", "token", "hash", "lease",
+        "the", "a", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "at",
+        "model", "layer", "attention", "head", "vector", "matrix", "loop", "daemon", "worker", "peer",
+    ]
+    import random
+
+    rnd = random.Random(0)
+    corpus = [" ".join(rnd.choice(words) for _ in range(40)) for _ in range(2000)]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        max_position_embeddings=32768,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
+# ----------------------------------------------------------------------------------- engine
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    model_dir: str
+    side_channel_port: int
+    engine_id: str
+    extra_config: dict[str, Any]
+    kv_events_endpoint: str | None = None
+    kv_cache_gib: int = 1
+    directory_target: str = ""
+
+
+def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[float]:
+    """Max |a - b| per block pair over all layers (KV layout [blocks, heads, bs, 2*hd])."""
+    import torch
+
+    caches = worker.model_runner.kv_caches
+    out = torch.zeros(len(a_ids), dtype=torch.float32)
+    a = torch.tensor(a_ids, dtype=torch.long)
+    b = torch.tensor(b_ids, dtype=torch.long)
+    for c in caches:
+        d = (c[a].float() - c[b].float()).abs().reshape(len(a_ids), -1).amax(dim=1)
+        out = torch.maximum(out, d)
+    return out.tolist()
+
+
+def _kv_shapes(worker: Any) -> list[list[int]]:
+    return [list(c.shape) for c in worker.model_runner.kv_caches]
+
+
+def _serve(conn: Any, spec: EngineSpec) -> None:
+    os.environ.update(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_TARGET_DEVICE": "cpu",
+            "NIXL_LOG_LEVEL": "WARN",
+            "VLLM_LOGGING_LEVEL": os.environ.get("KVLOOP_TEST_VLLM_LOG", "WARNING"),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        extra = {"bidirectional_kv_xfer": True, **spec.extra_config}
+        if spec.directory_target:
+            extra["kvloop_daemon"] = spec.directory_target
+        kv_transfer_config = {
+            "kv_connector": "KvloopConnector",
+            "kv_connector_module_path": "kvloop.agents.connector.connector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            "engine_id": spec.engine_id,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+        kwargs: dict[str, Any] = {}
+        if spec.kv_events_endpoint:
+            kwargs["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": spec.kv_events_endpoint,
+                "topic": "kv",
+            }
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=spec.model_dir,
+            dtype="bfloat16",
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            max_model_len=16384,
+            max_num_batched_tokens=16384,
+            distributed_executor_backend="uni",
+            prefix_caching_hash_algo="sha256_cbor",
+            enable_prefix_caching=True,
+            seed=0,
+            kv_transfer_config=kv_transfer_config,
+            **kwargs,
+        )
+        start_s = time.perf_counter() - t0
+        conn.send(("ready", {"start_s": start_s, "kv_shapes": llm.collective_rpc(_kv_shapes)[0]}))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "stop":
+                conn.send(("ok", None))
+                break
+            if cmd == "generate":
+                sp = SamplingParams(
+                    temperature=0.0,
+                    max_tokens=args["max_tokens"],
+                    logprobs=1,
+                    ignore_eos=True,
+                    extra_args={"kv_transfer_params": args.get("kv_transfer_params")}
+                    if args.get("kv_transfer_params") is not None
+                    else None,
+                )
+                prompt: dict[str, Any] = {"prompt_token_ids": list(args["prompt_token_ids"])}
+                if args.get("cache_salt"):
+                    prompt["cache_salt"] = args["cache_salt"]
+                t = time.perf_counter()
+                (res,) = llm.generate([TokensPrompt(**prompt)], sp, use_tqdm=False)
+                elapsed = time.perf_counter() - t
+                c = res.outputs[0]
+                lps = [lp[tok].logprob for lp, tok in zip(c.logprobs or [], c.token_ids)]
+                conn.send(
+                    (
+                        "ok",
+                        {
+                            "token_ids": list(c.token_ids),
+                            "logprobs": lps,
+                            "kv_transfer_params": res.kv_transfer_params,
+                            "num_cached_tokens": res.num_cached_tokens,
+                            "elapsed_s": elapsed,
+                        },
+                    )
+                )
+            elif cmd == "kv_diff":
+                conn.send(("ok", llm.collective_rpc(_kv_block_maxdiff, args=(args["a"], args["b"]))[0]))
+            elif cmd == "spans":
+                spans = [
+                    {"name": s.name, **{k: v for k, v in (s.attributes or {}).items()}}
+                    for s in exporter.get_finished_spans()
+                ]
+                exporter.clear()
+                conn.send(("ok", spans))
+            elif cmd == "sleep":  # let the engine idle without stepping
+                time.sleep(args)
+                conn.send(("ok", None))
+            else:
+                conn.send(("error", f"unknown command {cmd}"))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class EngineHandle:
+    def __init__(self, spec: EngineSpec, timeout_s: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, spec), name=f"engine-{spec.name}", daemon=True)
+        self.proc.start()
+        self.timeout_s = timeout_s
+        self.info: dict[str, Any] | None = None
+
+    def wait_ready(self) -> dict[str, Any]:
+        if self.info is None:
+            status, info = self._recv()
+            if status != "ready":
+                self.proc.kill()
+                raise RuntimeError(f"engine {self.spec.name} failed to start:\n{info}")
+            self.info = info
+        return self.info
+
+    def _recv(self) -> tuple[str, Any]:
+        if not self.conn.poll(self.timeout_s):
+            raise TimeoutError(f"engine {self.spec.name} did not answer in {self.timeout_s}s")
+        return self.conn.recv()
+
+    def call(self, cmd: str, args: Any = None) -> Any:
+        self.conn.send((cmd, args))
+        status, out = self._recv()
+        if status != "ok":
+            raise RuntimeError(f"engine {self.spec.name} {cmd} failed:\n{out}")
+        return out
+
+    def generate(self, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params=None, cache_salt=None):
+        return self.call(
+            "generate",
+            {
+                "prompt_token_ids": prompt_token_ids,
+                "max_tokens": max_tokens,
+                "kv_transfer_params": kv_transfer_params,
+                "cache_salt": cache_salt,
+            },
+        )
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("stop")
+        except Exception:
+            pass
+        self.proc.join(timeout=20)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def dumps(x: Any) -> str:
+    return json.dumps(x, default=str)
