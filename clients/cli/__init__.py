@@ -1,1 +1,1 @@
-"""kvloop clients.cli."""
+"""The `kvloop` command line."""

@@ -1,0 +1,210 @@
+"""The agent's end of the Connect stream: registration, sequence numbers, acks, heartbeats,
+resync snapshots, reconnects with backoff.
+
+Batches get consecutive sequence numbers and stay buffered until the daemon acks them, so a
+reconnect within one epoch resends only what the daemon lacks. When the daemon lost our state
+(restart), asks for a resync (sequence gap) or the buffer overflowed, the link sends a full
+snapshot from `snapshot()` instead. `snapshot()` must describe exactly the state after the last
+published batch; callers keep it in step by updating their mirror in the same loop turn as
+`publish()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import grpc
+import structlog
+
+from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.v1 import directory_pb2 as pb
+
+log = structlog.get_logger("kvloop.agent.link")
+
+SNAPSHOT_EVENTS_PER_BATCH = 256
+
+
+class RegistrationRefused(Exception):
+    """The daemon refused the registration itself (bad config): retrying cannot help."""
+
+
+class DirectoryLink:
+    def __init__(
+        self,
+        client: AsyncDirectoryClient,
+        registration: pb.WorkerRegistration,
+        snapshot: Callable[[], Sequence[pb.BlockEvent]],
+        *,
+        max_unacked_batches: int = 4096,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        on_drain: Callable[[str], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._registration = registration
+        self._snapshot = snapshot
+        self._max_unacked = max_unacked_batches
+        self._backoff_initial = backoff_initial_s
+        self._backoff_max = backoff_max_s
+        self._on_drain = on_drain
+        self._sequence = 0
+        self._acked = 0
+        self._pending: OrderedDict[int, pb.EventBatch] = OrderedDict()
+        self._overflowed = False
+        self._outbox: asyncio.Queue[pb.ConnectRequest] | None = None
+        self._acked_changed = asyncio.Event()
+        self.connected = asyncio.Event()
+        self.registered_once = asyncio.Event()
+        self.drain_reason: str | None = None
+        self.sessions = 0
+        self.snapshots_sent = 0
+        self.last_error: str | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self._registration.worker_id
+
+    @property
+    def sequence(self) -> int:
+        return self._sequence
+
+    @property
+    def acked(self) -> int:
+        return self._acked
+
+    def publish(self, events: Sequence[pb.BlockEvent]) -> int:
+        """Queue one batch; returns its sequence number. Never blocks: buffered while disconnected."""
+        self._sequence += 1
+        batch = pb.EventBatch(sequence=self._sequence, events=events)
+        if len(self._pending) >= self._max_unacked:
+            # Too far behind: stop buffering; the next session sends a snapshot instead.
+            self._pending.clear()
+            self._overflowed = True
+        if not self._overflowed:
+            self._pending[self._sequence] = batch
+        if self._outbox is not None and not self._overflowed:
+            self._outbox.put_nowait(pb.ConnectRequest(batch=batch))
+        return self._sequence
+
+    async def wait_acked(self, sequence: int | None = None, timeout: float | None = None) -> None:
+        target = self._sequence if sequence is None else sequence
+
+        async def until() -> None:
+            while self._acked < target:
+                self._acked_changed.clear()
+                await self._acked_changed.wait()
+
+        await asyncio.wait_for(until(), timeout)
+
+    async def run(self) -> None:
+        """Keep a session up until cancelled (reconnecting with jittered exponential backoff)."""
+        delay = self._backoff_initial
+        while True:
+            started = time.monotonic()
+            try:
+                await self._session()
+            except RegistrationRefused:
+                raise
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self.last_error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION) \
+                        and not self.registered_once.is_set():
+                    raise RegistrationRefused(self.last_error) from None
+                log.warning("directory stream lost", worker_id=self.worker_id, error=self.last_error,
+                            retry_in_s=round(delay, 2))
+            except Exception as exc:  # keep the agent alive whatever the transport does
+                self.last_error = repr(exc)
+                log.warning("directory stream failed", worker_id=self.worker_id, error=self.last_error)
+            finally:
+                self.connected.clear()
+                self._outbox = None
+            if time.monotonic() - started > 10:
+                delay = self._backoff_initial
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, self._backoff_max)
+
+    async def _session(self) -> None:
+        call = self._client.stub.Connect(metadata=self._client.security.call_metadata())
+        registration = pb.WorkerRegistration()
+        registration.CopyFrom(self._registration)
+        registration.last_sequence = self._sequence
+        await call.write(pb.ConnectRequest(register=registration))
+        first = await call.read()
+        if first is grpc.aio.EOF or first.WhichOneof("message") != "registered":
+            raise ConnectionError("daemon closed the stream before acknowledging the registration")
+        ack = first.registered
+        self.sessions += 1
+        outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+        needs_snapshot = ack.resync_required or self._overflowed or (
+            ack.last_applied_sequence < self._sequence
+            and (not self._pending or next(iter(self._pending)) > ack.last_applied_sequence + 1))
+        self._mark_acked(ack.last_applied_sequence)
+        if needs_snapshot:
+            self._queue_snapshot(outbox, f"resync_required={ack.resync_required}")
+        else:
+            for batch in self._pending.values():
+                outbox.put_nowait(pb.ConnectRequest(batch=batch))
+        self._outbox = outbox
+        self.connected.set()
+        self.registered_once.set()
+        log.info("registered with directory", worker_id=self.worker_id, epoch=registration.epoch,
+                 last_applied=ack.last_applied_sequence, resync=needs_snapshot, target=self._client.target)
+        heartbeat_s = max(ack.heartbeat_interval_ms, 100) / 1000
+        writer = asyncio.create_task(self._write(call, outbox, heartbeat_s))
+        try:
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("daemon closed the stream")
+                kind = response.WhichOneof("message")
+                if kind == "ack":
+                    self._mark_acked(response.ack.sequence)
+                elif kind == "resync":
+                    log.warning("daemon requested resync", worker_id=self.worker_id, reason=response.resync.reason)
+                    self._queue_snapshot(outbox, response.resync.reason)
+                elif kind == "drain":
+                    self.drain_reason = response.drain.reason
+                    log.warning("drain requested", worker_id=self.worker_id, reason=response.drain.reason)
+                    if self._on_drain is not None:
+                        self._on_drain(response.drain.reason)
+        finally:
+            writer.cancel()
+            call.cancel()
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue, heartbeat_s: float) -> None:
+        while True:
+            try:
+                request = await asyncio.wait_for(outbox.get(), heartbeat_s)
+            except asyncio.TimeoutError:
+                request = pb.ConnectRequest(heartbeat=pb.Heartbeat(sent_at_us=int(time.monotonic() * 1e6)))
+            await call.write(request)
+
+    def _queue_snapshot(self, outbox: asyncio.Queue, why: str) -> None:
+        """Replace whatever is queued with a full snapshot at the current sequence."""
+        while not outbox.empty():
+            outbox.get_nowait()
+        events = list(self._snapshot())
+        outbox.put_nowait(pb.ConnectRequest(snapshot_begin=pb.SnapshotBegin()))
+        for start in range(0, len(events), SNAPSHOT_EVENTS_PER_BATCH):
+            outbox.put_nowait(pb.ConnectRequest(batch=pb.EventBatch(
+                sequence=0, events=events[start:start + SNAPSHOT_EVENTS_PER_BATCH])))
+        outbox.put_nowait(pb.ConnectRequest(snapshot_end=pb.SnapshotEnd(sequence=self._sequence)))
+        self._pending.clear()
+        self._overflowed = False
+        self.snapshots_sent += 1
+        log.info("sending snapshot", worker_id=self.worker_id, events=len(events), sequence=self._sequence,
+                 reason=why)
+
+    def _mark_acked(self, sequence: int) -> None:
+        if sequence > self._acked:
+            self._acked = sequence
+        while self._pending and next(iter(self._pending)) <= sequence:
+            self._pending.popitem(last=False)
+        self._acked_changed.set()

@@ -1,0 +1,261 @@
+"""`kvloop`: inspect and exercise a kvloopd directory (human tables, or --json for scripts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.table import Table
+
+from kvloop.clients.client import DirectoryClient, KvloopError, default_target
+from kvloop.common.security import ClientSecurity
+from kvloop.v1 import directory_pb2 as pb
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Inspect and exercise the kvloop block directory (kvloopd).")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
+app.add_typer(bench_app, name="bench")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class _State:
+    daemon: str = ""
+    security: ClientSecurity = ClientSecurity()
+    json: bool = False
+    timeout: float = 5.0
+
+
+state = _State()
+
+
+@app.callback()
+def _global(
+    daemon: Annotated[str, typer.Option(envvar="KVLOOP_DAEMON", help="kvloopd HOST:PORT")] = default_target(),
+    token: Annotated[Optional[str], typer.Option(envvar="KVLOOP_TOKEN", help="bearer token")] = None,
+    ca_file: Annotated[Optional[Path], typer.Option(help="CA bundle: use TLS")] = None,
+    cert_file: Annotated[Optional[Path], typer.Option(help="client certificate (mutual TLS)")] = None,
+    key_file: Annotated[Optional[Path], typer.Option(help="client key (mutual TLS)")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds per call")] = 5.0,
+) -> None:
+    state.daemon = daemon
+    try:
+        state.security = ClientSecurity(token=token, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
+    except ValueError as exc:
+        _fail(str(exc).splitlines()[-1], code=2)
+    state.json = json_output
+    state.timeout = timeout
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err_console.print(f"[red]kvloop:[/red] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _client() -> DirectoryClient:
+    return DirectoryClient(state.daemon, state.security, timeout=state.timeout)
+
+
+def _call(fn):
+    try:
+        with _client() as client:
+            return fn(client)
+    except KvloopError as exc:
+        _fail(str(exc))
+
+
+def _emit_json(value) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def _as_dict(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _hex_hash(value: str) -> bytes:
+    try:
+        return bytes.fromhex(value.removeprefix("0x"))
+    except ValueError:
+        _fail(f"block hash must be hex, got {value!r}", code=2)
+        raise
+
+
+_STATE_STYLE = {"ACTIVE": "green", "RESYNCING": "yellow", "EXPIRED": "red", "DRAINING": "magenta"}
+
+
+@app.command()
+def workers(model: Annotated[str, typer.Option(help="only this model")] = "") -> None:
+    """List registered workers with lease state, epoch and block counts."""
+    found = _call(lambda c: c.list_workers(model))
+    if state.json:
+        _emit_json([_as_dict(w) for w in found])
+        return
+    table = Table(title=f"workers at {state.daemon}")
+    for column in ("worker", "role", "model", "lease", "epoch", "seq", "retained blocks", "runs",
+                   "stored blocks", "last seen", "nixl"):
+        table.add_column(column)
+    for w in found:
+        reg = w.registration
+        lease = pb.LeaseState.Name(w.lease_state).removeprefix("LEASE_STATE_")
+        table.add_row(reg.worker_id, pb.WorkerRole.Name(reg.role).removeprefix("WORKER_ROLE_").lower(), reg.model,
+                      f"[{_STATE_STYLE.get(lease, 'white')}]{lease.lower()}[/]" + ("" if w.connected else " (gone)"),
+                      str(reg.epoch), str(w.last_applied_sequence), str(w.retained_blocks), str(w.retained_runs),
+                      str(w.stored_blocks), f"{w.last_seen_ms_ago / 1000:.1f}s", reg.nixl_endpoint)
+    console.print(table if found else f"no workers registered at {state.daemon}")
+
+
+@app.command("find")
+def find(
+    block_hash: Annotated[str, typer.Argument(help="block hash, hex")],
+    model: Annotated[str, typer.Option(help="model the block belongs to")],
+    lora: Annotated[str, typer.Option(help="LoRA name")] = "",
+) -> None:
+    """Show every location of one block hash (alias: blocks)."""
+    digest = _hex_hash(block_hash)
+    found = _call(lambda c: c.find_block(model, digest, lora))
+    if state.json:
+        _emit_json([_as_dict(loc) for loc in found])
+        return
+    if not found:
+        console.print(f"block {block_hash} is not in the directory for model {model!r}")
+        return
+    table = Table(title=f"block {block_hash[:16]}...")
+    for column in ("worker", "kind", "position", "block ids", "handle", "expires in", "servable"):
+        table.add_column(column)
+    for loc in found:
+        table.add_row(loc.worker_id, loc.kind, str(loc.position) if loc.position >= 0 else "-",
+                      ",".join(map(str, loc.block_ids)) or "-", loc.retention_handle or "-",
+                      f"{loc.expires_in_ms / 1000:.1f}s" if loc.kind == "retained" else "-",
+                      "yes" if loc.servable else "no")
+    console.print(table)
+
+
+app.command("blocks", help="Alias of find.")(find)
+
+
+@app.command()
+def lookup(
+    model: Annotated[str, typer.Option(help="model")],
+    hashes: Annotated[Optional[list[str]], typer.Argument(help="the prompt's block hashes, hex, in order")] = None,
+    hashes_file: Annotated[Optional[Path], typer.Option(help="JSON list of hex hashes")] = None,
+    local_blocks: Annotated[int, typer.Option(help="leading blocks the caller already has")] = 0,
+    requester: Annotated[str, typer.Option(help="asking worker id")] = "",
+    lora: Annotated[str, typer.Option(help="LoRA name")] = "",
+) -> None:
+    """Ask which peer can serve the longest prefix of a prompt, and the decision (never claims)."""
+    values = list(hashes or [])
+    if hashes_file is not None:
+        try:
+            values += json.loads(hashes_file.read_text())
+        except (OSError, ValueError) as exc:
+            _fail(f"cannot read {hashes_file}: {exc}", code=2)
+    if not values:
+        _fail("give block hashes as arguments or with --hashes-file", code=2)
+    digests = [_hex_hash(v) for v in values]
+    answer = _call(lambda c: c.lookup(model, digests, local_blocks=local_blocks, requester=requester,
+                                      lora_name=lora))
+    if state.json:
+        _emit_json(_as_dict(answer))
+        return
+    decision = pb.Decision.Name(answer.decision).removeprefix("DECISION_")
+    reason = pb.DecisionReason.Name(answer.reason).removeprefix("DECISION_REASON_").lower()
+    console.print(f"[bold]{decision}[/bold] ({reason}): {answer.detail}")
+    if answer.holder.worker_id:
+        h = answer.holder
+        console.print(f"holder {h.worker_id} ({h.nixl_endpoint}) serves {h.matched_blocks} blocks, "
+                      f"handle {h.retention_handle}, lease {h.expires_in_ms / 1000:.1f}s")
+    console.print(f"matched tokens {answer.matched_tokens}, to recompute {answer.recompute_tokens}, "
+                  f"server time {answer.lookup_us} us")
+    if answer.HasField("cost"):
+        console.print(f"cost: transfer ~{answer.cost.transfer_ms:.3f} ms ({answer.cost.transfer_basis}), "
+                      f"recompute ~{answer.cost.recompute_ms:.3f} ms ({answer.cost.recompute_basis})")
+
+
+@app.command()
+def stats() -> None:
+    """Directory-wide counters."""
+    answer = _call(lambda c: c.stats())
+    if state.json:
+        _emit_json(_as_dict(answer))
+        return
+    table = Table(title=f"kvloopd at {state.daemon}", show_header=False)
+    for field in ("workers", "entries", "retained_runs", "events_ingested", "lookups", "resyncs", "evictions",
+                  "rejected_messages", "max_entries"):
+        table.add_row(field.replace("_", " "), f"{getattr(answer, field):,}")
+    table.add_row("uptime", f"{answer.uptime_seconds:.0f}s")
+    table.add_row("models", ", ".join(answer.models) or "-")
+    for key, count in sorted(answer.decisions.items()):
+        table.add_row(f"decisions {key}", f"{count:,}")
+    console.print(table)
+
+
+@app.command()
+def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> None:
+    """Stream directory changes until interrupted."""
+    try:
+        with _client() as client:
+            for change in client.watch(model):
+                if state.json:
+                    sys.stdout.write(json.dumps(_as_dict(change)) + "\n")
+                    sys.stdout.flush()
+                else:
+                    console.print(f"{change.kind:<12} {change.worker_id:<20} {change.model:<20} "
+                                  f"blocks={change.blocks} {change.detail}", highlight=False)
+    except KvloopError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def drain(worker_id: Annotated[str, typer.Argument(help="worker to drain")],
+          reason: Annotated[str, typer.Option(help="why")] = "") -> None:
+    """Stop serving a worker's blocks and tell its agent to drain (admin)."""
+    delivered = _call(lambda c: c.drain(worker_id, reason))
+    if state.json:
+        _emit_json({"worker_id": worker_id, "delivered": delivered})
+    else:
+        console.print(f"{worker_id}: draining" + ("" if delivered else " (agent not connected)"))
+
+
+@bench_app.command("directory")
+def bench_directory(
+    entries: Annotated[int, typer.Option(help="directory entries to load")] = 1_000_000,
+    workers_count: Annotated[int, typer.Option("--workers", help="synthetic decode workers")] = 64,
+    prompt_blocks: Annotated[int, typer.Option(help="blocks per lookup prompt")] = 2048,
+    lookups: Annotated[int, typer.Option(help="lookups per measurement")] = 2000,
+    concurrency: Annotated[int, typer.Option(help="concurrent lookup callers")] = 32,
+    batch_hashes: Annotated[int, typer.Option(help="block hashes per ingest event")] = 512,
+    daemon_listen: Annotated[str, typer.Option(help="where the benchmark's own kvloopd listens")] = "127.0.0.1:0",
+) -> None:
+    """Start a kvloopd process and measure ingest, lookup latency/throughput and memory per entry."""
+    from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
+
+    config = BenchConfig(entries=entries, workers=workers_count, prompt_blocks=prompt_blocks, lookups=lookups,
+                         concurrency=concurrency, batch_hashes=batch_hashes, listen=daemon_listen)
+    result = run_directory_bench(config, progress=not state.json)
+    if state.json:
+        _emit_json(result)
+    else:
+        table = Table(title="kvloop bench directory", show_header=True)
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_column("target", justify="right")
+        for name, value, target in result["table"]:
+            table.add_row(name, value, target)
+        console.print(table)
+
+
+def main() -> None:
+    app(prog_name="kvloop")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Typed Python client of kvloopd, sync and asyncio, shared by agents, the CLI and the proxy.
+
+    with DirectoryClient("127.0.0.1:50051") as kv:
+        answer = kv.lookup("my-model", hashes, local_blocks=0)
+
+    async with AsyncDirectoryClient("127.0.0.1:50051") as kv:
+        answer = await kv.lookup("my-model", hashes)
+
+Both classes share every request builder; only how a call is made differs. gRPC errors become
+`KvloopError` (`DaemonUnavailable` when the daemon cannot be reached) with the daemon's message.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvloop.common.security import ClientSecurity
+from kvloop.v1 import directory_pb2 as pb
+from kvloop.v1 import directory_pb2_grpc as pb_grpc
+
+DEFAULT_DAEMON = "127.0.0.1:50051"
+
+
+def default_target() -> str:
+    return os.environ.get("KVLOOP_DAEMON", DEFAULT_DAEMON)
+
+
+class KvloopError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, target: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.target = target
+
+
+class DaemonUnavailable(KvloopError):
+    pass
+
+
+def _translate(exc: grpc.RpcError, target: str) -> KvloopError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return DaemonUnavailable(code, f"cannot reach kvloopd at {target}: {details}", target)
+    return KvloopError(code, f"{code.name}: {details}", target)
+
+
+def _identity(response: Any) -> Any:
+    return response
+
+
+def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+    ]
+
+
+class _ClientBase:
+    """Request builders and public methods; subclasses define `_invoke`."""
+
+    def __init__(self, target: str | None = None, security: ClientSecurity | None = None,
+                 timeout: float = 5.0, max_message_bytes: int = 16 * 1024 * 1024) -> None:
+        self.target = target or default_target()
+        self.security = security or ClientSecurity(token=os.environ.get("KVLOOP_TOKEN") or None)
+        self.timeout = timeout
+        self._metadata = self.security.call_metadata()
+        self._channel = self._open(_options(max_message_bytes))
+        self.stub = pb_grpc.DirectoryStub(self._channel)
+
+    def _open(self, options: list) -> Any:
+        raise NotImplementedError
+
+    def _invoke(self, method: str, request: Any, transform: Callable[[Any], Any] = _identity,
+                timeout: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def lookup(self, model: str, block_hashes: Sequence[bytes] | bytes, *, local_blocks: int = 0,
+               requester: str = "", claim: bool = False, lora_name: str = "", block_size: int = 0,
+               timeout: float | None = None) -> pb.LookupResponse:
+        """Ask for the longest servable prefix. `block_hashes` may be a list or the packed bytes."""
+        request = pb.LookupRequest(model=model, lora_name=lora_name, local_blocks=local_blocks,
+                                   requester_worker_id=requester, claim=claim, block_size=block_size)
+        if isinstance(block_hashes, (bytes, bytearray)):
+            request.packed_block_hashes = bytes(block_hashes)
+        else:
+            request.block_hashes.extend(block_hashes)
+        return self._invoke("Lookup", request, timeout=timeout)
+
+    def list_workers(self, model: str = "") -> list[pb.WorkerInfo]:
+        return self._invoke("ListWorkers", pb.ListWorkersRequest(model=model), lambda r: list(r.workers))
+
+    def find_block(self, model: str, block_hash: bytes, lora_name: str = "") -> list[pb.BlockLocation]:
+        return self._invoke("FindBlock", pb.FindBlockRequest(model=model, lora_name=lora_name, block_hash=block_hash),
+                            lambda r: list(r.locations))
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self._invoke("GetStats", pb.GetStatsRequest())
+
+    def drain(self, worker_id: str, reason: str = "") -> bool:
+        return self._invoke("DrainWorker", pb.DrainWorkerRequest(worker_id=worker_id, reason=reason),
+                            lambda r: r.delivered)
+
+
+class DirectoryClient(_ClientBase):
+    """Blocking client."""
+
+    def _open(self, options: list) -> grpc.Channel:
+        if self.security.tls:
+            return grpc.secure_channel(self.target, self.security.channel_credentials(), options=options)
+        return grpc.insecure_channel(self.target, options=options)
+
+    def _invoke(self, method, request, transform=_identity, timeout=None):
+        try:
+            response = getattr(self.stub, method)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.target) from None
+        return transform(response)
+
+    def watch(self, model: str = "") -> Iterator[pb.WatchResponse]:
+        try:
+            yield from self.stub.Watch(pb.WatchRequest(model=model), metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.target) from None
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE,
+                                    f"cannot reach kvloopd at {self.target} within {timeout:.0f}s", self.target) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "DirectoryClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncDirectoryClient(_ClientBase):
+    """asyncio client (grpc.aio); every method of DirectoryClient returns an awaitable here."""
+
+    def _open(self, options: list) -> grpc.aio.Channel:
+        if self.security.tls:
+            return grpc.aio.secure_channel(self.target, self.security.channel_credentials(), options=options)
+        return grpc.aio.insecure_channel(self.target, options=options)
+
+    async def _invoke(self, method, request, transform=_identity, timeout=None):
+        try:
+            response = await getattr(self.stub, method)(request, timeout=timeout or self.timeout,
+                                                        metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.target) from None
+        return transform(response)
+
+    async def watch(self, model: str = "") -> AsyncIterator[pb.WatchResponse]:
+        try:
+            async for change in self.stub.Watch(pb.WatchRequest(model=model), metadata=self._metadata):
+                yield change
+        except grpc.RpcError as exc:
+            raise _translate(exc, self.target) from None
+
+    def connect(self, requests: AsyncIterator[pb.ConnectRequest]) -> grpc.aio.StreamStreamCall:
+        """Open the agent stream (the sidecar drives it)."""
+        return self.stub.Connect(requests, metadata=self._metadata)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncDirectoryClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
