@@ -58,6 +58,7 @@ class DirectoryLink:
         self._outbox: asyncio.Queue[pb.ConnectRequest] | None = None
         self._acked_changed = asyncio.Event()
         self.connected = asyncio.Event()
+        self._session_started = asyncio.Event()
         self.registered_once = asyncio.Event()
         self.drain_reason: str | None = None
         self.sessions = 0
@@ -97,6 +98,16 @@ class DirectoryLink:
             while self._acked < target:
                 self._acked_changed.clear()
                 await self._acked_changed.wait()
+
+        await asyncio.wait_for(until(), timeout)
+
+    async def wait_sessions(self, count: int, timeout: float | None = None) -> None:
+        """Wait until the `count`-th session is registered and connected."""
+
+        async def until() -> None:
+            while self.sessions < count or not self.connected.is_set():
+                self._session_started.clear()
+                await self._session_started.wait()
 
         await asyncio.wait_for(until(), timeout)
 
@@ -154,6 +165,7 @@ class DirectoryLink:
         self._outbox = outbox
         self.connected.set()
         self.registered_once.set()
+        self._session_started.set()
         log.info("registered with directory", worker_id=self.worker_id, epoch=registration.epoch,
                  last_applied=ack.last_applied_sequence, resync=needs_snapshot, target=self._client.target)
         heartbeat_s = max(ack.heartbeat_interval_ms, 100) / 1000

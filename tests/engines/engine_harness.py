@@ -197,6 +197,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                     (
                         "ok",
                         {
+                            "request_id": res.request_id,
                             "token_ids": list(c.token_ids),
                             "logprobs": lps,
                             "kv_transfer_params": res.kv_transfer_params,

@@ -1,0 +1,104 @@
+"""Shared fixtures: real kvloopd processes on loopback (no gRPC mocks)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+KVLOOPD = shutil.which("kvloopd") or str(Path(sys.executable).parent / "kvloopd")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProcess:
+    address: str
+    metrics_address: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                return self.process.wait()
+        return self.process.returncode
+
+
+def wait_serving(address: str, process: subprocess.Popen, log_path: Path, timeout: float = 20.0,
+                 credentials: grpc.ChannelCredentials | None = None, override: str | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    options = [("grpc.ssl_target_name_override", override)] if override else []
+    channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+               else grpc.insecure_channel(address))
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"kvloopd exited with {process.returncode}:\n{log_path.read_text()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.05)  # polling a condition (health), not synchronising on time
+    raise TimeoutError(f"kvloopd at {address} not serving after {timeout}s:\n{log_path.read_text()}")
+
+
+def start_daemon(tmp: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
+                 port: int | None = None, **wait_kwargs) -> DaemonProcess:
+    port, metrics_port = port or free_port(), free_port()
+    log_path = tmp / f"kvloopd-{port}.log"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
+    full_env.update(env or {})
+    process = subprocess.Popen(
+        [KVLOOPD, "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port}",
+         "--log-json", *args],
+        stdout=subprocess.DEVNULL, stderr=log_path.open("w"), env=full_env,
+    )
+    daemon = DaemonProcess(f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}", process, log_path)
+    if wait:
+        wait_serving(daemon.address, process, log_path, **wait_kwargs)
+    return daemon
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
+    """One shared kvloopd for tests that only add their own workers and models."""
+    proc = start_daemon(tmp_path_factory.mktemp("daemon"), env={"KVLOOP_LEASE_S": "5", "KVLOOP_HEARTBEAT_INTERVAL_S": "0.5"})
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path) -> Iterator:
+    started: list[DaemonProcess] = []
+
+    def factory(*args: str, **kwargs) -> DaemonProcess:
+        proc = start_daemon(tmp_path, *args, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield factory
+    for proc in started:
+        proc.stop()

@@ -1,0 +1,45 @@
+"""Builders for protocol messages and chained block hashes used across tests."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+
+from kvloop.v1 import directory_pb2 as pb
+
+_epochs = itertools.count(1000)
+
+
+def chain(tokens_per_block: list[bytes], parent: bytes = b"") -> list[bytes]:
+    """Chained 32-byte hashes like vLLM's: each block's hash covers its parent hash."""
+    hashes = []
+    for block in tokens_per_block:
+        parent = hashlib.sha256(parent + block).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def conversation(name: str, blocks: int, start: int = 0) -> list[bytes]:
+    return chain([f"{name}:{i}".encode() for i in range(start, start + blocks)])
+
+
+def registration(worker_id: str, model: str = "test-model", role: int = pb.WORKER_ROLE_DECODE,
+                 epoch: int | None = None, block_size: int = 16, **extra) -> pb.WorkerRegistration:
+    fields = dict(worker_id=worker_id, role=role, model=model, engine_id=f"engine-{worker_id}",
+                  nixl_endpoint=f"127.0.0.1:{5600 + hash(worker_id) % 100}", block_size=block_size,
+                  hash_algorithm="sha256_cbor", hash_length=32, epoch=epoch or next(_epochs),
+                  kv_bytes_per_block=65536)
+    fields.update(extra)
+    return pb.WorkerRegistration(**fields)
+
+
+def retained(hashes: list[bytes], handle: str, expires_in_ms: int = 60_000, single_use: bool = False,
+             groups: int = 1) -> pb.BlockEvent:
+    ids = [1000 + g * 10_000 + i for g in range(groups) for i in range(len(hashes))]
+    return pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=hashes, block_ids=ids, num_groups=groups,
+                                                    retention_handle=handle, expires_in_ms=expires_in_ms,
+                                                    single_use=single_use))
+
+
+def connect_request(**kwargs) -> pb.ConnectRequest:
+    return pb.ConnectRequest(**kwargs)

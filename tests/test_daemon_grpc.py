@@ -1,0 +1,273 @@
+"""kvloopd as a real process: the Connect protocol, lookups, bad input, leases, epochs, claims."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import grpc
+import pytest
+
+from kvloop.agents.sidecar.link import DirectoryLink
+from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
+from kvloop.v1 import directory_pb2 as pb
+from tests.support import conversation, registration, retained
+
+
+async def open_stream(client: AsyncDirectoryClient, reg: pb.WorkerRegistration | None = None):
+    call = client.stub.Connect()
+    if reg is not None:
+        await call.write(pb.ConnectRequest(register=reg))
+        first = await call.read()
+        assert first.WhichOneof("message") == "registered", first
+        return call, first.registered
+    return call, None
+
+
+async def expect_abort(call, code: grpc.StatusCode, fragment: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        while (await call.read()) is not grpc.aio.EOF:
+            pass
+    assert failure.value.code() == code, failure.value.details()
+    assert fragment in failure.value.details()
+
+
+def lookup(address: str, model: str, hashes, **kwargs) -> pb.LookupResponse:
+    with DirectoryClient(address) as client:
+        return client.lookup(model, hashes, **kwargs)
+
+
+async def test_retained_blocks_are_found_and_transfer_is_decided(daemon):
+    model = "m-transfer"
+    prompt = conversation("turn", 64)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        link = DirectoryLink(client, registration("dec-t", model=model), snapshot=lambda: [])
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        link.publish([retained(prompt[:40], "req-1")])
+        await link.wait_acked(timeout=5)
+        answer = await client.lookup(model, prompt, requester="pre-t", claim=True, block_size=16)
+        packed = await client.lookup(model, b"".join(prompt), requester="pre-t")
+        runner.cancel()
+    assert answer.decision == pb.DECISION_TRANSFER, answer
+    assert answer.reason == pb.DECISION_REASON_TRANSFER_FASTER
+    assert answer.matched_blocks == 40 and answer.matched_tokens == 640
+    assert answer.recompute_tokens == 24 * 16
+    assert answer.holder.worker_id == "dec-t" and answer.holder.retention_handle == "req-1"
+    assert list(answer.holder.block_ids) == [1000 + i for i in range(40)]
+    assert 0 < answer.holder.expires_in_ms <= 60_000
+    # the packed fast path answers the same
+    assert packed.matched_blocks == 40 and packed.holder.block_ids == answer.holder.block_ids
+
+
+async def test_below_threshold_and_local_prefix_and_miss(daemon):
+    model = "m-policy"
+    prompt = conversation("p", 20)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        link = DirectoryLink(client, registration("dec-p", model=model), snapshot=lambda: [])
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        link.publish([retained(prompt[:10], "r")])
+        await link.wait_acked(timeout=5)
+        short = await client.lookup(model, prompt, local_blocks=7)  # 3 blocks x 16 = 48 < 64 tokens
+        local = await client.lookup(model, prompt, local_blocks=12)
+        miss = await client.lookup(model, conversation("other", 5))
+        runner.cancel()
+    assert (short.decision, short.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD)
+    assert "48 transferable tokens" in short.detail
+    assert (local.decision, local.reason) == (pb.DECISION_LOCAL, pb.DECISION_REASON_LOCAL_PREFIX)
+    assert (miss.decision, miss.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_MISS)
+
+
+async def test_concurrent_claims_of_a_single_use_handle_never_both_win(daemon):
+    model = "m-claim"
+    prompt = conversation("claim", 32)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        link = DirectoryLink(client, registration("dec-c", model=model), snapshot=lambda: [])
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        link.publish([retained(prompt, "once", single_use=True)])
+        await link.wait_acked(timeout=5)
+        answers = await asyncio.gather(*[
+            client.lookup(model, prompt, requester=f"pre-{i}", claim=True) for i in range(16)])
+        runner.cancel()
+    winners = [a for a in answers if a.decision == pb.DECISION_TRANSFER]
+    assert len(winners) == 1
+    assert all(a.reason == pb.DECISION_REASON_CLAIMED for a in answers if a not in winners)
+
+
+async def test_sequence_gap_triggers_resync_and_snapshot_replaces_state(daemon):
+    model = "m-gap"
+    prompt = conversation("gap", 8)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        call, ack = await open_stream(client, registration("dec-gap", model=model))
+        assert ack.last_applied_sequence == 0 and not ack.resync_required
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(prompt, "a")])))
+        assert (await call.read()).ack.sequence == 1
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(prompt, "a")])))
+        assert (await call.read()).ack.sequence == 1  # a repeat is acknowledged and ignored
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=3, events=[])))
+        resync = (await call.read()).resync
+        assert (resync.expected_sequence, resync.received_sequence) == (2, 3)
+        during = await client.lookup(model, prompt)
+        assert during.reason == pb.DECISION_REASON_PEER_UNAVAILABLE  # not served while resyncing
+        await call.write(pb.ConnectRequest(snapshot_begin=pb.SnapshotBegin()))
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(events=[retained(prompt[:5], "b")])))
+        await call.write(pb.ConnectRequest(snapshot_end=pb.SnapshotEnd(sequence=3)))
+        assert (await call.read()).ack.sequence == 3
+        after = await client.lookup(model, prompt)
+        call.cancel()
+    assert after.decision == pb.DECISION_TRANSFER and after.matched_blocks == 5
+    assert after.holder.retention_handle == "b"
+
+
+@pytest.mark.parametrize("first, code, fragment", [
+    (pb.ConnectRequest(batch=pb.EventBatch(sequence=1)), grpc.StatusCode.FAILED_PRECONDITION,
+     "first message on Connect must be register"),
+    (pb.ConnectRequest(register=registration("", model="m-bad")), grpc.StatusCode.INVALID_ARGUMENT,
+     "worker_id must be 1-256 characters"),
+    (pb.ConnectRequest(register=registration("x", model="m-bad", hash_length=3)), grpc.StatusCode.INVALID_ARGUMENT,
+     "hash_length must be 8..64"),
+    (pb.ConnectRequest(register=registration("x", model="m-bad", epoch=0) if False else
+                       pb.WorkerRegistration(worker_id="x", role=pb.WORKER_ROLE_DECODE, model="m-bad",
+                                             block_size=16, hash_algorithm="sha256_cbor", hash_length=32,
+                                             nixl_endpoint="h:1")),
+     grpc.StatusCode.INVALID_ARGUMENT, "epoch must be non-zero"),
+])
+async def test_bad_registration_gets_precise_status(daemon, first, code, fragment):
+    async with AsyncDirectoryClient(daemon.address) as client:
+        call = client.stub.Connect()
+        await call.write(first)
+        await expect_abort(call, code, fragment)
+
+
+@pytest.mark.parametrize("event, fragment", [
+    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=[b"short"], block_ids=[1], num_groups=1,
+                                              retention_handle="h", expires_in_ms=1)), "must be 32 bytes"),
+    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 2), block_ids=[1], num_groups=1,
+                                              retention_handle="h", expires_in_ms=1)), "1 block_ids for 2 hashes"),
+    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
+                                              expires_in_ms=1)), "retention_handle must be set"),
+    (pb.BlockEvent(), "event carries nothing"),
+])
+async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, fragment):
+    model = "m-badevent"
+    good_prompt = conversation("good", 6)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        healthy = DirectoryLink(client, registration("healthy", model=model), snapshot=lambda: [])
+        runner = asyncio.create_task(healthy.run())
+        await healthy.connected.wait()
+        healthy.publish([retained(good_prompt, "good")])
+        await healthy.wait_acked(timeout=5)
+        call, _ = await open_stream(client, registration("misbehaving", model=model))
+        bad_prompt = conversation("bad", 3)
+        # one valid event and one bad one in the same batch: the whole batch is refused
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(bad_prompt, "v"), event])))
+        await expect_abort(call, grpc.StatusCode.INVALID_ARGUMENT, fragment)
+        assert (await client.lookup(model, bad_prompt)).decision == pb.DECISION_RECOMPUTE
+        # the other agent's stream still works and its blocks are still served
+        healthy.publish([retained(conversation("good2", 6), "good2")])
+        await healthy.wait_acked(timeout=5)
+        assert (await client.lookup(model, good_prompt)).matched_blocks == 6
+        assert healthy.sessions == 1
+        runner.cancel()
+    metrics = urllib.request.urlopen(f"http://{daemon.metrics_address}/metrics").read().decode()
+    assert 'kvloop_rejected_messages_total{reason=' in metrics or 'kvloop_rejected_messages_total{rpc="Connect"' in metrics
+
+
+async def test_duplicate_worker_is_refused_while_the_first_is_alive(daemon):
+    async with AsyncDirectoryClient(daemon.address) as client:
+        first, _ = await open_stream(client, registration("dup", model="m-dup"))
+        second = client.stub.Connect()
+        await second.write(pb.ConnectRequest(register=registration("dup", model="m-dup")))
+        await expect_abort(second, grpc.StatusCode.ALREADY_EXISTS, "is connected")
+        first.cancel()
+
+
+async def test_lookup_bad_input(daemon):
+    with DirectoryClient(daemon.address) as client:
+        with pytest.raises(KvloopError, match="model must be set") as e:
+            client.lookup("", [b"x" * 32])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    async with AsyncDirectoryClient(daemon.address) as aclient:
+        link = DirectoryLink(aclient, registration("dec-li", model="m-li"), snapshot=lambda: [])
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        with pytest.raises(KvloopError, match="must be 32 bytes"):
+            await aclient.lookup("m-li", [b"x" * 31])
+        with pytest.raises(KvloopError, match="not a multiple"):
+            await aclient.lookup("m-li", b"x" * 33)
+        with pytest.raises(KvloopError, match="local_blocks 3 exceeds"):
+            await aclient.lookup("m-li", [b"x" * 32], local_blocks=3)
+        with pytest.raises(KvloopError, match="uses block_size 16") as e:
+            await aclient.lookup("m-li", [b"x" * 32], block_size=32)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        runner.cancel()
+
+
+async def test_lease_expiry_and_epoch_replacement(daemon_factory):
+    proc = daemon_factory(env={"KVLOOP_LEASE_S": "0.6", "KVLOOP_HEARTBEAT_INTERVAL_S": "0.2",
+                               "KVLOOP_REAP_INTERVAL_S": "0.1", "KVLOOP_EXPIRY_MARGIN_S": "0"})
+    model = "m-lease"
+    prompt = conversation("lease", 10)
+    async with AsyncDirectoryClient(proc.address) as client:
+        call, _ = await open_stream(client, registration("silent", model=model, epoch=11))
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(prompt, "h")])))
+        assert (await call.read()).ack.sequence == 1
+        assert (await client.lookup(model, prompt)).decision == pb.DECISION_TRANSFER
+        # no heartbeat: watch the lease lapse
+        async for change in client.watch(model):
+            if change.kind == "lease" and change.worker_id == "silent":
+                break
+        lapsed = await client.lookup(model, prompt)
+        assert lapsed.reason == pb.DECISION_REASON_PEER_UNAVAILABLE
+        (worker,) = await client.list_workers(model)
+        assert worker.lease_state == pb.LEASE_STATE_EXPIRED
+        # the same worker restarts with a new epoch: old blocks are gone at once, new ones served
+        new_call, ack = await open_stream(client, registration("silent", model=model, epoch=12))
+        assert ack.last_applied_sequence == 0
+        assert (await client.lookup(model, prompt)).reason == pb.DECISION_REASON_MISS
+        await new_call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(prompt[:4], "n")])))
+        assert (await new_call.read()).ack.sequence == 1
+        answer = await client.lookup(model, prompt)
+        assert answer.matched_blocks == 4 and answer.holder.epoch == 12
+        call.cancel()
+        new_call.cancel()
+
+
+async def test_short_retention_lease_is_not_handed_out(daemon_factory):
+    proc = daemon_factory(env={"KVLOOP_EXPIRY_MARGIN_S": "30"})
+    prompt = conversation("exp", 8)
+    async with AsyncDirectoryClient(proc.address) as client:
+        link = DirectoryLink(client, registration("dec-e", model="m-exp"), snapshot=lambda: [])
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        link.publish([retained(prompt, "soon", expires_in_ms=20_000)])
+        await link.wait_acked(timeout=5)
+        answer = await client.lookup("m-exp", prompt)
+        runner.cancel()
+    assert (answer.decision, answer.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_EXPIRED)
+
+
+async def test_agent_link_resyncs_after_daemon_restart(daemon_factory):
+    first = daemon_factory()
+    prompt = conversation("restart", 12)
+    mirror = [retained(prompt, "kept")]
+    async with AsyncDirectoryClient(first.address) as client:
+        link = DirectoryLink(client, registration("dec-r", model="m-restart"), snapshot=lambda: mirror,
+                             backoff_initial_s=0.05, backoff_max_s=0.2)
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        link.publish(mirror)
+        await link.wait_acked(timeout=5)
+        first.stop()
+        # a new daemon on the same port knows nothing; the link registers again and sends a snapshot
+        daemon_factory(port=int(first.address.rsplit(":", 1)[1]))
+        try:
+            await link.wait_sessions(2, timeout=10)
+            await link.wait_acked(timeout=10)
+            answer = await client.lookup("m-restart", prompt)
+            assert answer.decision == pb.DECISION_TRANSFER and answer.matched_blocks == 12
+            assert link.snapshots_sent == 1
+        finally:
+            runner.cancel()
