@@ -102,3 +102,39 @@ def daemon_factory(tmp_path) -> Iterator:
     yield factory
     for proc in started:
         proc.stop()
+
+
+@dataclass
+class OtlpReceiver:
+    endpoint: str
+    spans_path: Path
+
+    def spans(self) -> list[dict]:
+        import json
+
+        if not self.spans_path.exists():
+            return []
+        return [json.loads(line) for line in self.spans_path.read_text().splitlines() if line]
+
+    def wait_for(self, predicate, timeout: float = 20.0) -> list[dict]:
+        """Poll the receiver's file until a received span satisfies `predicate`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [s for s in self.spans() if predicate(s)]
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no matching span received within {timeout}s; got {self.spans()}")
+
+
+@pytest.fixture(scope="session")
+def otlp_receiver(tmp_path_factory) -> Iterator[OtlpReceiver]:
+    """A real OTLP/gRPC receiver process."""
+    port = free_port()
+    path = tmp_path_factory.mktemp("otlp") / "spans.jsonl"
+    process = subprocess.Popen([sys.executable, "-m", "tests.otlp_receiver", str(port), str(path)],
+                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    assert process.stdout.readline().strip() == "ready"
+    yield OtlpReceiver(f"http://127.0.0.1:{port}", path)
+    process.terminate()
+    process.wait(10)

@@ -156,6 +156,8 @@ class DirectoryLink:
         needs_snapshot = ack.resync_required or self._overflowed or (
             ack.last_applied_sequence < self._sequence
             and (not self._pending or next(iter(self._pending)) > ack.last_applied_sequence + 1))
+        # The daemon's word is authoritative: after a daemon restart it has applied nothing.
+        self._acked = ack.last_applied_sequence
         self._mark_acked(ack.last_applied_sequence)
         if needs_snapshot:
             self._queue_snapshot(outbox, f"resync_required={ack.resync_required}")
@@ -196,7 +198,10 @@ class DirectoryLink:
                 request = await asyncio.wait_for(outbox.get(), heartbeat_s)
             except asyncio.TimeoutError:
                 request = pb.ConnectRequest(heartbeat=pb.Heartbeat(sent_at_us=int(time.monotonic() * 1e6)))
-            await call.write(request)
+            try:
+                await call.write(request)
+            except asyncio.InvalidStateError:  # the call ended; the reader reports why
+                return
 
     def _queue_snapshot(self, outbox: asyncio.Queue, why: str) -> None:
         """Replace whatever is queued with a full snapshot at the current sequence."""

@@ -1,0 +1,109 @@
+"""What a new user types: grpcurl against a live daemon (no proto files), the kvloop CLI, and the
+protocol's own checks (generated code fresh, buf lint clean)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvloop.agents.sidecar.link import DirectoryLink
+from kvloop.clients.client import AsyncDirectoryClient
+from tests.support import conversation, registration, retained
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def grpcurl(address: str, *args: str, data: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [shutil.which("grpcurl") or str(BIN / "grpcurl"), "-plaintext"]
+    if data is not None:
+        cmd += ["-d", data]
+    return subprocess.run([*cmd, address, *args], capture_output=True, text=True, timeout=30, cwd="/")
+
+
+def kvloop(*args: str, daemon: str | None = None) -> subprocess.CompletedProcess:
+    prefix = ["--daemon", daemon] if daemon else []
+    env = {**os.environ, "COLUMNS": "200"}  # a wide terminal: rich shortens cells to fit 80 columns
+    return subprocess.run([str(BIN / "kvloop"), *prefix, *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_grpcurl_list_describe_health_and_lookup(daemon):
+    listed = grpcurl(daemon.address, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert set(listed.stdout.split()) >= {"kvloop.v1.Directory", "grpc.health.v1.Health"}
+    described = grpcurl(daemon.address, "describe", "kvloop.v1.Directory")
+    assert "rpc Lookup ( .kvloop.v1.LookupRequest ) returns ( .kvloop.v1.LookupResponse )" in described.stdout
+    assert "rpc Connect ( stream .kvloop.v1.ConnectRequest ) returns ( stream .kvloop.v1.ConnectResponse )" in described.stdout
+    health = grpcurl(daemon.address, "grpc.health.v1.Health/Check", data='{"service": "kvloop.v1.Directory"}')
+    assert json.loads(health.stdout) == {"status": "SERVING"}
+    import base64
+    hashes = [base64.b64encode(h).decode() for h in conversation("grpcurl", 3)]
+    answer = grpcurl(daemon.address, "kvloop.v1.Directory/Lookup",
+                     data=json.dumps({"model": "m-grpcurl", "block_hashes": hashes}))
+    assert answer.returncode == 0, answer.stderr
+    assert json.loads(answer.stdout)["decision"] == "DECISION_RECOMPUTE"
+    bad = grpcurl(daemon.address, "kvloop.v1.Directory/Lookup", data='{"block_hashes": []}')
+    assert "InvalidArgument" in bad.stderr and "model must be set" in bad.stderr
+
+
+@pytest.fixture
+async def populated(daemon):
+    prompt = conversation("cli", 20)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        link = DirectoryLink(client, registration("dec-cli", model="m-cli"), snapshot=lambda: [])
+        runner = asyncio.create_task(link.run())
+        await link.connected.wait()
+        link.publish([retained(prompt[:12], "cli-handle")])
+        await link.wait_acked(timeout=5)
+        yield prompt
+        runner.cancel()
+
+
+async def test_cli_tables_and_json(daemon, populated):
+    prompt = populated
+    loop = asyncio.get_running_loop()
+
+    async def run(*args):
+        return await loop.run_in_executor(None, lambda: kvloop(*args, daemon=daemon.address))
+
+    workers = await run("workers", "--model", "m-cli")
+    assert workers.returncode == 0 and "dec-cli" in workers.stdout and "active" in workers.stdout
+    as_json = json.loads((await run("--json", "workers", "--model", "m-cli")).stdout)
+    assert as_json[0]["registration"]["worker_id"] == "dec-cli"
+    assert as_json[0]["retained_blocks"] == "12"
+    hexes = [h.hex() for h in prompt]
+    looked = json.loads((await run("--json", "lookup", "--model", "m-cli", *hexes)).stdout)
+    assert looked["decision"] == "DECISION_TRANSFER" and looked["matched_blocks"] == 12
+    human = await run("lookup", "--model", "m-cli", *hexes)
+    assert "TRANSFER" in human.stdout and "dec-cli" in human.stdout
+    found = json.loads((await run("--json", "find", hexes[3], "--model", "m-cli")).stdout)
+    assert found[0]["position"] == "3" and found[0]["retention_handle"] == "cli-handle"
+    blocks = await run("blocks", hexes[3], "--model", "m-cli")
+    assert "cli-handle" in blocks.stdout
+    stats = json.loads((await run("--json", "stats")).stdout)
+    assert int(stats["retained_runs"]) >= 1 and "m-cli" in stats["models"]
+
+
+def test_cli_errors_are_messages_not_tracebacks():
+    unreachable = kvloop("workers", daemon="127.0.0.1:1")
+    assert unreachable.returncode == 1
+    assert "cannot reach kvloopd at 127.0.0.1:1" in unreachable.stderr
+    assert "Traceback" not in unreachable.stderr
+    bad_hash = kvloop("lookup", "--model", "m", "not-hex", daemon="127.0.0.1:1")
+    assert bad_hash.returncode == 2 and "block hash must be hex" in bad_hash.stderr
+
+
+def test_generated_code_is_fresh_and_buf_lint_is_clean():
+    fresh = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True,
+                           text=True)
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    buf = shutil.which("buf") or str(BIN / "buf")
+    lint = subprocess.run([buf, "lint"], cwd=ROOT / "proto", capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr

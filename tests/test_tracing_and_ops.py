@@ -1,0 +1,165 @@
+"""Spans at a real OTLP receiver, metrics, graceful shutdown, config, systemd unit, auth and TLS."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.common.security import ClientSecurity
+from kvloop.v1 import directory_pb2 as pb
+from tests.conftest import start_daemon
+from tests.support import conversation
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_lookup_span_reaches_otlp_receiver_with_kvloop_attributes(daemon_factory, otlp_receiver):
+    proc = daemon_factory(env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+                               "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "kvloopd-under-test"})
+    with DirectoryClient(proc.address) as client:
+        client.lookup("m-traced", conversation("traced", 4), requester="prefill-traced")
+    spans = otlp_receiver.wait_for(lambda s: s["attributes"].get("kvloop.requester") == "prefill-traced")
+    span = spans[0]
+    assert span["service"] == "kvloopd-under-test"
+    assert span["name"] == "/kvloop.v1.Directory/Lookup"
+    assert span["attributes"]["kvloop.decision"] == "recompute"
+    assert span["attributes"]["kvloop.reason"] == "miss"
+    assert span["attributes"]["kvloop.matched_tokens"] == 0
+
+
+def test_metrics_endpoint_and_graceful_sigterm(daemon_factory):
+    proc = daemon_factory()
+    with DirectoryClient(proc.address) as client:
+        client.lookup("m-metrics", conversation("x", 2))
+    body = urllib.request.urlopen(f"http://{proc.metrics_address}/metrics").read().decode()
+    assert 'kvloop_decisions_total{decision="recompute",reason="miss"} 1.0' in body
+    assert "kvloop_lookup_latency_seconds_bucket" in body
+    proc.process.send_signal(signal.SIGTERM)
+    assert proc.process.wait(15) == 0
+    assert "kvloopd stopped" in proc.log()
+
+
+def test_config_file_env_and_flags_precedence(tmp_path):
+    config = tmp_path / "kvloopd.toml"
+    config.write_text('lease_s = 7.0\nlog_level = "debug"\n[policy]\nrecompute_threshold_tokens = 128\n')
+    env = {"KVLOOP_LOG_LEVEL": "warning", "PATH": str(Path(sys.executable).parent)}
+    out = subprocess.run(["kvloopd", "--config", str(config), "--check-config", "--listen", "0.0.0.0:6000"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    assert '"lease_s": 7.0' in out  # file
+    assert '"log_level": "warning"' in out  # env beats file
+    assert '"listen": "0.0.0.0:6000"' in out  # flag beats all
+    assert '"recompute_threshold_tokens": 128' in out
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--listen", "nonsense"], {}, "listen must be HOST:PORT"),
+    ([], {"KVLOOP_LEASE_S": "-1"}, "lease_s"),
+    ([], {"KVLOOP_HEARTBEAT_INTERVAL_S": "20"}, "must be shorter than lease_s"),
+    (["--config", "/nonexistent/kvloopd.toml"], {}, "does not exist"),
+])
+def test_bad_config_is_a_clear_error(args, env, message):
+    result = subprocess.run(["kvloopd", *args, "--check-config"], capture_output=True, text=True,
+                            env={"PATH": str(Path(sys.executable).parent), **env})
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_busy_port_is_a_clear_error(daemon):
+    result = subprocess.run(["kvloopd", "--listen", daemon.address, "--metrics-listen", ""],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert f"cannot listen on {daemon.address}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_systemd_unit_verifies(tmp_path):
+    unit = (ROOT / "daemon/systemd/kvloopd.service").read_text()
+    kvloopd = shutil.which("kvloopd") or str(Path(sys.executable).parent / "kvloopd")
+    # ExecStart must exist on the checking machine: point it at this installation.
+    local = tmp_path / "kvloopd.service"
+    local.write_text(unit.replace("/usr/local/bin/kvloopd", kvloopd))
+    result = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
+    problems = [line for line in result.stderr.splitlines() if "kvloopd.service" in line]
+    assert result.returncode == 0 and not problems, result.stderr
+
+
+def _make_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
+    key, crt = tmp / f"{name}.key", tmp / f"{name}.crt"
+    subj = f"/CN={name}"
+    if ca is None:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-keyout", key,
+                        "-out", crt, "-subj", subj], check=True, capture_output=True)
+    else:
+        csr = tmp / f"{name}.csr"
+        ext = tmp / f"{name}.ext"
+        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+                        "-subj", subj], check=True, capture_output=True)
+        subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial",
+                        "-days", "2", "-out", crt, "-extfile", ext], check=True, capture_output=True)
+    return key, crt
+
+
+def test_mutual_tls_and_role_tokens(tmp_path):
+    ca = _make_cert(tmp_path, "ca")
+    server_key, server_crt = _make_cert(tmp_path, "server", ca)
+    client_key, client_crt = _make_cert(tmp_path, "client", ca)
+    config = tmp_path / "kvloopd.toml"
+    config.write_text(f"""
+[tls]
+cert_file = "{server_crt}"
+key_file = "{server_key}"
+client_ca_file = "{ca[1]}"
+[[tokens]]
+token = "read-token-0123456789"
+role = "read"
+[[tokens]]
+token = "prefill-token-0123456789"
+role = "prefill"
+[[tokens]]
+token = "admin-token-0123456789"
+role = "admin"
+""")
+    creds = grpc.ssl_channel_credentials(ca[1].read_bytes(), client_key.read_bytes(), client_crt.read_bytes())
+    proc = start_daemon(tmp_path, "--config", str(config), credentials=creds)
+    try:
+        def client(token: str | None, cert: bool = True) -> DirectoryClient:
+            sec = ClientSecurity(token=token, ca_file=ca[1], cert_file=client_crt if cert else None,
+                                 key_file=client_key if cert else None)
+            return DirectoryClient(proc.address.replace("127.0.0.1", "localhost"), sec, timeout=5)
+
+        hashes = conversation("tls", 3)
+        with client("read-token-0123456789") as reader:
+            assert reader.list_workers() == []
+            assert reader.lookup("m", hashes).decision == pb.DECISION_RECOMPUTE  # peek is fine
+            with pytest.raises(KvloopError) as denied:
+                reader.lookup("m", hashes, claim=True)
+            assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(KvloopError) as denied:
+                reader.drain("w")
+            assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with client("prefill-token-0123456789") as prefill:
+            assert prefill.lookup("m", hashes, claim=True).decision == pb.DECISION_RECOMPUTE
+        with client("wrong-token") as stranger:
+            with pytest.raises(KvloopError) as denied:
+                stranger.stats()
+            assert denied.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with client("admin-token-0123456789") as admin:
+            with pytest.raises(KvloopError) as missing:
+                admin.drain("nobody")
+            assert missing.value.code == grpc.StatusCode.NOT_FOUND
+        with client("admin-token-0123456789", cert=False) as no_cert:  # mutual TLS: no client cert, no entry
+            with pytest.raises(KvloopError) as refused:
+                no_cert.stats()
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        proc.stop()
