@@ -13,6 +13,8 @@ Both classes share every request builder; only how a call is made differs. gRPC 
 from __future__ import annotations
 
 import os
+import sys
+from array import array
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -48,6 +50,17 @@ def _translate(exc: grpc.RpcError, target: str) -> KvloopError:
     return KvloopError(code, f"{code.name}: {details}", target)
 
 
+def holder_block_ids(holder: pb.Holder) -> list[int]:
+    """A holder's physical block ids, whichever form the response used."""
+    if holder.packed_block_ids:
+        ids = array("I")
+        ids.frombytes(holder.packed_block_ids)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        return ids.tolist()
+    return list(holder.block_ids)
+
+
 def _identity(response: Any) -> Any:
     return response
 
@@ -81,10 +94,15 @@ class _ClientBase:
 
     def lookup(self, model: str, block_hashes: Sequence[bytes] | bytes, *, local_blocks: int = 0,
                requester: str = "", claim: bool = False, lora_name: str = "", block_size: int = 0,
-               timeout: float | None = None) -> pb.LookupResponse:
-        """Ask for the longest servable prefix. `block_hashes` may be a list or the packed bytes."""
+               pack_block_ids: bool = False, timeout: float | None = None) -> pb.LookupResponse:
+        """Ask for the longest servable prefix.
+
+        `block_hashes` may be a list or the hashes concatenated (the fast path); with
+        `pack_block_ids` holders carry `packed_block_ids` (read them with `holder_block_ids`).
+        """
         request = pb.LookupRequest(model=model, lora_name=lora_name, local_blocks=local_blocks,
-                                   requester_worker_id=requester, claim=claim, block_size=block_size)
+                                   requester_worker_id=requester, claim=claim, block_size=block_size,
+                                   pack_block_ids=pack_block_ids)
         if isinstance(block_hashes, (bytes, bytearray)):
             request.packed_block_hashes = bytes(block_hashes)
         else:

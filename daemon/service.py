@@ -7,7 +7,9 @@ each message is applied atomically (a single-use claim cannot be handed out twic
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -461,9 +463,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         if verdict.cost is not None:
             response.cost.CopyFrom(verdict.cost)
         if match.best is not None:
-            _fill_holder(response.holder, match.best)
+            _fill_holder(response.holder, match.best, request.pack_block_ids)
             for other in match.others:
-                _fill_holder(response.other_holders.add(), other)
+                _fill_holder(response.other_holders.add(), other, request.pack_block_ids)
         matched = match.best.matched_blocks if match.best and verdict.decision == pb.DECISION_TRANSFER else 0
         have = max(matched, request.local_blocks)
         response.matched_blocks = matched
@@ -565,7 +567,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             session.outbox.put_nowait(None)
 
 
-def _fill_holder(message: pb.Holder, holding: Holding) -> None:
+def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
     spec = holding.worker
     message.worker_id = spec.worker_id
     message.engine_id = spec.engine_id
@@ -574,7 +576,13 @@ def _fill_holder(message: pb.Holder, holding: Holding) -> None:
     message.matched_blocks = holding.matched_blocks
     message.retention_handle = holding.handle
     message.expires_in_ms = holding.expires_in_ms
-    message.block_ids.extend(holding.block_ids)
+    if packed:
+        ids = array("I", holding.block_ids)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        message.packed_block_ids = ids.tobytes()
+    else:
+        message.block_ids.extend(holding.block_ids)
     message.num_groups = holding.num_groups
     message.single_use = holding.single_use
     message.kv_bytes_per_block = spec.kv_bytes_per_block

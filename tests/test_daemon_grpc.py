@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvloop.agents.sidecar.link import DirectoryLink
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
+from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError, holder_block_ids
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, registration, retained
 
@@ -47,7 +47,7 @@ async def test_retained_blocks_are_found_and_transfer_is_decided(daemon):
         link.publish([retained(prompt[:40], "req-1")])
         await link.wait_acked(timeout=5)
         answer = await client.lookup(model, prompt, requester="pre-t", claim=True, block_size=16)
-        packed = await client.lookup(model, b"".join(prompt), requester="pre-t")
+        packed = await client.lookup(model, b"".join(prompt), requester="pre-t", pack_block_ids=True)
         runner.cancel()
     assert answer.decision == pb.DECISION_TRANSFER, answer
     assert answer.reason == pb.DECISION_REASON_TRANSFER_FASTER
@@ -57,7 +57,8 @@ async def test_retained_blocks_are_found_and_transfer_is_decided(daemon):
     assert list(answer.holder.block_ids) == [1000 + i for i in range(40)]
     assert 0 < answer.holder.expires_in_ms <= 60_000
     # the packed fast path answers the same
-    assert packed.matched_blocks == 40 and packed.holder.block_ids == answer.holder.block_ids
+    assert packed.matched_blocks == 40 and not packed.holder.block_ids
+    assert holder_block_ids(packed.holder) == list(answer.holder.block_ids)
 
 
 async def test_below_threshold_and_local_prefix_and_miss(daemon):

@@ -46,7 +46,7 @@ def test_longest_prefix_picks_longest_holder_and_its_block_ids():
     assert match.best is not None and match.best.worker.worker_id == "b"
     assert match.best.matched_blocks == 25
     # group-major ids, truncated per group to the matched blocks
-    assert match.best.block_ids == list(range(25)) + [1000 + i for i in range(25)]
+    assert list(match.best.block_ids) == list(range(25)) + [1000 + i for i in range(25)]
     assert match.best.handle == "hb"
 
 

@@ -1,1 +1,1 @@
-"""kvloop clients.bench."""
+"""Benchmarks behind `kvloop bench`."""

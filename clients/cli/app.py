@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
+from kvloop.common.logging import configure_logging
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 
@@ -45,6 +46,7 @@ def _global(
     json_output: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
     timeout: Annotated[float, typer.Option(help="seconds per call")] = 5.0,
 ) -> None:
+    configure_logging("warning")
     state.daemon = daemon
     try:
         state.security = ClientSecurity(token=token, ca_file=ca_file, cert_file=cert_file, key_file=key_file)
@@ -242,7 +244,7 @@ def bench_directory(
                          concurrency=concurrency, batch_hashes=batch_hashes, listen=daemon_listen)
     result = run_directory_bench(config, progress=not state.json)
     if state.json:
-        _emit_json(result)
+        _emit_json({k: v for k, v in result.items() if k != "table"})
     else:
         table = Table(title="kvloop bench directory", show_header=True)
         table.add_column("figure")

@@ -67,10 +67,16 @@ class _Run:
         self.claimed = False
         self.tier = event.tier
 
-    def ids_for(self, blocks: int) -> list[int]:
+    def ids_for(self, blocks: int) -> array:
+        """Physical ids of blocks [0, blocks), group-major (array slices: no per-id Python work)."""
         length = len(self.hashes)
         ids = self.block_ids
-        return [i for g in range(self.num_groups) for i in ids[g * length: g * length + blocks]]
+        if self.num_groups == 1:
+            return ids[:blocks]
+        out = array("I")
+        for g in range(self.num_groups):
+            out.extend(ids[g * length: g * length + blocks])
+        return out
 
 
 class _Worker:
@@ -418,12 +424,21 @@ class MemoryStore:
         index = ns.retained
         runs = self._runs
         floor = now + self.config.expiry_margin_s
+        verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
+
+        def servable(rid: int) -> bool:
+            verdict = verdicts.get(rid)
+            if verdict is None:
+                verdict = verdicts[rid] = self._servable(runs[rid], floor, now, requester)
+            return verdict
 
         def any_servable(position: int) -> bool:
             entry = index.get(hashes[position])
             if entry is None:
                 return False
-            return any(self._servable(runs[rid], floor, now, requester) for rid in _values(entry))
+            if type(entry) is int:
+                return servable(entry)
+            return any(map(servable, entry))
 
         if not any_servable(local_blocks):
             entry = index.get(hashes[local_blocks])
@@ -441,8 +456,8 @@ class MemoryStore:
         candidates = [
             run
             for rid in _values(index[hashes[lo]])
-            if self._servable(run := runs[rid], floor, now, requester)
-            and len(run.hashes) >= matched
+            if servable(rid)
+            and len((run := runs[rid]).hashes) >= matched
             and run.hashes[lo] == hashes[lo]
         ]
         if not candidates:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -85,7 +86,7 @@ class Holding:
     matched_blocks: int
     handle: str
     expires_in_ms: int
-    block_ids: list[int]  # group-major, blocks [0, matched_blocks)
+    block_ids: Sequence[int]  # group-major, blocks [0, matched_blocks)
     num_groups: int
     single_use: bool
 

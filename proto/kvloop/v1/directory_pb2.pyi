@@ -313,7 +313,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., ack: _Optional[_Union[BatchAck, _Mapping]] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes")
+    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,7 @@ class LookupRequest(_message.Message):
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACK_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -330,10 +331,11 @@ class LookupRequest(_message.Message):
     claim: bool
     block_size: int
     packed_block_hashes: bytes
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
+    pack_block_ids: bool
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch")
+    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +348,7 @@ class Holder(_message.Message):
     SINGLE_USE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine_id: str
     nixl_endpoint: str
@@ -358,7 +361,8 @@ class Holder(_message.Message):
     single_use: bool
     kv_bytes_per_block: int
     epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    packed_block_ids: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_ms", "recompute_ms", "transfer_bytes", "transfer_basis", "recompute_basis")

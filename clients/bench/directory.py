@@ -1,0 +1,234 @@
+"""`kvloop bench directory`: a synthetic fleet of agents against a real kvloopd process over gRPC.
+
+Figures: ingest (block-hash events/s, batched, until the daemon acked everything), server-side
+Lookup p50/p99 for long prompts over a full directory, end-to-end gRPC Lookup p50 on loopback,
+lookups/s with concurrent callers, and daemon memory per directory entry (RSS growth / entries).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvloop.agents.sidecar.link import DirectoryLink
+from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+from kvloop.v1 import directory_pb2 as pb
+
+MODEL = "bench-model"
+
+
+@dataclass
+class BenchConfig:
+    entries: int = 1_000_000
+    workers: int = 64
+    prompt_blocks: int = 2048
+    lookups: int = 2000
+    concurrency: int = 32
+    batch_hashes: int = 512
+    listen: str = "127.0.0.1:0"
+    seed: int = 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+    host, _, port = listen.rpartition(":")
+    if port == "0":
+        listen = f"{host}:{_free_port()}"
+    kvloopd = shutil.which("kvloopd") or str(Path(sys.executable).parent / "kvloopd")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
+    env["KVLOOP_MAX_ENTRIES"] = "100000000"
+    process = subprocess.Popen([kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
+                               stdout=subprocess.DEVNULL, stderr=(workdir / "kvloopd.log").open("w"), env=env)
+    with DirectoryClient(listen, timeout=2) as client:
+        client.wait_ready(30)
+    return process, listen
+
+
+class _Fleet:
+    """Synthetic decode workers: each retains runs of `prompt_blocks` chained hashes."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        rng = random.Random(config.seed)
+        runs = max(1, config.entries // config.prompt_blocks)
+        self.runs: list[tuple[int, list[bytes]]] = []  # (worker index, hashes)
+        for r in range(runs):
+            parent = rng.randbytes(32)
+            hashes = []
+            for _ in range(config.prompt_blocks):
+                parent = hashlib.sha256(parent).digest()
+                hashes.append(parent)
+            self.runs.append((r % config.workers, hashes))
+
+    def batches_for(self, worker: int) -> list[list[pb.BlockEvent]]:
+        """A run is one BlocksRetained event (runs are atomic); several events fill a batch."""
+        per_batch = max(1, self.config.batch_hashes // self.config.prompt_blocks)
+        events = [
+            pb.BlockEvent(retained=pb.BlocksRetained(
+                block_hashes=hashes, block_ids=list(range(len(hashes))), num_groups=1,
+                retention_handle=f"run-{i}", expires_in_ms=3_600_000))
+            for i, (w, hashes) in enumerate(self.runs) if w == worker
+        ]
+        return [events[i:i + per_batch] for i in range(0, len(events), per_batch)]
+
+
+def _registration(worker: int) -> pb.WorkerRegistration:
+    return pb.WorkerRegistration(
+        worker_id=f"bench-decode-{worker}", role=pb.WORKER_ROLE_DECODE, model=MODEL, engine_id=f"e{worker}",
+        nixl_endpoint=f"10.0.0.{worker % 250}:5600", block_size=16, hash_algorithm="sha256_cbor",
+        hash_length=32, epoch=random.getrandbits(63) | 1, kv_bytes_per_block=160 * 1024)
+
+
+async def _ingest(config: BenchConfig, target: str, fleet: _Fleet, progress: Progress | None) -> dict:
+    async with AsyncDirectoryClient(target, timeout=60, max_message_bytes=256 * 1024 * 1024) as client:
+        links = [DirectoryLink(client, _registration(w), snapshot=lambda: []) for w in range(config.workers)]
+        runners = [asyncio.create_task(link.run()) for link in links]
+        await asyncio.gather(*(link.connected.wait() for link in links))
+        plans = [fleet.batches_for(w) for w in range(config.workers)]
+        total = sum(len(e.retained.block_hashes) for plan in plans for batch in plan for e in batch)
+        task = progress.add_task("ingest", total=total) if progress else None
+        started = time.perf_counter()
+        # Interleave workers batch by batch, keeping a window of unacked batches per worker.
+        for round_ in range(max(len(p) for p in plans)):
+            for link, plan in zip(links, plans):
+                if round_ < len(plan):
+                    link.publish(plan[round_])
+                    if progress:
+                        progress.advance(task, sum(len(e.retained.block_hashes) for e in plan[round_]))
+            if round_ % 4 == 3:
+                await asyncio.gather(*(link.wait_acked(max(0, link.sequence - 8)) for link in links))
+        await asyncio.gather(*(link.wait_acked() for link in links))
+        elapsed = time.perf_counter() - started
+        return {"links": links, "runners": runners, "hashes": total, "seconds": elapsed}
+
+
+async def _concurrent_lookups(target: str, prompts: list[bytes], concurrency: int, count: int) -> float:
+    async with AsyncDirectoryClient(target, timeout=30) as client:
+        done = 0
+
+        async def caller(i: int) -> None:
+            nonlocal done
+            while done < count:
+                done += 1
+                await client.lookup(MODEL, prompts[(i + done) % len(prompts)], requester="bench-prefill",
+                                   pack_block_ids=True)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(i) for i in range(concurrency)))
+        return count / (time.perf_counter() - started)
+
+
+def _prompts(fleet: _Fleet, config: BenchConfig, count: int) -> list[bytes]:
+    """Packed prompts: a retained run's prefix of random length, then blocks nobody holds."""
+    rng = random.Random(config.seed + 1)
+    prompts = []
+    for _ in range(count):
+        _, hashes = rng.choice(fleet.runs)
+        keep = rng.randint(1, len(hashes))
+        tail = [rng.randbytes(32) for _ in range(config.prompt_blocks - keep)]
+        prompts.append(b"".join(hashes[:keep] + tail))
+    return prompts
+
+
+async def _run(config: BenchConfig, progress: Progress | None) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="kvloop-bench-"))
+    daemon, target = _start_daemon(config.listen, workdir)
+    try:
+        fleet = _Fleet(config)
+        rss_before = _rss_bytes(daemon.pid)
+        ingest = await _ingest(config, target, fleet, progress)
+        with DirectoryClient(target) as sync:
+            stats = sync.stats()
+            rss_after = _rss_bytes(daemon.pid)
+            prompts = _prompts(fleet, config, min(config.lookups, 500))
+            for p in prompts[:50]:  # warm up
+                sync.lookup(MODEL, p, requester="bench-prefill", pack_block_ids=True)
+            server_us, e2e_us, transfers = [], [], 0
+            task = progress.add_task("lookups (sequential)", total=config.lookups) if progress else None
+            for i in range(config.lookups):
+                t0 = time.perf_counter()
+                answer = sync.lookup(MODEL, prompts[i % len(prompts)], requester="bench-prefill",
+                                     pack_block_ids=True)
+                e2e_us.append((time.perf_counter() - t0) * 1e6)
+                server_us.append(answer.lookup_us)
+                transfers += answer.decision == pb.DECISION_TRANSFER
+                if progress:
+                    progress.advance(task)
+        if progress:
+            progress.add_task(f"lookups ({config.concurrency} concurrent callers)", total=None)
+        throughput = await _concurrent_lookups(target, prompts, config.concurrency, config.lookups)
+        for runner in ingest["runners"]:
+            runner.cancel()
+        entries = stats.entries
+        result = {
+            "config": asdict(config),
+            "entries": entries,
+            "workers": config.workers,
+            "ingest_block_events": ingest["hashes"],
+            "ingest_seconds": round(ingest["seconds"], 3),
+            "ingest_block_events_per_s": round(ingest["hashes"] / ingest["seconds"]),
+            "lookup_server_p50_us": _percentile(server_us, 0.50),
+            "lookup_server_p99_us": _percentile(server_us, 0.99),
+            "lookup_e2e_p50_ms": round(_percentile(e2e_us, 0.50) / 1e3, 3),
+            "lookup_e2e_p99_ms": round(_percentile(e2e_us, 0.99) / 1e3, 3),
+            "lookup_e2e_mean_ms": round(statistics.fmean(e2e_us) / 1e3, 3),
+            "lookups_per_s_concurrent": round(throughput),
+            "concurrency": config.concurrency,
+            "transfer_decisions": transfers,
+            "daemon_rss_before_mib": round(rss_before / 2**20, 1),
+            "daemon_rss_after_mib": round(rss_after / 2**20, 1),
+            "bytes_per_entry": round((rss_after - rss_before) / max(entries, 1), 1),
+            "cpu_count": os.cpu_count(),
+        }
+        result["table"] = [
+            ("ingest (block-hash events/s)", f"{result['ingest_block_events_per_s']:,}", ">= 1,000,000"),
+            ("directory entries", f"{entries:,}", f"{config.entries:,}"),
+            (f"lookup server p50 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p50_us']} us", ""),
+            (f"lookup server p99 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p99_us']} us", "<= 100 us"),
+            ("lookup end-to-end p50 (gRPC, loopback)", f"{result['lookup_e2e_p50_ms']} ms", "<= 0.5 ms"),
+            (f"lookups/s, {config.concurrency} concurrent callers", f"{result['lookups_per_s_concurrent']:,}", ""),
+            ("daemon memory per entry", f"{result['bytes_per_entry']} B", "<= 200 B"),
+        ]
+        return result
+    finally:
+        daemon.terminate()
+        daemon.wait(15)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_directory_bench(config: BenchConfig, progress: bool = True) -> dict:
+    if not progress:
+        return asyncio.run(_run(config, None))
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total}"),
+                  TimeElapsedColumn(), transient=True) as bar:
+        return asyncio.run(_run(config, bar))
