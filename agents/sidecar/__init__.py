@@ -1,1 +1,1 @@
-"""kvloop agents.sidecar."""
+"""`kvloop-agent`: the sidecar beside one vLLM instance, streaming its block events to kvloopd."""

@@ -91,6 +91,13 @@ class DirectoryLink:
             self._outbox.put_nowait(pb.ConnectRequest(batch=batch))
         return self._sequence
 
+    def request_snapshot(self, why: str) -> None:
+        """Resend the full state (e.g. after the engine's own events had a gap)."""
+        if self._outbox is not None:
+            self._queue_snapshot(self._outbox, why)
+        else:
+            self._overflowed = True  # the next session snapshots
+
     async def wait_acked(self, sequence: int | None = None, timeout: float | None = None) -> None:
         target = self._sequence if sequence is None else sequence
 

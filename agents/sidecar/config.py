@@ -1,0 +1,81 @@
+"""kvloop-agent settings: defaults < TOML file < KVLOOP_AGENT_* environment < flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from kvloop.common.addresses import parse_host_port
+from kvloop.common.security import ClientSecurity
+
+
+class AgentSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVLOOP_AGENT_", extra="forbid")
+
+    daemon: str = "127.0.0.1:50051"
+    worker_id: str = Field(default_factory=socket.gethostname)
+    role: Literal["prefill", "decode", "both"] = "decode"
+    model: str
+    engine_id: str = ""
+    # NIXL side channel of the engine (VLLM_NIXL_SIDE_CHANNEL_HOST:PORT).
+    nixl_endpoint: str = ""
+    http_endpoint: str = ""
+    block_size: int = Field(gt=0)
+    hash_algorithm: str = "sha256_cbor"
+    hash_length: int = Field(32, ge=8, le=64)
+    kv_bytes_per_block: int = Field(0, ge=0)
+    # vLLM's kv_events_config endpoint (PUB) and replay_endpoint (ROUTER), as the agent connects.
+    kv_events: str = "tcp://127.0.0.1:5557"
+    kv_events_replay: str | None = "tcp://127.0.0.1:5558"
+    kv_events_topic: str = ""
+    # Say so when no KV event arrives this long after start (engine without kv_events_config?).
+    silent_engine_warning_s: float = Field(60.0, gt=0)
+    # /healthz and /metrics; empty disables.
+    health_listen: str = "127.0.0.1:9470"
+    log_level: str = "info"
+    log_json: bool | None = None
+    # Security towards kvloopd.
+    token: str | None = None
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @field_validator("daemon")
+    @classmethod
+    def _daemon(cls, value: str) -> str:
+        parse_host_port(value, "daemon")
+        return value
+
+    @field_validator("health_listen")
+    @classmethod
+    def _health(cls, value: str) -> str:
+        if value:
+            parse_host_port(value, "health_listen")
+        return value
+
+    @field_validator("kv_events")
+    @classmethod
+    def _zmq(cls, value: str) -> str:
+        if not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {value!r}")
+        return value.replace("tcp://*:", "tcp://127.0.0.1:")
+
+    def security(self) -> ClientSecurity:
+        return ClientSecurity(token=self.token, ca_file=self.ca_file, cert_file=self.cert_file,
+                              key_file=self.key_file)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings, file_secret_settings):
+        path = os.environ.get("KVLOOP_AGENT_CONFIG")
+        sources: list[Any] = [init_settings, env_settings]
+        if path:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"config file {path} does not exist")
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+        return tuple(sources)

@@ -1,0 +1,181 @@
+"""`kvloop-agent`: one per vLLM instance. Subscribes to the engine's KV events, keeps kvloopd's
+directory current over the Connect stream, and exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import structlog
+import typer
+from prometheus_client import Counter, Gauge
+from pydantic import ValidationError
+
+from kvloop.common.addresses import parse_host_port
+from kvloop.common.logging import configure_logging
+
+log = structlog.get_logger("kvloop.agent")
+app = typer.Typer(add_completion=False, help="kvloop sidecar: streams one vLLM worker's block events to kvloopd.")
+
+FORWARDED = Counter("kvloop_agent_events_forwarded_total", "Block events forwarded to kvloopd", ["kind"])
+ENGINE_GAPS = Counter("kvloop_agent_engine_event_gaps_total", "Unrecoverable gaps in the engine's KV events")
+CONNECTED = Gauge("kvloop_agent_connected", "1 while the Connect stream to kvloopd is up")
+
+_ROLES = {"prefill": 1, "decode": 2, "both": 3}
+
+
+async def run_agent(settings, stop: asyncio.Event) -> int:
+    from kvloop.agents.connector.events import decode_event_batch
+    from kvloop.agents.sidecar.health import serve_health
+    from kvloop.agents.sidecar.kv_events import KvEventSubscriber
+    from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
+    from kvloop.agents.sidecar.mirror import WorkerMirror
+    from kvloop.clients.client import AsyncDirectoryClient
+    from kvloop.v1 import directory_pb2 as pb
+
+    mirror = WorkerMirror(settings.hash_length)
+    registration = pb.WorkerRegistration(
+        worker_id=settings.worker_id, role=_ROLES[settings.role], model=settings.model,
+        engine_id=settings.engine_id or settings.worker_id, nixl_endpoint=settings.nixl_endpoint,
+        http_endpoint=settings.http_endpoint, block_size=settings.block_size,
+        hash_algorithm=settings.hash_algorithm, hash_length=settings.hash_length,
+        kv_bytes_per_block=settings.kv_bytes_per_block, epoch=random.getrandbits(63) | 1,
+        labels={"agent_pid": str(os.getpid())})
+    client = AsyncDirectoryClient(settings.daemon, settings.security())
+    link = DirectoryLink(client, registration, snapshot=mirror.snapshot,
+                         on_drain=lambda reason: log.warning("worker drained by kvloopd", reason=reason))
+    subscriber = KvEventSubscriber(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
+    started = time.monotonic()
+
+    def status() -> tuple[bool, dict]:
+        connected = link.connected.is_set()
+        return connected, {
+            "worker_id": settings.worker_id, "connected": connected, "epoch": registration.epoch,
+            "sequence": link.sequence, "acked": link.acked, "engine_batches": subscriber.messages,
+            "engine_gaps": subscriber.unrecoverable_gaps, "retained_runs": len(mirror.retained),
+            "last_error": link.last_error, "drained": link.drain_reason,
+        }
+
+    health = None
+    if settings.health_listen:
+        host, port = parse_host_port(settings.health_listen, "health_listen")
+        health = serve_health(host, port, status)
+
+    async def pump() -> None:
+        async for _seq, payload, gap in subscriber.batches():
+            if gap:
+                ENGINE_GAPS.inc()
+                mirror.forget_retained()
+                link.request_snapshot("engine event gap")
+            decoded = decode_event_batch(payload)
+            events = []
+            for raw in decoded.vllm:
+                converted = mirror.convert_vllm(raw)
+                if converted is not None:
+                    events.append(converted)
+            for ours in decoded.kvloop:
+                converted = mirror.convert_kvloop(ours)
+                if converted is not None:
+                    events.append(converted)
+            for event in events:
+                FORWARDED.labels(event.WhichOneof("event")).inc()
+            if events:
+                link.publish(events)
+
+    async def watch_silence() -> None:
+        await asyncio.sleep(settings.silent_engine_warning_s)
+        if subscriber.messages == 0:
+            log.warning("no KV events from the engine yet: is vLLM started with kv_events_config "
+                        "(enable_kv_cache_events, publisher zmq) on this endpoint?",
+                        endpoint=settings.kv_events, waited_s=settings.silent_engine_warning_s)
+
+    async def track_connection() -> None:
+        while True:
+            await link.connected.wait()
+            CONNECTED.set(1)
+            while link.connected.is_set():
+                await asyncio.sleep(0.5)
+            CONNECTED.set(0)
+
+    log.info("kvloop-agent starting", worker_id=settings.worker_id, model=settings.model, daemon=settings.daemon,
+             kv_events=settings.kv_events, epoch=registration.epoch)
+    tasks = [asyncio.create_task(t) for t in (link.run(), pump(), watch_silence(), track_connection())]
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task is not stopper and task.exception() is not None:
+                if isinstance(task.exception(), RegistrationRefused):
+                    log.error("kvloopd refused this agent", error=str(task.exception()))
+                    return 2
+                raise task.exception()
+        # Graceful stop: let acknowledged-so-far settle briefly, then close the stream.
+        try:
+            await link.wait_acked(timeout=2)
+        except asyncio.TimeoutError:
+            log.warning("stopping with unacknowledged batches", sequence=link.sequence, acked=link.acked)
+        return 0
+    finally:
+        for task in [*tasks, stopper]:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+        if health is not None:
+            health.shutdown()
+        log.info("kvloop-agent stopped", worker_id=settings.worker_id, uptime_s=round(time.monotonic() - started, 1))
+
+
+@app.command()
+def run(
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file (env KVLOOP_AGENT_CONFIG)")] = None,
+    daemon: Annotated[Optional[str], typer.Option(help="kvloopd HOST:PORT (env KVLOOP_AGENT_DAEMON)")] = None,
+    worker_id: Annotated[Optional[str], typer.Option(help="this vLLM instance's stable name")] = None,
+    role: Annotated[Optional[str], typer.Option(help="prefill, decode or both")] = None,
+    model: Annotated[Optional[str], typer.Option(help="served model name")] = None,
+    engine_id: Annotated[Optional[str], typer.Option(help="vLLM kv_transfer_config engine_id")] = None,
+    nixl_endpoint: Annotated[Optional[str], typer.Option(help="NIXL side channel HOST:PORT")] = None,
+    http_endpoint: Annotated[Optional[str], typer.Option(help="the engine's OpenAI HTTP base URL")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="vLLM block size")] = None,
+    kv_bytes_per_block: Annotated[Optional[int], typer.Option(help="KV bytes per block, all layers")] = None,
+    kv_events: Annotated[Optional[str], typer.Option(help="vLLM KV-event PUB endpoint")] = None,
+    kv_events_replay: Annotated[Optional[str], typer.Option(help="vLLM KV-event replay endpoint")] = None,
+    health_listen: Annotated[Optional[str], typer.Option(help="/healthz and /metrics HOST:PORT, '' disables")] = None,
+    log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error")] = None,
+) -> None:
+    from kvloop.agents.sidecar.config import AgentSettings
+
+    if config is not None:
+        os.environ["KVLOOP_AGENT_CONFIG"] = str(config)
+    flags = dict(daemon=daemon, worker_id=worker_id, role=role, model=model, engine_id=engine_id,
+                 nixl_endpoint=nixl_endpoint, http_endpoint=http_endpoint, block_size=block_size,
+                 kv_bytes_per_block=kv_bytes_per_block, kv_events=kv_events, kv_events_replay=kv_events_replay,
+                 health_listen=health_listen, log_level=log_level)
+    try:
+        settings = AgentSettings(**{k: v for k, v in flags.items() if v is not None})
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"kvloop-agent: invalid configuration:\n{exc}", err=True)
+        raise typer.Exit(2) from None
+    configure_logging(settings.log_level, settings.log_json)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_agent(settings, stop)
+
+    code = asyncio.run(main())
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app(prog_name="kvloop-agent")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The agent's view of its engine's blocks: converts vLLM/kvloop KV events into protocol events
+and keeps the state a resync snapshot must describe."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from prometheus_client import Counter
+
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.v1 import directory_pb2 as pb
+
+log = structlog.get_logger("kvloop.agent")
+
+SKIPPED = Counter("kvloop_agent_skipped_events_total", "Engine events not forwarded", ["reason"])
+
+
+@dataclass(slots=True)
+class _Run:
+    event: pb.BlocksRetained
+    deadline: float  # monotonic
+
+
+class WorkerMirror:
+    def __init__(self, hash_length: int) -> None:
+        self.hash_length = hash_length
+        self.retained: dict[str, _Run] = {}
+        self.stored: dict[str, dict[bytes, None]] = {}  # lora -> ordered set of hashes
+        self._warned_int_hashes = False
+
+    def _hashes(self, raw: Iterable[Any]) -> list[bytes] | None:
+        hashes = list(raw)
+        if any(not isinstance(h, bytes) or len(h) != self.hash_length for h in hashes):
+            SKIPPED.labels("hash_form").inc()
+            if not self._warned_int_hashes:
+                self._warned_int_hashes = True
+                log.warning("engine publishes block hashes that are not full digests; start vLLM with "
+                            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 so prefix-cache events can be indexed",
+                            expected_bytes=self.hash_length, sample=repr(hashes[:1]))
+            return None
+        return hashes
+
+    def convert_vllm(self, event: dict[str, Any]) -> pb.BlockEvent | None:
+        """vLLM's own BlockStored / BlockRemoved / AllBlocksCleared (raw msgpack maps)."""
+        kind = event.get("type")
+        lora = event.get("lora_name") or ""
+        if kind == "BlockStored":
+            hashes = self._hashes(event.get("block_hashes", []))
+            if hashes is None:
+                return None
+            self.stored.setdefault(lora, {}).update(dict.fromkeys(hashes))
+            return pb.BlockEvent(stored=pb.BlocksStored(
+                block_hashes=hashes, parent_block_hash=event.get("parent_block_hash") or b"", lora_name=lora,
+                tier=pb.BLOCK_TIER_DEVICE))
+        if kind == "BlockRemoved":
+            hashes = self._hashes(event.get("block_hashes", []))
+            if hashes is None:
+                return None
+            mine = self.stored.get(lora, {})
+            for h in hashes:
+                mine.pop(h, None)
+            return pb.BlockEvent(removed=pb.BlocksRemoved(block_hashes=hashes, lora_name=lora))
+        if kind == "AllBlocksCleared":
+            self.stored.clear()
+            self.retained.clear()
+            return pb.BlockEvent(cleared=pb.AllBlocksCleared())
+        SKIPPED.labels("unknown_type").inc()
+        return None
+
+    def convert_kvloop(self, event: KvloopBlocksRetained | KvloopRetentionReleased) -> pb.BlockEvent | None:
+        if isinstance(event, KvloopRetentionReleased):
+            self.retained.pop(event.retention_handle, None)
+            return pb.BlockEvent(released=pb.RetentionReleased(retention_handle=event.retention_handle))
+        hashes = self._hashes(event.block_hashes)
+        if hashes is None:
+            return None
+        age_ms = max(0.0, (time.time() - event.ts) * 1000) if event.ts else 0.0
+        remaining = int(event.lease_ms - age_ms)
+        if remaining <= 0:
+            SKIPPED.labels("expired_in_transit").inc()
+            return None
+        retained = pb.BlocksRetained(
+            block_hashes=hashes, block_ids=[i for group in event.block_ids for i in group],
+            num_groups=len(event.block_ids), retention_handle=event.retention_handle, expires_in_ms=remaining,
+            single_use=event.single_use, lora_name=event.lora_name or "", tier=pb.BLOCK_TIER_DEVICE)
+        self.retained[event.retention_handle] = _Run(retained, time.monotonic() + remaining / 1000)
+        return pb.BlockEvent(retained=retained)
+
+    def forget_retained(self) -> None:
+        """After an unrecoverable event gap a release may have been missed: serve nothing older."""
+        self.retained.clear()
+
+    def snapshot(self) -> list[pb.BlockEvent]:
+        """The full state, with leases recomputed for now (expired runs left out)."""
+        now = time.monotonic()
+        events = []
+        for handle, run in list(self.retained.items()):
+            remaining = int((run.deadline - now) * 1000)
+            if remaining <= 0:
+                del self.retained[handle]
+                continue
+            event = pb.BlocksRetained()
+            event.CopyFrom(run.event)
+            event.expires_in_ms = remaining
+            events.append(pb.BlockEvent(retained=event))
+        for lora, hashes in self.stored.items():
+            if hashes:
+                events.append(pb.BlockEvent(stored=pb.BlocksStored(block_hashes=list(hashes), lora_name=lora,
+                                                                   tier=pb.BLOCK_TIER_DEVICE)))
+        return events
