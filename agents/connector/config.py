@@ -25,6 +25,9 @@ class KvloopConfig(BaseModel):
     model: str = ""
     # Deadline of one Lookup RPC; the hook runs in the engine-core loop, keep it short.
     lookup_timeout_ms: float = Field(default=20.0, gt=0, le=5000)
+    # After a failed lookup, skip lookups (recompute) for this long: a dead daemon costs one
+    # timeout, not one per request.
+    lookup_backoff_s: float = Field(default=2.0, ge=0)
     # Lease of retained runs announced to the directory. None -> vLLM's decoder_kv_blocks_ttl.
     retention_ttl_s: float | None = Field(default=None, gt=0)
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until

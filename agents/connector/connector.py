@@ -49,7 +49,7 @@ def make_directory(cfg: KvloopConfig) -> BlockDirectory | None:
         return directory_factory(cfg)
     if not cfg.daemon or not cfg.lookup:
         return None
-    return GrpcBlockDirectory(cfg.daemon, timeout_ms=cfg.lookup_timeout_ms)
+    return GrpcBlockDirectory(cfg.daemon, timeout_ms=cfg.lookup_timeout_ms, backoff_s=cfg.lookup_backoff_s)
 
 
 class KvloopConnector(NixlPullConnector):

@@ -310,12 +310,11 @@ class MemoryStore:
         run = _Run(next(self._next_run), worker, namespace, event, now)
         index = self._index(namespace).retained
         rid = run.run_id
-        if index.keys().isdisjoint(event.hashes):
-            fresh = dict.fromkeys(event.hashes, rid)
-            index.update(fresh)
-            added = len(fresh)
-        else:
-            added = sum(_add(index, h, rid) for h in event.hashes)
+        # One probe per hash on the common path (no other holder yet); shared blocks take _add.
+        before = len(index)
+        claim = index.setdefault
+        shared = [h for h in event.hashes if claim(h, rid) is not rid]
+        added = len(index) - before + sum(_add(index, h, rid) for h in shared)
         self._runs[rid] = run
         worker.runs[event.handle] = run
         worker.retained_blocks += len(event.hashes)

@@ -27,6 +27,8 @@ except Exception:  # pragma: no cover
 # Lease of retained runs on the decode engine in these tests (long enough for every test's
 # pulls, short enough that test_release can watch one expire).
 RETENTION_TTL_S = 40.0
+PREFILL_LEASE_S = 8
+LOOKUP_BACKOFF_S = 0.5
 
 
 def _free_port() -> int:
@@ -83,7 +85,15 @@ def engines(tiny_model: Path) -> Iterator[EnginePair]:
             str(tiny_model),
             _free_port(),
             "prefill-0",
-            {**common, "kvloop_worker_id": "prefill-0", "kvloop_lookup_timeout_ms": 200},
+            {
+                **common,
+                "kvloop_worker_id": "prefill-0",
+                "kvloop_lookup_timeout_ms": 200,
+                "kvloop_lookup_backoff_s": LOOKUP_BACKOFF_S,
+                # forward (P->D) leases of this prefill's blocks; short so a test can empty
+                # the prefill's prefix cache (reset_prefix_cache needs every block free)
+                "kv_lease_duration": PREFILL_LEASE_S,
+            },
             directory_target=directory.target,
         )
     )

@@ -179,7 +179,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 sp = SamplingParams(
                     temperature=0.0,
                     max_tokens=args["max_tokens"],
-                    logprobs=1,
+                    logprobs=args.get("logprobs", 1),
                     ignore_eos=True,
                     extra_args={"kv_transfer_params": args.get("kv_transfer_params")}
                     if args.get("kv_transfer_params") is not None
@@ -200,6 +200,10 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                             "request_id": res.request_id,
                             "token_ids": list(c.token_ids),
                             "logprobs": lps,
+                            "top_logprobs": [
+                                sorted(((t, l.logprob) for t, l in lp.items()), key=lambda x: -x[1])
+                                for lp in (c.logprobs or [])
+                            ],
                             "kv_transfer_params": res.kv_transfer_params,
                             "num_cached_tokens": res.num_cached_tokens,
                             "elapsed_s": elapsed,
@@ -215,6 +219,13 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 ]
                 exporter.clear()
                 conn.send(("ok", spans))
+            elif cmd == "reset_prefix_cache":
+                conn.send(("ok", llm.reset_prefix_cache()))
+            elif cmd == "kvloop_reads":  # completed READs of retained runs (decode role)
+                from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+                w = get_kv_transfer_group().connector_worker
+                conn.send(("ok", dict(w.kvloop_reads)))
             elif cmd == "sleep":  # let the engine idle without stepping
                 time.sleep(args)
                 conn.send(("ok", None))
@@ -255,10 +266,13 @@ class EngineHandle:
             raise RuntimeError(f"engine {self.spec.name} {cmd} failed:\n{out}")
         return out
 
-    def generate(self, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params=None, cache_salt=None):
+    def generate(
+        self, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params=None, cache_salt=None, logprobs=1
+    ):
         return self.call(
             "generate",
             {
+                "logprobs": logprobs,
                 "prompt_token_ids": prompt_token_ids,
                 "max_tokens": max_tokens,
                 "kv_transfer_params": kv_transfer_params,

@@ -11,18 +11,40 @@ from __future__ import annotations
 import random
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from conftest import RETENTION_TTL_S
+from conftest import LOOKUP_BACKOFF_S, PREFILL_LEASE_S, RETENTION_TTL_S
 
 pytestmark = pytest.mark.engines
 
 BS = 32
 KV_TOL = 0.0157  # one bf16 step at |x| in [1, 2)
 LOGPROB_TOL = 0.02
+# Logits are bf16, so near-ties are common and any numerically different (but equally correct)
+# computation order can flip one: measured, a recompute split at a cached prefix moved one logit
+# by one bf16 step (0.0078) and turned a tie into a 0.0078 lead. A differing greedy token is
+# accepted only when it is such a near-tie in the reference's own distribution.
+TIE_TOL = 0.02
+
+
+def assert_same_greedy(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """Greedy tokens equal up to the first bf16 near-tie; logprobs equal within LOGPROB_TOL.
+
+    Returns the number of tokens compared (comparison stops at a tie flip, since the two
+    continuations then condition on different histories).
+    """
+    for i, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
+        if ta != tb:
+            ref_top = dict(b["top_logprobs"][i])
+            assert ta in ref_top, f"token {i}: {ta} not in reference top-k {b['top_logprobs'][i]}"
+            assert ref_top[tb] - ref_top[ta] <= TIE_TOL, f"token {i}: {ta} vs {tb}, not a near-tie"
+            return i
+        assert abs(a["logprobs"][i] - b["logprobs"][i]) <= LOGPROB_TOL, (i, a["logprobs"][i], b["logprobs"][i])
+    return len(a["token_ids"])
 
 
 def rand_tokens(rnd: random.Random, n: int) -> list[int]:
@@ -40,8 +62,8 @@ class Prefill:
 def prefill_and_check(engines, prompt: list[int], *, check_kv: bool = True) -> Prefill:
     """Prefill `prompt` through kvloop, then recompute it as reference and compare."""
     P = engines.prefill
-    out = P.generate(prompt, 1, {"do_remote_decode": True})
-    ref = P.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"ref-{uuid.uuid4()}")
+    out = P.generate(prompt, 1, {"do_remote_decode": True}, logprobs=5)
+    ref = P.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"ref-{uuid.uuid4()}", logprobs=5)
     rid = out["kv_transfer_params"]["remote_request_id"]  # vLLM's internal request id
     spans = [s for s in P.call("spans") if s.get("kvloop.request_id") == rid]
     assert len(spans) == 1, spans
@@ -53,13 +75,12 @@ def prefill_and_check(engines, prompt: list[int], *, check_kv: bool = True) -> P
         assert len(a) == len(b) == nfull
         diffs = P.call("kv_diff", {"a": a, "b": b})
         assert max(diffs) <= KV_TOL, f"KV differs from recompute: {[i for i, d in enumerate(diffs) if d > KV_TOL]}"
-    assert out["token_ids"] == ref["token_ids"]
-    assert abs(out["logprobs"][0] - ref["logprobs"][0]) <= LOGPROB_TOL
+    assert_same_greedy(out, ref)
     return Prefill(out, ref, spans[0], diffs)
 
 
 def decode(engines, prompt: list[int], p_params: dict[str, Any], n: int, salt: str | None = None):
-    d = engines.decode.generate(prompt, n, p_params, cache_salt=salt)
+    d = engines.decode.generate(prompt, n, p_params, cache_salt=salt, logprobs=5)
     if salt is None:  # wait until the retained event reached the directory
         engines.directory.wait_for_handle(d["kv_transfer_params"]["remote_request_id"])
     return d
@@ -103,15 +124,16 @@ def test_four_turn_conversation_transfers_each_turn(engines):
         # the prefill had the previous prompt cached; it pulled the decode's later blocks
         assert pf.out["num_cached_tokens"] >= s["kvloop.local_tokens"] + 64
         # decode from the pulled prefill and from the reference: same greedy continuation
-        d = decode(engines, prompt, pf.out["kv_transfer_params"], 32)
-        d_ref = decode(engines, prompt, pf.ref["kv_transfer_params"], 32, salt=f"dref-{turn}")
-        assert d["token_ids"] == d_ref["token_ids"]
-        assert max(abs(a - b) for a, b in zip(d["logprobs"], d_ref["logprobs"])) <= LOGPROB_TOL
+        d = decode(engines, prompt, pf.out["kv_transfer_params"], 96)
+        d_ref = decode(engines, prompt, pf.ref["kv_transfer_params"], 96, salt=f"dref-{turn}")
+        compared = assert_same_greedy(d, d_ref)
+        print(f"turn {turn}: pulled {s['kvloop.bytes'] / 2**20:.1f} MiB, "
+              f"{compared}/{len(d['token_ids'])} decoded tokens identical before any tie flip")
 
 
 @pytest.mark.parametrize("edit", ["replace_middle", "drop_segment"])
 def test_edited_history_pulls_only_matching_blocks(engines, edit):
-    rnd = random.Random(hash(edit) & 0xFFFF)
+    rnd = random.Random(zlib.crc32(edit.encode()))
     prompt = rand_tokens(rnd, 2048)
     # turn 1 on a prefill that caches nothing of it (salted): every block must come from the peer
     d = first_turn(engines, prompt, 32, prefill_salt=f"cold-{uuid.uuid4()}")
@@ -130,32 +152,38 @@ def test_edited_history_pulls_only_matching_blocks(engines, edit):
     assert len(pf.kv_diffs) == len(edited) // BS  # all full blocks compared, not only pulled ones
 
 
+def empty_prefill_cache(engines) -> None:
+    """Forget everything the prefill engine cached (waits out its forward leases)."""
+    deadline = time.monotonic() + PREFILL_LEASE_S + 30
+    while not engines.prefill.call("reset_prefix_cache"):
+        assert time.monotonic() < deadline, "prefill cache never became resettable"
+        time.sleep(1)
+        engines.prefill.generate([5] * 40, 1, cache_salt="tick")  # steps reap expired leases
+
+
 def test_shared_prefix_read_by_two_conversations(engines):
-    """Multi-reader lease: two prefills read the same retained run; both exact."""
+    """Multi-reader lease: two conversations pull the same retained run; both reads exact.
+
+    vLLM alone frees a retained run after its first READ (a second read then returns another
+    request's KV silently); kvloop keeps it until the lease ends.
+    """
     rnd = random.Random(3)
     prompt = rand_tokens(rnd, 2048)
     d = first_turn(engines, prompt, 32, prefill_salt=f"cold-{uuid.uuid4()}")
     handle = d["kv_transfer_params"]["remote_request_id"]
     shared = prompt + d["token_ids"]
-    results = []
+    n_shared_blocks = (len(shared) - 1) // BS  # the last sampled token has no KV on the decode
     for i in range(2):
-        # different suffix per conversation; cache_salt-free so both hash-match the shared run,
-        # but the first conversation's blocks must not be served locally to the second one:
-        conv = shared + rand_tokens(rnd, 150)
+        empty_prefill_cache(engines)  # the second conversation must read the run again
+        conv = shared + rand_tokens(rnd, 150 + 40 * i)
         pf = prefill_and_check(engines, conv)
-        results.append(pf)
-        assert pf.span["kvloop.path"] in ("transfer", "local"), pf.span
-    assert results[0].span["kvloop.path"] == "transfer"
-    assert results[0].span["kvloop.holder"] == "decode-0"
-    # the run is still retained (not freed after the first READ)
-    assert handle in engines.directory.index.handles()
-    # force the second conversation to read the same run again over NIXL: salt-free prompt whose
-    # local prefix is gone is not possible without evicting, so read it from a third
-    # "instance view": a salted local cache is not consulted by the lookup (hashes differ), so
-    # use a prompt that shares the run but diverges right after its first block.
-    third = shared[: (len(shared) // BS) * BS] + rand_tokens(rnd, 40)
-    pf = prefill_and_check(engines, third)
-    assert pf.span["kvloop.path"] in ("transfer", "local")
+        assert pf.span["kvloop.path"] == "transfer", pf.span
+        assert pf.span["kvloop.matched_tokens"] == n_shared_blocks * BS
+        assert pf.out["num_cached_tokens"] == n_shared_blocks * BS
+        # the decode polls READ notices only when it steps
+        engines.decode.generate([5] * 40, 1, cache_salt="tick")
+        assert engines.decode.call("kvloop_reads").get(handle) == i + 1
+        assert handle in engines.directory.index.handles()  # still retained
 
 
 def test_missing_holder_recomputes(engines):
@@ -224,6 +252,7 @@ def test_directory_down_recomputes(engines):
         pf = prefill_and_check(engines, prompt)
     finally:
         engines.directory.override = None
+        time.sleep(LOOKUP_BACKOFF_S + 0.2)  # the connector skips lookups for a while after an error
     assert pf.span["kvloop.path"] == "recompute"
     assert pf.span["kvloop.reason"] == "directory_unavailable"
 
