@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-KVLOOPD = shutil.which("kvloopd") or str(Path(sys.executable).parent / "kvloopd")
+KVLOOPD = str(Path(sys.executable).parent / "kvloopd")  # this environment's, whatever PATH says
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ BIN = Path(sys.executable).parent
 
 
 def grpcurl(address: str, *args: str, data: str | None = None) -> subprocess.CompletedProcess:
-    cmd = [shutil.which("grpcurl") or str(BIN / "grpcurl"), "-plaintext"]
+    cmd = [str(BIN / "grpcurl"), "-plaintext"]
     if data is not None:
         cmd += ["-d", data]
     return subprocess.run([*cmd, address, *args], capture_output=True, text=True, timeout=30, cwd="/")
@@ -104,6 +103,6 @@ def test_generated_code_is_fresh_and_buf_lint_is_clean():
     fresh = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True,
                            text=True)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
-    buf = shutil.which("buf") or str(BIN / "buf")
+    buf = str(BIN / "buf")
     lint = subprocess.run([buf, "lint"], cwd=ROOT / "proto", capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 from kvloop.clients.client import DirectoryClient, KvloopError
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
-from tests.conftest import start_daemon
+from tests.conftest import KVLOOPD, start_daemon
 from tests.support import conversation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +50,7 @@ def test_config_file_env_and_flags_precedence(tmp_path):
     config = tmp_path / "kvloopd.toml"
     config.write_text('lease_s = 7.0\nlog_level = "debug"\n[policy]\nrecompute_threshold_tokens = 128\n')
     env = {"KVLOOP_LOG_LEVEL": "warning", "PATH": str(Path(sys.executable).parent)}
-    out = subprocess.run(["kvloopd", "--config", str(config), "--check-config", "--listen", "0.0.0.0:6000"],
+    out = subprocess.run([KVLOOPD, "--config", str(config), "--check-config", "--listen", "0.0.0.0:6000"],
                          capture_output=True, text=True, env=env, check=True).stdout
     assert '"lease_s": 7.0' in out  # file
     assert '"log_level": "warning"' in out  # env beats file
@@ -66,7 +65,7 @@ def test_config_file_env_and_flags_precedence(tmp_path):
     (["--config", "/nonexistent/kvloopd.toml"], {}, "does not exist"),
 ])
 def test_bad_config_is_a_clear_error(args, env, message):
-    result = subprocess.run(["kvloopd", *args, "--check-config"], capture_output=True, text=True,
+    result = subprocess.run([KVLOOPD, *args, "--check-config"], capture_output=True, text=True,
                             env={"PATH": str(Path(sys.executable).parent), **env})
     assert result.returncode == 2
     assert message in result.stderr
@@ -74,7 +73,7 @@ def test_bad_config_is_a_clear_error(args, env, message):
 
 
 def test_busy_port_is_a_clear_error(daemon):
-    result = subprocess.run(["kvloopd", "--listen", daemon.address, "--metrics-listen", ""],
+    result = subprocess.run([KVLOOPD, "--listen", daemon.address, "--metrics-listen", ""],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert f"cannot listen on {daemon.address}" in result.stderr
@@ -83,7 +82,7 @@ def test_busy_port_is_a_clear_error(daemon):
 
 def test_systemd_unit_verifies(tmp_path):
     unit = (ROOT / "daemon/systemd/kvloopd.service").read_text()
-    kvloopd = shutil.which("kvloopd") or str(Path(sys.executable).parent / "kvloopd")
+    kvloopd = KVLOOPD
     # ExecStart must exist on the checking machine: point it at this installation.
     local = tmp_path / "kvloopd.service"
     local.write_text(unit.replace("/usr/local/bin/kvloopd", kvloopd))

@@ -7,7 +7,6 @@ buffer no longer reaches back that far the gap is unrecoverable and the caller i
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import structlog

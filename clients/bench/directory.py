@@ -64,7 +64,7 @@ def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     host, _, port = listen.rpartition(":")
     if port == "0":
         listen = f"{host}:{_free_port()}"
-    kvloopd = shutil.which("kvloopd") or str(Path(sys.executable).parent / "kvloopd")
+    kvloopd = str(Path(sys.executable).parent / "kvloopd")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     env["KVLOOP_MAX_ENTRIES"] = "100000000"
     process = subprocess.Popen([kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
