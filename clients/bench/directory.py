@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import multiprocessing
 import os
 import random
 import shutil
@@ -109,27 +110,40 @@ def _registration(worker: int) -> pb.WorkerRegistration:
         hash_length=32, epoch=random.getrandbits(63) | 1, kv_bytes_per_block=160 * 1024)
 
 
-async def _ingest(config: BenchConfig, target: str, fleet: _Fleet, progress: Progress | None) -> dict:
+async def _ingest(config: BenchConfig, target: str, conn) -> None:
+    """The fleet: 64 agents (DirectoryLink, the sidecar's real stream code) in their own process,
+    publishing every run, then heartbeating until told to stop."""
+    fleet = _Fleet(config)
     async with AsyncDirectoryClient(target, timeout=60, max_message_bytes=256 * 1024 * 1024) as client:
         links = [DirectoryLink(client, _registration(w), snapshot=lambda: []) for w in range(config.workers)]
         runners = [asyncio.create_task(link.run()) for link in links]
         await asyncio.gather(*(link.connected.wait() for link in links))
         plans = [fleet.batches_for(w) for w in range(config.workers)]
         total = sum(len(e.retained.block_hashes) for plan in plans for batch in plan for e in batch)
-        task = progress.add_task("ingest", total=total) if progress else None
+        conn.send(("total", total))
         started = time.perf_counter()
         # Interleave workers batch by batch, keeping a window of unacked batches per worker.
         for round_ in range(max(len(p) for p in plans)):
             for link, plan in zip(links, plans):
                 if round_ < len(plan):
                     link.publish(plan[round_])
-                    if progress:
-                        progress.advance(task, sum(len(e.retained.block_hashes) for e in plan[round_]))
             if round_ % 4 == 3:
                 await asyncio.gather(*(link.wait_acked(max(0, link.sequence - 8)) for link in links))
+                conn.send(("progress", sum(len(e.retained.block_hashes) for plan in plans
+                                           for batch in plan[:round_ + 1] for e in batch)))
         await asyncio.gather(*(link.wait_acked() for link in links))
-        elapsed = time.perf_counter() - started
-        return {"links": links, "runners": runners, "hashes": total, "seconds": elapsed}
+        conn.send(("ingested", total, time.perf_counter() - started))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, conn.recv)  # keep the leases alive until the bench is done
+        for runner in runners:
+            runner.cancel()
+
+
+def _fleet_process(config: BenchConfig, target: str, conn) -> None:
+    from kvloop.common.logging import configure_logging
+
+    configure_logging("warning")
+    asyncio.run(_ingest(config, target, conn))
 
 
 async def _concurrent_lookups(target: str, prompts: list[bytes], concurrency: int, count: int) -> float:
@@ -163,10 +177,22 @@ def _prompts(fleet: _Fleet, config: BenchConfig, count: int) -> list[bytes]:
 async def _run(config: BenchConfig, progress: Progress | None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvloop-bench-"))
     daemon, target = _start_daemon(config.listen, workdir)
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    fleet_proc = ctx.Process(target=_fleet_process, args=(config, target, child_conn), daemon=True)
     try:
-        fleet = _Fleet(config)
         rss_before = _rss_bytes(daemon.pid)
-        ingest = await _ingest(config, target, fleet, progress)
+        fleet_proc.start()
+        fleet = _Fleet(config)  # the same seeded runs, to build prompts that hit them
+        _, total = conn.recv()
+        task = progress.add_task("ingest", total=total) if progress else None
+        while True:
+            message = conn.recv()
+            if message[0] == "ingested":
+                _, hashes, ingest_seconds = message
+                break
+            if progress:
+                progress.update(task, completed=message[1])
         with DirectoryClient(target) as sync:
             stats = sync.stats()
             rss_after = _rss_bytes(daemon.pid)
@@ -187,16 +213,15 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
         if progress:
             progress.add_task(f"lookups ({config.concurrency} concurrent callers)", total=None)
         throughput = await _concurrent_lookups(target, prompts, config.concurrency, config.lookups)
-        for runner in ingest["runners"]:
-            runner.cancel()
+        conn.send("stop")
         entries = stats.entries
         result = {
             "config": asdict(config),
             "entries": entries,
             "workers": config.workers,
-            "ingest_block_events": ingest["hashes"],
-            "ingest_seconds": round(ingest["seconds"], 3),
-            "ingest_block_events_per_s": round(ingest["hashes"] / ingest["seconds"]),
+            "ingest_block_events": hashes,
+            "ingest_seconds": round(ingest_seconds, 3),
+            "ingest_block_events_per_s": round(hashes / ingest_seconds),
             "lookup_server_p50_us": _percentile(server_us, 0.50),
             "lookup_server_p99_us": _percentile(server_us, 0.99),
             "lookup_e2e_p50_ms": round(_percentile(e2e_us, 0.50) / 1e3, 3),
@@ -204,6 +229,7 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             "lookup_e2e_mean_ms": round(statistics.fmean(e2e_us) / 1e3, 3),
             "lookups_per_s_concurrent": round(throughput),
             "concurrency": config.concurrency,
+            "lookups": config.lookups,
             "transfer_decisions": transfers,
             "daemon_rss_before_mib": round(rss_before / 2**20, 1),
             "daemon_rss_after_mib": round(rss_after / 2**20, 1),
@@ -217,10 +243,14 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             (f"lookup server p99 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p99_us']} us", "<= 100 us"),
             ("lookup end-to-end p50 (gRPC, loopback)", f"{result['lookup_e2e_p50_ms']} ms", "<= 0.5 ms"),
             (f"lookups/s, {config.concurrency} concurrent callers", f"{result['lookups_per_s_concurrent']:,}", ""),
+            ("lookups that chose TRANSFER", f"{transfers:,} / {config.lookups:,}", ""),
             ("daemon memory per entry", f"{result['bytes_per_entry']} B", "<= 200 B"),
         ]
         return result
     finally:
+        if fleet_proc.is_alive():
+            fleet_proc.terminate()
+        fleet_proc.join(10)
         daemon.terminate()
         daemon.wait(15)
         shutil.rmtree(workdir, ignore_errors=True)
