@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
+from contextlib import asynccontextmanager
 
 from kvloop.v1 import directory_pb2 as pb
 
@@ -43,3 +45,20 @@ def retained(hashes: list[bytes], handle: str, expires_in_ms: int = 60_000, sing
 
 def connect_request(**kwargs) -> pb.ConnectRequest:
     return pb.ConnectRequest(**kwargs)
+
+
+@asynccontextmanager
+async def running_agent(client, worker_id: str, model: str, *events: pb.BlockEvent, snapshot=None, **reg):
+    """A real DirectoryLink registered and (if events are given) acknowledged, cancelled on exit."""
+    from kvloop.agents.sidecar.link import DirectoryLink
+
+    link = DirectoryLink(client, registration(worker_id, model=model, **reg), snapshot=snapshot or (lambda: []))
+    runner = asyncio.create_task(link.run())
+    try:
+        await asyncio.wait_for(link.connected.wait(), 10)
+        if events:
+            link.publish(list(events))
+            await link.wait_acked(timeout=5)
+        yield link
+    finally:
+        runner.cancel()

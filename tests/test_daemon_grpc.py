@@ -11,7 +11,7 @@ import pytest
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError, holder_block_ids
 from kvloop.v1 import directory_pb2 as pb
-from tests.support import conversation, registration, retained
+from tests.support import conversation, registration, retained, running_agent
 
 
 async def open_stream(client: AsyncDirectoryClient, reg: pb.WorkerRegistration | None = None):
@@ -41,14 +41,9 @@ async def test_retained_blocks_are_found_and_transfer_is_decided(daemon):
     model = "m-transfer"
     prompt = conversation("turn", 64)
     async with AsyncDirectoryClient(daemon.address) as client:
-        link = DirectoryLink(client, registration("dec-t", model=model), snapshot=lambda: [])
-        runner = asyncio.create_task(link.run())
-        await link.connected.wait()
-        link.publish([retained(prompt[:40], "req-1")])
-        await link.wait_acked(timeout=5)
-        answer = await client.lookup(model, prompt, requester="pre-t", claim=True, block_size=16)
-        packed = await client.lookup(model, b"".join(prompt), requester="pre-t", pack_block_ids=True)
-        runner.cancel()
+        async with running_agent(client, "dec-t", model, retained(prompt[:40], "req-1")):
+            answer = await client.lookup(model, prompt, requester="pre-t", claim=True, block_size=16)
+            packed = await client.lookup(model, b"".join(prompt), requester="pre-t", pack_block_ids=True)
     assert answer.decision == pb.DECISION_TRANSFER, answer
     assert answer.reason == pb.DECISION_REASON_TRANSFER_FASTER
     assert answer.matched_blocks == 40 and answer.matched_tokens == 640
@@ -65,15 +60,10 @@ async def test_below_threshold_and_local_prefix_and_miss(daemon):
     model = "m-policy"
     prompt = conversation("p", 20)
     async with AsyncDirectoryClient(daemon.address) as client:
-        link = DirectoryLink(client, registration("dec-p", model=model), snapshot=lambda: [])
-        runner = asyncio.create_task(link.run())
-        await link.connected.wait()
-        link.publish([retained(prompt[:10], "r")])
-        await link.wait_acked(timeout=5)
-        short = await client.lookup(model, prompt, local_blocks=7)  # 3 blocks x 16 = 48 < 64 tokens
-        local = await client.lookup(model, prompt, local_blocks=12)
-        miss = await client.lookup(model, conversation("other", 5))
-        runner.cancel()
+        async with running_agent(client, "dec-p", model, retained(prompt[:10], "r")):
+            short = await client.lookup(model, prompt, local_blocks=7)  # 3 blocks x 16 = 48 < 64 tokens
+            local = await client.lookup(model, prompt, local_blocks=12)
+            miss = await client.lookup(model, conversation("other", 5))
     assert (short.decision, short.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD)
     assert "48 transferable tokens" in short.detail
     assert (local.decision, local.reason) == (pb.DECISION_LOCAL, pb.DECISION_REASON_LOCAL_PREFIX)
@@ -84,14 +74,9 @@ async def test_concurrent_claims_of_a_single_use_handle_never_both_win(daemon):
     model = "m-claim"
     prompt = conversation("claim", 32)
     async with AsyncDirectoryClient(daemon.address) as client:
-        link = DirectoryLink(client, registration("dec-c", model=model), snapshot=lambda: [])
-        runner = asyncio.create_task(link.run())
-        await link.connected.wait()
-        link.publish([retained(prompt, "once", single_use=True)])
-        await link.wait_acked(timeout=5)
-        answers = await asyncio.gather(*[
-            client.lookup(model, prompt, requester=f"pre-{i}", claim=True) for i in range(16)])
-        runner.cancel()
+        async with running_agent(client, "dec-c", model, retained(prompt, "once", single_use=True)):
+            answers = await asyncio.gather(*[
+                client.lookup(model, prompt, requester=f"pre-{i}", claim=True) for i in range(16)])
     winners = [a for a in answers if a.decision == pb.DECISION_TRANSFER]
     assert len(winners) == 1
     assert all(a.reason == pb.DECISION_REASON_CLAIMED for a in answers if a not in winners)
@@ -155,25 +140,21 @@ async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, frag
     model = "m-badevent"
     good_prompt = conversation("good", 6)
     async with AsyncDirectoryClient(daemon.address) as client:
-        healthy = DirectoryLink(client, registration("healthy", model=model), snapshot=lambda: [])
-        runner = asyncio.create_task(healthy.run())
-        await healthy.connected.wait()
-        healthy.publish([retained(good_prompt, "good")])
-        await healthy.wait_acked(timeout=5)
-        call, _ = await open_stream(client, registration("misbehaving", model=model))
-        bad_prompt = conversation("bad", 3)
-        # one valid event and one bad one in the same batch: the whole batch is refused
-        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(bad_prompt, "v"), event])))
-        await expect_abort(call, grpc.StatusCode.INVALID_ARGUMENT, fragment)
-        assert (await client.lookup(model, bad_prompt)).decision == pb.DECISION_RECOMPUTE
-        # the other agent's stream still works and its blocks are still served
-        healthy.publish([retained(conversation("good2", 6), "good2")])
-        await healthy.wait_acked(timeout=5)
-        assert (await client.lookup(model, good_prompt)).matched_blocks == 6
-        assert healthy.sessions == 1
-        runner.cancel()
+        async with running_agent(client, "healthy", model, retained(good_prompt, "good")) as healthy:
+            call, _ = await open_stream(client, registration("misbehaving", model=model))
+            bad_prompt = conversation("bad", 3)
+            # one valid event and one bad one in the same batch: the whole batch is refused
+            await call.write(pb.ConnectRequest(batch=pb.EventBatch(
+                sequence=1, events=[retained(bad_prompt, "v"), event])))
+            await expect_abort(call, grpc.StatusCode.INVALID_ARGUMENT, fragment)
+            assert (await client.lookup(model, bad_prompt)).decision == pb.DECISION_RECOMPUTE
+            # the other agent's stream still works and its blocks are still served
+            healthy.publish([retained(conversation("good2", 6), "good2")])
+            await healthy.wait_acked(timeout=5)
+            assert (await client.lookup(model, good_prompt)).matched_blocks == 6
+            assert healthy.sessions == 1
     metrics = urllib.request.urlopen(f"http://{daemon.metrics_address}/metrics").read().decode()
-    assert 'kvloop_rejected_messages_total{reason=' in metrics or 'kvloop_rejected_messages_total{rpc="Connect"' in metrics
+    assert 'kvloop_rejected_messages_total{reason="' in metrics and 'rpc="Connect"' in metrics
 
 
 async def test_duplicate_worker_is_refused_while_the_first_is_alive(daemon):
@@ -191,19 +172,16 @@ async def test_lookup_bad_input(daemon):
             client.lookup("", [b"x" * 32])
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
     async with AsyncDirectoryClient(daemon.address) as aclient:
-        link = DirectoryLink(aclient, registration("dec-li", model="m-li"), snapshot=lambda: [])
-        runner = asyncio.create_task(link.run())
-        await link.connected.wait()
-        with pytest.raises(KvloopError, match="must be 32 bytes"):
-            await aclient.lookup("m-li", [b"x" * 31])
-        with pytest.raises(KvloopError, match="not a multiple"):
-            await aclient.lookup("m-li", b"x" * 33)
-        with pytest.raises(KvloopError, match="local_blocks 3 exceeds"):
-            await aclient.lookup("m-li", [b"x" * 32], local_blocks=3)
-        with pytest.raises(KvloopError, match="uses block_size 16") as e:
-            await aclient.lookup("m-li", [b"x" * 32], block_size=32)
-        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        runner.cancel()
+        async with running_agent(aclient, "dec-li", "m-li"):
+            with pytest.raises(KvloopError, match="must be 32 bytes"):
+                await aclient.lookup("m-li", [b"x" * 31])
+            with pytest.raises(KvloopError, match="not a multiple"):
+                await aclient.lookup("m-li", b"x" * 33)
+            with pytest.raises(KvloopError, match="local_blocks 3 exceeds"):
+                await aclient.lookup("m-li", [b"x" * 32], local_blocks=3)
+            with pytest.raises(KvloopError, match="uses block_size 16") as e:
+                await aclient.lookup("m-li", [b"x" * 32], block_size=32)
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def test_lease_expiry_and_epoch_replacement(daemon_factory):
@@ -240,13 +218,8 @@ async def test_short_retention_lease_is_not_handed_out(daemon_factory):
     proc = daemon_factory(env={"KVLOOP_EXPIRY_MARGIN_S": "30"})
     prompt = conversation("exp", 8)
     async with AsyncDirectoryClient(proc.address) as client:
-        link = DirectoryLink(client, registration("dec-e", model="m-exp"), snapshot=lambda: [])
-        runner = asyncio.create_task(link.run())
-        await link.connected.wait()
-        link.publish([retained(prompt, "soon", expires_in_ms=20_000)])
-        await link.wait_acked(timeout=5)
-        answer = await client.lookup("m-exp", prompt)
-        runner.cancel()
+        async with running_agent(client, "dec-e", "m-exp", retained(prompt, "soon", expires_in_ms=20_000)):
+            answer = await client.lookup("m-exp", prompt)
     assert (answer.decision, answer.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_EXPIRED)
 
 

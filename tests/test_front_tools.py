@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.clients.client import AsyncDirectoryClient
-from tests.support import conversation, registration, retained
+from tests.support import conversation, retained, running_agent
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -56,13 +55,8 @@ def test_grpcurl_list_describe_health_and_lookup(daemon):
 async def populated(daemon):
     prompt = conversation("cli", 20)
     async with AsyncDirectoryClient(daemon.address) as client:
-        link = DirectoryLink(client, registration("dec-cli", model="m-cli"), snapshot=lambda: [])
-        runner = asyncio.create_task(link.run())
-        await link.connected.wait()
-        link.publish([retained(prompt[:12], "cli-handle")])
-        await link.wait_acked(timeout=5)
-        yield prompt
-        runner.cancel()
+        async with running_agent(client, "dec-cli", "m-cli", retained(prompt[:12], "cli-handle")):
+            yield prompt
 
 
 async def test_cli_tables_and_json(daemon, populated):
