@@ -255,6 +255,47 @@ def bench_directory(
         console.print(table)
 
 
+@app.command()
+def proxy(
+    prefill: Annotated[list[str], typer.Option(help="prefill vLLM server base URL (repeatable)")],
+    decode: Annotated[list[str], typer.Option(help="decode vLLM server base URL (repeatable)")],
+    listen: Annotated[str, typer.Option(help="HOST:PORT to serve the OpenAI API on")] = "127.0.0.1:8000",
+    use_directory: Annotated[bool, typer.Option(
+        help="ask kvloopd (--daemon) which decode server holds a conversation's blocks")] = True,
+    request_timeout: Annotated[float, typer.Option(help="seconds per upstream request")] = 600.0,
+) -> None:
+    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers."""
+    import asyncio
+    import signal as signals
+
+    from kvloop.clients.proxy.app import ProxyConfig, serve
+    from kvloop.common.addresses import parse_host_port
+    from kvloop.common.tracing import configure_tracing, shutdown_tracing
+
+    try:
+        host, port = parse_host_port(listen, "listen")
+    except ValueError as exc:
+        _fail(str(exc), code=2)
+    configure_logging("info")
+    configure_tracing("kvloop-proxy")
+    config = ProxyConfig(prefill=prefill, decode=decode, request_timeout_s=request_timeout,
+                         daemon=state.daemon if use_directory else None)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signals.SIGTERM, signals.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(config, host, port, stop)
+
+    try:
+        asyncio.run(run())
+    except OSError as exc:
+        _fail(f"cannot listen on {listen}: {exc}")
+    finally:
+        shutdown_tracing()
+
+
 def main() -> None:
     app(prog_name="kvloop")
 

@@ -1,0 +1,1 @@
+"""`kvloop proxy`: OpenAI-compatible front over vLLM prefill/decode servers."""

@@ -1,0 +1,300 @@
+"""`kvloop proxy`: an OpenAI-compatible front over vLLM prefill and decode servers.
+
+Per request: the prefill server computes (or pulls, through the kvloop connector) the prompt's KV
+and returns a forward handle; a decode server pulls it and streams the answer back. The proxy keeps
+no per-conversation state: which decode worker holds a conversation's blocks is the directory's
+business, and the prefill's connector reports the holder it used (`kvloop_holder` in the returned
+kv_transfer_params), which the proxy prefers as the decode server. W3C trace context flows
+client -> proxy -> prefill -> decode, so one trace shows the whole turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+
+from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
+
+log = structlog.get_logger("kvloop.proxy")
+tracer = trace.get_tracer("kvloop.proxy")
+
+REQUESTS = Counter("kvloop_proxy_requests_total", "Proxied requests", ["endpoint", "outcome"])
+TTFT = Histogram("kvloop_proxy_ttft_seconds", "Request arrival to first streamed token",
+                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+PREFILL_SECONDS = Histogram("kvloop_proxy_prefill_seconds", "Prefill step duration",
+                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+KVLOOP_PREFIX = "kvloop_"
+
+
+@dataclass
+class ProxyConfig:
+    prefill: list[str]
+    decode: list[str]
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 2.0
+    daemon: str | None = None  # kvloopd, to map a holder's worker id to its HTTP endpoint
+    holder_map_refresh_s: float = 5.0
+
+
+@dataclass
+class _State:
+    config: ProxyConfig
+    prefill: BackendPool
+    decode: BackendPool
+    session: aiohttp.ClientSession | None = None
+    holder_urls: dict[str, str] = field(default_factory=dict)  # worker id -> http endpoint
+    tasks: list[asyncio.Task] = field(default_factory=list)
+
+
+class UpstreamError(Exception):
+    def __init__(self, status: int, message: str, backend: Backend | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.backend = backend
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _validate(body: Any, chat: bool) -> str | None:
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return "'messages' must be a non-empty list"
+        if not all(isinstance(m, dict) and "role" in m for m in messages):
+            return "every message needs a 'role'"
+    elif "prompt" not in body:
+        return "'prompt' is required"
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        if key in body and (not isinstance(body[key], int) or body[key] < 1):
+            return f"'{key}' must be a positive integer"
+    if body.get("n", 1) != 1:
+        return "only n=1 is supported"
+    return None
+
+
+def _prefill_body(body: dict, chat: bool) -> dict:
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out["max_tokens"] = 1
+    if chat:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = {"do_remote_decode": True}
+    return out
+
+
+async def _post_json(state: _State, backend: Backend, path: str, body: dict, headers: dict) -> dict:
+    assert state.session is not None
+    try:
+        async with state.session.post(f"{backend.url}{path}", json=body, headers=headers) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
+                                    f"{backend.role} server {backend.url} answered {r.status}: {text[:500]}", backend)
+            return json.loads(text)
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        raise UpstreamError(502, f"{backend.role} server {backend.url} failed: {exc}", backend) from None
+    except asyncio.TimeoutError:
+        raise UpstreamError(504, f"{backend.role} server {backend.url} timed out", backend) from None
+
+
+def _holder_backend(state: _State, kv: dict) -> Backend | None:
+    holder = kv.get("kvloop_holder")
+    url = state.holder_urls.get(holder) if holder else None
+    return state.decode.by_url(url) if url else None
+
+
+async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
+    state: _State = request.app["state"]
+    endpoint = "chat" if chat else "completions"
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        REQUESTS.labels(endpoint, "bad_request").inc()
+        return _error(400, "request body is not valid JSON")
+    problem = _validate(body, chat)
+    if problem:
+        REQUESTS.labels(endpoint, "bad_request").inc()
+        return _error(400, problem)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    stream = bool(body.get("stream"))
+    started = time.perf_counter()
+    parent = propagate.extract(request.headers)
+    with tracer.start_as_current_span(f"kvloop.proxy {path}", context=parent, kind=SpanKind.SERVER) as span:
+        span.set_attributes({"http.route": path, "kvloop.stream": stream, "gen_ai.request.model": str(body.get("model", ""))})
+        try:
+            prefill = state.prefill.pick()
+            prefill.in_flight += 1
+            try:
+                with tracer.start_as_current_span("kvloop.proxy.prefill", kind=SpanKind.CLIENT) as pspan:
+                    pspan.set_attribute("kvloop.backend", prefill.url)
+                    headers: dict[str, str] = {}
+                    propagate.inject(headers)
+                    answer = await _post_json(state, prefill, path, _prefill_body(body, chat), headers)
+            finally:
+                prefill.in_flight -= 1
+            prefill_s = time.perf_counter() - started
+            PREFILL_SECONDS.observe(prefill_s)
+            kv = answer.get("kv_transfer_params")
+            if not isinstance(kv, dict) or not kv:
+                raise UpstreamError(502, f"prefill server {prefill.url} returned no kv_transfer_params: is it "
+                                         "started with the kvloop connector (kv_role kv_both)?", prefill)
+            info = {k: v for k, v in kv.items() if k.startswith(KVLOOP_PREFIX)}
+            decode = state.decode.pick(prefer=_holder_backend(state, kv))
+            span.set_attributes({"kvloop.prefill_backend": prefill.url, "kvloop.decode_backend": decode.url,
+                                 "kvloop.prefill_ms": round(prefill_s * 1e3, 3),
+                                 **{f"kvloop.{k[len(KVLOOP_PREFIX):]}": v for k, v in info.items()
+                                    if isinstance(v, (str, int, float, bool))}})
+            response_headers = {"x-kvloop-prefill": prefill.url, "x-kvloop-decode": decode.url,
+                                "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}"}
+            response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
+            decode_body = {**body, "kv_transfer_params": kv}
+            decode.in_flight += 1
+            try:
+                with tracer.start_as_current_span("kvloop.proxy.decode", kind=SpanKind.CLIENT) as dspan:
+                    dspan.set_attribute("kvloop.backend", decode.url)
+                    headers = {}
+                    propagate.inject(headers)
+                    if not stream:
+                        result = await _post_json(state, decode, path, decode_body, headers)
+                        REQUESTS.labels(endpoint, "ok").inc()
+                        return web.json_response(result, headers=response_headers)
+                    return await _stream(request, state, decode, path, decode_body, headers, response_headers,
+                                         started, endpoint)
+            finally:
+                decode.in_flight -= 1
+        except NoBackend as exc:
+            REQUESTS.labels(endpoint, "no_backend").inc()
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            return _error(503, str(exc), "service_unavailable")
+        except UpstreamError as exc:
+            REQUESTS.labels(endpoint, f"upstream_{exc.status}").inc()
+            span.set_status(Status(StatusCode.ERROR, str(exc)))
+            if exc.backend is not None and exc.status in (502, 504):
+                state.prefill.mark_failed(exc.backend, str(exc)) if exc.backend.role == "prefill" else \
+                    state.decode.mark_failed(exc.backend, str(exc))
+            log.warning("upstream failed", error=str(exc), status=exc.status)
+            return _error(exc.status, str(exc), "upstream_error")
+
+
+async def _stream(request: web.Request, state: _State, decode: Backend, path: str, body: dict, headers: dict,
+                  response_headers: dict, started: float, endpoint: str) -> web.StreamResponse:
+    assert state.session is not None
+    try:
+        upstream = await state.session.post(f"{decode.url}{path}", json=body, headers=headers)
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        raise UpstreamError(502, f"decode server {decode.url} failed: {exc}", decode) from None
+    async with upstream:
+        if upstream.status != 200:
+            text = await upstream.text()
+            raise UpstreamError(upstream.status if 400 <= upstream.status < 500 else 502,
+                                f"decode server {decode.url} answered {upstream.status}: {text[:500]}", decode)
+        response = web.StreamResponse(headers={**response_headers, "Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    TTFT.observe(time.perf_counter() - started)
+                    trace.get_current_span().add_event("first_chunk")
+                    first = False
+                await response.write(chunk)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            # The client went away: closing the upstream response makes vLLM abort the request.
+            REQUESTS.labels(endpoint, "client_disconnected").inc()
+            log.info("client disconnected mid-stream; upstream request cancelled", decode=decode.url)
+            upstream.close()
+            raise
+        await response.write_eof()
+        REQUESTS.labels(endpoint, "ok").inc()
+        return response
+
+
+async def _models(request: web.Request) -> web.Response:
+    state: _State = request.app["state"]
+    names = sorted({m for pool in (state.prefill, state.decode) for b in pool.backends for m in b.models})
+    return web.json_response({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "kvloop"}
+                                                         for n in names]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    state: _State = request.app["state"]
+    detail = {pool.role: [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "error": b.last_error}
+                          for b in pool.backends] for pool in (state.prefill, state.decode)}
+    ok = any(b.healthy for b in state.prefill.backends) and any(b.healthy for b in state.decode.backends)
+    return web.json_response({"status": "ok" if ok else "unavailable", **detail}, status=200 if ok else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _refresh_holders(state: _State) -> None:
+    from kvloop.clients.client import AsyncDirectoryClient, KvloopError
+
+    async with AsyncDirectoryClient(state.config.daemon, timeout=2) as client:
+        while True:
+            try:
+                workers = await client.list_workers()
+                state.holder_urls = {w.registration.worker_id: w.registration.http_endpoint.rstrip("/")
+                                     for w in workers if w.registration.http_endpoint}
+            except KvloopError as exc:
+                log.warning("cannot refresh holder map from kvloopd", error=str(exc))
+            await asyncio.sleep(state.config.holder_map_refresh_s)
+
+
+def build_app(config: ProxyConfig) -> web.Application:
+    if not config.prefill or not config.decode:
+        raise ValueError("the proxy needs at least one prefill and one decode server")
+    state = _State(config, BackendPool("prefill", config.prefill, config.health_interval_s),
+                   BackendPool("decode", config.decode, config.health_interval_s))
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app["state"] = state
+
+    async def lifecycle(app: web.Application):
+        state.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+            total=config.request_timeout_s, sock_connect=config.connect_timeout_s))
+        await asyncio.gather(state.prefill.check_all(state.session), state.decode.check_all(state.session))
+        state.tasks = [asyncio.create_task(state.prefill.keep_checking(state.session)),
+                       asyncio.create_task(state.decode.keep_checking(state.session))]
+        if config.daemon:
+            state.tasks.append(asyncio.create_task(_refresh_holders(state)))
+        yield
+        for task in state.tasks:
+            task.cancel()
+        await state.session.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", lambda r: _handle(r, chat=True))
+    app.router.add_post("/v1/completions", lambda r: _handle(r, chat=False))
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event) -> None:
+    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("kvloop proxy listening", listen=f"{host}:{port}", prefill=config.prefill, decode=config.decode)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

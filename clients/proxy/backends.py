@@ -1,0 +1,82 @@
+"""Pools of vLLM servers (prefill or decode) with health checks and in-flight counts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+
+log = structlog.get_logger("kvloop.proxy")
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    role: str
+    healthy: bool = False
+    in_flight: int = 0
+    last_error: str = ""
+    last_check: float = 0.0
+    served: int = 0
+    models: list[str] = field(default_factory=list)
+
+
+class NoBackend(Exception):
+    """No healthy backend of a role: the proxy answers 503 with this message."""
+
+
+class BackendPool:
+    def __init__(self, role: str, urls: list[str], health_interval_s: float = 2.0) -> None:
+        self.role = role
+        self.backends = [Backend(u.rstrip("/"), role) for u in urls]
+        self.health_interval_s = health_interval_s
+        self._rr = 0
+
+    def by_url(self, url: str) -> Backend | None:
+        url = url.rstrip("/")
+        return next((b for b in self.backends if b.url == url), None)
+
+    def pick(self, prefer: Backend | None = None) -> Backend:
+        """Least in-flight healthy backend (round-robin among ties); `prefer` wins when healthy."""
+        if prefer is not None and prefer.healthy:
+            return prefer
+        healthy = [b for b in self.backends if b.healthy]
+        if not healthy:
+            detail = "; ".join(f"{b.url}: {b.last_error or 'not checked yet'}" for b in self.backends)
+            raise NoBackend(f"no healthy {self.role} server ({detail})")
+        self._rr += 1
+        least = min(b.in_flight for b in healthy)
+        ties = [b for b in healthy if b.in_flight == least]
+        return ties[self._rr % len(ties)]
+
+    async def check(self, session: aiohttp.ClientSession, backend: Backend) -> None:
+        try:
+            async with session.get(f"{backend.url}/health", timeout=aiohttp.ClientTimeout(total=3)) as r:
+                ok = r.status == 200
+                backend.last_error = "" if ok else f"/health answered {r.status}"
+            if ok and not backend.models:
+                async with session.get(f"{backend.url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)) as r:
+                    if r.status == 200:
+                        backend.models = [m["id"] for m in (await r.json()).get("data", [])]
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            ok = False
+            backend.last_error = f"unreachable: {exc.__class__.__name__}: {exc}"
+        if ok != backend.healthy:
+            log.info("backend health changed", role=self.role, url=backend.url, healthy=ok, error=backend.last_error)
+        backend.healthy = ok
+        backend.last_check = time.monotonic()
+
+    async def check_all(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self.check(session, b) for b in self.backends))
+
+    async def keep_checking(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await self.check_all(session)
+            await asyncio.sleep(self.health_interval_s)
+
+    def mark_failed(self, backend: Backend, error: str) -> None:
+        backend.healthy = False
+        backend.last_error = error
