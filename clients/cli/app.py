@@ -296,6 +296,26 @@ def proxy(
         shutdown_tracing()
 
 
+@app.command()
+def demo(
+    turns: Annotated[int, typer.Option(min=2, help="conversation turns")] = 6,
+    max_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per turn")] = 16,
+    workdir: Annotated[Path, typer.Option(help="model, logs and spans go here")] = Path(".kvloop-demo"),
+    hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
+    layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
+) -> None:
+    """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
+    agent conversation through it; print each turn's path and TTFT; stop everything."""
+    from kvloop.agents.engine import EngineStartError
+    from kvloop.clients.demo.run import run_demo
+
+    try:
+        code = run_demo(workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers)
+    except EngineStartError as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
 def main() -> None:
     app(prog_name="kvloop")
 

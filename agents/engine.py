@@ -1,0 +1,184 @@
+"""One command for a kvloop-enabled vLLM worker: `vllm serve` with the kvloop connector and KV events,
+plus its `kvloop-agent` sidecar, supervised together.
+
+Serving setup chosen for CPU hosts (measured in shared/notes/platform-facts.md): the model runs inside
+the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) and NIXL's progress thread
+sleeps between polls (the connector's `kvloop_nixl_progress_delay_us`): stock multiprocess serving
+paid 0.3-0.9 s per step on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONNECTOR_MODULE = "kvloop.agents.connector.connector"
+
+
+@dataclass
+class EngineConfig:
+    role: str  # "prefill" | "decode"
+    model: str  # model directory or name
+    served_model_name: str
+    worker_id: str
+    port: int  # OpenAI HTTP port
+    nixl_port: int  # NIXL side channel
+    kv_events_port: int  # ZMQ PUB; replay on kv_events_port + 1
+    daemon: str  # kvloopd HOST:PORT
+    host: str = "127.0.0.1"
+    block_size: int = 32
+    kv_cache_gib: int = 2
+    retention_ttl_s: float = 480.0
+    recompute_threshold_tokens: int = 64
+    max_model_len: int = 16384
+    max_num_batched_tokens: int = 16384
+    kv_bytes_per_block: int = 0
+    agent_health_port: int = 0
+    prefix_caching: bool = True
+    reverse_transfer: bool = True  # False: a plain disaggregated pair (the recompute arm)
+    extra_vllm_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def kv_transfer_config(self) -> dict:
+        extra = {
+            "bidirectional_kv_xfer": self.reverse_transfer,
+            "decoder_kv_blocks_ttl": int(self.retention_ttl_s),
+            "kv_recompute_threshold": self.recompute_threshold_tokens,
+            "kvloop_daemon": self.daemon if self.reverse_transfer else "",
+            "kvloop_worker_id": self.worker_id,
+            "kvloop_model": self.served_model_name,
+            "kvloop_retention_ttl_s": self.retention_ttl_s,
+        }
+        return {
+            "kv_connector": "KvloopConnector",
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            "engine_id": self.worker_id,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+
+    def kv_events_config(self) -> dict:
+        return {"enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.kv_events_port}", "replay_endpoint": f"tcp://*:{self.kv_events_port + 1}",
+                "topic": ""}
+
+    def vllm_command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "kvloop.agents.vllm_main", "serve", self.model,
+               "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
+               "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(self.block_size),
+               "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+               "--prefix-caching-hash-algo", "sha256_cbor", "--distributed-executor-backend", "uni",
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+               "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
+               "--kv-events-config", json.dumps(self.kv_events_config())]
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
+        return cmd + self.extra_vllm_args
+
+    def vllm_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+            # Full sha256 digests in KV events, so the directory can index prefix-cache blocks too.
+            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
+            # sha256_cbor block hashes are seeded from PYTHONHASHSEED: the same on every engine.
+            "PYTHONHASHSEED": env.get("PYTHONHASHSEED", "0"),
+            "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
+            "UCX_TLS": env.get("UCX_TLS", "cma,tcp,self"),
+            "OTEL_SERVICE_NAME": f"vllm-{self.role}",
+        })
+        env.update(self.env)
+        return env
+
+    def agent_command(self) -> list[str]:
+        bin_dir = Path(sys.executable).parent
+        return [str(bin_dir / "kvloop-agent"), "--daemon", self.daemon, "--worker-id", self.worker_id,
+                "--role", self.role, "--model", self.served_model_name, "--engine-id", self.worker_id,
+                "--nixl-endpoint", f"{self.host}:{self.nixl_port}", "--http-endpoint", self.url,
+                "--block-size", str(self.block_size), "--kv-bytes-per-block", str(self.kv_bytes_per_block),
+                "--kv-events", f"tcp://127.0.0.1:{self.kv_events_port}",
+                "--kv-events-replay", f"tcp://127.0.0.1:{self.kv_events_port + 1}",
+                "--health-listen", f"127.0.0.1:{self.agent_health_port}" if self.agent_health_port else ""]
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class Engine:
+    """A running vLLM server and its sidecar (start() returns once /health answers)."""
+
+    def __init__(self, config: EngineConfig, log_dir: Path) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.vllm: subprocess.Popen | None = None
+        self.agent: subprocess.Popen | None = None
+        self.started_s: float | None = None
+
+    @property
+    def vllm_log(self) -> Path:
+        return self.log_dir / f"{self.config.worker_id}.vllm.log"
+
+    @property
+    def agent_log(self) -> Path:
+        return self.log_dir / f"{self.config.worker_id}.agent.log"
+
+    def launch(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        self.vllm = subprocess.Popen(self.config.vllm_command(), env=self.config.vllm_env(),
+                                     stdout=self.vllm_log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        if self.config.reverse_transfer:
+            self.agent = subprocess.Popen(self.config.agent_command(), stdout=self.agent_log.open("w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+
+    def ready(self) -> bool:
+        """Poll once: True when the server answers /health; raises if a process died."""
+        assert self.vllm is not None
+        if self.vllm.poll() is not None:
+            tail = "\n".join(self.vllm_log.read_text().splitlines()[-30:])
+            raise EngineStartError(f"vLLM {self.config.worker_id} exited with {self.vllm.returncode}:\n{tail}")
+        if self.agent is not None and self.agent.poll() is not None:
+            tail = "\n".join(self.agent_log.read_text().splitlines()[-20:])
+            raise EngineStartError(f"kvloop-agent {self.config.worker_id} exited with {self.agent.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{self.config.url}/health", timeout=2) as r:
+                ok = r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+        if ok and self.started_s is None:
+            self.started_s = time.monotonic() - self._t0
+        return ok
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for proc in (self.agent, self.vllm):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in (self.agent, self.vllm):
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -1,0 +1,1 @@
+"""`kvloop demo`: the whole loop on one machine with a tiny random-weight model."""

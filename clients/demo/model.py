@@ -1,0 +1,71 @@
+"""A tiny random-weight Llama built locally (no model can be downloaded here).
+
+A byte-level BPE tokenizer trained on a made-up corpus, with a chat template so the OpenAI chat
+endpoint works, and `transformers.LlamaConfig` weights saved in bf16. Greedy output is
+deterministic; scale `hidden_size` / `layers` for a costlier prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = [
+    "kv", "cache", "block", "transfer", "prefill", "decode", "engine", "token", "hash", "lease",
+    "the", "a", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "at",
+    "model", "layer", "attention", "head", "vector", "matrix", "loop", "daemon", "worker", "peer",
+    "tool", "call", "result", "search", "file", "read", "write", "error", "ok", "user", "agent",
+]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def build_tiny_llama(out: Path, *, hidden_size: int = 384, layers: int = 4, heads: int = 6,
+                     intermediate_size: int = 1024, vocab_size: int = 1024, seed: int = 0) -> Path:
+    """Write a model directory vLLM can serve; returns it. Reuses an existing build."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    marker = out / "kvloop-tiny.json"
+    spec = {"hidden_size": hidden_size, "layers": layers, "heads": heads, "intermediate_size": intermediate_size,
+            "vocab_size": vocab_size, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(seed)
+    corpus = [" ".join(rnd.choice(WORDS) for _ in range(40)) for _ in range(2000)]
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=32768, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    marker.write_text(json.dumps(spec))
+    return out
+
+
+def kv_bytes_per_block(model_dir: Path, block_size: int, dtype_bytes: int = 2) -> int:
+    """K and V of one block over all layers, from the model's config.json."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
+
+
+def random_text(words: int, seed: int) -> str:
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(WORDS) for _ in range(words))

@@ -1,0 +1,70 @@
+"""`kvloop demo`: the main job on embedded defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from kvloop.clients.demo.model import build_tiny_llama
+from kvloop.clients.demo.stack import Stack, StackConfig
+
+
+def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_size: int, layers: int) -> int:
+    console = Console(stderr=as_json)
+    workdir.mkdir(parents=True, exist_ok=True)
+    span_file = workdir / "spans.jsonl"
+    if span_file.exists():
+        span_file.unlink()
+    started = time.monotonic()
+
+    def progress(what: str, state: str) -> None:
+        console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] [bold]{what}[/bold]: {state}", highlight=False)
+
+    progress("model", f"building a random-weight Llama (hidden {hidden_size}, {layers} layers) in {workdir / 'model'}")
+    model_dir = build_tiny_llama(workdir / "model", hidden_size=hidden_size, layers=layers)
+    stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file))
+    results = []
+    try:
+        stack.start(progress)
+        conversation = AgentConversation(seed=11)
+        for turn in range(1, turns + 1):
+            result = chat_turn(stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn)
+            conversation.record(result.answer)
+            results.append(result)
+            if as_json:
+                sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+                sys.stdout.flush()
+            else:
+                progress(f"turn {turn}", f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
+                                         f"TTFT {result.ttft_ms:.0f} ms")
+        if not as_json:
+            table = Table(title="kvloop demo: one agent conversation through the proxy")
+            for column in ("turn", "prompt tokens", "path", "reason", "matched", "recomputed", "bytes moved",
+                           "holder", "TTFT ms"):
+                table.add_column(column, justify="right" if column not in ("path", "reason", "holder") else "left")
+            for r in results:
+                style = "green" if r.path == "transfer" else ("yellow" if r.path in ("recompute", "miss") else "red")
+                table.add_row(str(r.turn), str(r.prompt_tokens), f"[{style}]{r.path}[/]", r.reason,
+                              str(r.matched_tokens), str(r.recompute_tokens), f"{r.bytes_moved:,}", r.holder or "-",
+                              f"{r.ttft_ms:.0f}")
+            console.print(table)
+        otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        where = f"OTLP endpoint {otlp}" if otlp else f"the local file {span_file}"
+        console.print(f"\nTraces went to {where}.")
+        console.print(f"While it runs, inspect the daemon with: kvloop --daemon {stack.daemon_address} workers | "
+                      f"grpcurl -plaintext {stack.daemon_address} list")
+        console.print(f"Logs: {workdir / 'logs'}")
+        return 0
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping everything")
+        return 130
+    finally:
+        stack.stop()
+        console.print(f"[dim]stopped kvloopd, engines, sidecars and proxy after {time.monotonic() - started:.0f}s[/dim]")

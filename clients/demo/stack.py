@@ -1,0 +1,177 @@
+"""Start and stop the whole loop on one machine: kvloopd, a prefill and a decode `vllm serve` with
+the kvloop connector and their sidecars, and the proxy. Used by `kvloop demo`, the benchmarks and
+the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
+from kvloop.clients.client import DirectoryClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class StackConfig:
+    model_dir: Path
+    workdir: Path
+    served_model_name: str = "kvloop-tiny"
+    decode_servers: int = 1
+    prefill_prefix_caching: bool = False  # off: emulates a fleet of prefill workers losing their cache
+    reverse_transfer: bool = True
+    kv_cache_gib: int = 2
+    block_size: int = 32
+    retention_ttl_s: float = 480.0
+    span_file: Path | None = None  # where spans go when no OTLP endpoint is configured
+    start_timeout_s: float = 240.0
+
+
+@dataclass
+class Stack:
+    config: StackConfig
+    daemon_address: str = ""
+    proxy_url: str = ""
+    daemon: subprocess.Popen | None = None
+    proxy: subprocess.Popen | None = None
+    engines: list[Engine] = field(default_factory=list)
+
+    @property
+    def prefill(self) -> Engine:
+        return self.engines[0]
+
+    @property
+    def decodes(self) -> list[Engine]:
+        return self.engines[1:]
+
+    def _env(self, service: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("OTEL_SERVICE_NAME", service)
+        env["OTEL_SERVICE_NAME"] = service
+        return env
+
+    def start(self, progress: Callable[[str, str], None] = lambda what, state: None) -> None:
+        cfg = self.config
+        logs = cfg.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        bin_dir = Path(sys.executable).parent
+        daemon_port = free_port()
+        self.daemon_address = f"127.0.0.1:{daemon_port}"
+        span_args = ["--span-file", str(cfg.span_file)] if cfg.span_file and not _otlp_configured() else []
+        progress("kvloopd", "starting")
+        self.daemon = subprocess.Popen(
+            [str(bin_dir / "kvloopd"), "--listen", self.daemon_address, "--metrics-listen", f"127.0.0.1:{free_port()}",
+             "--log-json", *span_args],
+            stdout=subprocess.DEVNULL, stderr=(logs / "kvloopd.log").open("w"), env=self._env("kvloopd"))
+        with DirectoryClient(self.daemon_address, timeout=2) as client:
+            client.wait_ready(30)
+        progress("kvloopd", f"ready on {self.daemon_address}")
+        from kvloop.clients.demo.model import kv_bytes_per_block
+
+        bytes_per_block = kv_bytes_per_block(cfg.model_dir, cfg.block_size)
+        roles = ["prefill"] + ["decode"] * cfg.decode_servers
+        for i, role in enumerate(roles):
+            name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
+            events_port = free_port()
+            engine_env = {}
+            if cfg.span_file and not _otlp_configured():
+                engine_env["KVLOOP_SPAN_FILE"] = str(cfg.span_file)
+            self.engines.append(Engine(EngineConfig(
+                role=role, model=str(cfg.model_dir), served_model_name=cfg.served_model_name, worker_id=name,
+                port=free_port(), nixl_port=free_port(), kv_events_port=_free_pair(events_port),
+                daemon=self.daemon_address, block_size=cfg.block_size, kv_cache_gib=cfg.kv_cache_gib,
+                retention_ttl_s=cfg.retention_ttl_s, kv_bytes_per_block=bytes_per_block,
+                agent_health_port=free_port(),
+                prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
+                reverse_transfer=cfg.reverse_transfer, env=engine_env), logs))
+        for engine in self.engines:
+            engine.launch()
+            progress(engine.config.worker_id, "starting vllm serve")
+        deadline = time.monotonic() + cfg.start_timeout_s
+        pending = list(self.engines)
+        while pending:
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"engines not ready after {cfg.start_timeout_s:.0f}s: "
+                                       f"{[e.config.worker_id for e in pending]} (logs in {logs})")
+            for engine in list(pending):
+                if engine.ready():
+                    pending.remove(engine)
+                    progress(engine.config.worker_id, f"ready in {engine.started_s:.0f}s at {engine.config.url}")
+            time.sleep(0.5)  # polling engine health while they load
+        proxy_port = free_port()
+        self.proxy_url = f"http://127.0.0.1:{proxy_port}"
+        progress("proxy", "starting")
+        self.proxy = subprocess.Popen(
+            [str(bin_dir / "kvloop"), "--daemon", self.daemon_address, "proxy", "--listen", f"127.0.0.1:{proxy_port}",
+             "--prefill", self.prefill.config.url, *sum((["--decode", d.config.url] for d in self.decodes), [])],
+            stdout=subprocess.DEVNULL, stderr=(logs / "proxy.log").open("w"), env=self._env("kvloop-proxy"))
+        _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
+        progress("proxy", f"ready at {self.proxy_url}")
+
+    def stop(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+        for engine in self.engines:
+            engine.stop()
+        if self.proxy is not None:
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.terminate()
+            try:
+                self.daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                self.daemon.kill()
+
+
+def _otlp_configured() -> bool:
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def _free_pair(first: int) -> int:
+    """A port p with p+1 free too (ZMQ PUB + replay)."""
+    for _ in range(50):
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", first))
+                b.bind(("127.0.0.1", first + 1))
+                return first
+        except OSError:
+            first = free_port()
+    raise RuntimeError("no free port pair")
+
+
+def _wait_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise EngineStartError(f"{url} process exited:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 503:  # up, backends not yet checked
+                time.sleep(0.2)
+                continue
+            raise
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)  # polling a health endpoint while the process starts
+    raise EngineStartError(f"{url} not healthy after {timeout_s:.0f}s")
