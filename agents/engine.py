@@ -87,6 +87,10 @@ class EngineConfig:
                "--kv-events-config", json.dumps(self.kv_events_config())]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if otlp:
+            # vLLM's own request spans, joined to the proxy's trace through the traceparent header.
+            cmd += ["--otlp-traces-endpoint", otlp]
         return cmd + self.extra_vllm_args
 
     def vllm_env(self) -> dict[str, str]:

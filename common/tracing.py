@@ -59,6 +59,8 @@ def configure_tracing(service_name: str, span_file: str | None = None) -> bool:
         return True
     if not tracing_requested(span_file):
         return False
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        return True  # the host process (e.g. vLLM with --otlp-traces-endpoint) already exports spans
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service_name)})
     provider = TracerProvider(resource=resource)
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):

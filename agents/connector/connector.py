@@ -21,19 +21,19 @@ this facade only picks them (vLLM instantiates one connector per role).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
-    NixlBaseConnector,
-    NixlPullConnector,
-)
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import BlockDirectory, GrpcBlockDirectory
 from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
 from kvloop.agents.connector.worker import KvloopConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
@@ -27,7 +28,9 @@ class HolderInfo:
     expires_in_ms: int
     single_use: bool = False
     worker_id: str = ""
-    tp_size: int = 1
+    # Holder's tensor-parallel size; None = same as the puller (kvloopd's Holder has no TP field:
+    # the directory only pairs compatible layouts).
+    tp_size: int | None = None
     kv_bytes_per_block: int = 0
 
 
@@ -92,7 +95,6 @@ class GrpcBlockDirectory:
 
     def __init__(self, target: str, timeout_ms: float = 20.0, backoff_s: float = 2.0) -> None:
         import grpc
-
         from kvloop.v1 import directory_pb2, directory_pb2_grpc
 
         self._pb = directory_pb2
@@ -142,7 +144,7 @@ class GrpcBlockDirectory:
             tm.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
         try:
             return self._convert(resp)
-        except Exception as e:  # malformed answer -> recompute
+        except Exception as e:  # noqa: BLE001 - must never break the engine loop
             tm.LOOKUP_ERRORS.labels("bad_response").inc()
             tm.log.warning("kvloop.lookup_bad_response", error=repr(e))
             return None

@@ -74,6 +74,14 @@ class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
 
 KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased
 
+
+def vllm_event_hash_int(block_hash: bytes) -> int:
+    """The int vLLM's own BlockStored/BlockRemoved events carry for ``block_hash`` when
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (the default): the low 64 bits, big-endian.
+    kvloop events always carry the full digest (32 bytes with sha256_cbor)."""
+    return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
+
+
 _KVLOOP_TAGS = {RETAINED_TAG: KvloopBlocksRetained, RELEASED_TAG: KvloopRetentionReleased}
 _batch_decoder = msgspec.msgpack.Decoder()
 
@@ -110,4 +118,5 @@ __all__ = [
     "KvloopEvents",
     "KvloopRetentionReleased",
     "decode_event_batch",
+    "vllm_event_hash_int",
 ]

@@ -16,14 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
-
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import BlockDirectory, LookupResult
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -71,6 +70,7 @@ class _Pull:
     holder: str
     pulled_tokens: int = 0
     started: float = 0.0
+    lookup_ms: float = 0.0
 
 
 class KvloopConnectorScheduler(NixlPullConnectorScheduler):
@@ -92,8 +92,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._events: list[Any] = []
         self._retained: dict[str, _Retained] = {}
         self._multi_reader_new: set[str] = set()
+        # Prefill role: lease deadline (this process's perf_counter) of each pull, for the worker.
+        self._pull_deadlines_new: dict[str, float] = {}
         self._pulls: dict[str, _Pull] = {}
         self._pending: dict[str, tuple[Future[LookupResult | None], float]] = {}
+        self._lookup_ms = 0.0  # latency of the decision being applied (for spans)
         self._pool: ThreadPoolExecutor | None = None
         if directory is not None and not directory.inline:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvloop-lookup")
@@ -162,9 +165,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             del self._pending[rid]
             try:
                 result = fut.result()
-            except Exception:
+            except Exception:  # noqa: BLE001 - must never break the engine loop
                 result = None
         params[_DECIDED] = True
+        self._lookup_ms = (time.perf_counter() - t0) * 1000
         return self._apply_decision(request, params, num_computed_tokens, result, t0)
 
     def _lookup(self, hashes: list[bytes], local_blocks: int) -> LookupResult | None:
@@ -177,7 +181,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 block_size=self.block_size,
                 model=self.cfg.model,
             )
-        except Exception as e:  # any directory bug -> recompute
+        except Exception as e:  # noqa: BLE001 - must never break the engine loop
             tm.log.warning("kvloop.lookup_exception", error=repr(e))
             return None
 
@@ -220,7 +224,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             remote_port=h.port,
             remote_num_tokens=m * bs,
             remote_blocks_expiry_time=None,  # expiry checked here from the relative lease
-            tp_size=h.tp_size,
+            tp_size=h.tp_size or self.transfer_tp_size,
         )
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not count:
@@ -228,6 +232,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 params.pop(k, None)
             self._finish_now(request, tm.PATH_RECOMPUTE, "vllm_threshold", m * bs, num_computed_tokens)
             return 0, False
+        self._pull_deadlines_new[request.request_id] = time.perf_counter() + h.expires_in_ms / 1000.0
         span = tm.tracer.start_span(
             "kvloop.prefill",
             attributes={"kvloop.request_id": request.request_id, "kvloop.holder": h.worker_id or h.engine_id},
@@ -239,6 +244,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             prompt_tokens=prompt,
             holder=h.worker_id or h.engine_id,
             started=t0,
+            lookup_ms=self._lookup_ms,
         )
         tm.log.debug(
             "kvloop.pull",
@@ -267,6 +273,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                     "kvloop.bytes": 0,
                     "kvloop.holder": "",
                     "kvloop.local_tokens": local_tokens,
+                    "kvloop.lookup_ms": round(self._lookup_ms, 3),
                 }
             )
         tm.REQUESTS.labels(path, reason).inc()
@@ -312,6 +319,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 "kvloop.holder": pull.holder,
                 "kvloop.local_tokens": pull.local_tokens,
                 "kvloop.pulled_tokens": 0 if failed else pull.pulled_tokens,
+                "kvloop.lookup_ms": round(pull.lookup_ms, 3),
             }
         )
         pull.span.end()
@@ -414,6 +422,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         # Worker-side: keep these runs until the lease ends (multi-reader), see worker.py.
         meta.kvloop_multi_reader = self._multi_reader_new  # type: ignore[attr-defined]
         self._multi_reader_new = set()
+        # Worker-side: decline a READ that would start too close to the holder's lease end
+        # (e.g. after a slow handshake). Same clock domain as meta.scheduler_clock.
+        meta.kvloop_pull_deadlines = self._pull_deadlines_new  # type: ignore[attr-defined]
+        self._pull_deadlines_new = {}
         return meta
 
     def take_events(self) -> list[Any]:

@@ -19,9 +19,7 @@ PATH_MISS = "miss"  # nobody holds anything beyond the local prefix
 PATH_EXPIRED = "expired"  # matching blocks exist but their lease ends too soon
 PATH_FAILED = "failed"  # the READ failed (dead peer, handshake, transfer): recomputed
 
-REQUESTS = Counter(
-    "kvloop_connector_requests", "Prefill requests by kvloop path", ["path", "reason"]
-)
+REQUESTS = Counter("kvloop_connector_requests", "Prefill requests by kvloop path", ["path", "reason"])
 TOKENS = Counter(
     "kvloop_connector_tokens", "Prompt tokens by how they were obtained", ["kind"]
 )  # kind: pulled | recomputed | local
@@ -35,6 +33,4 @@ LOOKUP_ERRORS = Counter("kvloop_connector_lookup_errors", "Failed directory look
 RETAINED = Counter("kvloop_connector_retained_runs", "Retained runs announced (decode role)")
 RETAINED_BLOCKS = Counter("kvloop_connector_retained_blocks", "Blocks in announced retained runs")
 RELEASED = Counter("kvloop_connector_released_runs", "Retained runs released", ["reason"])
-READS_SERVED = Counter(
-    "kvloop_connector_reads_served", "READ completion notices received for retained runs"
-)
+READS_SERVED = Counter("kvloop_connector_reads_served", "READ completion notices received for retained runs")

@@ -12,15 +12,15 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.config import KvloopConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
-
-from kvloop.agents.connector import telemetry as tm
-from kvloop.agents.connector.config import KvloopConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 _PATCHED_DELAY: list[int] = []
 
+# A READ must be posted at least this long before the holder's lease ends (reads take ms; the
+# slack absorbs event/lookup latency that makes our deadline estimate late).
+READ_SAFETY_MARGIN_S = 2.0
+
 
 def apply_nixl_progress_delay(delay_us: int) -> bool:
     """Make NIXL agents created from now on use a progress-thread delay of ``delay_us``."""
@@ -38,7 +42,7 @@ def apply_nixl_progress_delay(delay_us: int) -> bool:
         return True
     try:
         import nixl._api as api  # resolves to nixl_cu12._api / nixl_cu13._api at runtime
-    except Exception:
+    except Exception:  # noqa: BLE001 - must never break the engine loop
         return False
     bind = getattr(api, "nixlBind", None)
     if bind is None or not hasattr(bind, "nixlAgent"):
@@ -49,7 +53,7 @@ def apply_nixl_progress_delay(delay_us: int) -> bool:
         try:
             if cfg.useProgThread:
                 cfg.pthrDelay = _PATCHED_DELAY[0]
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - must never break the engine loop
             pass
         return real_agent(name, cfg, *a, **kw)
 
@@ -78,12 +82,38 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._multi_reader: set[str] = set()
         self.kvloop_reads: Counter[str] = Counter()
+        # Prefill role: local perf_counter deadline of each pending kvloop pull.
+        self._pull_deadlines: dict[str, float] = {}
+        self.kvloop_declined = 0
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         new = getattr(metadata, "kvloop_multi_reader", None)
         if new:
             self._multi_reader |= new
+        deadlines = getattr(metadata, "kvloop_pull_deadlines", None)
+        if deadlines:
+            now = time.perf_counter()
+            sched_clock = metadata.scheduler_clock or now
+            for req_id, dl in deadlines.items():
+                # rebase from the scheduler's clock onto ours (as vLLM does for reqs_to_send)
+                self._pull_deadlines[req_id] = now + (dl - sched_clock)
         super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        deadline = self._pull_deadlines.get(req_id)
+        if deadline is not None:
+            if time.perf_counter() + READ_SAFETY_MARGIN_S >= deadline:
+                # The holder may free (and reuse) these blocks before our READ lands: never read.
+                self._pull_deadlines.pop(req_id, None)
+                self.kvloop_declined += 1
+                self.xfer_stats.record_kv_expired_req()
+                tm.log.warning("kvloop.read_declined_lease_ending", request_id=req_id)
+                self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+                return
+            assert meta.remote is not None
+            if meta.remote.engine_id in self._remote_agents:
+                self._pull_deadlines.pop(req_id, None)  # the READ is posted now
+        super()._read_blocks_for_req(req_id, meta)
 
     def _get_new_notifs(self) -> set[str]:
         """vLLM's pull-mode notification handling, except multi-reader runs are not freed.
@@ -124,6 +154,12 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
         return notified_req_ids
+
+    def get_transfer_results(self) -> Any:
+        results = super().get_transfer_results()
+        for req_id in results.finished_recving or ():
+            self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
+        return results
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         super()._reap_expired_send_leases(done_sending)

@@ -7,6 +7,7 @@ serves the prefill engine's real gRPC lookups.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import time
@@ -16,13 +17,8 @@ from pathlib import Path
 
 import pytest
 
-try:  # the engine tests need the vLLM CPU build and NIXL
-    import nixl  # noqa: F401
-    import vllm  # noqa: F401
-
-    HAVE_ENGINES = True
-except Exception:  # pragma: no cover
-    HAVE_ENGINES = False
+# the engine tests need the vLLM CPU build and NIXL (checked without importing them: slow)
+HAVE_ENGINES = all(importlib.util.find_spec(m) is not None for m in ("vllm", "nixl"))
 
 # Lease of retained runs on the decode engine in these tests (long enough for every test's
 # pulls, short enough that test_release can watch one expire).

@@ -31,9 +31,40 @@ def build_tiny_llama(out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     words = [
-        "kv", "cache", "block", "transfer", "prefill", "decode", "engine", "token", "hash", "lease",
-        "the", "a", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "at",
-        "model", "layer", "attention", "head", "vector", "matrix", "loop", "daemon", "worker", "peer",
+        "kv",
+        "cache",
+        "block",
+        "transfer",
+        "prefill",
+        "decode",
+        "engine",
+        "token",
+        "hash",
+        "lease",
+        "the",
+        "a",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "it",
+        "that",
+        "for",
+        "on",
+        "with",
+        "as",
+        "at",
+        "model",
+        "layer",
+        "attention",
+        "head",
+        "vector",
+        "matrix",
+        "loop",
+        "daemon",
+        "worker",
+        "peer",
     ]
     import random
 
@@ -81,6 +112,10 @@ class EngineSpec:
     kv_events_endpoint: str | None = None
     kv_cache_gib: int = 1
     directory_target: str = ""
+    # "uni" + in-process engine core (fast on 2 cores), or e.g. ("mp", True) = vLLM's default
+    # multiprocess layout (scheduler and worker in different processes).
+    executor: str = "uni"
+    multiprocessing: bool = False
 
 
 def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[float]:
@@ -104,7 +139,7 @@ def _kv_shapes(worker: Any) -> list[list[int]]:
 def _serve(conn: Any, spec: EngineSpec) -> None:
     os.environ.update(
         {
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.multiprocessing else "0",
             "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -156,7 +191,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             block_size=BLOCK_SIZE,
             max_model_len=16384,
             max_num_batched_tokens=16384,
-            distributed_executor_backend="uni",
+            distributed_executor_backend=spec.executor,
             prefix_caching_hash_algo="sha256_cbor",
             enable_prefix_caching=True,
             seed=0,
@@ -165,7 +200,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
         )
         start_s = time.perf_counter() - t0
         conn.send(("ready", {"start_s": start_s, "kv_shapes": llm.collective_rpc(_kv_shapes)[0]}))
-    except Exception:
+    except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
         return
 
@@ -226,12 +261,26 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
 
                 w = get_kv_transfer_group().connector_worker
                 conn.send(("ok", dict(w.kvloop_reads)))
+            elif cmd == "metrics":  # this process's kvloop prometheus samples
+                from prometheus_client import REGISTRY
+
+                conn.send(
+                    (
+                        "ok",
+                        {
+                            (m.name + s.name[len(m.name) :], tuple(sorted(s.labels.items()))): s.value
+                            for m in REGISTRY.collect()
+                            if m.name.startswith("kvloop_")
+                            for s in m.samples
+                        },
+                    )
+                )
             elif cmd == "sleep":  # let the engine idle without stepping
                 time.sleep(args)
                 conn.send(("ok", None))
             else:
                 conn.send(("error", f"unknown command {cmd}"))
-        except Exception:
+        except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
 
 
@@ -240,7 +289,9 @@ class EngineHandle:
         ctx = mp.get_context("spawn")
         self.spec = spec
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec), name=f"engine-{spec.name}", daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, spec), name=f"engine-{spec.name}",
+            daemon=not (spec.multiprocessing or spec.executor != "uni"),  # vLLM then spawns children
+        )
         self.proc.start()
         self.timeout_s = timeout_s
         self.info: dict[str, Any] | None = None
@@ -267,7 +318,12 @@ class EngineHandle:
         return out
 
     def generate(
-        self, prompt_token_ids: list[int], max_tokens: int, kv_transfer_params=None, cache_salt=None, logprobs=1
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        kv_transfer_params=None,
+        cache_salt=None,
+        logprobs=1,
     ):
         return self.call(
             "generate",
@@ -284,7 +340,7 @@ class EngineHandle:
         try:
             if self.proc.is_alive():
                 self.call("stop")
-        except Exception:
+        except Exception:  # noqa: BLE001, S110
             pass
         self.proc.join(timeout=20)
         if self.proc.is_alive():

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import grpc
 import zmq
-
 from kvloop.agents.connector.directory import InMemoryBlockDirectory, LookupResult
-from kvloop.agents.connector.events import decode_event_batch
+from kvloop.agents.connector.events import KvloopRetentionReleased, decode_event_batch
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pbg
 
@@ -65,6 +64,7 @@ class FakeDirectory(pbg.DirectoryServicer):
         self.override: Callable[[pb.LookupResponse], pb.LookupResponse] | None = None
         self.lookups: list[pb.LookupResponse] = []
         self.kv_event_types: set[str] = set()
+        self.released: dict[str, object] = {}  # handle -> KvloopRetentionReleased
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -89,6 +89,9 @@ class FakeDirectory(pbg.DirectoryServicer):
             self.kv_event_types.update(e.get("type", "?") for e in batch.vllm)
             self.kv_event_types.update(type(e).__name__ for e in batch.kvloop)
             self.index.ingest(batch.kvloop)
+            for e in batch.kvloop:
+                if isinstance(e, KvloopRetentionReleased):
+                    self.released[e.retention_handle] = e
 
     def wait_for_handle(self, handle: str, timeout: float = 10.0) -> None:
         end = time.monotonic() + timeout

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
 from conftest import LOOKUP_BACKOFF_S, PREFILL_LEASE_S, RETENTION_TTL_S
 
 pytestmark = pytest.mark.engines
@@ -43,7 +42,11 @@ def assert_same_greedy(a: dict[str, Any], b: dict[str, Any]) -> int:
             assert ta in ref_top, f"token {i}: {ta} not in reference top-k {b['top_logprobs'][i]}"
             assert ref_top[tb] - ref_top[ta] <= TIE_TOL, f"token {i}: {ta} vs {tb}, not a near-tie"
             return i
-        assert abs(a["logprobs"][i] - b["logprobs"][i]) <= LOGPROB_TOL, (i, a["logprobs"][i], b["logprobs"][i])
+        assert abs(a["logprobs"][i] - b["logprobs"][i]) <= LOGPROB_TOL, (
+            i,
+            a["logprobs"][i],
+            b["logprobs"][i],
+        )
     return len(a["token_ids"])
 
 
@@ -74,7 +77,9 @@ def prefill_and_check(engines, prompt: list[int], *, check_kv: bool = True) -> P
         b = ref["kv_transfer_params"]["remote_block_ids"][0][:nfull]
         assert len(a) == len(b) == nfull
         diffs = P.call("kv_diff", {"a": a, "b": b})
-        assert max(diffs) <= KV_TOL, f"KV differs from recompute: {[i for i, d in enumerate(diffs) if d > KV_TOL]}"
+        assert max(diffs) <= KV_TOL, (
+            f"KV differs from recompute: {[i for i, d in enumerate(diffs) if d > KV_TOL]}"
+        )
     assert_same_greedy(out, ref)
     return Prefill(out, ref, spans[0], diffs)
 
@@ -111,7 +116,17 @@ def test_retained_event_reaches_directory_via_vllm_kv_events(engines):
     assert {"BlockStored", "KvloopBlocksRetained"} <= engines.directory.kv_event_types
 
 
+def _transfers(engines) -> float:
+    m = engines.prefill.call("metrics")
+    return sum(
+        v
+        for (name, labels), v in m.items()
+        if name == "kvloop_connector_requests_total" and ("path", "transfer") in labels
+    )
+
+
 def test_four_turn_conversation_transfers_each_turn(engines):
+    transfers_before = _transfers(engines)
     rnd = random.Random(1)
     prompt = rand_tokens(rnd, 1500)
     d = first_turn(engines, prompt, 96)
@@ -127,8 +142,14 @@ def test_four_turn_conversation_transfers_each_turn(engines):
         d = decode(engines, prompt, pf.out["kv_transfer_params"], 96)
         d_ref = decode(engines, prompt, pf.ref["kv_transfer_params"], 96, salt=f"dref-{turn}")
         compared = assert_same_greedy(d, d_ref)
-        print(f"turn {turn}: pulled {s['kvloop.bytes'] / 2**20:.1f} MiB, "
-              f"{compared}/{len(d['token_ids'])} decoded tokens identical before any tie flip")
+        assert s["kvloop.lookup_ms"] < 1000
+        print(
+            f"turn {turn}: lookup {s['kvloop.lookup_ms']:.1f} ms, pulled {s['kvloop.bytes'] / 2**20:.1f} MiB, "
+            f"{compared}/{len(d['token_ids'])} decoded tokens identical before any tie flip"
+        )
+    assert _transfers(engines) - transfers_before == 3  # prometheus agrees with the spans
+    m = engines.prefill.call("metrics")
+    assert m[("kvloop_connector_pulled_bytes_total", ())] > 0
 
 
 @pytest.mark.parametrize("edit", ["replace_middle", "drop_segment"])
@@ -201,7 +222,7 @@ def _history(engines, seed: int, n: int = 1200):
 
 
 def test_expiring_lease_recomputes(engines):
-    rnd, prompt = _history(engines, 5)
+    _rnd, prompt = _history(engines, 5)
 
     def short_lease(resp):
         if resp.HasField("holder"):
@@ -219,7 +240,7 @@ def test_expiring_lease_recomputes(engines):
 
 def test_dead_peer_read_fails_and_recomputes(engines):
     """The holder is unreachable: the NIXL handshake fails, vLLM's recompute policy recomputes."""
-    rnd, prompt = _history(engines, 6)
+    _rnd, prompt = _history(engines, 6)
 
     def dead_peer(resp):
         if resp.HasField("holder"):
@@ -242,7 +263,7 @@ def test_dead_peer_read_fails_and_recomputes(engines):
 
 def test_directory_down_recomputes(engines):
     """Lookups that error out recompute (the prefill engine keeps serving)."""
-    rnd, prompt = _history(engines, 7)
+    _rnd, prompt = _history(engines, 7)
 
     def boom(resp):
         raise RuntimeError("daemon exploded")
@@ -268,18 +289,26 @@ def test_ttft_transfer_vs_recompute(engines, n_tokens, record_property):
     t_pull, t_rec = pf.out["elapsed_s"], pf.ref["elapsed_s"]
     record_property("ttft_pull_ms", round(t_pull * 1000, 1))
     record_property("ttft_recompute_ms", round(t_rec * 1000, 1))
-    print(f"{len(nxt)} tokens: prefill with pull {t_pull*1000:.0f} ms, recompute {t_rec*1000:.0f} ms, "
-          f"pulled {pf.span['kvloop.bytes']/2**20:.1f} MiB")
+    print(
+        f"{len(nxt)} tokens: prefill with pull {t_pull * 1000:.0f} ms, recompute {t_rec * 1000:.0f} ms, "
+        f"pulled {pf.span['kvloop.bytes'] / 2**20:.1f} MiB"
+    )
 
 
 def test_release_event_after_lease(engines):
-    """After the lease ends (and the decode engine steps) the run's release is published."""
-    rnd = random.Random(8)
-    d = first_turn(engines, rand_tokens(rnd, 300), 8)
-    handle = d["kv_transfer_params"]["remote_request_id"]
+    """When a lease ends (and the decode engine steps) the decode publishes the run's release."""
+    index = engines.directory.index
+    with index._lock:
+        oldest = min(index._runs.values(), key=lambda r: r.deadline)
+    handle = oldest.ev.retention_handle
     deadline = time.monotonic() + RETENTION_TTL_S + 30
-    while handle in engines.directory.index.handles():
+    rnd = random.Random(8)
+    while handle not in engines.directory.released:
         assert time.monotonic() < deadline, "no release event"
-        time.sleep(2)
+        time.sleep(1)
         # vLLM reaps expired leases only when the engine steps
         engines.decode.generate(rand_tokens(rnd, 40), 1, cache_salt="tick")
+    ev = engines.directory.released[handle]
+    assert ev.reason == "expired" and ev.worker_id == "decode-0"
+    assert handle not in index.handles()
+    assert "KvloopRetentionReleased" in engines.directory.kv_event_types
