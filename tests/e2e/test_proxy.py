@@ -1,0 +1,116 @@
+"""The proxy over real vLLM engines: chat with and without streaming, continuation turns that transfer,
+routing to the decode server holding the prefix, client disconnects, one trace per turn."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import secrets
+import time
+import urllib.error
+import urllib.request
+from urllib.parse import urlparse
+
+from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from kvloop.clients.demo.model import random_text
+
+MODEL = "kvloop-tiny"
+
+
+def post(url: str, body: dict, headers: dict | None = None):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    return urllib.request.urlopen(request, timeout=300)
+
+
+def test_chat_without_and_with_streaming(served_stack):
+    messages = [{"role": "user", "content": random_text(200, 1)}]
+    with post(f"{served_stack.proxy_url}/v1/chat/completions",
+              {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}) as r:
+        plain = json.loads(r.read())
+        assert r.headers["x-kvloop-prefill"] == served_stack.prefill.config.url
+    assert plain["choices"][0]["message"]["content"]
+    assert plain["usage"]["completion_tokens"] == 8
+    with post(f"{served_stack.proxy_url}/v1/chat/completions",
+              {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        lines = [line.decode().strip() for line in r if line.strip()]
+    assert lines[-1] == "data: [DONE]"
+    streamed = "".join(json.loads(l[5:])["choices"][0]["delta"].get("content") or ""
+                       for l in lines[:-1] if json.loads(l[5:])["choices"])
+    assert streamed == plain["choices"][0]["message"]["content"]  # greedy: same answer either way
+
+
+def test_bad_requests_get_4xx(served_stack):
+    for body, fragment in (({"model": MODEL}, "'messages'"), ({"model": MODEL, "messages": [{"x": 1}]}, "'role'")):
+        try:
+            post(f"{served_stack.proxy_url}/v1/chat/completions", body)
+            raise AssertionError("expected 400")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 400
+            assert fragment in json.loads(exc.read())["error"]["message"]
+
+
+def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
+    by_worker = {e.config.worker_id: e.config.url for e in served_stack.decodes}
+    for seed in (21, 22):  # two conversations: round-robin alone would split their turns across decoders
+        conversation = AgentConversation(seed=seed, system_words=500, tool_words=250)
+        results = []
+        for turn in range(1, 5):
+            result = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, turn)
+            conversation.record(result.answer)
+            results.append(result)
+        assert results[0].path in ("miss", "recompute")
+        for r in results[1:]:
+            assert r.path == "transfer", r
+            assert r.matched_tokens >= 512 and r.bytes_moved > 0
+            assert r.decode_server == by_worker[r.holder], "decode must go to the server holding the prefix"
+
+
+def test_client_disconnect_frees_the_decode_request(served_stack):
+    url = urlparse(served_stack.proxy_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": random_text(100, 5)}],
+            "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    decode_url = response.getheader("x-kvloop-decode")
+    assert response.readline().startswith(b"data:")  # streaming has begun
+    conn.close()  # the client goes away mid-stream
+
+    def running() -> float:
+        text = urllib.request.urlopen(f"{decode_url}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running"))
+
+    deadline = time.monotonic() + 60
+    while running() > 0:
+        assert time.monotonic() < deadline, "decode kept generating after the client left"
+        time.sleep(0.2)  # polling the decode server's gauge
+
+
+def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
+    trace_id = secrets.token_hex(16)
+    traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    conversation = AgentConversation(seed=31, system_words=400, tool_words=200)
+    with post(f"{served_stack.proxy_url}/v1/chat/completions",
+              {"model": MODEL, "messages": conversation.messages, "max_tokens": 4}, {"traceparent": traceparent}) as r:
+        conversation.record(json.loads(r.read())["choices"][0]["message"]["content"])
+    trace_id2 = secrets.token_hex(16)
+    with post(f"{served_stack.proxy_url}/v1/chat/completions",
+              {"model": MODEL, "messages": conversation.messages, "max_tokens": 4},
+              {"traceparent": f"00-{trace_id2}-{secrets.token_hex(8)}-01"}) as r:
+        r.read()
+
+    def complete(spans):
+        services = {s["service"] for s in spans}
+        names = {s["name"] for s in spans}
+        return {"kvloop-proxy", "vllm-prefill", "vllm-decode"} <= services and "kvloop.prefill" in names
+
+    deadline = time.monotonic() + 30
+    while not complete(spans := [s for s in otlp_receiver.spans() if s["trace_id"] == trace_id2]):
+        assert time.monotonic() < deadline, f"incomplete trace: {[(s['service'], s['name']) for s in spans]}"
+        time.sleep(0.2)  # polling the receiver's file
+    kvloop_span = next(s for s in spans if s["name"] == "kvloop.prefill")
+    assert kvloop_span["attributes"]["kvloop.path"] == "transfer"
+    assert kvloop_span["attributes"]["kvloop.matched_tokens"] > 0

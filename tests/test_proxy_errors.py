@@ -1,0 +1,71 @@
+"""The proxy as a process with its backends down: clear 503s and 400s, never a hang or a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture
+def lonely_proxy(tmp_path):
+    port = free_port()
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    process = subprocess.Popen([str(BIN / "kvloop"), "proxy", "--listen", f"127.0.0.1:{port}", "--prefill", dead[0],
+                                "--decode", dead[1], "--no-use-directory"],
+                               stderr=(tmp_path / "proxy.log").open("w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1)
+        except urllib.error.HTTPError:
+            break  # answering (503: no backend)
+        except OSError:
+            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "proxy.log").read_text()
+            time.sleep(0.1)  # polling until the proxy listens
+    yield url, dead
+    process.terminate()
+    process.wait(10)
+
+
+def call(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_backend_down_is_503_with_reason(lonely_proxy):
+    url, dead = lonely_proxy
+    status, body = call(f"{url}/v1/chat/completions",
+                        json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    assert status == 503
+    assert "no healthy prefill server" in body["error"]["message"] and dead[0] in body["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(f"{url}/health", timeout=5)
+    assert health.value.code == 503
+
+
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
+    ("/v1/completions", b'{"model": "m"}', "'prompt' is required"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be a positive integer"),
+])
+def test_bad_requests_are_400(lonely_proxy, path, body, fragment):
+    url, _ = lonely_proxy
+    status, answer = call(f"{url}{path}", body)
+    assert status == 400 and fragment in answer["error"]["message"]
