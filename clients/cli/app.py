@@ -297,6 +297,59 @@ def proxy(
 
 
 @app.command()
+def engine(
+    role: Annotated[str, typer.Option(help="prefill or decode")],
+    model: Annotated[str, typer.Option(help="model directory or name for vllm serve")],
+    worker_id: Annotated[str, typer.Option(help="this worker's stable name in the directory")],
+    port: Annotated[int, typer.Option(help="OpenAI HTTP port")] = 8000,
+    served_model_name: Annotated[str, typer.Option(help="model name clients use")] = "",
+    host: Annotated[str, typer.Option(help="address peers reach this host on (HTTP and NIXL)")] = "127.0.0.1",
+    nixl_port: Annotated[int, typer.Option(help="NIXL side-channel port")] = 5600,
+    kv_events_port: Annotated[int, typer.Option(help="ZMQ KV-event port (replay on +1)")] = 5557,
+    block_size: Annotated[int, typer.Option(help="KV block size (a multiple of 32 on CPU)")] = 32,
+    kv_cache_gib: Annotated[int, typer.Option(help="CPU KV cache size")] = 2,
+    retention_ttl: Annotated[float, typer.Option(help="seconds a decode retains finished turns' blocks")] = 480.0,
+    prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
+) -> None:
+    """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar
+    (both stop on Ctrl-C / SIGTERM). kvloopd is --daemon / KVLOOP_DAEMON."""
+    import signal as signals
+    import time
+
+    from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
+
+    if role not in ("prefill", "decode"):
+        _fail("--role must be prefill or decode", code=2)
+    name = served_model_name or model
+    config = EngineConfig(role=role, model=model, served_model_name=name, worker_id=worker_id, port=port,
+                          nixl_port=nixl_port, kv_events_port=kv_events_port, daemon=state.daemon, host=host,
+                          block_size=block_size, kv_cache_gib=kv_cache_gib, retention_ttl_s=retention_ttl,
+                          prefix_caching=prefix_caching)
+    if Path(model).is_dir():
+        from kvloop.clients.demo.model import kv_bytes_per_block
+
+        config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
+    worker = Engine(config, Path(".kvloop-engine-logs") / worker_id)
+    stop = []
+    signals.signal(signals.SIGTERM, lambda *_: stop.append(True))
+    worker.launch()
+    err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
+    try:
+        while not worker.ready():
+            time.sleep(0.5)  # polling /health while vLLM loads
+        err_console.print(f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s")
+        while not stop:
+            worker.ready()  # raises when vLLM or the sidecar died
+            time.sleep(1)
+    except EngineStartError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.stop()
+
+
+@app.command()
 def demo(
     turns: Annotated[int, typer.Option(min=2, help="conversation turns")] = 6,
     max_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per turn")] = 16,
