@@ -430,13 +430,14 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         layout = self.store.model_spec(request.model)
         width = layout.hash_length if layout else 0
         block_size = layout.block_size if layout else request.block_size
-        if request.packed_block_hashes and len(request.block_hashes):
+        packed = request.packed_block_hashes  # read once: each access copies the bytes out of the message
+        if packed and len(request.block_hashes):
             raise BadInput("hashes", "give block_hashes or packed_block_hashes, not both")
-        if request.packed_block_hashes:
-            if width and len(request.packed_block_hashes) % width:
-                raise BadInput("hash_length", f"packed_block_hashes is {len(request.packed_block_hashes)} bytes, "
+        if packed:
+            if width and len(packed) % width:
+                raise BadInput("hash_length", f"packed_block_hashes is {len(packed)} bytes, "
                                               f"not a multiple of the model's hash_length {width}")
-            hashes: Sequence[bytes] = PackedHashes(request.packed_block_hashes, width or 32)
+            hashes: Sequence[bytes] = PackedHashes(packed, width or 32)
             if len(hashes) > self.max_hashes:
                 raise BadInput("too_many_hashes", f"{len(hashes)} block hashes exceed the limit of {self.max_hashes}")
         else:

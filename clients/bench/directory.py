@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvloop.agents.sidecar.link import DirectoryLink
@@ -194,6 +195,13 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             if progress:
                 progress.update(task, completed=message[1])
         with DirectoryClient(target) as sync:
+            # The gRPC round-trip floor on this machine: the standard health Check, which does nothing.
+            health = health_pb2_grpc.HealthStub(sync._channel)
+            floor_us = []
+            for _ in range(min(config.lookups, 1000)):
+                t0 = time.perf_counter()
+                health.Check(health_pb2.HealthCheckRequest())
+                floor_us.append((time.perf_counter() - t0) * 1e6)
             stats = sync.stats()
             rss_after = _rss_bytes(daemon.pid)
             prompts = _prompts(fleet, config, min(config.lookups, 500))
@@ -227,6 +235,7 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             "lookup_e2e_p50_ms": round(_percentile(e2e_us, 0.50) / 1e3, 3),
             "lookup_e2e_p99_ms": round(_percentile(e2e_us, 0.99) / 1e3, 3),
             "lookup_e2e_mean_ms": round(statistics.fmean(e2e_us) / 1e3, 3),
+            "grpc_health_check_e2e_p50_ms": round(_percentile(floor_us, 0.50) / 1e3, 3),
             "lookups_per_s_concurrent": round(throughput),
             "concurrency": config.concurrency,
             "lookups": config.lookups,
@@ -242,6 +251,7 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             (f"lookup server p50 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p50_us']} us", ""),
             (f"lookup server p99 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p99_us']} us", "<= 100 us"),
             ("lookup end-to-end p50 (gRPC, loopback)", f"{result['lookup_e2e_p50_ms']} ms", "<= 0.5 ms"),
+            ("  gRPC floor: empty health Check p50", f"{result['grpc_health_check_e2e_p50_ms']} ms", ""),
             (f"lookups/s, {config.concurrency} concurrent callers", f"{result['lookups_per_s_concurrent']:,}", ""),
             ("lookups that chose TRANSFER", f"{transfers:,} / {config.lookups:,}", ""),
             ("daemon memory per entry", f"{result['bytes_per_entry']} B", "<= 200 B"),
