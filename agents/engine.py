@@ -43,7 +43,9 @@ class EngineConfig:
     kv_bytes_per_block: int = 0
     agent_health_port: int = 0
     prefix_caching: bool = True
-    reverse_transfer: bool = True  # False: a plain disaggregated pair (the recompute arm)
+    # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
+    # handles a proxy passes along, positional pull); "recompute": plain disaggregation, no reverse pull.
+    mode: str = "kvloop"
     extra_vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -52,15 +54,20 @@ class EngineConfig:
         return f"http://{self.host}:{self.port}"
 
     def kv_transfer_config(self) -> dict:
+        if self.mode not in ("kvloop", "builtin", "recompute"):
+            raise ValueError(f"unknown engine mode {self.mode!r}")
         extra = {
-            "bidirectional_kv_xfer": self.reverse_transfer,
+            "bidirectional_kv_xfer": self.mode != "recompute",
             "decoder_kv_blocks_ttl": int(self.retention_ttl_s),
             "kv_recompute_threshold": self.recompute_threshold_tokens,
-            "kvloop_daemon": self.daemon if self.reverse_transfer else "",
+            "kvloop_daemon": self.daemon if self.mode == "kvloop" else "",
             "kvloop_worker_id": self.worker_id,
             "kvloop_model": self.served_model_name,
             "kvloop_retention_ttl_s": self.retention_ttl_s,
         }
+        if self.mode == "builtin":
+            # vLLM's semantics: the decode frees retained blocks after the first read.
+            extra.update({"kvloop_sharing": "single", "kvloop_publish_events": False})
         return {
             "kv_connector": "KvloopConnector",
             "kv_connector_module_path": CONNECTOR_MODULE,
@@ -151,7 +158,7 @@ class Engine:
         self.vllm = subprocess.Popen(self.config.vllm_command(), env=self.config.vllm_env(),
                                      stdout=self.vllm_log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        if self.config.reverse_transfer:
+        if self.config.mode == "kvloop":
             self.agent = subprocess.Popen(self.config.agent_command(), stdout=self.agent_log.open("w"),
                                           stderr=subprocess.STDOUT, start_new_session=True)
 

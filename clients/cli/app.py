@@ -296,6 +296,42 @@ def proxy(
         shutdown_tracing()
 
 
+@bench_app.command("multiturn")
+def bench_multiturn(
+    quick: Annotated[bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")] = False,
+    sessions_turns: Annotated[int, typer.Option("--turns", help="turns per session")] = 10,
+    concurrency: Annotated[list[int], typer.Option(help="concurrent sessions (repeatable)")] = [1, 4, 8],
+    workload: Annotated[list[str], typer.Option(help="plain, shared_prefix, edited (repeatable)")] = [
+        "plain", "shared_prefix", "edited"],
+    prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
+    repeats: Annotated[int, typer.Option(help="repeat every workload")] = 1,
+    workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
+) -> None:
+    """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop, on real engines."""
+    from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
+
+    config = MultiturnConfig(workdir=workdir.resolve(), turns=5 if quick else sessions_turns,
+                             concurrency=(1, 4) if quick else tuple(concurrency),
+                             workloads=tuple(workload), prefill_prefix_caching=prefix_caching,
+                             repeats=repeats, quick=quick, system_tokens=800 if quick else 1500,
+                             tool_tokens=400 if quick else 600)
+    result = run_multiturn(config, progress=True)
+    out = json_path or (config.workdir / "multiturn.json")
+    out.write_text(json.dumps(result, indent=2))
+    table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
+    for column in ("workload", "sessions", "arm", "p50 ms", "p90 ms", "x recompute", "transfer share",
+                   "pulled tokens", "prompt tokens", "answers = recompute"):
+        table.add_column(column)
+    for row in result["summary"]["rows"]:
+        table.add_row(row["workload"], str(row["concurrency"]), row["arm"], f"{row['ttft_p50_ms']:.0f}",
+                      f"{row['ttft_p90_ms']:.0f}", str(row["ratio_to_recompute_p50"]), str(row["transfer_share"]),
+                      str(row["mean_pulled_tokens"]), str(row["mean_prompt_tokens"]),
+                      str(row["answer_agreement_with_recompute"]))
+    console.print(table)
+    console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
+
+
 @app.command()
 def engine(
     role: Annotated[str, typer.Option(help="prefill or decode")],

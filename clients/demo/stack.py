@@ -30,7 +30,7 @@ class StackConfig:
     served_model_name: str = "kvloop-tiny"
     decode_servers: int = 1
     prefill_prefix_caching: bool = False  # off: emulates a fleet of prefill workers losing their cache
-    reverse_transfer: bool = True
+    mode: str = "kvloop"  # "kvloop" | "builtin" | "recompute" (see EngineConfig.mode)
     kv_cache_gib: int = 2
     block_size: int = 32
     retention_ttl_s: float = 480.0
@@ -94,7 +94,7 @@ class Stack:
                 retention_ttl_s=cfg.retention_ttl_s, kv_bytes_per_block=bytes_per_block,
                 agent_health_port=free_port(),
                 prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
-                reverse_transfer=cfg.reverse_transfer, env=engine_env), logs))
+                mode=cfg.mode, env=engine_env), logs))
         for engine in self.engines:
             engine.launch()
             progress(engine.config.worker_id, "starting vllm serve")

@@ -1,0 +1,244 @@
+"""`kvloop bench multiturn`: continuation-turn latency of three arms side by side, on real engines.
+
+Arms (same model, histories, tool outputs and order; interleaved turn by turn):
+- recompute: disaggregated prefill/decode without reverse transfer;
+- builtin: vLLM's NixlConnector reverse mode (`bidirectional_kv_xfer`), the reverse handle returned by
+  the decode cached per conversation and passed to the next prefill, as vLLM's proxy does;
+- kvloop: the directory (the prefill's connector looks the prompt's block hashes up in kvloopd).
+
+Each arm has its own prefill + decode `vllm serve` pair; the bench orchestrates prefill -> decode itself
+(exactly what a disaggregation proxy does) so that all arms are timed the same way: TTFT is the prefill
+request's latency (the disaggregated first token, including any KV pull), measured per turn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvloop.clients.demo.model import WORDS, build_tiny_llama
+
+ARMS = ("recompute", "builtin", "kvloop")
+MODEL = "kvloop-tiny"
+
+
+@dataclass
+class MultiturnConfig:
+    workdir: Path
+    sessions: int = 4
+    turns: int = 10
+    concurrency: tuple[int, ...] = (1, 4, 8)
+    workloads: tuple[str, ...] = ("plain", "shared_prefix", "edited")
+    system_tokens: int = 1500
+    tool_tokens: int = 600
+    answer_tokens: int = 16
+    repeats: int = 1
+    prefill_prefix_caching: bool = False
+    hidden_size: int = 384
+    layers: int = 4
+    seed: int = 1
+    quick: bool = False
+
+
+@dataclass
+class TurnSample:
+    arm: str
+    workload: str
+    concurrency: int
+    session: int
+    turn: int
+    prompt_tokens: int
+    ttft_ms: float
+    cached_tokens: int
+    path: str
+    answer: str
+
+
+@dataclass
+class Session:
+    """A seeded agent session: the same text in every arm."""
+
+    seed: int
+    messages: list[dict] = field(default_factory=list)
+
+    @staticmethod
+    def words(n: int, rnd: random.Random) -> str:
+        return " ".join(rnd.choice(WORDS) for _ in range(n))
+
+
+def build_sessions(workload: str, count: int, config: MultiturnConfig, base_seed: int) -> list[Session]:
+    shared = Session.words(config.system_tokens, random.Random(base_seed))
+    sessions = []
+    for i in range(count):
+        rnd = random.Random(base_seed * 1000 + i)
+        system = shared if workload == "shared_prefix" else Session.words(config.system_tokens, rnd)
+        s = Session(seed=base_seed * 1000 + i)
+        s.messages = [{"role": "system", "content": "You are an agent. " + system},
+                      {"role": "user", "content": "Task: " + Session.words(30, rnd)}]
+        sessions.append(s)
+    return sessions
+
+
+def next_turn_messages(session: Session, answer: str, turn: int, workload: str, tool_tokens: int) -> None:
+    rnd = random.Random(session.seed * 100 + turn)
+    session.messages.append({"role": "assistant", "content": answer})
+    session.messages.append({"role": "user", "content": "Tool output: " + Session.words(tool_tokens, rnd)})
+    if workload == "edited" and turn % 2 == 0 and len(session.messages) > 4:
+        # Drop an earlier reasoning/answer segment: every later token shifts.
+        del session.messages[2]
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class ArmClient:
+    """Prefill -> decode orchestration for one arm (the builtin arm caches reverse handles)."""
+
+    def __init__(self, arm: str, prefill_url: str, decode_url: str) -> None:
+        self.arm = arm
+        self.prefill_url = prefill_url
+        self.decode_url = decode_url
+        self.handles: dict[int, dict] = {}
+
+    def turn(self, session: Session, max_tokens: int) -> tuple[float, int, int, str, str]:
+        kv: dict = {"do_remote_decode": True}
+        if self.arm == "builtin":
+            kv.update(self.handles.pop(session.seed, {}))  # single use, like vLLM's proxy
+        body = {"model": MODEL, "messages": session.messages, "temperature": 0.0}
+        t0 = time.perf_counter()
+        pre = _post(f"{self.prefill_url}/v1/chat/completions",
+                    {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv})
+        ttft = (time.perf_counter() - t0) * 1e3
+        details = (pre.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") or 0
+        prompt_tokens = (pre.get("usage") or {}).get("prompt_tokens", 0)
+        params = pre.get("kv_transfer_params") or {}
+        path = params.get("kvloop_path") or ("transfer" if cached else "recompute")
+        dec = _post(f"{self.decode_url}/v1/chat/completions",
+                    {**body, "max_tokens": max_tokens, "kv_transfer_params": params})
+        answer = dec["choices"][0]["message"]["content"] or ""
+        if self.arm == "builtin" and dec.get("kv_transfer_params"):
+            self.handles[session.seed] = dec["kv_transfer_params"]
+        return ttft, prompt_tokens, cached, path, answer
+
+
+def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
+                 on_turn) -> list[TurnSample]:
+    samples: list[TurnSample] = []
+    # Every arm gets its own copy of the same sessions; answers may differ per arm only if KV differs.
+    per_arm = {arm: build_sessions(workload, concurrency, config, config.seed + concurrency) for arm in clients}
+    for turn in range(1, config.turns + 1):
+        for arm, client in clients.items():  # interleave arms turn by turn
+            sessions = per_arm[arm]
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                results = list(pool.map(lambda s: client.turn(s, config.answer_tokens), sessions))
+            for i, (session, (ttft, prompt, cached, path, answer)) in enumerate(zip(sessions, results)):
+                samples.append(TurnSample(arm, workload, concurrency, i, turn, prompt, ttft, cached, path, answer))
+                next_turn_messages(session, answer, turn, workload, config.tool_tokens)
+            on_turn()
+    return samples
+
+
+def summarize(samples: list[TurnSample]) -> dict:
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else 0.0
+
+    groups: dict[tuple, list[TurnSample]] = {}
+    for s in samples:
+        if s.turn > 1:
+            groups.setdefault((s.workload, s.concurrency, s.arm), []).append(s)
+    rows = []
+    for (workload, concurrency, arm), group in sorted(groups.items()):
+        ttfts = [s.ttft_ms for s in group]
+        recompute = groups.get((workload, concurrency, "recompute"), [])
+        base = statistics.median([s.ttft_ms for s in recompute]) if recompute else None
+        reference = {(s.session, s.turn): s.answer for s in recompute}
+        agree = [s.answer == reference[(s.session, s.turn)] for s in group if (s.session, s.turn) in reference]
+        rows.append({
+            "workload": workload, "concurrency": concurrency, "arm": arm, "continuation_turns": len(group),
+            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p90_ms": pct(ttfts, 0.9),
+            "ratio_to_recompute_p50": round(statistics.median(ttfts) / base, 3) if base else None,
+            "transfer_share": round(sum(s.cached_tokens > 0 for s in group) / len(group), 3),
+            "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in group), 1),
+            "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in group), 1),
+            "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree else None,
+        })
+    return {"rows": rows}
+
+
+def plot(samples: list[TurnSample], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for arm in ARMS:
+        pts = sorted((s.prompt_tokens, s.ttft_ms) for s in samples if s.arm == arm and s.turn > 1)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", alpha=0.6, label=arm)
+    ax.set_xlabel("context length (prompt tokens)")
+    ax.set_ylabel("continuation TTFT (ms)")
+    ax.set_title("Continuation TTFT vs context length")
+    ax.legend()
+    fig.savefig(out / "ttft_vs_context.png", dpi=120)
+    paths.append(str(out / "ttft_vs_context.png"))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    data = [[s.ttft_ms for s in samples if s.arm == arm and s.turn > 1] for arm in ARMS]
+    ax.boxplot(data, tick_labels=list(ARMS))
+    ax.set_ylabel("continuation TTFT (ms)")
+    ax.set_title("Continuation TTFT distribution per arm")
+    fig.savefig(out / "ttft_distribution.png", dpi=120)
+    paths.append(str(out / "ttft_distribution.png"))
+    plt.close("all")
+    return paths
+
+
+def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
+    from rich.progress import Progress
+
+    from kvloop.clients.demo.stack import Stack, StackConfig
+
+    config.workdir.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_llama(config.workdir / "model", hidden_size=config.hidden_size, layers=config.layers)
+    stacks = {}
+    started = time.monotonic()
+    try:
+        for arm in ARMS:
+            stacks[arm] = Stack(StackConfig(model_dir=model, workdir=config.workdir / arm, kv_cache_gib=1,
+                                            prefill_prefix_caching=config.prefill_prefix_caching,
+                                            mode=arm))
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("starting 3 engine pairs", total=None)
+            for arm, stack in stacks.items():
+                stack.start(lambda what, state, arm=arm: bar.update(task, description=f"{arm}: {what} {state}"))
+            clients = {arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url) for arm, s in stacks.items()}
+            total = len(config.workloads) * len(config.concurrency) * config.turns * len(ARMS) * config.repeats
+            bar.update(task, description="turns", total=total, completed=0)
+            samples: list[TurnSample] = []
+            for _ in range(config.repeats):
+                for workload in config.workloads:
+                    for concurrency in config.concurrency:
+                        samples += run_workload(clients, workload, concurrency, config,
+                                                lambda: bar.advance(task))
+        summary = summarize(samples)
+        result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+                  "summary": summary, "samples": [asdict(s) for s in samples],
+                  "engine_start_s": {arm: [round(e.started_s or 0, 1) for e in s.engines] for arm, s in stacks.items()},
+                  "wall_s": round(time.monotonic() - started, 1)}
+        result["plots"] = plot(samples, config.workdir)
+        return result
+    finally:
+        for stack in stacks.values():
+            stack.stop()
