@@ -18,7 +18,7 @@ $(BIN)/python:
 	$(PIP) install -q --upgrade pip
 
 $(VENV)/.kvloop-installed: $(BIN)/python pyproject.toml
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,bench]'
 	touch $@
 
 setup: $(VENV)/.kvloop-installed

@@ -149,6 +149,8 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "TOKENIZERS_PARALLELISM": "false",
         }
     )
+    if spec.multiprocessing:  # collective_rpc with a function across processes (test-only)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
         from opentelemetry import trace
         from opentelemetry.sdk.trace import TracerProvider
@@ -289,7 +291,10 @@ class EngineHandle:
         ctx = mp.get_context("spawn")
         self.spec = spec
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec), name=f"engine-{spec.name}",
+        self.proc = ctx.Process(
+            target=_serve,
+            args=(child, spec),
+            name=f"engine-{spec.name}",
             daemon=not (spec.multiprocessing or spec.executor != "uni"),  # vLLM then spawns children
         )
         self.proc.start()
