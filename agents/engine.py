@@ -64,6 +64,9 @@ class EngineConfig:
             "kvloop_worker_id": self.worker_id,
             "kvloop_model": self.served_model_name,
             "kvloop_retention_ttl_s": self.retention_ttl_s,
+            # The lookup runs off the engine loop (the scheduler asks again next step), so a loaded
+            # host can afford a generous deadline; past it the turn recomputes.
+            "kvloop_lookup_timeout_ms": 500,
         }
         if self.mode == "builtin":
             # vLLM's semantics: the decode frees retained blocks after the first read.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -55,7 +56,9 @@ def start_agent(daemon_address: str, ports, tmp_path: Path, health_port: int) ->
          "--model", MODEL, "--nixl-endpoint", "127.0.0.1:5999", "--block-size", "16",
          "--kv-events", f"tcp://127.0.0.1:{ports[0]}", "--kv-events-replay", f"tcp://127.0.0.1:{ports[1]}",
          "--health-listen", f"127.0.0.1:{health_port}"],
-        stdout=log, stderr=subprocess.STDOUT)
+        stdout=log, stderr=subprocess.STDOUT,
+        # a short silence warning: the agent must warn and keep running (it once exited instead)
+        env={**os.environ, "KVLOOP_AGENT_SILENT_ENGINE_WARNING_S": "0.2"})
 
 
 def test_agent_forwards_engine_events_and_recovers_after_restart(daemon, publisher, tmp_path):

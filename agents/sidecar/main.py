@@ -104,7 +104,9 @@ async def run_agent(settings, stop: asyncio.Event) -> int:
 
     log.info("kvloop-agent starting", worker_id=settings.worker_id, model=settings.model, daemon=settings.daemon,
              kv_events=settings.kv_events, epoch=registration.epoch)
-    tasks = [asyncio.create_task(t) for t in (link.run(), pump(), watch_silence(), track_connection())]
+    # These run for the agent's whole life: the first to end (or SIGTERM) ends the agent.
+    tasks = [asyncio.create_task(t) for t in (link.run(), pump(), track_connection())]
+    warner = asyncio.create_task(watch_silence())
     stopper = asyncio.create_task(stop.wait())
     try:
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -114,6 +116,9 @@ async def run_agent(settings, stop: asyncio.Event) -> int:
                     log.error("kvloopd refused this agent", error=str(task.exception()))
                     return 2
                 raise task.exception()
+            if task is not stopper:
+                log.error("agent task ended unexpectedly", task=task.get_coro().__name__)
+                return 1
         # Graceful stop: let acknowledged-so-far settle briefly, then close the stream.
         try:
             await link.wait_acked(timeout=2)
@@ -121,7 +126,7 @@ async def run_agent(settings, stop: asyncio.Event) -> int:
             log.warning("stopping with unacknowledged batches", sequence=link.sequence, acked=link.acked)
         return 0
     finally:
-        for task in [*tasks, stopper]:
+        for task in [*tasks, warner, stopper]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
