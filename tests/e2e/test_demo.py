@@ -1,0 +1,29 @@
+"""`kvloop demo --json`, the README's main job, end to end on real engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
+    workdir = tmp_path / "demo"
+    result = subprocess.run([str(BIN / "kvloop"), "--json", "demo", "--turns", "3", "--workdir", str(workdir)],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    assert turns[0]["path"] in ("miss", "recompute")
+    for turn in turns[1:]:
+        assert turn["path"] == "transfer", turn
+        assert turn["matched_tokens"] > 0 and turn["bytes_moved"] > 0 and turn["ttft_ms"] > 0
+    assert "Traces went to" in result.stderr and (workdir / "spans.jsonl").exists()
+    spans = [json.loads(line) for line in (workdir / "spans.jsonl").read_text().splitlines()]
+    assert any(s.get("name") == "kvloop.prefill" for s in spans)
+    # everything it started is gone
+    leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
+    assert leftovers == []
