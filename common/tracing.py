@@ -1,7 +1,7 @@
 """OpenTelemetry setup from the standard OTEL_* variables.
 
 Tracing is on when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set, or when a span
-file is given (the demo's local fallback); OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn
+file is given (argument or KVLOOP_SPAN_FILE: the demo's local fallback, JSON lines); OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn
 it off. With tracing off the no-op API provider stays installed and costs nothing.
 """
 
@@ -55,6 +55,7 @@ def configure_tracing(service_name: str, span_file: str | None = None) -> bool:
     Returns whether tracing is on. Idempotent per process.
     """
     global _configured
+    span_file = span_file or os.environ.get("KVLOOP_SPAN_FILE") or None
     if _configured is not None:
         return True
     if not tracing_requested(span_file):

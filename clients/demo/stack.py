@@ -57,8 +57,9 @@ class Stack:
 
     def _env(self, service: str) -> dict[str, str]:
         env = dict(os.environ)
-        env.setdefault("OTEL_SERVICE_NAME", service)
         env["OTEL_SERVICE_NAME"] = service
+        if self.config.span_file and not _otlp_configured():
+            env["KVLOOP_SPAN_FILE"] = str(self.config.span_file)
         return env
 
     def start(self, progress: Callable[[str, str], None] = lambda what, state: None) -> None:
@@ -68,11 +69,10 @@ class Stack:
         bin_dir = Path(sys.executable).parent
         daemon_port = free_port()
         self.daemon_address = f"127.0.0.1:{daemon_port}"
-        span_args = ["--span-file", str(cfg.span_file)] if cfg.span_file and not _otlp_configured() else []
         progress("kvloopd", "starting")
         self.daemon = subprocess.Popen(
             [str(bin_dir / "kvloopd"), "--listen", self.daemon_address, "--metrics-listen", f"127.0.0.1:{free_port()}",
-             "--log-json", *span_args],
+             "--log-json"],
             stdout=subprocess.DEVNULL, stderr=(logs / "kvloopd.log").open("w"), env=self._env("kvloopd"))
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             client.wait_ready(30)
