@@ -58,6 +58,8 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
     worker_id: str = ""
     lora_name: str | None = None
     tp_size: int = 1
+    # Bytes one block occupies over all layers and KV-cache groups on the holder.
+    kv_bytes_per_block: int = 0
     # Wall-clock (unix seconds) when the event was emitted; lease_ms is relative to it.
     ts: float = 0.0
 

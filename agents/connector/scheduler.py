@@ -388,6 +388,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 worker_id=self.worker_id,
                 lora_name=lora,
                 tp_size=self.transfer_tp_size,
+                kv_bytes_per_block=self.kv_bytes_per_block,
                 ts=time.time(),
             )
         )

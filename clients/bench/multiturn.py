@@ -184,13 +184,15 @@ def plot(samples: list[TurnSample], out: Path) -> list[str]:
 
     paths = []
     fig, ax = plt.subplots(figsize=(8, 5))
-    for arm in ARMS:
-        pts = sorted((s.prompt_tokens, s.ttft_ms) for s in samples if s.arm == arm and s.turn > 1)
+    single = min(s.concurrency for s in samples)
+    for arm in ARMS:  # one session at a time: latency without queueing
+        pts = sorted((s.prompt_tokens, s.ttft_ms) for s in samples
+                     if s.arm == arm and s.turn > 1 and s.concurrency == single)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", alpha=0.6, label=arm)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", alpha=0.7, label=arm)
     ax.set_xlabel("context length (prompt tokens)")
     ax.set_ylabel("continuation TTFT (ms)")
-    ax.set_title("Continuation TTFT vs context length")
+    ax.set_title(f"Continuation TTFT vs context length ({single} session at a time)")
     ax.legend()
     fig.savefig(out / "ttft_vs_context.png", dpi=120)
     paths.append(str(out / "ttft_vs_context.png"))

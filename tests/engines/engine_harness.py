@@ -210,6 +210,10 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
         cmd, args = conn.recv()
         try:
             if cmd == "stop":
+                try:  # the multiprocess layout leaves orphaned engine-core processes otherwise
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:  # noqa: BLE001, S110
+                    pass
                 conn.send(("ok", None))
                 break
             if cmd == "generate":

@@ -113,6 +113,8 @@ def test_retained_event_reaches_directory_via_vllm_kv_events(engines):
     assert run.engine_id == "decode-0" and run.single_use is False
     assert 0 < run.lease_ms <= RETENTION_TTL_S * 1000
     assert run.nixl_port == engines.decode.spec.side_channel_port
+    # 2 (K, V) x 32 tokens x 6 heads x 64 dims x 2 bytes (bf16) x 4 layers
+    assert run.kv_bytes_per_block == 2 * 32 * 6 * 64 * 2 * 4
     assert {"BlockStored", "KvloopBlocksRetained"} <= engines.directory.kv_event_types
 
 
