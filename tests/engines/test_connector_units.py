@@ -1,0 +1,118 @@
+"""Fast checks of the connector's vLLM-free parts (no engines needed)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.directory import GrpcBlockDirectory, InMemoryBlockDirectory, holder_from_proto
+from kvloop.agents.connector.events import (
+    KvloopBlocksRetained,
+    KvloopRetentionReleased,
+    decode_event_batch,
+)
+from pydantic import ValidationError
+
+
+def _run(handle: str, hashes: list[bytes], lease_ms: int = 60_000, single_use: bool = False, worker="d0"):
+    return KvloopBlocksRetained(
+        block_hashes=hashes,
+        block_ids=[[100 + i for i in range(len(hashes))]],
+        retention_handle=handle,
+        lease_ms=lease_ms,
+        single_use=single_use,
+        engine_id="eng-" + worker,
+        nixl_host="127.0.0.1",
+        nixl_port=5600,
+        block_size=32,
+        num_tokens=32 * len(hashes),
+        worker_id=worker,
+    )
+
+
+H = [bytes([i]) * 32 for i in range(10)]
+
+
+def test_config_from_extra_config():
+    cfg = KvloopConfig.from_extra_config(
+        {"bidirectional_kv_xfer": True, "kvloop_daemon": "h:1", "kvloop_lookup_timeout_ms": 5}
+    )
+    assert cfg.daemon == "h:1" and cfg.lookup_timeout_ms == 5 and cfg.sharing == "multi"
+    with pytest.raises(ValidationError):
+        KvloopConfig.from_extra_config({"kvloop_daemon": "nohostport"})
+    with pytest.raises(ValidationError):
+        KvloopConfig.from_extra_config({"kvloop_typo": 1})
+
+
+def test_event_wire_format_matches_vllm_batch():
+    # vLLM's KVEventBatch is array-like [ts, events, dp_rank]; events are maps tagged "type".
+    batch = [
+        1.5,
+        [
+            {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"},
+            msgspec.to_builtins(_run("r1", H[:2])),
+            msgspec.to_builtins(KvloopRetentionReleased(retention_handle="r0")),
+        ],
+        0,
+    ]
+    decoded = decode_event_batch(msgspec.msgpack.encode(batch))
+    assert decoded.vllm[0]["type"] == "BlockRemoved"
+    assert isinstance(decoded.kvloop[0], KvloopBlocksRetained)
+    assert decoded.kvloop[0].block_hashes == H[:2]
+    assert decoded.kvloop[1].retention_handle == "r0"
+    assert msgspec.to_builtins(_run("x", H[:1]))["type"] == "kvloop.retained"
+
+
+def test_in_memory_directory_longest_prefix_and_rules():
+    d = InMemoryBlockDirectory(expiry_margin_s=6.0, min_pull_tokens=64)
+    d.ingest([_run("a", H[:4]), _run("b", H[:6]), _run("c", H[:8], lease_ms=3000)])
+    r = d.lookup(H[:7], 0, requester="p0")
+    assert r.path == "transfer" and r.matched_blocks == 6 and r.holder.retention_handle == "b"
+    assert r.holder.block_ids == (tuple(range(100, 106)),)
+    # edited history: only the matching prefix counts
+    r = d.lookup(H[:3] + [b"x" * 32] + H[4:6], 0)
+    assert r.matched_blocks == 3
+    assert d.lookup(H[:7], 6).path == "local"
+    assert d.lookup(H[:7], 5).path == "recompute"  # 1 block < 64 tokens
+    assert d.lookup([b"z" * 32], 0).path == "miss"
+    assert d.lookup(H[:7], 0, requester="d0").path == "miss"  # never the caller itself
+    d2 = InMemoryBlockDirectory()
+    d2.ingest([_run("c", H[:8], lease_ms=3000)])
+    assert d2.lookup(H[:8], 0).path == "expired"
+    d.ingest([KvloopRetentionReleased(retention_handle="b")])
+    assert d.lookup(H[:7], 0).holder.retention_handle == "a"
+
+
+def test_single_use_runs_are_claimed_once():
+    d = InMemoryBlockDirectory()
+    d.ingest([_run("s", H[:4], single_use=True)])
+    assert d.lookup(H[:4], 0).path == "transfer"
+    assert d.lookup(H[:4], 0).path == "miss"
+
+
+def test_holder_block_ids_are_group_major():
+    from kvloop.v1 import directory_pb2 as pb
+
+    h = holder_from_proto(
+        pb.Holder(
+            engine_id="e",
+            nixl_endpoint="10.0.0.1:5601",
+            block_ids=[1, 2, 3, 7, 8, 9],
+            num_groups=2,
+            retention_handle="r",
+            expires_in_ms=9000,
+            matched_blocks=3,
+        )
+    )
+    assert h.block_ids == ((1, 2, 3), (7, 8, 9)) and h.host == "10.0.0.1" and h.port == 5601
+
+
+def test_grpc_directory_unreachable_returns_none_fast():
+    import time
+
+    d = GrpcBlockDirectory("127.0.0.1:9", timeout_ms=50, backoff_s=5)
+    t = time.perf_counter()
+    assert d.lookup(H[:2], 0) is None
+    assert d.lookup(H[:2], 0) is None  # backoff: no second RPC
+    assert time.perf_counter() - t < 1.0
+    d.close()
