@@ -11,6 +11,7 @@ per KV-cache group) and delegate to vLLM; otherwise strip any handle so no peer 
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import BlockDirectory, LookupResult
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.common.tracing import configure_tracing
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -83,6 +85,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         directory: BlockDirectory | None,
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        # Spans leave this (engine-core) process over OTLP (OTEL_* env) or to KVLOOP_SPAN_FILE.
+        configure_tracing(os.environ.get("OTEL_SERVICE_NAME", f"vllm-{engine_id}"))
         self.cfg = cfg
         self.directory = directory
         self.worker_id = cfg.worker_id or engine_id
@@ -95,6 +99,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         # Prefill role: lease deadline (this process's perf_counter) of each pull, for the worker.
         self._pull_deadlines_new: dict[str, float] = {}
         self._pulls: dict[str, _Pull] = {}
+        # Prefill role: each request's kvloop outcome, returned to the caller in kv_transfer_params.
+        self._outcomes: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, tuple[Future[LookupResult | None], float]] = {}
         self._lookup_ms = 0.0  # latency of the decision being applied (for spans)
         self._pool: ThreadPoolExecutor | None = None
@@ -235,6 +241,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._pull_deadlines_new[request.request_id] = time.perf_counter() + h.expires_in_ms / 1000.0
         span = tm.tracer.start_span(
             "kvloop.prefill",
+            context=tm.request_context(request),
             attributes={"kvloop.request_id": request.request_id, "kvloop.holder": h.worker_id or h.engine_id},
         )
         self._pulls[request.request_id] = _Pull(
@@ -261,21 +268,23 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     ) -> None:
         prompt = request.num_prompt_tokens
         recompute = max(0, prompt - local_tokens)
+        outcome = {
+            "path": path,
+            "reason": reason,
+            "matched_tokens": matched_tokens,
+            "recompute_tokens": recompute,
+            "bytes": 0,
+            "holder": "",
+            "local_tokens": local_tokens,
+            "lookup_ms": round(self._lookup_ms, 3),
+        }
+        self._outcomes[request.request_id] = outcome
         with tm.tracer.start_as_current_span(
-            "kvloop.prefill", attributes={"kvloop.request_id": request.request_id}
+            "kvloop.prefill",
+            context=tm.request_context(request),
+            attributes={"kvloop.request_id": request.request_id},
         ) as span:
-            span.set_attributes(
-                {
-                    "kvloop.path": path,
-                    "kvloop.reason": reason,
-                    "kvloop.matched_tokens": matched_tokens,
-                    "kvloop.recompute_tokens": recompute,
-                    "kvloop.bytes": 0,
-                    "kvloop.holder": "",
-                    "kvloop.local_tokens": local_tokens,
-                    "kvloop.lookup_ms": round(self._lookup_ms, 3),
-                }
-            )
+            span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})
         tm.REQUESTS.labels(path, reason).inc()
         tm.TOKENS.labels("recomputed").inc(recompute)
         tm.TOKENS.labels("local").inc(local_tokens)
@@ -309,19 +318,20 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         else:
             path, reason = tm.PATH_TRANSFER, "pulled"
             recompute = pull.prompt_tokens - pull.local_tokens - pull.pulled_tokens
-        pull.span.set_attributes(
-            {
-                "kvloop.path": path,
-                "kvloop.reason": reason,
-                "kvloop.matched_tokens": pull.matched_tokens,
-                "kvloop.recompute_tokens": recompute,
-                "kvloop.bytes": nbytes,
-                "kvloop.holder": pull.holder,
-                "kvloop.local_tokens": pull.local_tokens,
-                "kvloop.pulled_tokens": 0 if failed else pull.pulled_tokens,
-                "kvloop.lookup_ms": round(pull.lookup_ms, 3),
-            }
-        )
+        outcome = {
+            "path": path,
+            "reason": reason,
+            "matched_tokens": pull.matched_tokens,
+            "recompute_tokens": recompute,
+            "bytes": nbytes,
+            "holder": pull.holder,
+            "local_tokens": pull.local_tokens,
+            "pulled_tokens": 0 if failed else pull.pulled_tokens,
+            "lookup_ms": round(pull.lookup_ms, 3),
+            "pull_ms": round((time.perf_counter() - pull.started) * 1000, 3),
+        }
+        self._outcomes[req_id] = outcome
+        pull.span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})
         pull.span.end()
         tm.REQUESTS.labels(path, reason).inc()
         tm.TOKENS.labels("pulled").inc(0 if failed else pull.pulled_tokens)
@@ -349,6 +359,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if request.request_id in self._pulls:
             self._end_pull(request.request_id, failed=True)
         delay, out = super().request_finished(request, block_ids)
+        outcome = self._outcomes.pop(request.request_id, None)
+        if outcome is not None and out is not None:
+            # What this prefill did, for the caller (a proxy shows it per turn): kvloop_path, ...
+            out.update({f"kvloop_{k}": v for k, v in outcome.items()})
         if (
             delay
             and out is not None

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import structlog
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from prometheus_client import Counter, Histogram
 
 TRACER_NAME = "kvloop.agents.connector"
 
 tracer = trace.get_tracer(TRACER_NAME)
+
+
+def request_context(request):
+    """The caller's trace context (W3C traceparent the API server passed down), if any."""
+    headers = getattr(request, "trace_headers", None)
+    return propagate.extract(dict(headers)) if headers else None
 log = structlog.get_logger(TRACER_NAME)
 
 # Paths a prefill request can take.

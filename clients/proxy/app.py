@@ -162,7 +162,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             response_headers = {"x-kvloop-prefill": prefill.url, "x-kvloop-decode": decode.url,
                                 "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}"}
             response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
-            decode_body = {**body, "kv_transfer_params": kv}
+            decode_body = {**body, "kv_transfer_params": {k: v for k, v in kv.items()
+                                                          if not k.startswith(KVLOOP_PREFIX)}}
             decode.in_flight += 1
             try:
                 with tracer.start_as_current_span("kvloop.proxy.decode", kind=SpanKind.CLIENT) as dspan:
