@@ -7,6 +7,7 @@ it off. With tracing off the no-op API provider stays installed and costs nothin
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 _configured: TracerProvider | None = None
 
@@ -69,8 +70,10 @@ def configure_tracing(service_name: str, span_file: str | None = None) -> bool:
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     if span_file:
-        provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(Path(span_file))))
+        # Written as each span ends: processes here are often stopped by a signal, not an exit.
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(Path(span_file))))
     trace.set_tracer_provider(provider)
+    atexit.register(provider.shutdown)
     _configured = provider
     return True
 
