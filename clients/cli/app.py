@@ -392,6 +392,7 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="model, logs and spans go here")] = Path(".kvloop-demo"),
     hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
     layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
+    keep_running: Annotated[bool, typer.Option(help="keep everything up after the conversation (Ctrl-C stops)")] = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
     agent conversation through it; print each turn's path and TTFT; stop everything."""
@@ -399,7 +400,7 @@ def demo(
     from kvloop.clients.demo.run import run_demo
 
     try:
-        code = run_demo(workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers)
+        code = run_demo(workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running)
     except EngineStartError as exc:
         _fail(str(exc))
     raise typer.Exit(code)

@@ -16,7 +16,8 @@ from kvloop.clients.demo.model import build_tiny_llama
 from kvloop.clients.demo.stack import Stack, StackConfig
 
 
-def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_size: int, layers: int) -> int:
+def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_size: int, layers: int,
+             keep_running: bool = False) -> int:
     console = Console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
     span_file = workdir / "spans.jsonl"
@@ -33,6 +34,8 @@ def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_s
     results = []
     try:
         stack.start(progress)
+        console.print(f"Inspect the directory meanwhile: kvloop --daemon {stack.daemon_address} workers  |  "
+                      f"grpcurl -plaintext {stack.daemon_address} list", highlight=False)
         conversation = AgentConversation(seed=11)
         for turn in range(1, turns + 1):
             result = chat_turn(stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn)
@@ -58,9 +61,14 @@ def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_s
         otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         where = f"OTLP endpoint {otlp}" if otlp else f"the local file {span_file}"
         console.print(f"\nTraces went to {where}.")
-        console.print(f"While it runs, inspect the daemon with: kvloop --daemon {stack.daemon_address} workers | "
-                      f"grpcurl -plaintext {stack.daemon_address} list")
+        console.print(f"Inspect the daemon: kvloop --daemon {stack.daemon_address} workers  |  "
+                      f"kvloop --daemon {stack.daemon_address} stats  |  grpcurl -plaintext {stack.daemon_address} "
+                      "describe kvloop.v1.Directory", highlight=False)
         console.print(f"Logs: {workdir / 'logs'}")
+        if keep_running:
+            console.print(f"Everything keeps running (OpenAI API at {stack.proxy_url}); Ctrl-C stops it.")
+            while True:
+                time.sleep(3600)
         return 0
     except KeyboardInterrupt:
         console.print("interrupted: stopping everything")
