@@ -14,7 +14,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvloop.common.addresses import parse_host_port
+from kvloop.common.addresses import HostPort, OptionalHostPort
 from kvloop.common.security import TlsSettings, TokenGrant
 from kvloop.daemon.index import IndexConfig
 from kvloop.daemon.policy import PolicyConfig
@@ -25,9 +25,9 @@ DEFAULT_CONFIG_PATH = Path("/etc/kvloop/kvloopd.toml")
 class DaemonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLOOP_", env_nested_delimiter="__", extra="forbid")
 
-    listen: str = "127.0.0.1:50051"
+    listen: HostPort = "127.0.0.1:50051"
     # Prometheus /metrics; empty string turns it off.
-    metrics_listen: str = "127.0.0.1:9464"
+    metrics_listen: OptionalHostPort = "127.0.0.1:9464"
     log_level: str = "info"
     log_json: bool | None = None
     # Also write spans as JSON lines here (besides OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set).
@@ -51,19 +51,6 @@ class DaemonSettings(BaseSettings):
     tls: TlsSettings | None = None
     # Bearer tokens; none configured = no authentication (loopback development).
     tokens: list[TokenGrant] = []
-
-    @field_validator("listen")
-    @classmethod
-    def _listen(cls, value: str) -> str:
-        parse_host_port(value, "listen")
-        return value
-
-    @field_validator("metrics_listen")
-    @classmethod
-    def _metrics_listen(cls, value: str) -> str:
-        if value:
-            parse_host_port(value, "metrics_listen")
-        return value
 
     @field_validator("heartbeat_interval_s")
     @classmethod

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
+from kvloop.common.addresses import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 KVLOOPD = str(Path(sys.executable).parent / "kvloopd")  # this environment's, whatever PATH says
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -59,7 +59,7 @@ def test_config_file_env_and_flags_precedence(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["--listen", "nonsense"], {}, "listen must be HOST:PORT"),
+    (["--listen", "nonsense"], {}, "listen\n  Value error, must be HOST:PORT"),
     ([], {"KVLOOP_LEASE_S": "-1"}, "lease_s"),
     ([], {"KVLOOP_HEARTBEAT_INTERVAL_S": "20"}, "must be shorter than lease_s"),
     (["--config", "/nonexistent/kvloopd.toml"], {}, "does not exist"),

@@ -10,14 +10,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from kvloop.common.addresses import parse_host_port
+from kvloop.common.addresses import HostPort, OptionalHostPort
 from kvloop.common.security import ClientSecurity
 
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLOOP_AGENT_", extra="forbid")
 
-    daemon: str = "127.0.0.1:50051"
+    daemon: HostPort = "127.0.0.1:50051"
     worker_id: str = Field(default_factory=socket.gethostname)
     role: Literal["prefill", "decode", "both"] = "decode"
     model: str
@@ -36,7 +36,7 @@ class AgentSettings(BaseSettings):
     # Say so when no KV event arrives this long after start (engine without kv_events_config?).
     silent_engine_warning_s: float = Field(60.0, gt=0)
     # /healthz and /metrics; empty disables.
-    health_listen: str = "127.0.0.1:9470"
+    health_listen: OptionalHostPort = "127.0.0.1:9470"
     log_level: str = "info"
     log_json: bool | None = None
     # Security towards kvloopd.
@@ -44,19 +44,6 @@ class AgentSettings(BaseSettings):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
-
-    @field_validator("daemon")
-    @classmethod
-    def _daemon(cls, value: str) -> str:
-        parse_host_port(value, "daemon")
-        return value
-
-    @field_validator("health_listen")
-    @classmethod
-    def _health(cls, value: str) -> str:
-        if value:
-            parse_host_port(value, "health_listen")
-        return value
 
     @field_validator("kv_events")
     @classmethod

@@ -13,7 +13,6 @@ import multiprocessing
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+from kvloop.common.addresses import free_port
 from kvloop.v1 import directory_pb2 as pb
 
 MODEL = "bench-model"
@@ -44,12 +44,6 @@ class BenchConfig:
     seed: int = 7
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -65,7 +59,7 @@ def _percentile(values: list[float], q: float) -> float:
 def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     host, _, port = listen.rpartition(":")
     if port == "0":
-        listen = f"{host}:{_free_port()}"
+        listen = f"{host}:{free_port()}"
     kvloopd = str(Path(sys.executable).parent / "kvloopd")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     env["KVLOOP_MAX_ENTRIES"] = "100000000"

@@ -15,12 +15,7 @@ from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.client import DirectoryClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvloop.common.addresses import free_port
 
 
 @dataclass
