@@ -114,3 +114,8 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     kvloop_span = next(s for s in spans if s["name"] == "kvloop.prefill")
     assert kvloop_span["attributes"]["kvloop.path"] == "transfer"
     assert kvloop_span["attributes"]["kvloop.matched_tokens"] > 0
+    assert kvloop_span["attributes"]["kvloop.bytes"] > 0
+    # the first turn of the conversation found nothing to pull: its trace says so
+    first = [s for s in otlp_receiver.spans() if s["trace_id"] == trace_id and s["name"] == "kvloop.prefill"]
+    assert first and first[0]["attributes"]["kvloop.path"] == "miss"
+    assert first[0]["attributes"]["kvloop.recompute_tokens"] > 0
