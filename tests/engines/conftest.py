@@ -1,21 +1,29 @@
-"""One prefill + one decode engine (real vLLM CPU engines with KvloopConnector) for the session.
+"""One prefill + one decode engine (real vLLM CPU engines with KvloopConnector) for the session,
+wired through the real kvloop control plane.
 
-Engines run in spawned subprocesses (see engine_harness.py for why), the decode engine publishes
-its KV events over vLLM's ZMQ publisher and a fake kvloopd (fake_directory.py) indexes them and
-serves the prefill engine's real gRPC lookups.
+Engines run in spawned subprocesses (see engine_harness.py for why). The decode engine publishes
+its KV events (vLLM's BlockStored/BlockRemoved plus the connector's retained/released events) over
+vLLM's ZMQ publisher with a replay endpoint; a real ``kvloop-agent`` process streams them to a real
+``kvloopd`` process, and the prefill engine's connector asks that kvloopd over gRPC. Tests observe
+the directory only through kvloopd's public API (``DirectoryClient``) and produce failures for real
+(kvloopd killed or restarted with other settings, the agent restarted, the decode engine killed).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import socket
+import random
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import KVLOOPD, DaemonProcess, free_port, start_daemon
 
 # the engine tests need the vLLM CPU build and NIXL (checked without importing them: slow)
 HAVE_ENGINES = all(importlib.util.find_spec(m) is not None for m in ("vllm", "nixl"))
@@ -25,20 +33,208 @@ HAVE_ENGINES = all(importlib.util.find_spec(m) is not None for m in ("vllm", "ni
 RETENTION_TTL_S = 40.0
 PREFILL_LEASE_S = 8
 LOOKUP_BACKOFF_S = 0.5
+MODEL = "tiny-llama"
+DECODE_WORKER = "decode-0"
+BS = 32
+# 2 (K, V) x 32 tokens x 6 heads x 64 dims x 2 bytes (bf16) x 4 layers
+KV_BYTES_PER_BLOCK = 2 * 32 * 6 * 64 * 2 * 4
+AGENT = str(Path(KVLOOPD).parent / "kvloop-agent")
+# kvloopd for these tests: quick shutdown (tests kill and restart it)
+DAEMON_ENV = {"KVLOOP_SHUTDOWN_GRACE_S": "0.5"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
+    """Poll `condition` until it returns something truthy (polling a condition, not sleeping)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Run:
+    """A retained run announced by the decode engine (as the tests know it)."""
+
+    handle: str
+    hashes: list[bytes]  # chained hashes of the full blocks of the decode's prompt
+    created: float  # time.monotonic()
+
+
+@dataclass
+class KvloopStack:
+    """The real kvloopd + decode-side kvloop-agent processes of the session."""
+
+    tmp: Path
+    port: int
+    ev_port: int
+    side_channel_port: int
+    daemon: DaemonProcess | None = None
+    daemon_env: dict[str, str] = field(default_factory=dict)
+    agent: subprocess.Popen | None = None
+    agent_logs: list[Path] = field(default_factory=list)
+    runs: list[Run] = field(default_factory=list)
+    _client: object = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def client(self):
+        from kvloop.clients.client import DirectoryClient
+
+        if self._client is None:
+            self._client = DirectoryClient(self.address, timeout=5.0)
+        return self._client
+
+    # ---- kvloopd ----------------------------------------------------------------------------
+
+    def start_daemon(self, env: dict[str, str] | None = None) -> None:
+        assert self.daemon is None or self.daemon.process.poll() is not None
+        self.daemon_env = {**DAEMON_ENV, **(env or {})}
+        self.daemon = start_daemon(self.tmp, env=self.daemon_env, port=self.port)
+
+    def kill_daemon(self) -> None:
+        """Crash kvloopd (SIGKILL): its whole directory state is lost."""
+        assert self.daemon is not None
+        self.daemon.process.kill()
+        self.daemon.process.wait(10)
+
+    def restart_daemon(self, env: dict[str, str] | None = None) -> None:
+        self.kill_daemon()
+        self.start_daemon(env)
+        self.wait_agent_connected()
+
+    def daemon_default(self) -> bool:
+        return (
+            self.daemon is not None and self.daemon.process.poll() is None and self.daemon_env == DAEMON_ENV
+        )
+
+    # ---- kvloop-agent -----------------------------------------------------------------------
+
+    def start_agent(self) -> None:
+        assert self.agent is None or self.agent.poll() is not None
+        log = self.tmp / f"agent-{len(self.agent_logs)}.log"
+        self.agent_logs.append(log)
+        self.agent = subprocess.Popen(
+            [
+                AGENT,
+                "--daemon",
+                self.address,
+                "--worker-id",
+                DECODE_WORKER,
+                "--role",
+                "decode",
+                "--model",
+                MODEL,
+                "--engine-id",
+                DECODE_WORKER,
+                "--nixl-endpoint",
+                f"127.0.0.1:{self.side_channel_port}",
+                "--block-size",
+                str(BS),
+                "--kv-bytes-per-block",
+                str(KV_BYTES_PER_BLOCK),
+                "--kv-events",
+                f"tcp://127.0.0.1:{self.ev_port}",
+                "--kv-events-replay",
+                f"tcp://127.0.0.1:{self.ev_port + 1}",
+                "--health-listen",
+                "",
+            ],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if not k.startswith("KVLOOP_")},
+        )
+
+    def stop_agent(self, sig: int = signal.SIGTERM) -> int:
+        assert self.agent is not None
+        self.agent.send_signal(sig)
+        return self.agent.wait(15)
+
+    def agent_log(self) -> str:
+        return "\n".join(p.read_text() for p in self.agent_logs if p.exists())
+
+    def wait_agent_connected(self, timeout: float = 30.0) -> None:
+        def connected():
+            if self.agent is None or self.agent.poll() is not None:
+                raise AssertionError(f"kvloop-agent exited:\n{self.agent_log()}")
+            try:
+                return any(
+                    w.registration.worker_id == DECODE_WORKER and w.connected
+                    for w in self.client.list_workers(MODEL)
+                )
+            except Exception:  # noqa: BLE001 - daemon still starting
+                return False
+
+        wait_until(connected, timeout, "kvloop-agent registered with kvloopd", interval=0.1)
+
+    # ---- directory observations -------------------------------------------------------------
+
+    def locations(self, block_hash: bytes, kind: str | None = None, handle: str | None = None) -> list:
+        return [
+            loc
+            for loc in self.client.find_block(MODEL, block_hash)
+            if (kind is None or loc.kind == kind) and (handle is None or loc.retention_handle == handle)
+        ]
+
+    def wait_for_run(self, run: Run, timeout: float = 20.0, servable: bool | None = None) -> object:
+        """Until kvloopd lists the retained run (its first block, under its handle), and, when
+        `servable` is given, judges it servable or not."""
+
+        def listed():
+            return [
+                loc
+                for loc in self.locations(run.hashes[0], "retained", run.handle)
+                if servable is None or loc.servable == servable
+            ]
+
+        return wait_until(listed, timeout, f"retained run {run.handle} in kvloopd (servable={servable})")[0]
 
 
 @dataclass
 class EnginePair:
     prefill: object
     decode: object
-    directory: object
+    kvloop: KvloopStack
     timings: dict
+
+    def probe_directory(self, timeout: float = 30.0) -> None:
+        """Until the prefill engine's connector gets answers from kvloopd again (after a daemon
+        restart its gRPC channel reconnects with backoff): a short prompt nobody holds -> 'miss'."""
+        rnd = random.Random(time.monotonic_ns())
+
+        def answered():
+            out = self.prefill.generate(
+                [rnd.randrange(2, 1024) for _ in range(2 * BS)], 1, {"do_remote_decode": True}
+            )
+            rid = out["kv_transfer_params"]["remote_request_id"]
+            (span,) = [s for s in self.prefill.call("spans") if s.get("kvloop.request_id") == rid]
+            if span["kvloop.path"] == "miss":
+                return True
+            assert span.get("kvloop.reason") == "directory_unavailable", span
+            return False
+
+        wait_until(answered, timeout, "the prefill connector to reach kvloopd", interval=LOOKUP_BACKOFF_S)
+
+    def ensure_default_stack(self) -> None:
+        """kvloopd (default settings) and the agent running, and the prefill connector reaching kvloopd."""
+        k = self.kvloop
+        restarted = False
+        if not k.daemon_default():
+            if k.daemon is not None and k.daemon.process.poll() is None:
+                k.kill_daemon()
+            k.start_daemon()
+            restarted = True
+        if k.agent is None or k.agent.poll() is not None:
+            k.start_agent()
+        k.wait_agent_connected()
+        if restarted:
+            self.probe_directory()
 
 
 @pytest.fixture(scope="session")
@@ -49,16 +245,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model: Path) -> Iterator[EnginePair]:
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePair]:
     if not HAVE_ENGINES:
         pytest.skip("vLLM CPU build / NIXL not installed")
     from engine_harness import EngineHandle, EngineSpec
-    from fake_directory import FakeDirectory
 
     # Same hash seed everywhere (sha256_cbor hashes are seeded by PYTHONHASHSEED's NONE_HASH).
     os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
-    ev_port = _free_port()
-    directory = FakeDirectory(f"tcp://127.0.0.1:{ev_port}")
+    ev_port = free_port()
+    while True:  # the replay endpoint is ev_port + 1
+        with __import__("socket").socket() as s:
+            try:
+                s.bind(("127.0.0.1", ev_port + 1))
+                break
+            except OSError:
+                ev_port = free_port()
+    kvloop = KvloopStack(tmp_path_factory.mktemp("kvloop"), free_port(), ev_port, free_port())
+    kvloop.start_daemon()
     common = {
         "kvloop_retention_ttl_s": RETENTION_TTL_S,
         "kv_recompute_threshold": 32,
@@ -69,33 +272,37 @@ def engines(tiny_model: Path) -> Iterator[EnginePair]:
         EngineSpec(
             "decode",
             str(tiny_model),
-            _free_port(),
-            "decode-0",
-            {**common, "kvloop_worker_id": "decode-0"},
+            kvloop.side_channel_port,
+            DECODE_WORKER,
+            {**common, "kvloop_worker_id": DECODE_WORKER},
             kv_events_endpoint=f"tcp://*:{ev_port}",
+            kv_events_replay_endpoint=f"tcp://*:{ev_port + 1}",
         )
     )
     prefill = EngineHandle(
         EngineSpec(
             "prefill",
             str(tiny_model),
-            _free_port(),
+            free_port(),
             "prefill-0",
             {
                 **common,
                 "kvloop_worker_id": "prefill-0",
+                "kvloop_model": MODEL,
                 "kvloop_lookup_timeout_ms": 200,
                 "kvloop_lookup_backoff_s": LOOKUP_BACKOFF_S,
                 # forward (P->D) leases of this prefill's blocks; short so a test can empty
                 # the prefill's prefix cache (reset_prefix_cache needs every block free)
                 "kv_lease_duration": PREFILL_LEASE_S,
             },
-            directory_target=directory.target,
+            directory_target=kvloop.address,
         )
     )
     try:
         d_info = decode.wait_ready()
+        kvloop.start_agent()
         p_info = prefill.wait_ready()
+        kvloop.wait_agent_connected()
         timings = {
             "start_wall_s": time.perf_counter() - t0,
             "decode_start_s": d_info["start_s"],
@@ -105,8 +312,13 @@ def engines(tiny_model: Path) -> Iterator[EnginePair]:
         for e in (prefill, decode):
             e.generate(list(range(2, 100)), 1, cache_salt="warmup")
         prefill.call("spans")
-        yield EnginePair(prefill, decode, directory, timings)
+        yield EnginePair(prefill, decode, kvloop, timings)
     finally:
         prefill.stop()
         decode.stop()
-        directory.close()
+        if kvloop.agent is not None and kvloop.agent.poll() is None:
+            kvloop.stop_agent()
+        if kvloop.daemon is not None:
+            kvloop.daemon.stop()
+        if kvloop._client is not None:
+            kvloop.client.close()

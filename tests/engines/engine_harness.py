@@ -110,6 +110,7 @@ class EngineSpec:
     engine_id: str
     extra_config: dict[str, Any]
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     kv_cache_gib: int = 1
     directory_target: str = ""
     # "uni" + in-process engine core (fast on 2 cores), or e.g. ("mp", True) = vLLM's default
@@ -147,6 +148,8 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "NIXL_LOG_LEVEL": "WARN",
             "VLLM_LOGGING_LEVEL": os.environ.get("KVLOOP_TEST_VLLM_LOG", "WARNING"),
             "TOKENIZERS_PARALLELISM": "false",
+            # full 32-byte digests in BlockStored/BlockRemoved (kvloop-agent indexes those)
+            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
         }
     )
     if spec.multiprocessing:  # collective_rpc with a function across processes (test-only)
@@ -183,7 +186,8 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 "enable_kv_cache_events": True,
                 "publisher": "zmq",
                 "endpoint": spec.kv_events_endpoint,
-                "topic": "kv",
+                "replay_endpoint": spec.kv_events_replay_endpoint,
+                "topic": "",
             }
         t0 = time.perf_counter()
         llm = LLM(
@@ -251,6 +255,17 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                         },
                     )
                 )
+            elif cmd == "block_hashes":  # this engine's chained hashes of the full blocks
+                from vllm.utils.hashing import sha256_cbor
+                from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+                toks, hashes, parent = list(args), [], None
+                for i in range(len(toks) // BLOCK_SIZE):
+                    parent = hash_block_tokens(
+                        sha256_cbor, parent, toks[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
+                    )
+                    hashes.append(bytes(parent))
+                conn.send(("ok", hashes))
             elif cmd == "kv_diff":
                 conn.send(("ok", llm.collective_rpc(_kv_block_maxdiff, args=(args["a"], args["b"]))[0]))
             elif cmd == "spans":
@@ -344,6 +359,11 @@ class EngineHandle:
                 "cache_salt": cache_salt,
             },
         )
+
+    def kill(self) -> None:
+        """Crash the engine (SIGKILL): no shutdown, no release events."""
+        self.proc.kill()
+        self.proc.join(timeout=20)
 
     def stop(self) -> None:
         try:

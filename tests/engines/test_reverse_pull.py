@@ -4,10 +4,15 @@ Every prefill that pulls is checked against a recompute of the same prompt on th
 (``cache_salt`` changes the block hashes, so the reference neither hits the local prefix cache
 nor matches anything in the directory): KV over all full blocks within one bf16 step (0.0157),
 same greedy tokens, logprobs equal up to bf16 noise.
+
+The directory is the real one: kvloopd, fed by a kvloop-agent subscribed to the decode engine's
+KV events (see conftest.py). Failures are produced for real: kvloopd killed / restarted with
+another expiry margin, the agent restarted, the decode engine killed (the last test).
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 import uuid
@@ -16,11 +21,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import LOOKUP_BACKOFF_S, PREFILL_LEASE_S, RETENTION_TTL_S
+from conftest import (
+    BS,
+    DECODE_WORKER,
+    KV_BYTES_PER_BLOCK,
+    MODEL,
+    PREFILL_LEASE_S,
+    RETENTION_TTL_S,
+    Run,
+    wait_until,
+)
+from kvloop.v1 import directory_pb2 as pb
 
 pytestmark = pytest.mark.engines
 
-BS = 32
 KV_TOL = 0.0157  # one bf16 step at |x| in [1, 2)
 LOGPROB_TOL = 0.02
 # Logits are bf16, so near-ties are common and any numerically different (but equally correct)
@@ -86,8 +100,14 @@ def prefill_and_check(engines, prompt: list[int], *, check_kv: bool = True) -> P
 
 def decode(engines, prompt: list[int], p_params: dict[str, Any], n: int, salt: str | None = None):
     d = engines.decode.generate(prompt, n, p_params, cache_salt=salt, logprobs=5)
-    if salt is None:  # wait until the retained event reached the directory
-        engines.directory.wait_for_handle(d["kv_transfer_params"]["remote_request_id"])
+    if salt is None:  # wait until the retained run reached kvloopd (engine -> ZMQ -> agent -> daemon)
+        run = Run(
+            d["kv_transfer_params"]["remote_request_id"],
+            engines.decode.call("block_hashes", prompt),
+            time.monotonic(),
+        )
+        engines.kvloop.wait_for_run(run)
+        engines.kvloop.runs.append(run)
     return d
 
 
@@ -100,22 +120,49 @@ def first_turn(engines, prompt: list[int], n_decode: int, prefill_salt: str | No
     return d
 
 
+@pytest.fixture(autouse=True)
+def default_stack(engines):
+    """Each test starts with kvloopd (default settings) and the agent up, whatever the last did."""
+    engines.ensure_default_stack()
+
+
 def test_retained_event_reaches_directory_via_vllm_kv_events(engines):
+    """vLLM's BlockStored and the connector's retained event travel engine -> ZMQ -> kvloop-agent
+    -> kvloopd; kvloopd then serves the run with the decode's block ids."""
     rnd = random.Random(10)
     prompt = rand_tokens(rnd, 700)
-    d = first_turn(engines, prompt, 20)
+    d = first_turn(engines, prompt, 36)
     handle = d["kv_transfer_params"]["remote_request_id"]
-    run = engines.directory.index._runs[handle].ev
-    # complete blocks only: 700 prompt + 20 generated, the last sampled token has no KV yet
-    assert len(run.block_hashes) == (700 + 20 - 1) // BS
-    assert all(isinstance(h, bytes) and len(h) == 32 for h in run.block_hashes)
-    assert run.block_ids[0] == list(d["kv_transfer_params"]["remote_block_ids"][0][: len(run.block_hashes)])
-    assert run.engine_id == "decode-0" and run.single_use is False
-    assert 0 < run.lease_ms <= RETENTION_TTL_S * 1000
-    assert run.nixl_port == engines.decode.spec.side_channel_port
-    # 2 (K, V) x 32 tokens x 6 heads x 64 dims x 2 bytes (bf16) x 4 layers
-    assert run.kv_bytes_per_block == 2 * 32 * 6 * 64 * 2 * 4
-    assert {"BlockStored", "KvloopBlocksRetained"} <= engines.directory.kv_event_types
+    hashes = engines.decode.call("block_hashes", prompt + d["token_ids"])
+    assert len(hashes) == (700 + 36) // BS == 23
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
+    k = engines.kvloop
+    # complete blocks only: the last sampled token has no KV yet, so block 22 is not retained
+    n = (700 + 36 - 1) // BS
+    ids = list(d["kv_transfer_params"]["remote_block_ids"][0][:n])
+    (loc,) = wait_until(lambda: k.locations(hashes[n - 1], "retained", handle), 10, "last retained block")
+    assert loc.worker_id == DECODE_WORKER and loc.position == n - 1 and list(loc.block_ids) == [ids[n - 1]]
+    assert 0 < loc.expires_in_ms <= RETENTION_TTL_S * 1000 and loc.servable
+    assert not k.locations(hashes[n], "retained", handle)
+    # the decode's own prefix cache (vLLM's BlockStored, full digests) is indexed as well
+    first = k.locations(hashes[0])
+    assert {(x.worker_id, x.kind) for x in first} >= {(DECODE_WORKER, "stored"), (DECODE_WORKER, "retained")}
+    ans = k.client.lookup(MODEL, hashes, requester="prefill-0", block_size=BS)
+    assert ans.decision == pb.DECISION_TRANSFER, ans
+    h = ans.holder
+    assert ans.matched_blocks == h.matched_blocks == n and h.retention_handle == handle
+    assert list(h.block_ids) == ids and h.num_groups == 1 and not h.single_use
+    assert h.engine_id == DECODE_WORKER and h.worker_id == DECODE_WORKER
+    assert h.nixl_endpoint == f"127.0.0.1:{engines.decode.spec.side_channel_port}"
+    assert h.kv_bytes_per_block == KV_BYTES_PER_BLOCK
+    # the agent's --kv-bytes-per-block matches the decode engine's real KV cache (bf16)
+    shapes = engines.decode.info["kv_shapes"]
+    assert sum(math.prod(sh[1:]) * 2 for sh in shapes) == KV_BYTES_PER_BLOCK
+    # the requester itself is never offered as a holder
+    assert (
+        k.client.lookup(MODEL, hashes, requester=DECODE_WORKER, block_size=BS).decision
+        != pb.DECISION_TRANSFER
+    )
 
 
 def _transfers(engines) -> float:
@@ -194,6 +241,7 @@ def test_shared_prefix_read_by_two_conversations(engines):
     prompt = rand_tokens(rnd, 2048)
     d = first_turn(engines, prompt, 32, prefill_salt=f"cold-{uuid.uuid4()}")
     handle = d["kv_transfer_params"]["remote_request_id"]
+    shared_hash0 = engines.kvloop.runs[-1].hashes[0]
     shared = prompt + d["token_ids"]
     n_shared_blocks = (len(shared) - 1) // BS  # the last sampled token has no KV on the decode
     for i in range(2):
@@ -206,7 +254,9 @@ def test_shared_prefix_read_by_two_conversations(engines):
         # the decode polls READ notices only when it steps
         engines.decode.generate([5] * 40, 1, cache_salt="tick")
         assert engines.decode.call("kvloop_reads").get(handle) == i + 1
-        assert handle in engines.directory.index.handles()  # still retained
+        # still retained and servable in kvloopd after the read
+        (loc,) = engines.kvloop.locations(shared_hash0, "retained", handle)
+        assert loc.servable
 
 
 def test_missing_holder_recomputes(engines):
@@ -221,63 +271,6 @@ def _history(engines, seed: int, n: int = 1200):
     prompt = rand_tokens(rnd, n)
     d = first_turn(engines, prompt, 32, prefill_salt=f"cold-{uuid.uuid4()}")
     return rnd, prompt + d["token_ids"] + rand_tokens(rnd, 64)
-
-
-def test_expiring_lease_recomputes(engines):
-    _rnd, prompt = _history(engines, 5)
-
-    def short_lease(resp):
-        if resp.HasField("holder"):
-            resp.holder.expires_in_ms = 1500  # below the connector's 6 s safety margin
-        return resp
-
-    engines.directory.override = short_lease
-    try:
-        pf = prefill_and_check(engines, prompt)
-    finally:
-        engines.directory.override = None
-    assert pf.span["kvloop.path"] == "expired"
-    assert pf.out["num_cached_tokens"] == 0
-
-
-def test_dead_peer_read_fails_and_recomputes(engines):
-    """The holder is unreachable: the NIXL handshake fails, vLLM's recompute policy recomputes."""
-    _rnd, prompt = _history(engines, 6)
-
-    def dead_peer(resp):
-        if resp.HasField("holder"):
-            resp.holder.engine_id = "ghost-engine"
-            resp.holder.nixl_endpoint = "127.0.0.1:9"  # nothing listens there
-        return resp
-
-    engines.directory.override = dead_peer
-    try:
-        t = time.perf_counter()
-        pf = prefill_and_check(engines, prompt)
-        elapsed = time.perf_counter() - t
-    finally:
-        engines.directory.override = None
-    assert pf.span["kvloop.path"] == "failed", pf.span
-    assert pf.span["kvloop.bytes"] == 0
-    assert pf.span["kvloop.recompute_tokens"] == len(prompt)
-    print(f"dead peer: answered correctly after {elapsed:.1f}s (vLLM handshake timeout 5 s)")
-
-
-def test_directory_down_recomputes(engines):
-    """Lookups that error out recompute (the prefill engine keeps serving)."""
-    _rnd, prompt = _history(engines, 7)
-
-    def boom(resp):
-        raise RuntimeError("daemon exploded")
-
-    engines.directory.override = boom
-    try:
-        pf = prefill_and_check(engines, prompt)
-    finally:
-        engines.directory.override = None
-        time.sleep(LOOKUP_BACKOFF_S + 0.2)  # the connector skips lookups for a while after an error
-    assert pf.span["kvloop.path"] == "recompute"
-    assert pf.span["kvloop.reason"] == "directory_unavailable"
 
 
 @pytest.mark.parametrize("n_tokens", [2048, 4096])
@@ -297,20 +290,101 @@ def test_ttft_transfer_vs_recompute(engines, n_tokens, record_property):
     )
 
 
-def test_release_event_after_lease(engines):
-    """When a lease ends (and the decode engine steps) the decode publishes the run's release."""
-    index = engines.directory.index
-    with index._lock:
-        oldest = min(index._runs.values(), key=lambda r: r.deadline)
-    handle = oldest.ev.retention_handle
-    deadline = time.monotonic() + RETENTION_TTL_S + 30
+def test_expired_lease_recomputes(engines):
+    """kvloopd judges every retained run too close to its lease end (expiry margin > the decode's
+    retention TTL): it answers RECOMPUTE/EXPIRED and the connector records 'expired'."""
+    _rnd, prompt = _history(engines, 5)
+    run = engines.kvloop.runs[-1]
+    engines.kvloop.restart_daemon(env={"KVLOOP_EXPIRY_MARGIN_S": str(RETENTION_TTL_S * 10)})
+    # rebuilt from the agent's resync, but not servable under this margin
+    engines.kvloop.wait_for_run(run, servable=False)
+    engines.probe_directory()
+    pf = prefill_and_check(engines, prompt)
+    assert pf.span["kvloop.path"] == "expired", pf.span
+    assert pf.span["kvloop.reason"] == "expired", pf.span
+    assert pf.out["num_cached_tokens"] == 0
+
+
+def test_directory_down_recomputes(engines):
+    """kvloopd crashed: lookups fail fast, the prefill engine keeps serving by recomputing."""
+    _rnd, prompt = _history(engines, 7)
+    engines.kvloop.kill_daemon()
+    pf = prefill_and_check(engines, prompt)
+    assert pf.span["kvloop.path"] == "recompute", pf.span
+    assert pf.span["kvloop.reason"] == "directory_unavailable", pf.span
+    assert pf.out["num_cached_tokens"] == 0
+    assert pf.span["kvloop.lookup_ms"] < 1000
+
+
+def test_daemon_restart_rebuilds_directory_and_transfers(engines):
+    """A crashed kvloopd restarted on the same port has an empty directory; the agent reconnects,
+    resyncs its state (snapshot), and the next turn pulls the run retained before the crash."""
+    _rnd, prompt = _history(engines, 9)
+    run = engines.kvloop.runs[-1]
+    engines.kvloop.kill_daemon()
+    engines.kvloop.start_daemon()
+    loc = engines.kvloop.wait_for_run(run, timeout=30, servable=True)
+    assert loc.worker_id == DECODE_WORKER
+    (worker,) = [
+        w for w in engines.kvloop.client.list_workers(MODEL) if w.registration.worker_id == DECODE_WORKER
+    ]
+    assert worker.connected and worker.retained_runs >= 1
+    engines.probe_directory()
+    pf = prefill_and_check(engines, prompt)
+    assert pf.span["kvloop.path"] == "transfer", pf.span
+    assert pf.span["kvloop.holder"] == DECODE_WORKER
+    # the whole run: prompt + generated tokens but the last sampled one (64 new tokens follow)
+    assert (
+        pf.out["num_cached_tokens"] == pf.span["kvloop.matched_tokens"] == (len(prompt) - 64 - 1) // BS * BS
+    )
+
+
+def test_agent_restart_rebuilds_from_engine_replay_and_transfers(engines):
+    """The agent stops: kvloopd stops serving its worker's runs at once. A new agent process
+    rebuilds the state from the engine's KV-event replay buffer; the next turn transfers again."""
+    _rnd, prompt = _history(engines, 11)
+    k = engines.kvloop
+    run = k.runs[-1]
+    assert k.stop_agent() == 0
+    ans = k.client.lookup(MODEL, run.hashes, requester="prefill-0", block_size=BS)
+    assert ans.decision == pb.DECISION_RECOMPUTE and ans.reason == pb.DECISION_REASON_PEER_UNAVAILABLE, ans
+    k.start_agent()
+    k.wait_for_run(run, timeout=30, servable=True)
+    pf = prefill_and_check(engines, prompt)
+    assert pf.span["kvloop.path"] == "transfer", pf.span
+    assert (
+        pf.out["num_cached_tokens"] == pf.span["kvloop.matched_tokens"] == (len(prompt) - 64 - 1) // BS * BS
+    )
+
+
+def test_release_after_lease(engines):
+    """When a retained run's lease ends kvloopd stops listing it (the daemon reaps leases itself;
+    the decode publishes the release when it steps)."""
+    k = engines.kvloop
+    if not k.runs:  # run alone: make one
+        first_turn(engines, rand_tokens(random.Random(12), 300), 8)
+    run = min(k.runs, key=lambda r: r.created)
+    deadline = run.created + RETENTION_TTL_S + 30
     rnd = random.Random(8)
-    while handle not in engines.directory.released:
-        assert time.monotonic() < deadline, "no release event"
-        time.sleep(1)
-        # vLLM reaps expired leases only when the engine steps
-        engines.decode.generate(rand_tokens(rnd, 40), 1, cache_salt="tick")
-    ev = engines.directory.released[handle]
-    assert ev.reason == "expired" and ev.worker_id == "decode-0"
-    assert handle not in index.handles()
-    assert "KvloopRetentionReleased" in engines.directory.kv_event_types
+    while k.locations(run.hashes[0], "retained", run.handle):
+        assert time.monotonic() < deadline, f"retained run {run.handle} still listed after its lease"
+        time.sleep(1)  # let the lease run out (the condition above is what is waited for)
+        engines.decode.generate(rand_tokens(rnd, 40), 1, cache_salt="tick")  # reap on the engine too
+    assert time.monotonic() >= run.created + RETENTION_TTL_S - 10  # not dropped early
+    # nobody is offered the run any more
+    ans = k.client.lookup(MODEL, run.hashes, requester="prefill-0", block_size=BS)
+    assert ans.decision != pb.DECISION_TRANSFER or ans.holder.retention_handle != run.handle
+
+
+def test_dead_decode_engine_recomputes(engines):
+    """LAST TEST (kills the decode engine): the agent still announces its runs, the prefill's
+    READ from the dead peer fails and vLLM's recompute policy recomputes, with the right answer."""
+    _rnd, prompt = _history(engines, 6)
+    engines.decode.kill()
+    engines.prefill.timeout_s = 120  # a hung READ must fail the test, not stall the session
+    t = time.perf_counter()
+    pf = prefill_and_check(engines, prompt)
+    elapsed = time.perf_counter() - t
+    assert pf.span["kvloop.path"] in ("failed", "recompute"), pf.span
+    assert pf.span["kvloop.bytes"] == 0
+    print(f"dead peer: path {pf.span['kvloop.path']}, answered correctly after {elapsed:.1f}s")
