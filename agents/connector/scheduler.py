@@ -73,6 +73,7 @@ class _Pull:
     pulled_tokens: int = 0
     started: float = 0.0
     lookup_ms: float = 0.0
+    read_started: float = 0.0
 
 
 class KvloopConnectorScheduler(NixlPullConnectorScheduler):
@@ -239,11 +240,15 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self._finish_now(request, tm.PATH_RECOMPUTE, "vllm_threshold", m * bs, num_computed_tokens)
             return 0, False
         self._pull_deadlines_new[request.request_id] = time.perf_counter() + h.expires_in_ms / 1000.0
+        now = time.perf_counter()
         span = tm.tracer.start_span(
             "kvloop.prefill",
             context=tm.request_context(request),
+            start_time=tm.wall_ns(t0),
             attributes={"kvloop.request_id": request.request_id, "kvloop.holder": h.worker_id or h.engine_id},
         )
+        tm.child_span(span, "kvloop.lookup", t0, t0 + self._lookup_ms / 1000,
+                      {"kvloop.decision": "transfer", "kvloop.matched_blocks": m})
         self._pulls[request.request_id] = _Pull(
             span=span,
             matched_tokens=min(m * bs, prompt),
@@ -252,6 +257,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             holder=h.worker_id or h.engine_id,
             started=t0,
             lookup_ms=self._lookup_ms,
+            read_started=now,
         )
         tm.log.debug(
             "kvloop.pull",
@@ -279,12 +285,16 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             "lookup_ms": round(self._lookup_ms, 3),
         }
         self._outcomes[request.request_id] = outcome
+        looked_up = time.perf_counter() - self._lookup_ms / 1000
         with tm.tracer.start_as_current_span(
             "kvloop.prefill",
             context=tm.request_context(request),
+            start_time=tm.wall_ns(looked_up),
             attributes={"kvloop.request_id": request.request_id},
         ) as span:
             span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})
+            tm.child_span(span, "kvloop.lookup", looked_up, time.perf_counter(),
+                          {"kvloop.decision": path, "kvloop.reason": reason})
         tm.REQUESTS.labels(path, reason).inc()
         tm.TOKENS.labels("recomputed").inc(recompute)
         tm.TOKENS.labels("local").inc(local_tokens)
@@ -331,6 +341,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             "pull_ms": round((time.perf_counter() - pull.started) * 1000, 3),
         }
         self._outcomes[req_id] = outcome
+        tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, time.perf_counter(),
+                      {"kvloop.bytes": nbytes, "kvloop.blocks": pulled_blocks, "kvloop.holder": pull.holder,
+                       "kvloop.ok": not failed})
         pull.span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})
         pull.span.end()
         tm.REQUESTS.labels(path, reason).inc()

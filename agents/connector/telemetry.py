@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import structlog
 from opentelemetry import propagate, trace
 from prometheus_client import Counter, Histogram
@@ -9,6 +11,18 @@ from prometheus_client import Counter, Histogram
 TRACER_NAME = "kvloop.agents.connector"
 
 tracer = trace.get_tracer(TRACER_NAME)
+
+
+def wall_ns(perf: float) -> int:
+    """A perf_counter() reading as epoch nanoseconds (span timestamps)."""
+    return time.time_ns() - int((time.perf_counter() - perf) * 1e9)
+
+
+def child_span(parent, name: str, start_perf: float, end_perf: float, attributes: dict | None = None) -> None:
+    """Record a finished step (lookup, NIXL READ) under a turn's kvloop.prefill span."""
+    span = tracer.start_span(name, context=trace.set_span_in_context(parent), start_time=wall_ns(start_perf),
+                             attributes=attributes or {})
+    span.end(end_time=wall_ns(end_perf))
 
 
 def request_context(request):

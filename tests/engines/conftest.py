@@ -245,7 +245,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePair]:
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver) -> Iterator[EnginePair]:
     if not HAVE_ENGINES:
         pytest.skip("vLLM CPU build / NIXL not installed")
     from engine_harness import EngineHandle, EngineSpec
@@ -277,6 +277,7 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             {**common, "kvloop_worker_id": DECODE_WORKER},
             kv_events_endpoint=f"tcp://*:{ev_port}",
             kv_events_replay_endpoint=f"tcp://*:{ev_port + 1}",
+            otlp_endpoint=otlp_receiver.endpoint,
         )
     )
     prefill = EngineHandle(
@@ -296,6 +297,7 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 "kv_lease_duration": PREFILL_LEASE_S,
             },
             directory_target=kvloop.address,
+            otlp_endpoint=otlp_receiver.endpoint,
         )
     )
     try:

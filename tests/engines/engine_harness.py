@@ -117,6 +117,8 @@ class EngineSpec:
     # multiprocess layout (scheduler and worker in different processes).
     executor: str = "uni"
     multiprocessing: bool = False
+    # Also export the engine's spans to this OTLP/gRPC receiver (a real one, see tests/otlp_receiver.py).
+    otlp_endpoint: str = ""
 
 
 def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[float]:
@@ -156,13 +158,19 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
         from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
         exporter = InMemorySpanExporter()
-        provider = TracerProvider()
+        provider = TracerProvider(resource=Resource.create({"service.name": f"vllm-{spec.name}"}))
         provider.add_span_processor(SimpleSpanProcessor(exporter))
+        if spec.otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=spec.otlp_endpoint,
+                                                                             insecure=True)))
         trace.set_tracer_provider(provider)
 
         from vllm import LLM, SamplingParams

@@ -388,3 +388,21 @@ def test_dead_decode_engine_recomputes(engines):
     assert pf.span["kvloop.path"] in ("failed", "recompute"), pf.span
     assert pf.span["kvloop.bytes"] == 0
     print(f"dead peer: path {pf.span['kvloop.path']}, answered correctly after {elapsed:.1f}s")
+
+
+def test_every_path_reached_the_otlp_receiver(engines, otlp_receiver):
+    """Runs after the path tests: the prefill engine's kvloop.prefill spans arrived at a real OTLP
+    receiver for every path the session produced, with the per-turn attributes."""
+    wanted = {"transfer", "miss", "expired", "failed", "recompute"}
+    spans = otlp_receiver.wait_for(
+        lambda s: s["name"] == "kvloop.prefill" and s["service"] == "vllm-prefill", timeout=30)
+    deadline = time.monotonic() + 30
+    while not wanted <= {s["attributes"].get("kvloop.path") for s in spans}:
+        assert time.monotonic() < deadline, sorted({s["attributes"].get("kvloop.path") for s in spans})
+        time.sleep(0.2)  # polling the receiver's file for late exports
+        spans = [s for s in otlp_receiver.spans() if s["name"] == "kvloop.prefill"]
+    transfer = next(s for s in spans if s["attributes"]["kvloop.path"] == "transfer")
+    for key in ("kvloop.matched_tokens", "kvloop.recompute_tokens", "kvloop.bytes", "kvloop.holder",
+                "kvloop.lookup_ms", "kvloop.pull_ms"):
+        assert key in transfer["attributes"], key
+    assert transfer["attributes"]["kvloop.bytes"] > 0 and transfer["duration_ns"] > 0
