@@ -74,7 +74,22 @@ class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
     ts: float = 0.0
 
 
-KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased
+TRANSFER_TAG = "kvloop.transfer"
+
+
+class KvloopTransferReport(KvloopEvent, tag=TRANSFER_TAG):
+    """A finished (or failed) reverse pull, measured by the puller: feeds the daemon's cost model."""
+
+    source_worker_id: str
+    bytes: int
+    blocks: int
+    duration_us: int  # lookup answer -> READ complete (includes any connection setup)
+    ok: bool
+    setup_us: int = 0
+    ts: float = 0.0
+
+
+KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport
 
 
 def vllm_event_hash_int(block_hash: bytes) -> int:
@@ -84,13 +99,14 @@ def vllm_event_hash_int(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
 
 
-_KVLOOP_TAGS = {RETAINED_TAG: KvloopBlocksRetained, RELEASED_TAG: KvloopRetentionReleased}
+_KVLOOP_TAGS = {RETAINED_TAG: KvloopBlocksRetained, RELEASED_TAG: KvloopRetentionReleased,
+                TRANSFER_TAG: KvloopTransferReport}
 _batch_decoder = msgspec.msgpack.Decoder()
 
 
 class DecodedBatch(msgspec.Struct):
     ts: float
-    kvloop: list[KvloopBlocksRetained | KvloopRetentionReleased]
+    kvloop: list[KvloopEvents]
     vllm: list[dict[str, Any]]  # vLLM's own events as raw maps (type: BlockStored, ...)
     data_parallel_rank: int | None = None
 
@@ -100,7 +116,7 @@ def decode_event_batch(payload: bytes) -> DecodedBatch:
     raw = _batch_decoder.decode(payload)
     ts, events = raw[0], raw[1]
     dp_rank = raw[2] if len(raw) > 2 else None
-    ours: list[KvloopBlocksRetained | KvloopRetentionReleased] = []
+    ours: list[KvloopEvents] = []
     theirs: list[dict[str, Any]] = []
     for ev in events:
         cls = _KVLOOP_TAGS.get(ev.get("type")) if isinstance(ev, dict) else None
@@ -119,6 +135,8 @@ __all__ = [
     "KvloopEvent",
     "KvloopEvents",
     "KvloopRetentionReleased",
+    "KvloopTransferReport",
+    "TRANSFER_TAG",
     "decode_event_batch",
     "vllm_event_hash_int",
 ]

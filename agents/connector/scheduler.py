@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import BlockDirectory, LookupResult
-from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased, KvloopTransferReport
 from kvloop.common.tracing import configure_tracing
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -341,6 +341,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             "pull_ms": round((time.perf_counter() - pull.started) * 1000, 3),
         }
         self._outcomes[req_id] = outcome
+        if self.cfg.publish_events:
+            self._events.append(KvloopTransferReport(
+                source_worker_id=pull.holder, bytes=nbytes, blocks=pulled_blocks,
+                duration_us=int((time.perf_counter() - pull.read_started) * 1e6), ok=not failed, ts=time.time()))
         tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, time.perf_counter(),
                       {"kvloop.bytes": nbytes, "kvloop.blocks": pulled_blocks, "kvloop.holder": pull.holder,
                        "kvloop.ok": not failed})

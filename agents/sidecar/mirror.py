@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased, KvloopTransferReport
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent")
@@ -71,7 +71,12 @@ class WorkerMirror:
         SKIPPED.labels("unknown_type").inc()
         return None
 
-    def convert_kvloop(self, event: KvloopBlocksRetained | KvloopRetentionReleased) -> pb.BlockEvent | None:
+    def convert_kvloop(self, event: KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport
+                       ) -> pb.BlockEvent | None:
+        if isinstance(event, KvloopTransferReport):  # telemetry for the cost model, not state
+            return pb.BlockEvent(transfer=pb.TransferReport(
+                source_worker_id=event.source_worker_id, bytes=event.bytes, blocks=event.blocks,
+                duration_us=event.duration_us, setup_us=event.setup_us, ok=event.ok))
         if isinstance(event, KvloopRetentionReleased):
             self.retained.pop(event.retention_handle, None)
             return pb.BlockEvent(released=pb.RetentionReleased(retention_handle=event.retention_handle))
