@@ -133,18 +133,25 @@ class ArmClient:
 
 def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
                  on_turn) -> list[TurnSample]:
+    """Every arm replays the same sessions turn by turn (interleaved). The history each arm sends next
+    is the same in all arms: the reference arm's answer (recompute) is appended everywhere, so every
+    turn's prompt is identical across arms and answers can be compared turn by turn."""
     samples: list[TurnSample] = []
-    # Every arm gets its own copy of the same sessions; answers may differ per arm only if KV differs.
     per_arm = {arm: build_sessions(workload, concurrency, config, config.seed + concurrency) for arm in clients}
+    reference = "recompute" if "recompute" in clients else next(iter(clients))
     for turn in range(1, config.turns + 1):
+        answers: dict[str, list[str]] = {}
         for arm, client in clients.items():  # interleave arms turn by turn
             sessions = per_arm[arm]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 results = list(pool.map(lambda s: client.turn(s, config.answer_tokens), sessions))
-            for i, (session, (ttft, prompt, cached, path, answer)) in enumerate(zip(sessions, results)):
+            answers[arm] = [r[4] for r in results]
+            for i, (ttft, prompt, cached, path, answer) in enumerate(results):
                 samples.append(TurnSample(arm, workload, concurrency, i, turn, prompt, ttft, cached, path, answer))
-                next_turn_messages(session, answer, turn, workload, config.tool_tokens)
             on_turn()
+        for arm in clients:
+            for session, answer in zip(per_arm[arm], answers[reference]):
+                next_turn_messages(session, answer, turn, workload, config.tool_tokens)
     return samples
 
 
