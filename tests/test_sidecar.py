@@ -43,8 +43,16 @@ def wait_until(condition, timeout: float = 20.0, what: str = "condition"):
 
 @pytest.fixture
 def publisher():
-    ports = free_port(), free_port()
-    pub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}")
+    import zmq
+
+    for _ in range(5):  # a port free on loopback may still be taken on another interface: pick again
+        ports = free_port(""), free_port("")
+        try:
+            pub = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{ports[0]}",
+                                              replay_endpoint=f"tcp://*:{ports[1]}")
+            break
+        except zmq.error.ZMQError:
+            continue
     yield pub, ports
     pub.shutdown()
 

@@ -115,7 +115,9 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     assert kvloop_span["attributes"]["kvloop.path"] == "transfer"
     assert kvloop_span["attributes"]["kvloop.matched_tokens"] > 0
     assert kvloop_span["attributes"]["kvloop.bytes"] > 0
-    # the first turn of the conversation found nothing to pull: its trace says so
+    # the first turn had nothing worth pulling (at most the chat template's first block, shared by
+    # every conversation, which is below the threshold): its trace says so
     first = [s for s in otlp_receiver.spans() if s["trace_id"] == trace_id and s["name"] == "kvloop.prefill"]
-    assert first and first[0]["attributes"]["kvloop.path"] == "miss"
-    assert first[0]["attributes"]["kvloop.recompute_tokens"] > 0
+    assert first and first[0]["attributes"]["kvloop.path"] in ("miss", "recompute"), first
+    assert first[0]["attributes"]["kvloop.reason"] in ("miss", "below_threshold")
+    assert first[0]["attributes"]["kvloop.bytes"] == 0 and first[0]["attributes"]["kvloop.recompute_tokens"] > 0
