@@ -162,6 +162,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         self.decisions: dict[str, int] = {}
         self.rejected = 0
         self.resyncs = 0
+        self._evictions_reported = 0
 
     # ---- auth --------------------------------------------------------------------------------
 
@@ -554,8 +555,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 log.info("directory change", kind=change.kind, worker_id=change.worker_id, detail=change.detail)
             self._publish(change)
         metrics.ENTRIES.set(self.store.entry_count())
-        metrics.EVICTIONS.inc(self.store.evictions - getattr(self, "_evictions_seen", 0))
-        self._evictions_seen = self.store.evictions
+        metrics.EVICTIONS.inc(self.store.evictions - self._evictions_reported)
+        self._evictions_reported = self.store.evictions
         states: dict[str, int] = {s.name.lower(): 0 for s in LeaseState}
         for view in self.store.workers(time.monotonic()):
             states[view.state.name.lower()] += 1
