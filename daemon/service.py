@@ -25,8 +25,8 @@ from kvloop.daemon.index import (
     DirectoryError,
     Event,
     Holding,
+    DirectoryStore,
     LeaseState,
-    MemoryStore,
     Namespace,
     Released,
     Removed,
@@ -148,7 +148,7 @@ def _registration(spec: WorkerSpec) -> pb.WorkerRegistration:
 
 
 class DirectoryService(pb_grpc.DirectoryServicer):
-    def __init__(self, store: MemoryStore, cost: CostModel, *, heartbeat_interval_s: float,
+    def __init__(self, store: DirectoryStore, cost: CostModel, *, heartbeat_interval_s: float,
                  max_hashes: int, tokens: Sequence[TokenGrant] = ()) -> None:
         self.store = store
         self.cost = cost

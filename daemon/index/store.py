@@ -8,7 +8,10 @@ caller, so stores stay deterministic under test.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvloop.daemon.index.memory import IndexConfig
 
 from kvloop.daemon.index.model import (
     Change,
@@ -31,6 +34,10 @@ class DirectoryError(Exception):
 
 
 class DirectoryStore(Protocol):
+    config: IndexConfig
+    evictions: int  # entries evicted by the memory bound so far
+    events_ingested: int  # block events applied so far
+
     def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
         """Register or re-register a worker. Returns (last applied sequence, resync required).
 
@@ -78,3 +85,7 @@ class DirectoryStore(Protocol):
         """Expire leases and retained runs, drop long-dead workers; returns what changed."""
 
     def entry_count(self) -> int: ...
+
+    def retained_run_count(self) -> int: ...
+
+    def models(self) -> list[str]: ...
