@@ -139,19 +139,25 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
     samples: list[TurnSample] = []
     per_arm = {arm: build_sessions(workload, concurrency, config, config.seed + concurrency) for arm in clients}
     reference = "recompute" if "recompute" in clients else next(iter(clients))
+    # shared_prefix: conversations arrive one turn apart, so every later one is a NEW conversation whose
+    # long prefix (system prompt, tool schema) another conversation already holds.
+    stagger = workload == "shared_prefix"
     for turn in range(1, config.turns + 1):
         answers: dict[str, list[str]] = {}
+        active = [i for i in range(concurrency) if not stagger or i < turn]
         for arm, client in clients.items():  # interleave arms turn by turn
-            sessions = per_arm[arm]
+            sessions = [per_arm[arm][i] for i in active]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 results = list(pool.map(lambda s: client.turn(s, config.answer_tokens), sessions))
             answers[arm] = [r[4] for r in results]
-            for i, (ttft, prompt, cached, path, answer) in enumerate(results):
-                samples.append(TurnSample(arm, workload, concurrency, i, turn, prompt, ttft, cached, path, answer))
+            for i, (ttft, prompt, cached, path, answer) in zip(active, results):
+                own_turn = turn - i if stagger else turn
+                samples.append(TurnSample(arm, workload, concurrency, i, own_turn, prompt, ttft, cached, path, answer))
             on_turn()
         for arm in clients:
-            for session, answer in zip(per_arm[arm], answers[reference]):
-                next_turn_messages(session, answer, turn, workload, config.tool_tokens)
+            for i, answer in zip(active, answers[reference]):
+                session = per_arm[arm][i]
+                next_turn_messages(session, answer, turn - i if stagger else turn, workload, config.tool_tokens)
     return samples
 
 
@@ -165,6 +171,15 @@ def summarize(samples: list[TurnSample]) -> dict:
         if s.turn > 1:
             groups.setdefault((s.workload, s.concurrency, s.arm), []).append(s)
     rows = []
+    firsts: dict[tuple, list[TurnSample]] = {}
+    for s in samples:
+        if s.turn == 1 and s.session > 0 and s.workload == "shared_prefix":
+            firsts.setdefault((s.concurrency, s.arm), []).append(s)
+    new_conversations = [
+        {"concurrency": c, "arm": arm, "first_turns": len(g), "ttft_p50_ms": pct([s.ttft_ms for s in g], 0.5),
+         "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in g), 1),
+         "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1)}
+        for (c, arm), g in sorted(firsts.items())]
     for (workload, concurrency, arm), group in sorted(groups.items()):
         ttfts = [s.ttft_ms for s in group]
         recompute = groups.get((workload, concurrency, "recompute"), [])
@@ -180,7 +195,7 @@ def summarize(samples: list[TurnSample]) -> dict:
             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in group), 1),
             "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree else None,
         })
-    return {"rows": rows}
+    return {"rows": rows, "shared_prefix_new_conversations": new_conversations}
 
 
 def plot(samples: list[TurnSample], out: Path) -> list[str]:

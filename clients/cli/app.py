@@ -329,6 +329,10 @@ def bench_multiturn(
                       str(row["mean_pulled_tokens"]), str(row["mean_prompt_tokens"]),
                       str(row["answer_agreement_with_recompute"]))
     console.print(table)
+    for row in result["summary"]["shared_prefix_new_conversations"]:
+        console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "
+                      f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
+                      f"{row['mean_prompt_tokens']:.0f} tokens")
     console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
 
 
