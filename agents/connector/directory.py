@@ -85,27 +85,24 @@ _REASON_NAMES = {
 
 
 class GrpcBlockDirectory:
-    """Sync gRPC client of kvloopd's ``Directory.Lookup`` with a short deadline.
+    """kvloopd's ``Directory.Lookup`` through the shared typed client, with a short deadline.
 
-    Any error (deadline, unavailable, bad answer) returns None, and after a failure lookups are
-    skipped for ``backoff_s`` so a dead daemon costs one timeout, not one per request.
+    Hashes go packed and block ids come back packed (no per-hash objects on either side). TLS and
+    the bearer token come from the client's defaults (``KVLOOP_TOKEN``). Any error (deadline,
+    unavailable, bad answer) returns None, and after a failure lookups are skipped for
+    ``backoff_s`` so a dead daemon costs one timeout, not one per request.
     """
 
     inline = False
 
     def __init__(self, target: str, timeout_ms: float = 20.0, backoff_s: float = 2.0) -> None:
-        import grpc
-        from kvloop.v1 import directory_pb2, directory_pb2_grpc
+        from kvloop.clients.client import DirectoryClient
+        from kvloop.v1 import directory_pb2
 
         self._pb = directory_pb2
-        self._grpc = grpc
         self.target = target
-        self.timeout_s = timeout_ms / 1000.0
         self.backoff_s = backoff_s
-        self._channel = grpc.insecure_channel(
-            target, options=[("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 30000)]
-        )
-        self._stub = directory_pb2_grpc.DirectoryStub(self._channel)
+        self._client = DirectoryClient(target, timeout=timeout_ms / 1000.0)
         self._down_until = 0.0
 
     def lookup(
@@ -118,27 +115,21 @@ class GrpcBlockDirectory:
         model: str = "",
         lora_name: str = "",
     ) -> LookupResult | None:
+        from kvloop.clients.client import KvloopError
+
         if time.monotonic() < self._down_until:
             tm.LOOKUP_ERRORS.labels("backoff").inc()
             return None
-        pb = self._pb
-        req = pb.LookupRequest(
-            model=model,
-            lora_name=lora_name,
-            block_hashes=block_hashes,
-            local_blocks=local_blocks,
-            requester_worker_id=requester,
-            claim=True,
-            block_size=block_size,
-        )
         t0 = time.perf_counter()
         try:
-            resp = self._stub.Lookup(req, timeout=self.timeout_s, wait_for_ready=False)
-        except self._grpc.RpcError as e:
+            resp = self._client.lookup(model, b"".join(block_hashes), local_blocks=local_blocks,
+                                       requester=requester, claim=True, lora_name=lora_name,
+                                       block_size=block_size, pack_block_ids=True)
+        except KvloopError as e:
             self._down_until = time.monotonic() + self.backoff_s
-            code = e.code().name if hasattr(e, "code") and e.code() else "error"
+            code = e.code.name if e.code else "error"
             tm.LOOKUP_ERRORS.labels(code.lower()).inc()
-            tm.log.warning("kvloop.lookup_failed", target=self.target, code=code)
+            tm.log.warning("kvloop.lookup_failed", target=self.target, code=code, error=str(e))
             return None
         finally:
             tm.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
@@ -177,13 +168,15 @@ class GrpcBlockDirectory:
         )
 
     def close(self) -> None:
-        self._channel.close()
+        self._client.close()
 
 
 def holder_from_proto(h) -> HolderInfo:
+    from kvloop.clients.client import holder_block_ids
+
     host, _, port = h.nixl_endpoint.rpartition(":")
     num_groups = max(1, int(h.num_groups))
-    ids = list(h.block_ids)
+    ids = holder_block_ids(h)
     if len(ids) % num_groups:
         raise ValueError(f"block_ids ({len(ids)}) not divisible by num_groups ({num_groups})")
     per = len(ids) // num_groups
