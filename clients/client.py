@@ -79,7 +79,7 @@ class _ClientBase:
     def __init__(self, target: str | None = None, security: ClientSecurity | None = None,
                  timeout: float = 5.0, max_message_bytes: int = 16 * 1024 * 1024) -> None:
         self.target = target or default_target()
-        self.security = security or ClientSecurity(token=os.environ.get("KVLOOP_TOKEN") or None)
+        self.security = security or ClientSecurity.from_env()
         self.timeout = timeout
         self._metadata = self.security.call_metadata()
         self._channel = self._open(_options(max_message_bytes))

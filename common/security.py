@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
 from pathlib import Path
 
@@ -57,6 +58,13 @@ class ClientSecurity(BaseModel):
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("client cert_file and key_file go together (mutual TLS)")
         return self
+
+    @classmethod
+    def from_env(cls, prefix: str = "KVLOOP_") -> "ClientSecurity":
+        """KVLOOP_TOKEN, KVLOOP_CA_FILE, KVLOOP_CERT_FILE, KVLOOP_KEY_FILE (unset ones stay off)."""
+        values = {key: os.environ.get(f"{prefix}{key.upper()}") or None
+                  for key in ("token", "ca_file", "cert_file", "key_file")}
+        return cls(**values)
 
     @property
     def tls(self) -> bool:
