@@ -58,6 +58,7 @@ class TurnSample:
     cached_tokens: int
     path: str
     answer: str
+    repeat: int = 0
 
 
 @dataclass
@@ -132,12 +133,15 @@ class ArmClient:
 
 
 def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
-                 on_turn) -> list[TurnSample]:
+                 on_turn, repeat: int = 0) -> list[TurnSample]:
     """Every arm replays the same sessions turn by turn (interleaved). The history each arm sends next
     is the same in all arms: the reference arm's answer (recompute) is appended everywhere, so every
     turn's prompt is identical across arms and answers can be compared turn by turn."""
     samples: list[TurnSample] = []
-    per_arm = {arm: build_sessions(workload, concurrency, config, config.seed + concurrency) for arm in clients}
+    # A repeat gets new sessions: replaying identical ones would let kvloop pull the previous repeat's
+    # runs (a longer matching prefix than any real continuation has).
+    base_seed = config.seed + concurrency + 7919 * repeat
+    per_arm = {arm: build_sessions(workload, concurrency, config, base_seed) for arm in clients}
     reference = "recompute" if "recompute" in clients else next(iter(clients))
     # shared_prefix: conversations arrive one turn apart, so every later one is a NEW conversation whose
     # long prefix (system prompt, tool schema) another conversation already holds.
@@ -152,7 +156,8 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
             answers[arm] = [r[4] for r in results]
             for i, (ttft, prompt, cached, path, answer) in zip(active, results):
                 own_turn = turn - i if stagger else turn
-                samples.append(TurnSample(arm, workload, concurrency, i, own_turn, prompt, ttft, cached, path, answer))
+                samples.append(TurnSample(arm, workload, concurrency, i, own_turn, prompt, ttft, cached, path, answer,
+                                          repeat))
             on_turn()
         for arm in clients:
             for i, answer in zip(active, answers[reference]):
@@ -184,8 +189,9 @@ def summarize(samples: list[TurnSample]) -> dict:
         ttfts = [s.ttft_ms for s in group]
         recompute = groups.get((workload, concurrency, "recompute"), [])
         base = statistics.median([s.ttft_ms for s in recompute]) if recompute else None
-        reference = {(s.session, s.turn): s.answer for s in recompute}
-        agree = [s.answer == reference[(s.session, s.turn)] for s in group if (s.session, s.turn) in reference]
+        reference = {(s.repeat, s.session, s.turn): s.answer for s in recompute}
+        agree = [s.answer == reference[(s.repeat, s.session, s.turn)] for s in group
+                 if (s.repeat, s.session, s.turn) in reference]
         rows.append({
             "workload": workload, "concurrency": concurrency, "arm": arm, "continuation_turns": len(group),
             "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p90_ms": pct(ttfts, 0.9),
@@ -251,11 +257,11 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             total = len(config.workloads) * len(config.concurrency) * config.turns * len(ARMS) * config.repeats
             bar.update(task, description="turns", total=total, completed=0)
             samples: list[TurnSample] = []
-            for _ in range(config.repeats):
+            for repeat in range(config.repeats):
                 for workload in config.workloads:
                     for concurrency in config.concurrency:
                         samples += run_workload(clients, workload, concurrency, config,
-                                                lambda: bar.advance(task))
+                                                lambda: bar.advance(task), repeat)
         summary = summarize(samples)
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                   "summary": summary, "samples": [asdict(s) for s in samples],
