@@ -41,6 +41,8 @@ def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_s
             result = chat_turn(stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn)
             conversation.record(result.answer)
             results.append(result)
+            # The agent's tool runs now; meanwhile the decode's retained blocks reach the directory.
+            stack.wait_retained(turn)
             if as_json:
                 sys.stdout.write(json.dumps(result.as_dict()) + "\n")
                 sys.stdout.flush()

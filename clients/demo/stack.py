@@ -114,6 +114,17 @@ class Stack:
         _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
         progress("proxy", f"ready at {self.proxy_url}")
 
+    def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
+        """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a
+        finished turn travels engine -> ZMQ -> sidecar -> kvloopd while the client prepares its next turn)."""
+        deadline = time.monotonic() + timeout_s
+        with DirectoryClient(self.daemon_address, timeout=2) as client:
+            while time.monotonic() < deadline:
+                if client.stats().retained_runs >= runs:
+                    return True
+                time.sleep(0.02)  # polling the directory
+        return False
+
     def stop(self) -> None:
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()

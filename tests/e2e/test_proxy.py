@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlparse
 
+from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
 from kvloop.clients.demo.model import random_text
 
@@ -53,6 +54,8 @@ def test_bad_requests_get_4xx(served_stack):
 
 def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
     by_worker = {e.config.worker_id: e.config.url for e in served_stack.decodes}
+    with DirectoryClient(served_stack.daemon_address) as directory:
+        retained = directory.stats().retained_runs
     for seed in (21, 22):  # two conversations: round-robin alone would split their turns across decoders
         conversation = AgentConversation(seed=seed, system_words=500, tool_words=250)
         results = []
@@ -60,6 +63,9 @@ def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
             result = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, turn)
             conversation.record(result.answer)
             results.append(result)
+            # as while an agent's tool runs: the finished turn's retention reaches the directory
+            retained += 1
+            assert served_stack.wait_retained(retained), "the decode's retained run never reached kvloopd"
         assert results[0].path in ("miss", "recompute")
         for r in results[1:]:
             assert r.path == "transfer", r
