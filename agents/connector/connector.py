@@ -39,14 +39,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-# Tests / embedders may install a directory factory (called with the parsed config) instead of
-# the gRPC client, e.g. an in-process InMemoryBlockDirectory.
-directory_factory: Any = None
-
-
 def make_directory(cfg: KvloopConfig) -> BlockDirectory | None:
-    if directory_factory is not None:
-        return directory_factory(cfg)
     if not cfg.daemon or not cfg.lookup:
         return None
     return GrpcBlockDirectory(cfg.daemon, timeout_ms=cfg.lookup_timeout_ms, backoff_s=cfg.lookup_backoff_s)

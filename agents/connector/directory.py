@@ -1,20 +1,16 @@
 """Where the prefill side asks which peer holds the longest prefix.
 
-``BlockDirectory`` is the seam: the production implementation is :class:`GrpcBlockDirectory`
-(kvloopd's ``Directory.Lookup``); :class:`InMemoryBlockDirectory` applies the same rules to
-retained events fed to it directly (tests, a single-host setup, or a fake daemon).
+``BlockDirectory`` is the seam the scheduler depends on; :class:`GrpcBlockDirectory` implements it
+with kvloopd's ``Directory.Lookup`` (the directory's rules live in kvloopd only).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvloop.agents.connector import telemetry as tm
-from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 
 
 @dataclass(frozen=True)
@@ -197,107 +193,3 @@ def holder_from_proto(h) -> HolderInfo:
 # --------------------------------------------------------------------------------------------
 # In-memory (tests / fake daemon)
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Run:
-    ev: KvloopBlocksRetained
-    deadline: float  # time.monotonic()
-    claimed: bool = False
-    index: dict[bytes, int] = field(default_factory=dict)
-
-
-class InMemoryBlockDirectory:
-    """Longest-consecutive-prefix lookup over retained runs fed with :meth:`ingest`.
-
-    Same decision rules kvloopd is expected to apply: a run is servable until its lease ends
-    (minus ``expiry_margin_s``), single-use runs are claimed by the first TRANSFER, the caller's
-    own worker is never a holder, and pulls below ``min_pull_tokens`` are not worth it.
-    """
-
-    inline = True
-
-    def __init__(self, expiry_margin_s: float = 6.0, min_pull_tokens: int = 64) -> None:
-        self.expiry_margin_s = expiry_margin_s
-        self.min_pull_tokens = min_pull_tokens
-        self._runs: dict[str, _Run] = {}
-        self._lock = threading.Lock()
-
-    def ingest(self, events: Iterable[object]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for ev in events:
-                if isinstance(ev, KvloopBlocksRetained):
-                    self._runs[ev.retention_handle] = _Run(ev=ev, deadline=now + ev.lease_ms / 1000.0)
-                elif isinstance(ev, KvloopRetentionReleased):
-                    self._runs.pop(ev.retention_handle, None)
-
-    def handles(self) -> set[str]:
-        with self._lock:
-            return set(self._runs)
-
-    def lookup(
-        self,
-        block_hashes: list[bytes],
-        local_blocks: int,
-        *,
-        requester: str = "",
-        block_size: int = 0,
-        model: str = "",
-        lora_name: str = "",
-    ) -> LookupResult | None:
-        now = time.monotonic()
-        best: tuple[int, _Run] | None = None
-        best_expired = 0
-        with self._lock:
-            for handle, run in list(self._runs.items()):
-                if now >= run.deadline:
-                    del self._runs[handle]
-                    continue
-                if requester and run.ev.worker_id == requester:
-                    continue
-                if block_size and run.ev.block_size != block_size:
-                    continue
-                hs = run.ev.block_hashes
-                m = 0
-                for a, b in zip(hs, block_hashes):
-                    if a != b:
-                        break
-                    m += 1
-                if m == 0:
-                    continue
-                if run.deadline - now < self.expiry_margin_s:
-                    best_expired = max(best_expired, m)
-                    continue
-                if run.claimed:
-                    continue
-                if best is None or m > best[0] or (m == best[0] and run.deadline > best[1].deadline):
-                    best = (m, run)
-            if best is None:
-                if best_expired > local_blocks:
-                    return LookupResult(tm.PATH_EXPIRED, "expired", best_expired)
-                return LookupResult(tm.PATH_MISS, "miss", 0)
-            m, run = best
-            if m <= local_blocks:
-                return LookupResult(tm.PATH_LOCAL, "local_prefix", m)
-            bs = run.ev.block_size
-            if (m - local_blocks) * bs < self.min_pull_tokens:
-                return LookupResult(tm.PATH_RECOMPUTE, "below_threshold", m)
-            if run.ev.single_use:
-                run.claimed = True
-            ev = run.ev
-            holder = HolderInfo(
-                engine_id=ev.engine_id,
-                host=ev.nixl_host,
-                port=ev.nixl_port,
-                retention_handle=ev.retention_handle,
-                block_ids=tuple(tuple(g[:m]) for g in ev.block_ids),
-                expires_in_ms=int((run.deadline - now) * 1000),
-                single_use=ev.single_use,
-                worker_id=ev.worker_id,
-                tp_size=ev.tp_size,
-            )
-            return LookupResult(tm.PATH_TRANSFER, "transfer_faster", m, holder)
-
-    def close(self) -> None:
-        pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.directory import GrpcBlockDirectory, InMemoryBlockDirectory, holder_from_proto
+from kvloop.agents.connector.directory import GrpcBlockDirectory, holder_from_proto
 from kvloop.agents.connector.events import (
     KvloopBlocksRetained,
     KvloopRetentionReleased,
@@ -61,33 +61,6 @@ def test_event_wire_format_matches_vllm_batch():
     assert decoded.kvloop[0].block_hashes == H[:2]
     assert decoded.kvloop[1].retention_handle == "r0"
     assert msgspec.to_builtins(_run("x", H[:1]))["type"] == "kvloop.retained"
-
-
-def test_in_memory_directory_longest_prefix_and_rules():
-    d = InMemoryBlockDirectory(expiry_margin_s=6.0, min_pull_tokens=64)
-    d.ingest([_run("a", H[:4]), _run("b", H[:6]), _run("c", H[:8], lease_ms=3000)])
-    r = d.lookup(H[:7], 0, requester="p0")
-    assert r.path == "transfer" and r.matched_blocks == 6 and r.holder.retention_handle == "b"
-    assert r.holder.block_ids == (tuple(range(100, 106)),)
-    # edited history: only the matching prefix counts
-    r = d.lookup(H[:3] + [b"x" * 32] + H[4:6], 0)
-    assert r.matched_blocks == 3
-    assert d.lookup(H[:7], 6).path == "local"
-    assert d.lookup(H[:7], 5).path == "recompute"  # 1 block < 64 tokens
-    assert d.lookup([b"z" * 32], 0).path == "miss"
-    assert d.lookup(H[:7], 0, requester="d0").path == "miss"  # never the caller itself
-    d2 = InMemoryBlockDirectory()
-    d2.ingest([_run("c", H[:8], lease_ms=3000)])
-    assert d2.lookup(H[:8], 0).path == "expired"
-    d.ingest([KvloopRetentionReleased(retention_handle="b")])
-    assert d.lookup(H[:7], 0).holder.retention_handle == "a"
-
-
-def test_single_use_runs_are_claimed_once():
-    d = InMemoryBlockDirectory()
-    d.ingest([_run("s", H[:4], single_use=True)])
-    assert d.lookup(H[:4], 0).path == "transfer"
-    assert d.lookup(H[:4], 0).path == "miss"
 
 
 def test_holder_block_ids_are_group_major():
