@@ -35,3 +35,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A port p with p+1 free too (vLLM's ZMQ KV-event PUB endpoint and its replay endpoint)."""
+    for _ in range(50):
+        first = free_port(host)
+        with socket.socket() as second:
+            try:
+                second.bind((host, first + 1))
+            except OSError:
+                continue
+        return first
+    raise RuntimeError("no free pair of adjacent ports")

@@ -5,7 +5,6 @@ the end-to-end tests."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.client import DirectoryClient
-from kvloop.common.addresses import free_port
+from kvloop.common.addresses import free_port, free_port_pair
 
 
 @dataclass
@@ -78,13 +77,12 @@ class Stack:
         roles = ["prefill"] + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
             name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
-            events_port = free_port()
             engine_env = {}
             if cfg.span_file and not _otlp_configured():
                 engine_env["KVLOOP_SPAN_FILE"] = str(cfg.span_file)
             self.engines.append(Engine(EngineConfig(
                 role=role, model=str(cfg.model_dir), served_model_name=cfg.served_model_name, worker_id=name,
-                port=free_port(), nixl_port=free_port(), kv_events_port=_free_pair(events_port),
+                port=free_port(), nixl_port=free_port(), kv_events_port=free_port_pair(),
                 daemon=self.daemon_address, block_size=cfg.block_size, kv_cache_gib=cfg.kv_cache_gib,
                 retention_ttl_s=cfg.retention_ttl_s, kv_bytes_per_block=bytes_per_block,
                 agent_health_port=free_port(),
@@ -145,19 +143,6 @@ class Stack:
 
 def _otlp_configured() -> bool:
     return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-
-
-def _free_pair(first: int) -> int:
-    """A port p with p+1 free too (ZMQ PUB + replay)."""
-    for _ in range(50):
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", first))
-                b.bind(("127.0.0.1", first + 1))
-                return first
-        except OSError:
-            first = free_port()
-    raise RuntimeError("no free port pair")
 
 
 def _wait_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kvloop.common.addresses import free_port_pair
 from tests.conftest import KVLOOPD, DaemonProcess, free_port, start_daemon
 
 # the engine tests need the vLLM CPU build and NIXL (checked without importing them: slow)
@@ -252,14 +253,7 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_rec
 
     # Same hash seed everywhere (sha256_cbor hashes are seeded by PYTHONHASHSEED's NONE_HASH).
     os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
-    ev_port = free_port()
-    while True:  # the replay endpoint is ev_port + 1
-        with __import__("socket").socket() as s:
-            try:
-                s.bind(("127.0.0.1", ev_port + 1))
-                break
-            except OSError:
-                ev_port = free_port()
+    ev_port = free_port_pair()  # the replay endpoint is ev_port + 1
     kvloop = KvloopStack(tmp_path_factory.mktemp("kvloop"), free_port(), ev_port, free_port())
     kvloop.start_daemon()
     common = {
