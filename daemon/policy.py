@@ -3,6 +3,12 @@
 Agents report every NIXL READ (bytes, duration, setup) and every prefill (tokens, duration). The
 model keeps exponentially weighted estimates per (holder, puller) pair and per prefill worker and
 falls back to configured defaults until it has measurements; each decision says which it used.
+
+Two things keep one bad sample from deciding forever. A pair's first READ also pays the NIXL
+handshake (hundreds of ms on a busy host), a one-time cost: it is kept apart and never charged to
+later transfers. And transfer estimates are only refreshed by transfers, so a pair whose estimate
+says "recompute" would never be measured again: every ``reprobe_every``-th such verdict transfers
+anyway (reason PROBE), which is always correct, only possibly slower.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ class PolicyConfig(BaseModel):
     # Transfer only when it is estimated at most this fraction of recompute time.
     transfer_cost_ratio: float = Field(1.0, gt=0)
     ewma_alpha: float = Field(0.2, gt=0, le=1)
+    # After this many consecutive measured "recompute is faster" verdicts for a pair, transfer once
+    # to re-measure it (0: never).
+    reprobe_every: int = Field(16, ge=0)
     enabled: bool = True
 
 
@@ -60,16 +69,19 @@ class CostModel:
         self._bandwidth: dict[tuple[str, str], _Ewma] = {}  # (holder, puller) -> bytes/s
         self._setup: dict[tuple[str, str], _Ewma] = {}  # (holder, puller) -> seconds
         self._prefill: dict[str, _Ewma] = {}  # worker -> tokens/s
+        self._recompute_streak: dict[tuple[str, str], int] = {}  # measured "recompute faster" in a row
 
     def config_for(self, model: str) -> PolicyConfig:
         return self.per_model.get(model, self.default)
 
     def record_transfer(self, puller: str, holder: str, nbytes: int, duration_us: int, setup_us: int,
-                        ok: bool, model: str) -> None:
+                        ok: bool, model: str, first_contact: bool = False) -> None:
         if not ok or duration_us <= 0:
             return
         alpha = self.config_for(model).ewma_alpha
         key = (holder, puller)
+        if first_contact:  # handshake included: counted by the caller's metrics, not estimated
+            return
         data_s = max(duration_us - setup_us, 1) / 1e6
         self._observe(self._bandwidth, key, nbytes / data_s, alpha)
         self._observe(self._setup, key, setup_us / 1e6, alpha)
@@ -112,9 +124,19 @@ class CostModel:
         if gain_tokens < config.recompute_threshold_tokens:
             return Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD,
                            f"{gain_tokens} transferable tokens < threshold {config.recompute_threshold_tokens}", cost)
+        pair = (best.worker.worker_id, requester)
         if cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio:
+            self._recompute_streak.pop(pair, None)
             return Verdict(pb.DECISION_TRANSFER, pb.DECISION_REASON_TRANSFER_FASTER,
                            f"transfer ~{cost.transfer_ms:.2f} ms < recompute ~{cost.recompute_ms:.2f} ms", cost)
+        if pair in self._bandwidth and config.reprobe_every:
+            streak = self._recompute_streak.get(pair, 0) + 1
+            if streak >= config.reprobe_every:
+                self._recompute_streak.pop(pair, None)
+                return Verdict(pb.DECISION_TRANSFER, pb.DECISION_REASON_PROBE,
+                               f"re-measuring: the last {streak - 1} estimates favoured recompute "
+                               f"(~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms)", cost)
+            self._recompute_streak[pair] = streak
         return Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_RECOMPUTE_FASTER,
                        f"recompute ~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms", cost)
 

@@ -381,8 +381,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         if event.HasField("transfer"):
             t = event.transfer
             self.cost.record_transfer(spec.worker_id, t.source_worker_id, t.bytes, t.duration_us, t.setup_us,
-                                      t.ok, spec.model)
-            metrics.TRANSFER_REPORTS.labels(str(t.ok).lower()).inc()
+                                      t.ok, spec.model, first_contact=t.first_contact)
+            metrics.TRANSFER_REPORTS.labels(str(t.ok).lower(), str(t.first_contact).lower()).inc()
         else:
             p = event.prefill
             self.cost.record_prefill(spec.worker_id, p.tokens, p.duration_us, spec.model)

@@ -41,3 +41,28 @@ def test_per_model_policy_and_local_and_miss():
     assert model.decide("m", PrefixMatch(None, []), 10, 0, 16, "p").reason == pb.DECISION_REASON_MISS
     expired = model.decide("m", PrefixMatch(None, [], "expired"), 10, 0, 16, "p")
     assert (expired.decision, expired.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_EXPIRED)
+
+
+def test_first_contact_reads_do_not_count_as_steady_state_cost():
+    model = CostModel(PolicyConfig(default_prefill_tokens_per_s=1000))
+    # the first READ from a holder waited ~2 s for the NIXL handshake
+    model.record_transfer("prefill-0", "decode-0", 1 << 20, 2_000_000, 0, True, "m", first_contact=True)
+    verdict = model.decide("m", match(100), 100, 0, 16, "prefill-0")
+    assert (verdict.decision, verdict.cost.transfer_basis) == (pb.DECISION_TRANSFER, "default")
+    model.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
+    assert model.decide("m", match(100), 100, 0, 16, "prefill-0").cost.transfer_basis == "measured (1 reads)"
+
+
+def test_estimates_favouring_recompute_are_reprobed():
+    model = CostModel(PolicyConfig(default_prefill_tokens_per_s=1000, reprobe_every=4))
+    model.record_transfer("prefill-0", "decode-0", 1 << 20, 10_000_000, 0, True, "m")  # one very slow READ
+    reasons = [model.decide("m", match(100), 100, 0, 16, "prefill-0").reason for _ in range(8)]
+    recompute, probe = pb.DECISION_REASON_RECOMPUTE_FASTER, pb.DECISION_REASON_PROBE
+    assert reasons == [recompute] * 3 + [probe] + [recompute] * 3 + [probe]
+    # the probe's READ is fast again: the estimate recovers and transfers resume
+    for _ in range(20):
+        model.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
+    assert model.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_TRANSFER_FASTER
+    # default estimates are not probed: nothing was measured to go stale
+    never = CostModel(PolicyConfig(default_prefill_tokens_per_s=1e9, reprobe_every=1))
+    assert never.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_RECOMPUTE_FASTER

@@ -98,8 +98,9 @@ def test_agent_forwards_engine_events_and_recovers_after_restart(daemon, publish
             wait_until(lambda: client.lookup(MODEL, first).reason == pb.DECISION_REASON_MISS, what="release")
             # the puller's transfer telemetry reaches the daemon's cost model
             pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[KvloopTransferReport(
-                source_worker_id="dec-other", bytes=1 << 20, blocks=8, duration_us=900, ok=True)]))
-            wait_until(lambda: 'kvloop_transfer_reports_total{ok="true"}' in urllib.request.urlopen(
+                source_worker_id="dec-other", bytes=1 << 20, blocks=8, duration_us=900, ok=True,
+                first_contact=True)]))
+            wait_until(lambda: 'kvloop_transfer_reports_total{first_contact="true",ok="true"}' in urllib.request.urlopen(
                 f"http://{daemon.metrics_address}/metrics").read().decode(), what="transfer report")
             wait_until(lambda: client.lookup(MODEL, second).decision == pb.DECISION_TRANSFER, what="live retention")
             # SIGTERM: clean exit, and the worker's blocks stop being served at once

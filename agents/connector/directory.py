@@ -77,6 +77,7 @@ _REASON_NAMES = {
     7: "claimed",
     8: "peer_unavailable",
     9: "disabled",
+    10: "probe",
 }
 
 

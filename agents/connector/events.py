@@ -87,6 +87,7 @@ class KvloopTransferReport(KvloopEvent, tag=TRANSFER_TAG):
     ok: bool
     setup_us: int = 0
     ts: float = 0.0
+    first_contact: bool = False  # first READ from this holder: duration_us includes the handshake
 
 
 KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport

@@ -70,6 +70,7 @@ class _Pull:
     local_tokens: int
     prompt_tokens: int
     holder: str
+    holder_engine: str  # NIXL handshakes are per remote engine id
     pulled_tokens: int = 0
     started: float = 0.0
     lookup_ms: float = 0.0
@@ -100,6 +101,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         # Prefill role: lease deadline (this process's perf_counter) of each pull, for the worker.
         self._pull_deadlines_new: dict[str, float] = {}
         self._pulls: dict[str, _Pull] = {}
+        # Holders this engine has read from: the first READ from a holder also pays the NIXL
+        # handshake, which the daemon keeps out of its steady-state cost estimate.
+        self._holders_read: set[str] = set()
         # Prefill role: each request's kvloop outcome, returned to the caller in kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, tuple[Future[LookupResult | None], float]] = {}
@@ -255,6 +259,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             local_tokens=num_computed_tokens,
             prompt_tokens=prompt,
             holder=h.worker_id or h.engine_id,
+            holder_engine=h.engine_id,
             started=t0,
             lookup_ms=self._lookup_ms,
             read_started=now,
@@ -341,10 +346,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             "pull_ms": round((time.perf_counter() - pull.started) * 1000, 3),
         }
         self._outcomes[req_id] = outcome
+        first_contact = pull.holder_engine not in self._holders_read
+        if not failed:
+            self._holders_read.add(pull.holder_engine)
         if self.cfg.publish_events:
             self._events.append(KvloopTransferReport(
                 source_worker_id=pull.holder, bytes=nbytes, blocks=pulled_blocks,
-                duration_us=int((time.perf_counter() - pull.read_started) * 1e6), ok=not failed, ts=time.time()))
+                duration_us=int((time.perf_counter() - pull.read_started) * 1e6), ok=not failed, ts=time.time(),
+                first_contact=first_contact))
         tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, time.perf_counter(),
                       {"kvloop.bytes": nbytes, "kvloop.blocks": pulled_blocks, "kvloop.holder": pull.holder,
                        "kvloop.ok": not failed})

@@ -76,7 +76,8 @@ class WorkerMirror:
         if isinstance(event, KvloopTransferReport):  # telemetry for the cost model, not state
             return pb.BlockEvent(transfer=pb.TransferReport(
                 source_worker_id=event.source_worker_id, bytes=event.bytes, blocks=event.blocks,
-                duration_us=event.duration_us, setup_us=event.setup_us, ok=event.ok))
+                duration_us=event.duration_us, setup_us=event.setup_us, ok=event.ok,
+                first_contact=event.first_contact))
         if isinstance(event, KvloopRetentionReleased):
             self.retained.pop(event.retention_handle, None)
             return pb.BlockEvent(released=pb.RetentionReleased(retention_handle=event.retention_handle))

@@ -41,6 +41,7 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_CLAIMED: _ClassVar[DecisionReason]
     DECISION_REASON_PEER_UNAVAILABLE: _ClassVar[DecisionReason]
     DECISION_REASON_DISABLED: _ClassVar[DecisionReason]
+    DECISION_REASON_PROBE: _ClassVar[DecisionReason]
 
 class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -71,6 +72,7 @@ DECISION_REASON_EXPIRED: DecisionReason
 DECISION_REASON_CLAIMED: DecisionReason
 DECISION_REASON_PEER_UNAVAILABLE: DecisionReason
 DECISION_REASON_DISABLED: DecisionReason
+DECISION_REASON_PROBE: DecisionReason
 LEASE_STATE_UNSPECIFIED: LeaseState
 LEASE_STATE_ACTIVE: LeaseState
 LEASE_STATE_RESYNCING: LeaseState
@@ -179,20 +181,22 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok")
+    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact")
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DURATION_US_FIELD_NUMBER: _ClassVar[int]
     SETUP_US_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CONTACT_FIELD_NUMBER: _ClassVar[int]
     source_worker_id: str
     bytes: int
     blocks: int
     duration_us: int
     setup_us: int
     ok: bool
-    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ...) -> None: ...
+    first_contact: bool
+    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ...) -> None: ...
 
 class PrefillReport(_message.Message):
     __slots__ = ("tokens", "duration_us")
