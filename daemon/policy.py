@@ -28,6 +28,9 @@ class PolicyConfig(BaseModel):
     default_transfer_gbytes_per_s: float = Field(8.0, gt=0)
     default_transfer_setup_ms: float = Field(0.5, ge=0)
     default_prefill_tokens_per_s: float = Field(4000.0, gt=0)
+    # Shorter prefills are not measured: their fixed per-step cost would understate the marginal
+    # tokens/s that recomputing a matched prefix costs.
+    min_prefill_sample_tokens: int = Field(256, ge=1)
     # Transfer only when it is estimated at most this fraction of recompute time.
     transfer_cost_ratio: float = Field(1.0, gt=0)
     ewma_alpha: float = Field(0.2, gt=0, le=1)
@@ -87,7 +90,7 @@ class CostModel:
         self._observe(self._setup, key, setup_us / 1e6, alpha)
 
     def record_prefill(self, worker: str, tokens: int, duration_us: int, model: str) -> None:
-        if tokens <= 0 or duration_us <= 0:
+        if tokens < self.config_for(model).min_prefill_sample_tokens or duration_us <= 0:
             return
         self._observe(self._prefill, worker, tokens / (duration_us / 1e6), self.config_for(model).ewma_alpha)
 

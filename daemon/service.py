@@ -423,6 +423,10 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 "kvloop.requester": request.requester_worker_id,
                 "kvloop.lookup_us": response.lookup_us,
             })
+            if response.HasField("cost"):
+                span.set_attributes({"kvloop.estimated_transfer_ms": response.cost.transfer_ms,
+                                     "kvloop.estimated_recompute_ms": response.cost.recompute_ms,
+                                     "kvloop.detail": response.detail})
         return response
 
     def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:

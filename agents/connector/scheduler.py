@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import BlockDirectory, LookupResult
-from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased, KvloopTransferReport
+from kvloop.agents.connector.events import (
+    KvloopBlocksRetained,
+    KvloopPrefillReport,
+    KvloopRetentionReleased,
+    KvloopTransferReport,
+)
 from kvloop.common.tracing import configure_tracing
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -75,6 +80,7 @@ class _Pull:
     started: float = 0.0
     lookup_ms: float = 0.0
     read_started: float = 0.0
+    detail: str = ""  # the directory's why (estimated costs)
 
 
 class KvloopConnectorScheduler(NixlPullConnectorScheduler):
@@ -104,6 +110,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         # Holders this engine has read from: the first READ from a holder also pays the NIXL
         # handshake, which the daemon keeps out of its steady-state cost estimate.
         self._holders_read: set[str] = set()
+        # Prefill role: requests computing their prompt themselves -> (decided at, tokens to compute),
+        # measured at request_finished for the daemon's prefill tokens/s estimate.
+        self._computing: dict[str, tuple[float, int]] = {}
         # Prefill role: each request's kvloop outcome, returned to the caller in kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
         self._pending: dict[str, tuple[Future[LookupResult | None], float]] = {}
@@ -213,7 +222,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             return 0, False
         if result.path != tm.PATH_TRANSFER or result.holder is None:
             matched = result.matched_blocks * bs
-            self._finish_now(request, result.path, result.reason, matched, num_computed_tokens)
+            self._finish_now(request, result.path, result.reason, matched, num_computed_tokens, result.detail)
             return 0, False
         h = result.holder
         m = result.matched_blocks
@@ -263,6 +272,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             started=t0,
             lookup_ms=self._lookup_ms,
             read_started=now,
+            detail=result.detail,
         )
         tm.log.debug(
             "kvloop.pull",
@@ -275,13 +285,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         return count, is_async
 
     def _finish_now(
-        self, request: Request, path: str, reason: str, matched_tokens: int, local_tokens: int
+        self, request: Request, path: str, reason: str, matched_tokens: int, local_tokens: int, detail: str = ""
     ) -> None:
         prompt = request.num_prompt_tokens
         recompute = max(0, prompt - local_tokens)
         outcome = {
             "path": path,
             "reason": reason,
+            "detail": detail,
             "matched_tokens": matched_tokens,
             "recompute_tokens": recompute,
             "bytes": 0,
@@ -290,6 +301,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             "lookup_ms": round(self._lookup_ms, 3),
         }
         self._outcomes[request.request_id] = outcome
+        if recompute > 0:
+            self._computing[request.request_id] = (time.perf_counter(), recompute)
         looked_up = time.perf_counter() - self._lookup_ms / 1000
         with tm.tracer.start_as_current_span(
             "kvloop.prefill",
@@ -336,6 +349,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         outcome = {
             "path": path,
             "reason": reason,
+            "detail": pull.detail,
             "matched_tokens": pull.matched_tokens,
             "recompute_tokens": recompute,
             "bytes": nbytes,
@@ -384,6 +398,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._pending.pop(request.request_id, None)
         if request.request_id in self._pulls:
             self._end_pull(request.request_id, failed=True)
+        self._report_prefill(request)
         delay, out = super().request_finished(request, block_ids)
         outcome = self._outcomes.pop(request.request_id, None)
         if outcome is not None and out is not None:
@@ -397,6 +412,16 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         ):
             self._announce(request, out)
         return delay, out
+
+    def _report_prefill(self, request: Request) -> None:
+        computing = self._computing.pop(request.request_id, None)
+        if computing is None or not self.cfg.publish_events:
+            return
+        decided, tokens = computing
+        if request.num_computed_tokens < request.num_prompt_tokens:  # aborted before its prefill ended
+            return
+        self._events.append(KvloopPrefillReport(
+            tokens=tokens, duration_us=int((time.perf_counter() - decided) * 1e6), ts=time.time()))
 
     def _announce(self, request: Request, out: dict[str, Any]) -> None:
         bs = self.block_size

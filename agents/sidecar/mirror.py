@@ -11,7 +11,13 @@ from typing import Any
 import structlog
 from prometheus_client import Counter
 
-from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased, KvloopTransferReport
+from kvloop.agents.connector.events import (
+    KvloopBlocksRetained,
+    KvloopEvents,
+    KvloopPrefillReport,
+    KvloopRetentionReleased,
+    KvloopTransferReport,
+)
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent")
@@ -71,8 +77,9 @@ class WorkerMirror:
         SKIPPED.labels("unknown_type").inc()
         return None
 
-    def convert_kvloop(self, event: KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport
-                       ) -> pb.BlockEvent | None:
+    def convert_kvloop(self, event: KvloopEvents) -> pb.BlockEvent | None:
+        if isinstance(event, KvloopPrefillReport):
+            return pb.BlockEvent(prefill=pb.PrefillReport(tokens=event.tokens, duration_us=event.duration_us))
         if isinstance(event, KvloopTransferReport):  # telemetry for the cost model, not state
             return pb.BlockEvent(transfer=pb.TransferReport(
                 source_worker_id=event.source_worker_id, bytes=event.bytes, blocks=event.blocks,

@@ -44,6 +44,7 @@ class MultiturnConfig:
     layers: int = 4
     seed: int = 1
     quick: bool = False
+    block_size: int = 32
 
 
 @dataclass
@@ -59,6 +60,8 @@ class TurnSample:
     path: str
     answer: str
     repeat: int = 0
+    # Pulled blocks whose KV is not what recomputing this prompt would give (see wrong_pulled_blocks).
+    wrong_blocks: int = 0
 
 
 @dataclass
@@ -95,10 +98,44 @@ def next_turn_messages(session: Session, answer: str, turn: int, workload: str, 
         del session.messages[2]
 
 
+def wrong_pulled_blocks(held: list[list[int]], prompt: list[int], pulled_tokens: int, block_size: int) -> int:
+    """Pulled blocks whose KV differs from what this prompt's own prefill would compute.
+
+    With causal attention the KV at position p is a function of tokens[0..p] alone, so a pulled
+    position is right iff the sequence it was computed for (one of ``held``: what the holders had
+    computed) agrees with the prompt up to and including p. A block is wrong if any of its pulled
+    positions is at or past the longest such agreement."""
+    if pulled_tokens <= 0:
+        return 0
+    common = 0
+    for sequence in held:
+        n = 0
+        for a, b in zip(sequence, prompt):
+            if a != b:
+                break
+            n += 1
+        common = max(common, n)
+    if pulled_tokens <= common:
+        return 0
+    return -(-pulled_tokens // block_size) - common // block_size
+
+
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+@dataclass
+class TurnOutcome:
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    path: str
+    answer: str
+    # What the decode computed KV for (prompt + generated tokens but the last): what it retains.
+    computed_ids: list[int]
+    prompt_ids: list[int]
 
 
 class ArmClient:
@@ -109,12 +146,22 @@ class ArmClient:
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.handles: dict[int, dict] = {}
+        # Token sequences this arm's decode has computed KV for: per session the latest (the builtin
+        # handle's), and all of them (any may be a kvloop holder's).
+        self.latest: dict[int, list[int]] = {}
+        self.computed: list[list[int]] = []
 
-    def turn(self, session: Session, max_tokens: int) -> tuple[float, int, int, str, str]:
+    def sources(self, session: Session) -> list[list[int]]:
+        """What a pull for this session may legitimately have read from."""
+        if self.arm == "builtin":
+            return [self.latest[session.seed]] if session.seed in self.latest else []
+        return self.computed
+
+    def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
         kv: dict = {"do_remote_decode": True}
         if self.arm == "builtin":
             kv.update(self.handles.pop(session.seed, {}))  # single use, like vLLM's proxy
-        body = {"model": MODEL, "messages": session.messages, "temperature": 0.0}
+        body = {"model": MODEL, "messages": session.messages, "temperature": 0.0, "return_token_ids": True}
         t0 = time.perf_counter()
         pre = _post(f"{self.prefill_url}/v1/chat/completions",
                     {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv})
@@ -126,10 +173,13 @@ class ArmClient:
         path = params.get("kvloop_path") or ("transfer" if cached else "recompute")
         dec = _post(f"{self.decode_url}/v1/chat/completions",
                     {**body, "max_tokens": max_tokens, "kv_transfer_params": params})
-        answer = dec["choices"][0]["message"]["content"] or ""
+        choice = dec["choices"][0]
+        answer = choice["message"]["content"] or ""
         if self.arm == "builtin" and dec.get("kv_transfer_params"):
             self.handles[session.seed] = dec["kv_transfer_params"]
-        return ttft, prompt_tokens, cached, path, answer
+        prompt_ids = list(pre.get("prompt_token_ids") or [])
+        computed = list(dec.get("prompt_token_ids") or prompt_ids) + list(choice.get("token_ids") or [])[:-1]
+        return TurnOutcome(ttft, prompt_tokens, cached, path, answer, computed, prompt_ids)
 
 
 def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
@@ -153,11 +203,16 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
             sessions = [per_arm[arm][i] for i in active]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 results = list(pool.map(lambda s: client.turn(s, config.answer_tokens), sessions))
-            answers[arm] = [r[4] for r in results]
-            for i, (ttft, prompt, cached, path, answer) in zip(active, results):
+            answers[arm] = [r.answer for r in results]
+            # Checked once the turn is over: a concurrent session's run may have been the one pulled.
+            client.computed.extend(r.computed_ids for r in results)
+            for i, session, r in zip(active, sessions, results):
                 own_turn = turn - i if stagger else turn
-                samples.append(TurnSample(arm, workload, concurrency, i, own_turn, prompt, ttft, cached, path, answer,
-                                          repeat))
+                wrong = wrong_pulled_blocks(client.sources(session), r.prompt_ids, r.cached_tokens,
+                                            config.block_size)
+                samples.append(TurnSample(arm, workload, concurrency, i, own_turn, r.prompt_tokens, r.ttft_ms,
+                                          r.cached_tokens, r.path, r.answer, repeat, wrong))
+                client.latest[session.seed] = r.computed_ids
             on_turn()
         for arm in clients:
             for i, answer in zip(active, answers[reference]):
@@ -166,7 +221,7 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
     return samples
 
 
-def summarize(samples: list[TurnSample]) -> dict:
+def summarize(samples: list[TurnSample], block_size: int) -> dict:
     def pct(values: list[float], q: float) -> float:
         ordered = sorted(values)
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else 0.0
@@ -200,6 +255,8 @@ def summarize(samples: list[TurnSample]) -> dict:
             "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in group), 1),
             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in group), 1),
             "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree else None,
+            "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
+            "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
         })
     return {"rows": rows, "shared_prefix_new_conversations": new_conversations}
 
@@ -247,6 +304,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     try:
         for arm in ARMS:
             stacks[arm] = Stack(StackConfig(model_dir=model, workdir=config.workdir / arm, kv_cache_gib=1,
+                                            block_size=config.block_size,
                                             prefill_prefix_caching=config.prefill_prefix_caching,
                                             mode=arm))
         with Progress(disable=not progress, transient=True) as bar:
@@ -262,7 +320,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     for concurrency in config.concurrency:
                         samples += run_workload(clients, workload, concurrency, config,
                                                 lambda: bar.advance(task), repeat)
-        summary = summarize(samples)
+        summary = summarize(samples, config.block_size)
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                   "summary": summary, "samples": [asdict(s) for s in samples],
                   "engine_start_s": {arm: [round(e.started_s or 0, 1) for e in s.engines] for arm, s in stacks.items()},

@@ -321,13 +321,14 @@ def bench_multiturn(
     out.write_text(json.dumps(result, indent=2))
     table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
     for column in ("workload", "sessions", "arm", "p50 ms", "p90 ms", "x recompute", "transfer share",
-                   "pulled tokens", "prompt tokens", "answers = recompute"):
+                   "pulled tokens", "prompt tokens", "answers = recompute", "wrong blocks"):
         table.add_column(column)
     for row in result["summary"]["rows"]:
         table.add_row(row["workload"], str(row["concurrency"]), row["arm"], f"{row['ttft_p50_ms']:.0f}",
                       f"{row['ttft_p90_ms']:.0f}", str(row["ratio_to_recompute_p50"]), str(row["transfer_share"]),
                       str(row["mean_pulled_tokens"]), str(row["mean_prompt_tokens"]),
-                      str(row["answer_agreement_with_recompute"]))
+                      str(row["answer_agreement_with_recompute"]),
+                      f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}")
     console.print(table)
     for row in result["summary"]["shared_prefix_new_conversations"]:
         console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "

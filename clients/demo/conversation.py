@@ -28,6 +28,7 @@ class TurnResult:
     total_ms: float
     answer: str
     decode_server: str
+    detail: str = ""  # the directory's why, with its cost estimates
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -70,7 +71,8 @@ def chat_turn(proxy_url: str, model: str, messages: list[dict], max_tokens: int,
         recompute_tokens=_header_int(headers, "x-kvloop-recompute-tokens"),
         bytes_moved=_header_int(headers, "x-kvloop-bytes"), holder=headers.get("x-kvloop-holder", ""),
         ttft_ms=round((ttft or total) * 1e3, 1), prefill_ms=float(headers.get("x-kvloop-prefill-ms", "0")),
-        total_ms=round(total * 1e3, 1), answer="".join(pieces), decode_server=headers.get("x-kvloop-decode", ""))
+        total_ms=round(total * 1e3, 1), answer="".join(pieces), decode_server=headers.get("x-kvloop-decode", ""),
+        detail=headers.get("x-kvloop-detail", ""))
 
 
 class AgentConversation:

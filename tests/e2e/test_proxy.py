@@ -68,9 +68,14 @@ def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
             assert served_stack.wait_retained(retained), "the decode's retained run never reached kvloopd"
         assert results[0].path in ("miss", "recompute")
         for r in results[1:]:
-            assert r.path == "transfer", r
+            assert r.path == "transfer", f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
             assert r.matched_tokens >= 512 and r.bytes_moved > 0
             assert r.decode_server == by_worker[r.holder], "decode must go to the server holding the prefix"
+    # the prefill's own (first-turn) prefills reached the cost model through its sidecar
+    with DirectoryClient(served_stack.daemon_address) as directory:
+        prefill = next(w for w in directory.list_workers(MODEL)
+                       if w.registration.worker_id == served_stack.prefill.config.worker_id)
+    assert prefill.prefill_tokens_per_second > 0
 
 
 def test_client_disconnect_frees_the_decode_request(served_stack):
