@@ -35,6 +35,7 @@ class EngineConfig:
     daemon: str  # kvloopd HOST:PORT
     host: str = "127.0.0.1"
     block_size: int = 32
+    dtype: str = "bfloat16"  # vLLM --dtype (weights, activations and KV cache)
     kv_cache_gib: int = 2
     retention_ttl_s: float = 480.0
     recompute_threshold_tokens: int = 64
@@ -89,7 +90,7 @@ class EngineConfig:
     def vllm_command(self) -> list[str]:
         cmd = [sys.executable, "-m", "kvloop.agents.vllm_main", "serve", self.model,
                "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-               "--dtype", "bfloat16", "--enforce-eager", "--block-size", str(self.block_size),
+               "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
                "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                "--prefix-caching-hash-algo", "sha256_cbor", "--distributed-executor-backend", "uni",
                "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",

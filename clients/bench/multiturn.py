@@ -45,6 +45,10 @@ class MultiturnConfig:
     seed: int = 1
     quick: bool = False
     block_size: int = 32
+    # float32 by default: in bfloat16 the KV a decode computed token by token and the KV a prefill
+    # computes in one batch differ by rounding, which flips greedy near-ties of a random-weight model
+    # and makes "answers agree with recompute" measure rounding instead of correctness.
+    dtype: str = "float32"
 
 
 @dataclass
@@ -304,7 +308,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     try:
         for arm in ARMS:
             stacks[arm] = Stack(StackConfig(model_dir=model, workdir=config.workdir / arm, kv_cache_gib=1,
-                                            block_size=config.block_size,
+                                            block_size=config.block_size, dtype=config.dtype,
                                             prefill_prefix_caching=config.prefill_prefix_caching,
                                             mode=arm))
         with Progress(disable=not progress, transient=True) as bar:

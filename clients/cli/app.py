@@ -305,17 +305,22 @@ def bench_multiturn(
         "plain", "shared_prefix", "edited"],
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
     repeats: Annotated[int, typer.Option(help="repeat every workload")] = 1,
+    dtype: Annotated[str, typer.Option(help="engines' dtype: float32 keeps bf16 rounding from flipping the "
+                                            "random-weight model's greedy near-ties")] = "float32",
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop, on real engines."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
+    from kvloop.clients.demo.model import DTYPE_BYTES
 
+    if dtype not in DTYPE_BYTES:
+        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
     config = MultiturnConfig(workdir=workdir.resolve(), turns=5 if quick else sessions_turns,
                              concurrency=(1, 4) if quick else tuple(concurrency),
                              workloads=tuple(workload), prefill_prefix_caching=prefix_caching,
                              repeats=repeats, quick=quick, system_tokens=800 if quick else 1500,
-                             tool_tokens=400 if quick else 600)
+                             tool_tokens=400 if quick else 600, dtype=dtype)
     result = run_multiturn(config, progress=True)
     out = json_path or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))

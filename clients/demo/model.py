@@ -57,6 +57,9 @@ def build_tiny_llama(out: Path, *, hidden_size: int = 384, layers: int = 4, head
     return out
 
 
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 def kv_bytes_per_block(model_dir: Path, block_size: int, dtype_bytes: int = 2) -> int:
     """K and V of one block over all layers, from the model's config.json."""
     config = json.loads((model_dir / "config.json").read_text())

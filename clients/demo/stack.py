@@ -27,6 +27,7 @@ class StackConfig:
     mode: str = "kvloop"  # "kvloop" | "builtin" | "recompute" (see EngineConfig.mode)
     kv_cache_gib: int = 2
     block_size: int = 32
+    dtype: str = "bfloat16"
     retention_ttl_s: float = 480.0
     span_file: Path | None = None  # where spans go when no OTLP endpoint is configured
     start_timeout_s: float = 240.0
@@ -71,9 +72,9 @@ class Stack:
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             client.wait_ready(30)
         progress("kvloopd", f"ready on {self.daemon_address}")
-        from kvloop.clients.demo.model import kv_bytes_per_block
+        from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block
 
-        bytes_per_block = kv_bytes_per_block(cfg.model_dir, cfg.block_size)
+        bytes_per_block = kv_bytes_per_block(cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype])
         roles = ["prefill"] + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
             name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
@@ -83,7 +84,7 @@ class Stack:
             self.engines.append(Engine(EngineConfig(
                 role=role, model=str(cfg.model_dir), served_model_name=cfg.served_model_name, worker_id=name,
                 port=free_port(), nixl_port=free_port(), kv_events_port=free_port_pair(),
-                daemon=self.daemon_address, block_size=cfg.block_size, kv_cache_gib=cfg.kv_cache_gib,
+                daemon=self.daemon_address, block_size=cfg.block_size, dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib,
                 retention_ttl_s=cfg.retention_ttl_s, kv_bytes_per_block=bytes_per_block,
                 agent_health_port=free_port(),
                 prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
