@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from typing import Annotated
 
@@ -30,21 +31,56 @@ HostPort = Annotated[str, AfterValidator(_host_port)]
 OptionalHostPort = Annotated[str, AfterValidator(_optional_host_port)]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (tests, the demo and benchmarks pick theirs this way)."""
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
+    """A port p (with p+1 .. p+span-1) nothing listens on, for tests, the demo and benchmarks.
+
+    Chosen below the kernel's ephemeral range, never from it: a port the kernel hands out for
+    bind(host, 0) can be taken again by any process's next bind(0) or outgoing connection (vLLM's
+    own ZMQ sockets bind that way) between our pick and the server binding it. Ports already handed
+    out by this process are not handed out twice.
+    """
+    low = _ephemeral_low()
+    first = max(1024, low - 16384)
+    rnd = random.SystemRandom()
+    if low - first >= 1024:
+        for _ in range(500):
+            port = rnd.randrange(first, low - span + 1)
+            ports = range(port, port + span)
+            if any(p in _handed_out for p in ports) or not all(_bindable(host, p) for p in ports):
+                continue
+            _handed_out.update(ports)
+            return port
+    for _ in range(50):  # no room below the ephemeral range: take what the kernel gives
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if all(_bindable(host, p) for p in range(port + 1, port + span)):
+            _handed_out.update(range(port, port + span))
+            return port
+    raise RuntimeError(f"no {span} free adjacent port(s) on {host}")
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A port p with p+1 free too (vLLM's ZMQ KV-event PUB endpoint and its replay endpoint)."""
-    for _ in range(50):
-        first = free_port(host)
-        with socket.socket() as second:
-            try:
-                second.bind((host, first + 1))
-            except OSError:
-                continue
-        return first
-    raise RuntimeError("no free pair of adjacent ports")
+    return free_port(host, span=2)

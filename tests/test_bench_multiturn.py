@@ -37,3 +37,15 @@ def test_summary_ratios_agreement_and_wrong_blocks():
     assert rows["builtin"]["answer_agreement_with_recompute"] == 0.5
     assert (rows["builtin"]["pulled_blocks"], rows["builtin"]["wrong_pulled_blocks"]) == (6, 3)
     assert rows["builtin"]["transfer_share"] == 1.0
+
+
+def test_summary_reports_nixl_totals_and_connector_timings():
+    samples = [sample("recompute", t, 100.0, 0, "a") for t in (1, 2, 3)]
+    samples += [sample("kvloop", 1, 100, 0, "a"), sample("kvloop", 2, 20, 8, "a"), sample("kvloop", 3, 40, 8, "a")]
+    samples[-1].lookup_ms, samples[-1].pull_ms = 1.5, 12.0
+    transfers = {("edited", 1, "kvloop"): {"bytes": 3 * 2**20, "xfer_s": 0.006, "reads": 2}}
+    rows = {r["arm"]: r for r in summarize(samples, BS, transfers)["rows"]}
+    kvloop = rows["kvloop"]
+    assert (kvloop["nixl_reads"], kvloop["bytes_moved_mib"], kvloop["nixl_read_ms_mean"]) == (2, 3.0, 3.0)
+    assert (kvloop["lookup_ms_p50"], kvloop["lookup_to_pulled_ms_p50"]) == (1.5, 12.0)
+    assert "nixl_reads" not in rows["recompute"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -176,8 +176,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 assert self._pool is not None
                 fut = self._pool.submit(self._lookup, hashes, local_blocks)
                 self._pending[rid] = (fut, t0)
+                if self.cfg.lookup_wait_ms:
+                    wait([fut], timeout=self.cfg.lookup_wait_ms / 1000)
                 if not fut.done():
-                    return None, False  # ask again next step; never block the engine loop
+                    return None, False  # ask again next step; never block the engine loop longer
                 pending = self._pending[rid]
             fut, t0 = pending
             if not fut.done():

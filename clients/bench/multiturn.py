@@ -66,6 +66,15 @@ class TurnSample:
     repeat: int = 0
     # Pulled blocks whose KV is not what recomputing this prompt would give (see wrong_pulled_blocks).
     wrong_blocks: int = 0
+    # kvloop arm: the connector's own timings (directory lookup; lookup answer -> READ complete).
+    lookup_ms: float | None = None
+    pull_ms: float | None = None
+
+
+# The prefill engine's NIXL histograms (vLLM's KV-connector Prometheus metrics): the same source for
+# both arms that pull, so bytes moved and transfer time compare like for like.
+NIXL_SERIES = {"vllm:nixl_bytes_transferred_sum": "bytes", "vllm:nixl_xfer_time_seconds_sum": "xfer_s",
+               "vllm:nixl_xfer_time_seconds_count": "reads"}
 
 
 @dataclass
@@ -140,6 +149,8 @@ class TurnOutcome:
     # What the decode computed KV for (prompt + generated tokens but the last): what it retains.
     computed_ids: list[int]
     prompt_ids: list[int]
+    lookup_ms: float | None = None
+    pull_ms: float | None = None
 
 
 class ArmClient:
@@ -154,6 +165,15 @@ class ArmClient:
         # handle's), and all of them (any may be a kvloop holder's).
         self.latest: dict[int, list[int]] = {}
         self.computed: list[list[int]] = []
+
+    def nixl_totals(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode()
+        totals = dict.fromkeys(NIXL_SERIES.values(), 0.0)
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in NIXL_SERIES:
+                totals[NIXL_SERIES[name]] += float(line.rsplit(" ", 1)[1])
+        return totals
 
     def sources(self, session: Session) -> list[list[int]]:
         """What a pull for this session may legitimately have read from."""
@@ -183,7 +203,8 @@ class ArmClient:
             self.handles[session.seed] = dec["kv_transfer_params"]
         prompt_ids = list(pre.get("prompt_token_ids") or [])
         computed = list(dec.get("prompt_token_ids") or prompt_ids) + list(choice.get("token_ids") or [])[:-1]
-        return TurnOutcome(ttft, prompt_tokens, cached, path, answer, computed, prompt_ids)
+        return TurnOutcome(ttft, prompt_tokens, cached, path, answer, computed, prompt_ids,
+                           params.get("kvloop_lookup_ms"), params.get("kvloop_pull_ms"))
 
 
 def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
@@ -205,8 +226,13 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
         active = [i for i in range(concurrency) if not stagger or i < turn]
         for arm, client in clients.items():  # interleave arms turn by turn
             sessions = [per_arm[arm][i] for i in active]
+            # shared_prefix: the arriving conversation's first turn runs alone, then the others together,
+            # so its TTFT shows what its shared prefix saves rather than the other sessions' load.
+            arriving = sessions[-1:] if stagger and turn - 1 in active and turn > 1 else []
+            results = [client.turn(s, config.answer_tokens) for s in arriving]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                results = list(pool.map(lambda s: client.turn(s, config.answer_tokens), sessions))
+                results = list(pool.map(lambda s: client.turn(s, config.answer_tokens),
+                                        sessions[:len(sessions) - len(arriving)])) + results
             answers[arm] = [r.answer for r in results]
             # Checked once the turn is over: a concurrent session's run may have been the one pulled.
             client.computed.extend(r.computed_ids for r in results)
@@ -215,7 +241,7 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
                 wrong = wrong_pulled_blocks(client.sources(session), r.prompt_ids, r.cached_tokens,
                                             config.block_size)
                 samples.append(TurnSample(arm, workload, concurrency, i, own_turn, r.prompt_tokens, r.ttft_ms,
-                                          r.cached_tokens, r.path, r.answer, repeat, wrong))
+                                          r.cached_tokens, r.path, r.answer, repeat, wrong, r.lookup_ms, r.pull_ms))
                 client.latest[session.seed] = r.computed_ids
             on_turn()
         for arm in clients:
@@ -225,7 +251,11 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
     return samples
 
 
-def summarize(samples: list[TurnSample], block_size: int) -> dict:
+def summarize(samples: list[TurnSample], block_size: int,
+              transfers: dict[tuple[str, int, str], dict[str, float]] | None = None) -> dict:
+    """Per (workload, concurrency, arm): continuation-turn TTFT percentiles and ratio to recompute, path
+    shares, tokens and blocks pulled (and how many were wrong), answer agreement, and from ``transfers``
+    (NIXL totals measured on each arm's prefill engine) bytes moved and READ time."""
     def pct(values: list[float], q: float) -> float:
         ordered = sorted(values)
         return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else 0.0
@@ -261,8 +291,29 @@ def summarize(samples: list[TurnSample], block_size: int) -> dict:
             "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree else None,
             "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
             "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
+            **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
+            **_connector_columns(group),
         })
     return {"rows": rows, "shared_prefix_new_conversations": new_conversations}
+
+
+def _transfer_columns(totals: dict[str, float] | None) -> dict:
+    if not totals:
+        return {}
+    reads = int(totals["reads"])
+    return {"nixl_reads": reads, "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
+            "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None}
+
+
+def _connector_columns(group: list[TurnSample]) -> dict:
+    lookups = [s.lookup_ms for s in group if s.lookup_ms is not None]
+    pulls = [s.pull_ms for s in group if s.pull_ms is not None]
+    columns = {}
+    if lookups:
+        columns["lookup_ms_p50"] = round(statistics.median(lookups), 2)
+    if pulls:
+        columns["lookup_to_pulled_ms_p50"] = round(statistics.median(pulls), 1)
+    return columns
 
 
 def plot(samples: list[TurnSample], out: Path) -> list[str]:
@@ -319,12 +370,18 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             total = len(config.workloads) * len(config.concurrency) * config.turns * len(ARMS) * config.repeats
             bar.update(task, description="turns", total=total, completed=0)
             samples: list[TurnSample] = []
+            transfers: dict[tuple[str, int, str], dict[str, float]] = {}
             for repeat in range(config.repeats):
                 for workload in config.workloads:
                     for concurrency in config.concurrency:
+                        before = {arm: c.nixl_totals() for arm, c in clients.items()}
                         samples += run_workload(clients, workload, concurrency, config,
                                                 lambda: bar.advance(task), repeat)
-        summary = summarize(samples, config.block_size)
+                        for arm, c in clients.items():
+                            total = transfers.setdefault((workload, concurrency, arm), dict.fromkeys(before[arm], 0.0))
+                            for key, value in c.nixl_totals().items():
+                                total[key] += value - before[arm][key]
+        summary = summarize(samples, config.block_size, transfers)
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                   "summary": summary, "samples": [asdict(s) for s in samples],
                   "engine_start_s": {arm: [round(e.started_s or 0, 1) for e in s.engines] for arm, s in stacks.items()},

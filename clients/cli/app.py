@@ -22,7 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
-console = Console()
+# Off a terminal (logs, CI, `| tee`) rich would wrap tables at 80 columns; benchmark tables need more.
+console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True)
 
 
@@ -326,14 +327,16 @@ def bench_multiturn(
     out.write_text(json.dumps(result, indent=2))
     table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
     for column in ("workload", "sessions", "arm", "p50 ms", "p90 ms", "x recompute", "transfer share",
-                   "pulled tokens", "prompt tokens", "answers = recompute", "wrong blocks"):
+                   "pulled tokens", "prompt tokens", "answers = recompute", "wrong blocks", "MiB moved",
+                   "READ ms"):
         table.add_column(column)
     for row in result["summary"]["rows"]:
         table.add_row(row["workload"], str(row["concurrency"]), row["arm"], f"{row['ttft_p50_ms']:.0f}",
                       f"{row['ttft_p90_ms']:.0f}", str(row["ratio_to_recompute_p50"]), str(row["transfer_share"]),
                       str(row["mean_pulled_tokens"]), str(row["mean_prompt_tokens"]),
                       str(row["answer_agreement_with_recompute"]),
-                      f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}")
+                      f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}", str(row.get("bytes_moved_mib", "")),
+                      str(row.get("nixl_read_ms_mean", "")))
     console.print(table)
     for row in result["summary"]["shared_prefix_new_conversations"]:
         console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "
