@@ -49,6 +49,9 @@ class MultiturnConfig:
     # computes in one batch differ by rounding, which flips greedy near-ties of a random-weight model
     # and makes "answers agree with recompute" measure rounding instead of correctness.
     dtype: str = "float32"
+    # Throwaway turns per arm before measuring: fresh engines run their first requests much slower
+    # (allocator, kernel and cache warm-up), which would land on whichever workload comes first.
+    warmup_turns: int = 2
 
 
 @dataclass
@@ -165,6 +168,12 @@ class ArmClient:
         # handle's), and all of them (any may be a kvloop holder's).
         self.latest: dict[int, list[int]] = {}
         self.computed: list[list[int]] = []
+
+    def forget(self) -> None:
+        """Drop what earlier (warm-up) turns left: handles and the sequences pulls may come from."""
+        self.handles.clear()
+        self.latest.clear()
+        self.computed.clear()
 
     def nixl_totals(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode()
@@ -368,6 +377,12 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                 stack.start(lambda what, state, arm=arm: bar.update(task, description=f"{arm}: {what} {state}"))
             clients = {arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url) for arm, s in stacks.items()}
             total = len(config.workloads) * len(config.concurrency) * config.turns * len(ARMS) * config.repeats
+            if config.warmup_turns:
+                bar.update(task, description=f"warm-up: {config.warmup_turns} turns per arm, not measured")
+                warmup = MultiturnConfig(**{**asdict(config), "turns": config.warmup_turns})
+                run_workload(clients, "plain", 1, warmup, lambda: None, repeat=-1)
+                for client in clients.values():
+                    client.forget()
             bar.update(task, description="turns", total=total, completed=0)
             samples: list[TurnSample] = []
             transfers: dict[tuple[str, int, str], dict[str, float]] = {}

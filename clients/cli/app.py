@@ -308,6 +308,7 @@ def bench_multiturn(
     repeats: Annotated[int, typer.Option(help="repeat every workload")] = 1,
     dtype: Annotated[str, typer.Option(help="engines' dtype: float32 keeps bf16 rounding from flipping the "
                                             "random-weight model's greedy near-ties")] = "float32",
+    warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
 ) -> None:
@@ -321,7 +322,7 @@ def bench_multiturn(
                              concurrency=(1, 4) if quick else tuple(concurrency),
                              workloads=tuple(workload), prefill_prefix_caching=prefix_caching,
                              repeats=repeats, quick=quick, system_tokens=800 if quick else 1500,
-                             tool_tokens=400 if quick else 600, dtype=dtype)
+                             tool_tokens=400 if quick else 600, dtype=dtype, warmup_turns=warmup_turns)
     result = run_multiturn(config, progress=True)
     out = json_path or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
