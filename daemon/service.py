@@ -349,8 +349,15 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                     raise BadInput("handle", f"{where}: retention_handle must be set")
                 if r.expires_in_ms == 0:
                     raise BadInput("expiry", f"{where}: expires_in_ms must be > 0")
+                if r.tail_token_ids or r.tail_block_ids:
+                    if not 0 < len(r.tail_token_ids) < spec.block_size:
+                        raise BadInput("tail", f"{where}: {len(r.tail_token_ids)} tail_token_ids; a partly filled "
+                                               f"block holds 1 to {spec.block_size - 1}")
+                    if len(r.tail_block_ids) != groups:
+                        raise BadInput("tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups")
                 events.append(Retained(hashes, list(r.block_ids), groups, r.retention_handle, r.expires_in_ms,
-                                       r.single_use, r.lora_name, r.tier))
+                                       r.single_use, r.lora_name, r.tier, list(r.tail_token_ids),
+                                       list(r.tail_block_ids)))
             elif kind == "stored":
                 hashes = list(event.stored.block_hashes)
                 _check_hashes(hashes, width, limit, where)
@@ -591,5 +598,8 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
         message.block_ids.extend(holding.block_ids)
     message.num_groups = holding.num_groups
     message.single_use = holding.single_use
+    if holding.tail_token_ids:
+        message.tail_token_ids.extend(holding.tail_token_ids)
+        message.tail_block_ids.extend(holding.tail_block_ids)
     message.kv_bytes_per_block = spec.kv_bytes_per_block
     message.epoch = spec.epoch

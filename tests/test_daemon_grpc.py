@@ -56,6 +56,22 @@ async def test_retained_blocks_are_found_and_transfer_is_decided(daemon):
     assert holder_block_ids(packed.holder) == list(answer.holder.block_ids)
 
 
+async def test_a_runs_partly_filled_last_block_is_served_with_a_whole_run_match(daemon):
+    model = "m-tail"
+    prompt = conversation("tail", 12)
+    event = retained(prompt[:8], "req-tail")
+    event.retained.tail_token_ids.extend([5, 6, 7])
+    event.retained.tail_block_ids.append(4242)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-tail", model, event):
+            whole = await client.lookup(model, prompt, requester="pre-tail")
+            part = await client.lookup(model, prompt[:6], requester="pre-tail")
+    assert whole.matched_blocks == 8 and list(whole.holder.tail_token_ids) == [5, 6, 7]
+    assert list(whole.holder.tail_block_ids) == [4242]
+    # a prompt that ends inside the run matches only part of it: the tail is not its continuation
+    assert part.matched_blocks == 6 and not part.holder.tail_token_ids and not part.holder.tail_block_ids
+
+
 async def test_below_threshold_and_local_prefix_and_miss(daemon):
     model = "m-policy"
     prompt = conversation("p", 20)
@@ -135,6 +151,12 @@ async def test_bad_registration_gets_precise_status(daemon, first, code, fragmen
     (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
                                               expires_in_ms=1)), "retention_handle must be set"),
     (pb.BlockEvent(), "event carries nothing"),
+    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
+                                              retention_handle="h", expires_in_ms=1, tail_token_ids=[7] * 16,
+                                              tail_block_ids=[2])), "16 tail_token_ids"),
+    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
+                                              retention_handle="h", expires_in_ms=1, tail_token_ids=[7])),
+     "0 tail_block_ids for 1 groups"),
 ])
 async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, fragment):
     model = "m-badevent"

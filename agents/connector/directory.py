@@ -28,6 +28,10 @@ class HolderInfo:
     # the directory only pairs compatible layouts).
     tp_size: int | None = None
     kv_bytes_per_block: int = 0
+    # The run's partly filled last block (only when the match is the holder's whole run): the
+    # token ids it holds KV for, and its block id per group.
+    tail_token_ids: tuple[int, ...] = ()
+    tail_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ def holder_from_proto(h) -> HolderInfo:
         single_use=h.single_use,
         worker_id=h.worker_id,
         kv_bytes_per_block=int(h.kv_bytes_per_block),
+        tail_token_ids=tuple(h.tail_token_ids),
+        tail_block_ids=tuple(h.tail_block_ids),
     )
 
 

@@ -62,6 +62,10 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
     kv_bytes_per_block: int = 0
     # Wall-clock (unix seconds) when the event was emitted; lease_ms is relative to it.
     ts: float = 0.0
+    # The partly filled block after the complete ones: token ids it holds KV for (fewer than
+    # block_size; empty when the run ends on a block boundary) and its block id per group.
+    tail_token_ids: list[int] = msgspec.field(default_factory=list)
+    tail_block_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.directory import BlockDirectory, LookupResult
+from kvloop.agents.connector.directory import BlockDirectory, HolderInfo, LookupResult
 from kvloop.agents.connector.events import (
     KvloopBlocksRetained,
     KvloopPrefillReport,
@@ -238,13 +238,15 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if any(len(g) < m for g in h.block_ids):
             self._finish_now(request, tm.PATH_RECOMPUTE, "short_block_list", m * bs, num_computed_tokens)
             return 0, False
+        tail = self._usable_tail(request, h, m)
         params.update(
-            remote_block_ids=tuple(list(g[:m]) for g in h.block_ids),
+            remote_block_ids=tuple(list(g[:m]) + ([h.tail_block_ids[i]] if tail else [])
+                                   for i, g in enumerate(h.block_ids)),
             remote_engine_id=h.engine_id,
             remote_request_id=h.retention_handle,
             remote_host=h.host,
             remote_port=h.port,
-            remote_num_tokens=m * bs,
+            remote_num_tokens=m * bs + tail,
             remote_blocks_expiry_time=None,  # expiry checked here from the relative lease
             tp_size=h.tp_size or self.transfer_tp_size,
         )
@@ -266,7 +268,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                       {"kvloop.decision": "transfer", "kvloop.matched_blocks": m})
         self._pulls[request.request_id] = _Pull(
             span=span,
-            matched_tokens=min(m * bs, prompt),
+            matched_tokens=min(m * bs + tail, prompt),
             local_tokens=num_computed_tokens,
             prompt_tokens=prompt,
             holder=h.worker_id or h.engine_id,
@@ -285,6 +287,20 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             pull_tokens=count,
         )
         return count, is_async
+
+    def _usable_tail(self, request: Request, holder: HolderInfo, matched_blocks: int) -> int:
+        """Tokens of the holder's partly filled last block this prompt can pull as well.
+
+        The directory matched every complete block of the run by chained hash; the tail's KV is right
+        for this prompt iff the prompt continues with exactly the tail's tokens. The prompt's last
+        token is always left to compute (vLLM needs one to sample from)."""
+        tail = holder.tail_token_ids
+        start = matched_blocks * self.block_size
+        if not tail or len(holder.tail_block_ids) != len(holder.block_ids) \
+                or start + len(tail) >= request.num_prompt_tokens:
+            return 0
+        prompt = request.prompt_token_ids or []
+        return len(tail) if tuple(prompt[start:start + len(tail)]) == tuple(tail) else 0
 
     def _finish_now(
         self, request: Request, path: str, reason: str, matched_tokens: int, local_tokens: int, detail: str = ""
@@ -440,6 +456,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             return
         lease_ms = max(0, int((deadline - time.perf_counter()) * 1000))
         lora = request.lora_request.lora_name if request.lora_request else None
+        # The last sampled token never went through the model: KV exists for the tokens before it.
+        with_kv = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+        tail = list(request.all_token_ids[n * bs:with_kv]) \
+            if n == with_kv // bs and all(len(g) > n for g in groups) else []
         self._events.append(
             KvloopBlocksRetained(
                 block_hashes=[bytes(h) for h in request.block_hashes[:n]],
@@ -457,6 +477,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 tp_size=self.transfer_tp_size,
                 kv_bytes_per_block=self.kv_bytes_per_block,
                 ts=time.time(),
+                tail_token_ids=tail,
+                tail_block_ids=[g[n] for g in groups] if tail else [],
             )
         )
         tm.RETAINED.inc()

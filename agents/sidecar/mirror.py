@@ -99,7 +99,8 @@ class WorkerMirror:
         retained = pb.BlocksRetained(
             block_hashes=hashes, block_ids=[i for group in event.block_ids for i in group],
             num_groups=len(event.block_ids), retention_handle=event.retention_handle, expires_in_ms=remaining,
-            single_use=event.single_use, lora_name=event.lora_name or "", tier=pb.BLOCK_TIER_DEVICE)
+            single_use=event.single_use, lora_name=event.lora_name or "", tier=pb.BLOCK_TIER_DEVICE,
+            tail_token_ids=event.tail_token_ids, tail_block_ids=event.tail_block_ids)
         self.retained[event.retention_handle] = _Run(retained, time.monotonic() + remaining / 1000)
         return pb.BlockEvent(retained=retained)
 

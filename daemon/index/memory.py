@@ -52,7 +52,7 @@ class IndexConfig:
 
 class _Run:
     __slots__ = ("run_id", "worker", "namespace", "hashes", "block_ids", "num_groups", "handle",
-                 "deadline", "single_use", "claimed", "tier")
+                 "deadline", "single_use", "claimed", "tier", "tail")
 
     def __init__(self, run_id: int, worker: "_Worker", namespace: Namespace, event: Retained, now: float):
         self.run_id = run_id
@@ -66,6 +66,9 @@ class _Run:
         self.single_use = event.single_use
         self.claimed = False
         self.tier = event.tier
+        # (token ids, block id per group) of the partly filled last block; None for most runs' cost
+        self.tail = (array("I", event.tail_token_ids), array("I", event.tail_block_ids)) \
+            if event.tail_token_ids else None
 
     def ids_for(self, blocks: int) -> array:
         """Physical ids of blocks [0, blocks), group-major (array slices: no per-id Python work)."""
@@ -486,6 +489,8 @@ class MemoryStore:
             block_ids=run.ids_for(matched),
             num_groups=run.num_groups,
             single_use=run.single_use,
+            **({"tail_token_ids": run.tail[0], "tail_block_ids": run.tail[1]}
+               if run.tail is not None and matched == len(run.hashes) else {}),
         )
 
     def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:

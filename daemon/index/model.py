@@ -57,6 +57,8 @@ class Retained:
     single_use: bool = False
     lora_name: str = ""
     tier: int = 0
+    tail_token_ids: Sequence[int] = ()
+    tail_block_ids: Sequence[int] = ()  # one per group, when tail_token_ids is set
 
 
 @dataclass(slots=True)
@@ -89,6 +91,9 @@ class Holding:
     block_ids: Sequence[int]  # group-major, blocks [0, matched_blocks)
     num_groups: int
     single_use: bool
+    # The run's partly filled last block, when matched_blocks is the whole run.
+    tail_token_ids: Sequence[int] = ()
+    tail_block_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
