@@ -12,7 +12,6 @@ import structlog
 from prometheus_client import Counter
 
 from kvloop.agents.connector.events import (
-    KvloopBlocksRetained,
     KvloopEvents,
     KvloopPrefillReport,
     KvloopRetentionReleased,

@@ -240,8 +240,8 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
             arriving = sessions[-1:] if stagger and turn - 1 in active and turn > 1 else []
             results = [client.turn(s, config.answer_tokens) for s in arriving]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                results = list(pool.map(lambda s: client.turn(s, config.answer_tokens),
-                                        sessions[:len(sessions) - len(arriving)])) + results
+                results = list(pool.map(client.turn, sessions[:len(sessions) - len(arriving)],
+                                        [config.answer_tokens] * concurrency)) + results
             answers[arm] = [r.answer for r in results]
             # Checked once the turn is over: a concurrent session's run may have been the one pulled.
             client.computed.extend(r.computed_ids for r in results)

@@ -9,10 +9,10 @@ from typing import Annotated, Optional
 
 import typer
 from google.protobuf.json_format import MessageToDict
-from rich.console import Console
 from rich.table import Table
 
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
+from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
@@ -22,9 +22,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
-# Off a terminal (logs, CI, `| tee`) rich would wrap tables at 80 columns; benchmark tables need more.
-console = Console(width=None if sys.stdout.isatty() else 200)
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
 
 
 class _State:

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from kvloop.clients.console import make_console
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
 from kvloop.clients.demo.model import build_tiny_llama
 from kvloop.clients.demo.stack import Stack, StackConfig
@@ -18,7 +18,7 @@ from kvloop.clients.demo.stack import Stack, StackConfig
 
 def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_size: int, layers: int,
              keep_running: bool = False) -> int:
-    console = Console(stderr=as_json)
+    console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
     span_file = workdir / "spans.jsonl"
     if span_file.exists():
