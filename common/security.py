@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 from enum import StrEnum
 from pathlib import Path
 
@@ -34,6 +35,15 @@ class TlsSettings(BaseModel):
     cert_file: Path
     key_file: Path
     client_ca_file: Path | None = None
+
+    def http_server_context(self) -> ssl.SSLContext:
+        """The same settings for an HTTPS endpoint (a client CA makes client certificates required)."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        if self.client_ca_file:
+            context.load_verify_locations(self.client_ca_file)
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     def server_credentials(self) -> grpc.ServerCredentials:
         ca = self.client_ca_file.read_bytes() if self.client_ca_file else None

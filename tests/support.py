@@ -5,11 +5,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import time
 from contextlib import asynccontextmanager
 
 from kvloop.v1 import directory_pb2 as pb
 
 _epochs = itertools.count(1000)
+
+
+def wait_until(condition, timeout: float = 20.0, what: str = "condition", interval: float = 0.05):
+    """Poll `condition` until it returns something truthy (polling a condition, not sleeping)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
 
 
 def chain(tokens_per_block: list[bytes], parent: bytes = b"") -> list[bytes]:

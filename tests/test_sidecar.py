@@ -22,7 +22,7 @@ from kvloop.agents.connector.events import (
 from kvloop.clients.client import DirectoryClient
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import free_port
-from tests.support import conversation
+from tests.support import conversation, wait_until
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM is installed by `make setup-engines`")
 MODEL = "m-sidecar"
@@ -36,14 +36,6 @@ def retained_event(hashes: list[bytes], handle: str, lease_ms: int = 120_000) ->
                                 num_tokens=16 * len(hashes), ts=time.time())
 
 
-def wait_until(condition, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)  # polling the daemon's answer, not sleeping in place of synchronisation
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
+import ssl
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -14,8 +18,8 @@ import pytest
 from kvloop.clients.client import DirectoryClient, KvloopError
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
-from tests.conftest import KVLOOPD, start_daemon
-from tests.support import conversation
+from tests.conftest import KVLOOPD, free_port, start_daemon
+from tests.support import conversation, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,3 +166,52 @@ role = "admin"
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
     finally:
         proc.stop()
+
+
+def test_agent_health_endpoint_over_mutual_tls(daemon, tmp_path):
+    ca = _make_cert(tmp_path, "ca")
+    server_key, server_crt = _make_cert(tmp_path, "agent-server", ca)
+    client_key, client_crt = _make_cert(tmp_path, "prometheus", ca)
+    port = free_port()
+    config = tmp_path / "agent.toml"
+    config.write_text(f"""
+model = "m-health-tls"
+block_size = 16
+worker_id = "tls-agent"
+nixl_endpoint = "127.0.0.1:5999"
+daemon = "{daemon.address}"
+health_listen = "127.0.0.1:{port}"
+kv_events_replay = ""
+[health_tls]
+cert_file = "{server_crt}"
+key_file = "{server_key}"
+client_ca_file = "{ca[1]}"
+""")
+    log = (tmp_path / "agent.log").open("w")
+    agent = subprocess.Popen([str(Path(KVLOOPD).parent / "kvloop-agent"), "--config", str(config)],
+                             stdout=log, stderr=subprocess.STDOUT)
+    try:
+        trusted = ssl.create_default_context(cafile=ca[1])
+        trusted.load_cert_chain(client_crt, client_key)
+        url = f"https://localhost:{port}"
+
+        def scrape() -> str | None:
+            try:
+                return urllib.request.urlopen(f"{url}/metrics", context=trusted, timeout=5).read().decode()
+            except urllib.error.URLError:
+                assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+                return None
+
+        assert "kvloop_agent" in wait_until(scrape, what="the agent's HTTPS /metrics")
+        health = json.loads(urllib.request.urlopen(f"{url}/healthz", context=trusted, timeout=5).read())
+        assert health["worker_id"] == "tls-agent"
+        no_client_cert = ssl.create_default_context(cafile=ca[1])
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"{url}/metrics", context=no_client_cert, timeout=5).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()  # plaintext: refused
+        # refused clients cost the endpoint nothing: it still serves the trusted one
+        assert "kvloop_agent" in urllib.request.urlopen(f"{url}/metrics", context=trusted, timeout=5).read().decode()
+    finally:
+        agent.terminate()
+        assert agent.wait(15) == 0

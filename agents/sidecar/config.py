@@ -11,7 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from kvloop.common.addresses import HostPort, OptionalHostPort
-from kvloop.common.security import ClientSecurity
+from kvloop.common.security import ClientSecurity, TlsSettings
 
 
 class AgentSettings(BaseSettings):
@@ -37,6 +37,8 @@ class AgentSettings(BaseSettings):
     silent_engine_warning_s: float = Field(60.0, gt=0)
     # /healthz and /metrics; empty disables.
     health_listen: OptionalHostPort = "127.0.0.1:9470"
+    # HTTPS for /healthz and /metrics, as kvloopd's [tls]: a client CA requires client certificates.
+    health_tls: TlsSettings | None = None
     log_level: str = "info"
     log_json: bool | None = None
     # Security towards kvloopd.

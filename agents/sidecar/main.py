@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import signal
+import ssl
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -64,7 +65,8 @@ async def run_agent(settings, stop: asyncio.Event) -> int:
     health = None
     if settings.health_listen:
         host, port = parse_host_port(settings.health_listen, "health_listen")
-        health = serve_health(host, port, status)
+        health = serve_health(host, port, status,
+                              settings.health_tls.http_server_context() if settings.health_tls else None)
 
     async def pump() -> None:
         async for _seq, payload, gap in subscriber.batches():
@@ -150,6 +152,10 @@ def run(
     kv_events: Annotated[Optional[str], typer.Option(help="vLLM KV-event PUB endpoint")] = None,
     kv_events_replay: Annotated[Optional[str], typer.Option(help="vLLM KV-event replay endpoint")] = None,
     health_listen: Annotated[Optional[str], typer.Option(help="/healthz and /metrics HOST:PORT, '' disables")] = None,
+    health_cert_file: Annotated[Optional[Path], typer.Option(help="serve /healthz and /metrics over HTTPS")] = None,
+    health_key_file: Annotated[Optional[Path], typer.Option(help="key of --health-cert-file")] = None,
+    health_client_ca_file: Annotated[Optional[Path], typer.Option(
+        help="require client certificates signed by this CA (mutual TLS)")] = None,
     log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error")] = None,
 ) -> None:
     from kvloop.agents.sidecar.config import AgentSettings
@@ -160,11 +166,22 @@ def run(
                  nixl_endpoint=nixl_endpoint, http_endpoint=http_endpoint, block_size=block_size,
                  kv_bytes_per_block=kv_bytes_per_block, kv_events=kv_events, kv_events_replay=kv_events_replay,
                  health_listen=health_listen, log_level=log_level)
+    if health_cert_file or health_key_file or health_client_ca_file:
+        tls = {"cert_file": health_cert_file, "key_file": health_key_file, "client_ca_file": health_client_ca_file}
+        flags["health_tls"] = {k: v for k, v in tls.items() if v is not None}
     try:
         settings = AgentSettings(**{k: v for k, v in flags.items() if v is not None})
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"kvloop-agent: invalid configuration:\n{exc}", err=True)
         raise typer.Exit(2) from None
+    if settings.health_tls is not None:
+        try:
+            settings.health_tls.http_server_context()
+        except (OSError, ssl.SSLError) as exc:
+            tls = settings.health_tls
+            typer.echo(f"kvloop-agent: cannot use the health endpoint's TLS files (cert {tls.cert_file}, key "
+                       f"{tls.key_file}, client CA {tls.client_ca_file}): {exc}", err=True)
+            raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_json)
 
     async def main() -> int:

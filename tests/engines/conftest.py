@@ -25,6 +25,7 @@ import pytest
 
 from kvloop.common.addresses import free_port_pair
 from tests.conftest import KVLOOPD, DaemonProcess, free_port, start_daemon
+from tests.support import wait_until
 
 # the engine tests need the vLLM CPU build and NIXL (checked without importing them: slow)
 HAVE_ENGINES = all(importlib.util.find_spec(m) is not None for m in ("vllm", "nixl"))
@@ -44,16 +45,6 @@ AGENT = str(Path(KVLOOPD).parent / "kvloop-agent")
 DAEMON_ENV = {"KVLOOP_SHUTDOWN_GRACE_S": "0.5"}
 
 
-def wait_until(condition, timeout: float, what: str, interval: float = 0.05):
-    """Poll `condition` until it returns something truthy (polling a condition, not sleeping)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 @dataclass
