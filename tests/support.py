@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import subprocess
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from kvloop.v1 import directory_pb2 as pb
 
@@ -75,3 +77,21 @@ async def running_agent(client, worker_id: str, model: str, *events: pb.BlockEve
         yield link
     finally:
         runner.cancel()
+
+
+def make_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
+    """A self-signed CA (no ca given) or a certificate it signs for localhost / 127.0.0.1: (key, crt)."""
+    key, crt = tmp / f"{name}.key", tmp / f"{name}.crt"
+    subj = f"/CN={name}"
+    if ca is None:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-keyout", key,
+                        "-out", crt, "-subj", subj], check=True, capture_output=True)
+    else:
+        csr = tmp / f"{name}.csr"
+        ext = tmp / f"{name}.ext"
+        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
+                        "-subj", subj], check=True, capture_output=True)
+        subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial",
+                        "-days", "2", "-out", crt, "-extfile", ext], check=True, capture_output=True)
+    return key, crt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import sys
 import time
@@ -13,27 +14,35 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.support import make_cert
 
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture
-def lonely_proxy(tmp_path):
+def start_proxy(tmp_path: Path, *extra: str, context: ssl.SSLContext | None = None):
+    """A proxy process over two dead backends, once it answers (503: no backend)."""
     port = free_port()
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     process = subprocess.Popen([str(BIN / "kvloop"), "proxy", "--listen", f"127.0.0.1:{port}", "--prefill", dead[0],
-                                "--decode", dead[1], "--no-use-directory"],
+                                "--decode", dead[1], "--no-use-directory", *extra],
                                stderr=(tmp_path / "proxy.log").open("w"))
-    url = f"http://127.0.0.1:{port}"
+    # the test certificates name localhost
+    url = f"https://localhost:{port}" if context else f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
         try:
-            urllib.request.urlopen(f"{url}/health", timeout=1)
+            urllib.request.urlopen(f"{url}/health", timeout=1, context=context)
         except urllib.error.HTTPError:
             break  # answering (503: no backend)
         except OSError:
             assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "proxy.log").read_text()
             time.sleep(0.1)  # polling until the proxy listens
+    return process, url, dead
+
+
+@pytest.fixture
+def lonely_proxy(tmp_path):
+    process, url, dead = start_proxy(tmp_path)
     yield url, dead
     process.terminate()
     process.wait(10)
@@ -69,3 +78,24 @@ def test_bad_requests_are_400(lonely_proxy, path, body, fragment):
     url, _ = lonely_proxy
     status, answer = call(f"{url}{path}", body)
     assert status == 400 and fragment in answer["error"]["message"]
+
+
+def test_proxy_serves_https_with_mutual_tls(tmp_path):
+    ca = make_cert(tmp_path, "ca")
+    server_key, server_crt = make_cert(tmp_path, "proxy", ca)
+    client_key, client_crt = make_cert(tmp_path, "client", ca)
+    trusted = ssl.create_default_context(cafile=ca[1])
+    trusted.load_cert_chain(client_crt, client_key)
+    process, url, _ = start_proxy(tmp_path, "--cert-file", str(server_crt), "--key-file", str(server_key),
+                                  "--client-ca-file", str(ca[1]), context=trusted)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as health:  # over mutual TLS: the proxy's own answer
+            urllib.request.urlopen(f"{url}/health", timeout=5, context=trusted)
+        assert health.value.code == 503
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)) as refused:
+            urllib.request.urlopen(f"{url}/health", timeout=5, context=ssl.create_default_context(cafile=ca[1]))
+        assert not isinstance(refused.value, urllib.error.HTTPError)  # refused in the handshake, not answered
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        process.wait(10)

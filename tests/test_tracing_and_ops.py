@@ -19,7 +19,7 @@ from kvloop.clients.client import DirectoryClient, KvloopError
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import KVLOOPD, free_port, start_daemon
-from tests.support import conversation, wait_until
+from tests.support import conversation, make_cert, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,27 +95,10 @@ def test_systemd_unit_verifies(tmp_path):
     assert result.returncode == 0 and not problems, result.stderr
 
 
-def _make_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
-    key, crt = tmp / f"{name}.key", tmp / f"{name}.crt"
-    subj = f"/CN={name}"
-    if ca is None:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-keyout", key,
-                        "-out", crt, "-subj", subj], check=True, capture_output=True)
-    else:
-        csr = tmp / f"{name}.csr"
-        ext = tmp / f"{name}.ext"
-        ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
-                        "-subj", subj], check=True, capture_output=True)
-        subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial",
-                        "-days", "2", "-out", crt, "-extfile", ext], check=True, capture_output=True)
-    return key, crt
-
-
 def test_mutual_tls_and_role_tokens(tmp_path):
-    ca = _make_cert(tmp_path, "ca")
-    server_key, server_crt = _make_cert(tmp_path, "server", ca)
-    client_key, client_crt = _make_cert(tmp_path, "client", ca)
+    ca = make_cert(tmp_path, "ca")
+    server_key, server_crt = make_cert(tmp_path, "server", ca)
+    client_key, client_crt = make_cert(tmp_path, "client", ca)
     config = tmp_path / "kvloopd.toml"
     config.write_text(f"""
 [tls]
@@ -169,9 +152,9 @@ role = "admin"
 
 
 def test_agent_health_endpoint_over_mutual_tls(daemon, tmp_path):
-    ca = _make_cert(tmp_path, "ca")
-    server_key, server_crt = _make_cert(tmp_path, "agent-server", ca)
-    client_key, client_crt = _make_cert(tmp_path, "prometheus", ca)
+    ca = make_cert(tmp_path, "ca")
+    server_key, server_crt = make_cert(tmp_path, "agent-server", ca)
+    client_key, client_crt = make_cert(tmp_path, "prometheus", ca)
     port = free_port()
     config = tmp_path / "agent.toml"
     config.write_text(f"""

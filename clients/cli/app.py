@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -263,6 +264,10 @@ def proxy(
     use_directory: Annotated[bool, typer.Option(
         help="ask kvloopd (--daemon) which decode server holds a conversation's blocks")] = True,
     request_timeout: Annotated[float, typer.Option(help="seconds per upstream request")] = 600.0,
+    cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
+    key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
+    client_ca_file: Annotated[Optional[Path], typer.Option(
+        help="require client certificates signed by this CA (mutual TLS)")] = None,
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers."""
     import asyncio
@@ -270,12 +275,23 @@ def proxy(
 
     from kvloop.clients.proxy.app import ProxyConfig, serve
     from kvloop.common.addresses import parse_host_port
+    from kvloop.common.security import TlsSettings
     from kvloop.common.tracing import configure_tracing, shutdown_tracing
 
     try:
         host, port = parse_host_port(listen, "listen")
     except ValueError as exc:
         _fail(str(exc), code=2)
+    tls = None
+    if cert_file or key_file or client_ca_file:
+        if not (cert_file and key_file):
+            _fail("--cert-file and --key-file go together (--client-ca-file adds mutual TLS)", code=2)
+        try:
+            tls = TlsSettings(cert_file=cert_file, key_file=key_file,
+                              client_ca_file=client_ca_file).http_server_context()
+        except (OSError, ssl.SSLError) as exc:
+            _fail(f"cannot use the TLS files (cert {cert_file}, key {key_file}, client CA {client_ca_file}): {exc}",
+                  code=2)
     configure_logging("info")
     configure_tracing("kvloop-proxy")
     config = ProxyConfig(prefill=prefill, decode=decode, request_timeout_s=request_timeout,
@@ -286,7 +302,7 @@ def proxy(
         loop = asyncio.get_running_loop()
         for sig in (signals.SIGTERM, signals.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(config, host, port, stop)
+        await serve(config, host, port, stop, tls)
 
     try:
         asyncio.run(run())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,12 +290,14 @@ def build_app(config: ProxyConfig) -> web.Application:
     return app
 
 
-async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event) -> None:
+async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event,
+                tls: ssl.SSLContext | None = None) -> None:
     runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
-    log.info("kvloop proxy listening", listen=f"{host}:{port}", prefill=config.prefill, decode=config.decode)
+    log.info("kvloop proxy listening", listen=f"{host}:{port}", tls=tls is not None, prefill=config.prefill,
+             decode=config.decode)
     try:
         await stop.wait()
     finally:
