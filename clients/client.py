@@ -50,6 +50,15 @@ def _translate(exc: grpc.RpcError, target: str) -> KvloopError:
     return KvloopError(code, f"{code.name}: {details}", target)
 
 
+def decision_reason_name(reason: int) -> str:
+    """A Lookup reason as its short name ("transfer_faster"), from the proto enum; a value this
+    client's protocol does not know yet (a newer daemon) stays a number."""
+    try:
+        return pb.DecisionReason.Name(reason).removeprefix("DECISION_REASON_").lower()
+    except ValueError:
+        return str(reason)
+
+
 def holder_block_ids(holder: pb.Holder) -> list[int]:
     """A holder's physical block ids, whichever form the response used."""
     if holder.packed_block_ids:

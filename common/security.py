@@ -37,12 +37,18 @@ class TlsSettings(BaseModel):
     client_ca_file: Path | None = None
 
     def http_server_context(self) -> ssl.SSLContext:
-        """The same settings for an HTTPS endpoint (a client CA makes client certificates required)."""
+        """The same settings for an HTTPS endpoint (a client CA makes client certificates required).
+
+        Unreadable or mismatched files raise ValueError naming them."""
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.cert_file, self.key_file)
-        if self.client_ca_file:
-            context.load_verify_locations(self.client_ca_file)
-            context.verify_mode = ssl.CERT_REQUIRED
+        try:
+            context.load_cert_chain(self.cert_file, self.key_file)
+            if self.client_ca_file:
+                context.load_verify_locations(self.client_ca_file)
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot use the TLS files (cert {self.cert_file}, key {self.key_file}, client CA "
+                             f"{self.client_ca_file}): {exc}") from None
         return context
 
     def server_credentials(self) -> grpc.ServerCredentials:

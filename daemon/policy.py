@@ -79,12 +79,12 @@ class CostModel:
 
     def record_transfer(self, puller: str, holder: str, nbytes: int, duration_us: int, setup_us: int,
                         ok: bool, model: str, first_contact: bool = False) -> None:
-        if not ok or duration_us <= 0:
+        # A failed READ says nothing about bandwidth; a first READ includes the one-time handshake
+        # (the caller's metrics count it, the estimate does not).
+        if not ok or duration_us <= 0 or first_contact:
             return
         alpha = self.config_for(model).ewma_alpha
         key = (holder, puller)
-        if first_contact:  # handshake included: counted by the caller's metrics, not estimated
-            return
         data_s = max(duration_us - setup_us, 1) / 1e6
         self._observe(self._bandwidth, key, nbytes / data_s, alpha)
         self._observe(self._setup, key, setup_us / 1e6, alpha)

@@ -70,21 +70,6 @@ class BlockDirectory(Protocol):
 # gRPC (kvloopd)
 # --------------------------------------------------------------------------------------------
 
-_REASON_NAMES = {
-    0: "unspecified",
-    1: "miss",
-    2: "below_threshold",
-    3: "transfer_faster",
-    4: "recompute_faster",
-    5: "local_prefix",
-    6: "expired",
-    7: "claimed",
-    8: "peer_unavailable",
-    9: "disabled",
-    10: "probe",
-}
-
-
 class GrpcBlockDirectory:
     """kvloopd's ``Directory.Lookup`` through the shared typed client, with a short deadline.
 
@@ -97,10 +82,11 @@ class GrpcBlockDirectory:
     inline = False
 
     def __init__(self, target: str, timeout_ms: float = 20.0, backoff_s: float = 2.0) -> None:
-        from kvloop.clients.client import DirectoryClient
+        from kvloop.clients.client import DirectoryClient, decision_reason_name
         from kvloop.v1 import directory_pb2
 
         self._pb = directory_pb2
+        self._reason_name = decision_reason_name
         self.target = target
         self.backoff_s = backoff_s
         self._client = DirectoryClient(target, timeout=timeout_ms / 1000.0)
@@ -143,7 +129,7 @@ class GrpcBlockDirectory:
 
     def _convert(self, resp) -> LookupResult:
         pb = self._pb
-        reason = _REASON_NAMES.get(resp.reason, str(resp.reason))
+        reason = self._reason_name(resp.reason)
         holder = None
         if resp.HasField("holder") and resp.holder.engine_id:
             h = resp.holder
@@ -195,8 +181,3 @@ def holder_from_proto(h) -> HolderInfo:
         tail_token_ids=tuple(h.tail_token_ids),
         tail_block_ids=tuple(h.tail_block_ids),
     )
-
-
-# --------------------------------------------------------------------------------------------
-# In-memory (tests / fake daemon)
-# --------------------------------------------------------------------------------------------

@@ -355,6 +355,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         pull = self._pulls.pop(req_id, None)
         if pull is None:
             return
+        done = time.perf_counter()  # one reading: the outcome, the report and the span agree
         bs = self.block_size
         pulled_blocks = -(-pull.pulled_tokens // bs) if not failed else 0
         nbytes = pulled_blocks * self.kv_bytes_per_block
@@ -375,7 +376,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             "local_tokens": pull.local_tokens,
             "pulled_tokens": 0 if failed else pull.pulled_tokens,
             "lookup_ms": round(pull.lookup_ms, 3),
-            "pull_ms": round((time.perf_counter() - pull.started) * 1000, 3),
+            "pull_ms": round((done - pull.started) * 1000, 3),
         }
         self._outcomes[req_id] = outcome
         first_contact = pull.holder_engine not in self._holders_read
@@ -384,9 +385,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if self.cfg.publish_events:
             self._events.append(KvloopTransferReport(
                 source_worker_id=pull.holder, bytes=nbytes, blocks=pulled_blocks,
-                duration_us=int((time.perf_counter() - pull.read_started) * 1e6), ok=not failed, ts=time.time(),
+                duration_us=int((done - pull.read_started) * 1e6), ok=not failed, ts=time.time(),
                 first_contact=first_contact))
-        tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, time.perf_counter(),
+        tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, done,
                       {"kvloop.bytes": nbytes, "kvloop.blocks": pulled_blocks, "kvloop.holder": pull.holder,
                        "kvloop.ok": not failed})
         pull.span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})

@@ -30,7 +30,7 @@ CONNECTED = Gauge("kvloop_agent_connected", "1 while the Connect stream to kvloo
 _ROLES = {"prefill": 1, "decode": 2, "both": 3}
 
 
-async def run_agent(settings, stop: asyncio.Event) -> int:
+async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | None = None) -> int:
     from kvloop.agents.connector.events import decode_event_batch
     from kvloop.agents.sidecar.health import serve_health
     from kvloop.agents.sidecar.kv_events import KvEventSubscriber
@@ -65,8 +65,7 @@ async def run_agent(settings, stop: asyncio.Event) -> int:
     health = None
     if settings.health_listen:
         host, port = parse_host_port(settings.health_listen, "health_listen")
-        health = serve_health(host, port, status,
-                              settings.health_tls.http_server_context() if settings.health_tls else None)
+        health = serve_health(host, port, status, health_tls)
 
     async def pump() -> None:
         async for _seq, payload, gap in subscriber.batches():
@@ -174,14 +173,11 @@ def run(
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"kvloop-agent: invalid configuration:\n{exc}", err=True)
         raise typer.Exit(2) from None
-    if settings.health_tls is not None:
-        try:
-            settings.health_tls.http_server_context()
-        except (OSError, ssl.SSLError) as exc:
-            tls = settings.health_tls
-            typer.echo(f"kvloop-agent: cannot use the health endpoint's TLS files (cert {tls.cert_file}, key "
-                       f"{tls.key_file}, client CA {tls.client_ca_file}): {exc}", err=True)
-            raise typer.Exit(2) from None
+    try:  # before anything starts: bad TLS files are a configuration error
+        health_tls = settings.health_tls.http_server_context() if settings.health_tls else None
+    except ValueError as exc:
+        typer.echo(f"kvloop-agent: health endpoint: {exc}", err=True)
+        raise typer.Exit(2) from None
     configure_logging(settings.log_level, settings.log_json)
 
     async def main() -> int:
@@ -189,7 +185,7 @@ def run(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await run_agent(settings, stop)
+        return await run_agent(settings, stop, health_tls)
 
     code = asyncio.run(main())
     raise typer.Exit(code)

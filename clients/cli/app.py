@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import ssl
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,7 +11,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
-from kvloop.clients.client import DirectoryClient, KvloopError, default_target
+from kvloop.clients.client import DirectoryClient, KvloopError, decision_reason_name, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
 from kvloop.common.security import ClientSecurity
@@ -168,7 +167,7 @@ def lookup(
         _emit_json(_as_dict(answer))
         return
     decision = pb.Decision.Name(answer.decision).removeprefix("DECISION_")
-    reason = pb.DecisionReason.Name(answer.reason).removeprefix("DECISION_REASON_").lower()
+    reason = decision_reason_name(answer.reason)
     console.print(f"[bold]{decision}[/bold] ({reason}): {answer.detail}")
     if answer.holder.worker_id:
         h = answer.holder
@@ -289,9 +288,8 @@ def proxy(
         try:
             tls = TlsSettings(cert_file=cert_file, key_file=key_file,
                               client_ca_file=client_ca_file).http_server_context()
-        except (OSError, ssl.SSLError) as exc:
-            _fail(f"cannot use the TLS files (cert {cert_file}, key {key_file}, client CA {client_ca_file}): {exc}",
-                  code=2)
+        except ValueError as exc:
+            _fail(str(exc), code=2)
     configure_logging("info")
     configure_tracing("kvloop-proxy")
     config = ProxyConfig(prefill=prefill, decode=decode, request_timeout_s=request_timeout,
