@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvloop.clients.bench.multiturn import TurnSample, summarize, wrong_pulled_blocks
+from kvloop.clients.bench.multiturn import TurnSample, nixl_totals, summarize, wrong_pulled_blocks
 
 BS = 4
 
@@ -49,3 +49,22 @@ def test_summary_reports_nixl_totals_and_connector_timings():
     assert (kvloop["nixl_reads"], kvloop["bytes_moved_mib"], kvloop["nixl_read_ms_mean"]) == (2, 3.0, 3.0)
     assert (kvloop["lookup_ms_p50"], kvloop["lookup_to_pulled_ms_p50"]) == (1.5, 12.0)
     assert "nixl_reads" not in rows["recompute"]
+
+
+def test_nixl_totals_sum_vllms_histograms_over_engines():
+    page = """# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV Cache transfers.
+# TYPE vllm:nixl_xfer_time_seconds histogram
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.01"} 1.0
+vllm:nixl_xfer_time_seconds_count{engine="0"} 2.0
+vllm:nixl_xfer_time_seconds_sum{engine="0"} 0.25
+vllm:nixl_xfer_time_seconds_count{engine="1"} 1.0
+vllm:nixl_xfer_time_seconds_sum{engine="1"} 0.5
+# HELP vllm:nixl_bytes_transferred Histogram of bytes transferred per NIXL KV Cache transfers.
+# TYPE vllm:nixl_bytes_transferred histogram
+vllm:nixl_bytes_transferred_sum{engine="0"} 4096.0
+vllm:nixl_bytes_transferred_count{engine="0"} 2.0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0"} 3.0
+"""
+    assert nixl_totals(page) == {"bytes": 4096.0, "xfer_s": 0.75, "reads": 3.0}
+    assert nixl_totals("") == {"bytes": 0.0, "xfer_s": 0.0, "reads": 0.0}

@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvloop.clients.demo.model import WORDS, build_tiny_llama
 
 ARMS = ("recompute", "builtin", "kvloop")
@@ -114,6 +116,16 @@ def next_turn_messages(session: Session, answer: str, turn: int, workload: str, 
         del session.messages[2]
 
 
+def nixl_totals(exposition: str) -> dict[str, float]:
+    """NIXL bytes, READ seconds and READ count in a vLLM /metrics page, summed over its engines."""
+    totals = dict.fromkeys(NIXL_SERIES.values(), 0.0)
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name in NIXL_SERIES:
+                totals[NIXL_SERIES[sample.name]] += sample.value
+    return totals
+
+
 def wrong_pulled_blocks(held: list[list[int]], prompt: list[int], pulled_tokens: int, block_size: int) -> int:
     """Pulled blocks whose KV differs from what this prompt's own prefill would compute.
 
@@ -176,13 +188,7 @@ class ArmClient:
         self.computed.clear()
 
     def nixl_totals(self) -> dict[str, float]:
-        text = urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode()
-        totals = dict.fromkeys(NIXL_SERIES.values(), 0.0)
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in NIXL_SERIES:
-                totals[NIXL_SERIES[name]] += float(line.rsplit(" ", 1)[1])
-        return totals
+        return nixl_totals(urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode())
 
     def sources(self, session: Session) -> list[list[int]]:
         """What a pull for this session may legitimately have read from."""
