@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
-from kvloop.clients.bench.multiturn import TurnSample, nixl_totals, summarize, wrong_pulled_blocks
+from pathlib import Path
+
+from kvloop.clients.bench.multiturn import (
+    ARMS,
+    ArmClient,
+    MultiturnConfig,
+    Session,
+    TurnOutcome,
+    TurnSample,
+    context_bucket,
+    nixl_totals,
+    run_workload,
+    summarize,
+    wrong_pulled_blocks,
+)
 
 BS = 4
 
@@ -68,3 +82,66 @@ vllm:num_requests_running{engine="0"} 3.0
 """
     assert nixl_totals(page) == {"bytes": 4096.0, "xfer_s": 0.75, "reads": 3.0}
     assert nixl_totals("") == {"bytes": 0.0, "xfer_s": 0.0, "reads": 0.0}
+
+
+def timed(arm: str, repeat: int, turn: int, ttft: float, prompt_tokens: int = 100) -> TurnSample:
+    return TurnSample(arm, "plain", 1, 0, turn, prompt_tokens, ttft, 0, "recompute", "", repeat)
+
+
+def test_summary_spread_per_repeat_and_paired_per_turn_ratios():
+    samples = []
+    # kvloop is 1.1x builtin on every turn but one, where a noisy builtin turn took 3x as long.
+    for repeat, scale in ((0, 1.0), (1, 2.0)):
+        for turn in (2, 3, 4):
+            builtin = 100.0 * scale * turn * (3 if (repeat, turn) == (1, 4) else 1)
+            samples += [timed("builtin", repeat, turn, builtin), timed("kvloop", repeat, turn, 110.0 * scale * turn),
+                        timed("local", repeat, turn, 50.0 * scale * turn)]
+    summary = summarize(samples, BS)
+    rows = {r["arm"]: r for r in summary["rows"]}
+    assert rows["kvloop"]["ttft_p50_by_repeat_ms"] == [330.0, 660.0]
+    assert rows["local"]["answer_agreement_with_recompute"] is None  # the floor arm stops at the first token
+    paired = {p["ratio"]: p for p in summary["paired"]}
+    assert paired["kvloop/builtin"]["turns"] == 6
+    # One noisy turn in six moves neither the median nor the quartiles.
+    assert (paired["kvloop/builtin"]["median"], paired["kvloop/builtin"]["q1"]) == (1.1, 1.1)
+    assert paired["kvloop/local"] == {"workload": "plain", "concurrency": 1, "ratio": "kvloop/local", "turns": 6,
+                                      "median": 2.2, "q1": 2.2, "q3": 2.2}
+
+
+def test_context_buckets_compare_each_arm_with_recompute_at_the_same_length():
+    assert [context_bucket(n) for n in (999, 1000, 2999, 3001, 7000, 8999, 9001)] == [0, 2, 2, 4, 8, 8, 10]
+    samples = [timed("recompute", 0, 2, 400, 2100), timed("recompute", 0, 3, 3000, 7800),
+               timed("recompute", 0, 4, 3400, 8600), timed("kvloop", 0, 2, 100, 2100),
+               timed("kvloop", 0, 3, 300, 7800), timed("kvloop", 0, 4, 500, 8600)]
+    cells = {(c["context_k"], c["arm"]): c for c in summarize(samples, BS)["by_context"]}
+    assert cells[(2, "kvloop")]["ratio_to_recompute_p50"] == 0.25
+    assert cells[(8, "kvloop")]["turns"] == 2
+    assert cells[(8, "kvloop")]["ratio_to_recompute_p50"] == round(400 / 3200, 3)
+    assert cells[(8, "recompute")]["ratio_to_recompute_p50"] == 1.0
+
+
+class RecordingArm(ArmClient):
+    """An arm whose turns are recorded instead of sent to engines (the order is what is under test)."""
+
+    def __init__(self, arm: str, log: list[tuple[int, str, list[str]]]) -> None:
+        super().__init__(arm, "", "")
+        self.log = log
+
+    def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
+        answers = [m["content"] for m in session.messages if m["role"] == "assistant"]
+        turn = len(answers) + 1
+        self.log.append((turn, self.arm, answers))
+        ids = list(range(len(session.messages)))
+        return TurnOutcome(1.0, len(ids), 0, "recompute", f"{self.arm}-{turn}", ids, ids)
+
+
+def test_arms_take_turns_in_a_rotating_order_and_share_the_reference_history():
+    log: list[tuple[int, str, list[str]]] = []
+    clients = {arm: RecordingArm(arm, log) for arm in ARMS}
+    config = MultiturnConfig(workdir=Path("."), turns=4, system_tokens=5, tool_tokens=3)
+    samples = run_workload(clients, "plain", 1, config, lambda: None)
+    assert len(samples) == 4 * len(ARMS)
+    firsts = [next(arm for t, arm, _ in log if t == turn) for turn in (1, 2, 3, 4)]
+    assert sorted(firsts) == sorted(ARMS)  # every arm goes first once in four turns
+    for turn, arm, answers in log:  # every arm's history carries the recompute arm's answers, not its own
+        assert answers == [f"recompute-{t}" for t in range(1, turn)], arm

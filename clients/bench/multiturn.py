@@ -4,7 +4,10 @@ Arms (same model, histories, tool outputs and order; interleaved turn by turn):
 - recompute: disaggregated prefill/decode without reverse transfer;
 - builtin: vLLM's NixlConnector reverse mode (`bidirectional_kv_xfer`), the reverse handle returned by
   the decode cached per conversation and passed to the next prefill, as vLLM's proxy does;
-- kvloop: the directory (the prefill's connector looks the prompt's block hashes up in kvloopd).
+- kvloop: the directory (the prefill's connector looks the prompt's block hashes up in kvloopd);
+- local (a reference, not a contender): one engine with prefix caching on that never lost its cache, so
+  each turn computes only what is new. No transfer scheme can beat it; kvloop's distance to it is what
+  moving the KV costs, and its ratio to recompute is the floor the workload allows.
 
 Each arm has its own prefill + decode `vllm serve` pair; the bench orchestrates prefill -> decode itself
 (exactly what a disaggregation proxy does) so that all arms are timed the same way: TTFT is the prefill
@@ -26,8 +29,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.demo.model import WORDS, build_tiny_llama
 
-ARMS = ("recompute", "builtin", "kvloop")
+ARMS = ("recompute", "builtin", "kvloop", "local")
+WORKLOADS = ("plain", "shared_prefix", "edited")
+# The ideal reference arm: its prefill keeps its own prefix cache (no disaggregation, no cache loss).
+FLOOR_ARM = "local"
 MODEL = "kvloop-tiny"
+# Paired per-turn ratios reported (numerator arm, denominator arm): same prompt, adjacent in time.
+PAIRED_RATIOS = (("kvloop", "builtin"), ("kvloop", "local"), ("builtin", "local"))
 
 
 @dataclass
@@ -36,7 +44,8 @@ class MultiturnConfig:
     sessions: int = 4
     turns: int = 10
     concurrency: tuple[int, ...] = (1, 4, 8)
-    workloads: tuple[str, ...] = ("plain", "shared_prefix", "edited")
+    workloads: tuple[str, ...] = WORKLOADS
+    arms: tuple[str, ...] = ARMS
     system_tokens: int = 1500
     tool_tokens: int = 600
     answer_tokens: int = 16
@@ -197,6 +206,8 @@ class ArmClient:
         return self.computed
 
     def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
+        if self.arm == FLOOR_ARM:
+            return self._local_turn(session)
         kv: dict = {"do_remote_decode": True}
         if self.arm == "builtin":
             kv.update(self.handles.pop(session.seed, {}))  # single use, like vLLM's proxy
@@ -221,6 +232,20 @@ class ArmClient:
         return TurnOutcome(ttft, prompt_tokens, cached, path, answer, computed, prompt_ids,
                            params.get("kvloop_lookup_ms"), params.get("kvloop_pull_ms"))
 
+    def _local_turn(self, session: Session) -> TurnOutcome:
+        """The first token from an engine that kept every earlier prompt in its own prefix cache. The
+        reference answer is appended to the history as in every arm, so only the first token is needed."""
+        body = {"model": MODEL, "messages": session.messages, "temperature": 0.0, "return_token_ids": True,
+                "max_tokens": 1, "max_completion_tokens": 1}
+        t0 = time.perf_counter()
+        out = _post(f"{self.prefill_url}/v1/chat/completions", body)
+        ttft = (time.perf_counter() - t0) * 1e3
+        usage = out.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        prompt_ids = list(out.get("prompt_token_ids") or [])
+        return TurnOutcome(ttft, usage.get("prompt_tokens", 0), cached, "local_hit" if cached else "recompute",
+                           "", prompt_ids, prompt_ids)
+
 
 def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
                  on_turn, repeat: int = 0) -> list[TurnSample]:
@@ -232,14 +257,19 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
     # runs (a longer matching prefix than any real continuation has).
     base_seed = config.seed + concurrency + 7919 * repeat
     per_arm = {arm: build_sessions(workload, concurrency, config, base_seed) for arm in clients}
-    reference = "recompute" if "recompute" in clients else next(iter(clients))
+    reference = "recompute" if "recompute" in clients else next(a for a in clients if a != FLOOR_ARM)
+    arms = list(clients)
     # shared_prefix: conversations arrive one turn apart, so every later one is a NEW conversation whose
     # long prefix (system prompt, tool schema) another conversation already holds.
     stagger = workload == "shared_prefix"
     for turn in range(1, config.turns + 1):
         answers: dict[str, list[str]] = {}
         active = [i for i in range(concurrency) if not stagger or i < turn]
-        for arm, client in clients.items():  # interleave arms turn by turn
+        # Arms interleaved turn by turn, and the order rotated every turn so that no arm always runs
+        # right after another's turn (whose decode and sidecar work may still be winding down).
+        order = arms[turn % len(arms):] + arms[:turn % len(arms)]
+        for arm in order:
+            client = clients[arm]
             sessions = [per_arm[arm][i] for i in active]
             # shared_prefix: the arriving conversation's first turn runs alone, then the others together,
             # so its TTFT shows what its shared prefix saves rather than the other sessions' load.
@@ -266,29 +296,35 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
     return samples
 
 
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else 0.0
+
+
+def context_bucket(prompt_tokens: int) -> int:
+    """Context length to the nearest 2K tokens (in K): ~8K covers 7,000-8,999 tokens."""
+    return 2 * ((prompt_tokens + 1000) // 2000)
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return (values[0],) * 3 if values else (0.0, 0.0, 0.0)
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def summarize(samples: list[TurnSample], block_size: int,
               transfers: dict[tuple[str, int, str], dict[str, float]] | None = None) -> dict:
-    """Per (workload, concurrency, arm): continuation-turn TTFT percentiles and ratio to recompute, path
-    shares, tokens and blocks pulled (and how many were wrong), answer agreement, and from ``transfers``
-    (NIXL totals measured on each arm's prefill engine) bytes moved and READ time."""
-    def pct(values: list[float], q: float) -> float:
-        ordered = sorted(values)
-        return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else 0.0
-
+    """Continuation turns per (workload, concurrency, arm): TTFT percentiles (and the per-repeat p50s,
+    their spread), ratio to recompute, path shares, tokens and blocks pulled (and how many were wrong),
+    answer agreement, and from ``transfers`` (NIXL totals measured on each arm's prefill engine) bytes
+    moved and READ time. Also the same TTFTs per context length, per-turn paired ratios between arms,
+    and the first turns of new conversations that share a long prefix."""
+    continuations = [s for s in samples if s.turn > 1]
     groups: dict[tuple, list[TurnSample]] = {}
-    for s in samples:
-        if s.turn > 1:
-            groups.setdefault((s.workload, s.concurrency, s.arm), []).append(s)
+    for s in continuations:
+        groups.setdefault((s.workload, s.concurrency, s.arm), []).append(s)
     rows = []
-    firsts: dict[tuple, list[TurnSample]] = {}
-    for s in samples:
-        if s.turn == 1 and s.session > 0 and s.workload == "shared_prefix":
-            firsts.setdefault((s.concurrency, s.arm), []).append(s)
-    new_conversations = [
-        {"concurrency": c, "arm": arm, "first_turns": len(g), "ttft_p50_ms": pct([s.ttft_ms for s in g], 0.5),
-         "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in g), 1),
-         "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1)}
-        for (c, arm), g in sorted(firsts.items())]
     for (workload, concurrency, arm), group in sorted(groups.items()):
         ttfts = [s.ttft_ms for s in group]
         recompute = groups.get((workload, concurrency, "recompute"), [])
@@ -296,20 +332,71 @@ def summarize(samples: list[TurnSample], block_size: int,
         reference = {(s.repeat, s.session, s.turn): s.answer for s in recompute}
         agree = [s.answer == reference[(s.repeat, s.session, s.turn)] for s in group
                  if (s.repeat, s.session, s.turn) in reference]
+        by_repeat: dict[int, list[float]] = {}
+        for s in group:
+            by_repeat.setdefault(s.repeat, []).append(s.ttft_ms)
         rows.append({
             "workload": workload, "concurrency": concurrency, "arm": arm, "continuation_turns": len(group),
-            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p90_ms": pct(ttfts, 0.9),
+            "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p90_ms": percentile(ttfts, 0.9),
+            "ttft_p50_by_repeat_ms": [round(statistics.median(v), 1) for _, v in sorted(by_repeat.items())],
             "ratio_to_recompute_p50": round(statistics.median(ttfts) / base, 3) if base else None,
             "transfer_share": round(sum(s.cached_tokens > 0 for s in group) / len(group), 3),
             "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in group), 1),
             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in group), 1),
-            "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree else None,
+            # The floor arm stops at the first token: it has no answer to compare.
+            "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree and arm != FLOOR_ARM
+            else None,
             "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
             "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
             **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
             **_connector_columns(group),
         })
-    return {"rows": rows, "shared_prefix_new_conversations": new_conversations}
+    return {"rows": rows, "by_context": _by_context(continuations), "paired": _paired(continuations),
+            "shared_prefix_new_conversations": _new_conversations(samples)}
+
+
+def _by_context(continuations: list[TurnSample]) -> list[dict]:
+    """TTFT per (workload, concurrency, arm, context length to the nearest 2K), with the ratio of its
+    p50 to recompute's p50 in the same context bucket."""
+    cells: dict[tuple, list[float]] = {}
+    for s in continuations:
+        cells.setdefault((s.workload, s.concurrency, context_bucket(s.prompt_tokens), s.arm), []).append(s.ttft_ms)
+    out = []
+    for (workload, concurrency, k, arm), ttfts in sorted(cells.items()):
+        base = cells.get((workload, concurrency, k, "recompute"))
+        out.append({"workload": workload, "concurrency": concurrency, "context_k": k, "arm": arm,
+                    "turns": len(ttfts), "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p90_ms": percentile(ttfts, 0.9),
+                    "ratio_to_recompute_p50": round(statistics.median(ttfts) / statistics.median(base), 3)
+                    if base else None})
+    return out
+
+
+def _paired(continuations: list[TurnSample]) -> list[dict]:
+    """Per-turn ratios between two arms on the same turn (same prompt, run within seconds of each other):
+    their median and interquartile range are far less noisy than a ratio of two runs' p50s."""
+    ttft = {(s.workload, s.concurrency, s.repeat, s.session, s.turn, s.arm): s.ttft_ms for s in continuations}
+    out = []
+    for workload, concurrency in sorted({(s.workload, s.concurrency) for s in continuations}):
+        for top, bottom in PAIRED_RATIOS:
+            ratios = [ttft[key[:5] + (top,)] / value for key, value in ttft.items()
+                      if key[:2] == (workload, concurrency) and key[5] == bottom and key[:5] + (top,) in ttft]
+            if ratios:
+                q1, median, q3 = quartiles(ratios)
+                out.append({"workload": workload, "concurrency": concurrency, "ratio": f"{top}/{bottom}",
+                            "turns": len(ratios), "median": round(median, 3), "q1": round(q1, 3),
+                            "q3": round(q3, 3)})
+    return out
+
+
+def _new_conversations(samples: list[TurnSample]) -> list[dict]:
+    firsts: dict[tuple, list[TurnSample]] = {}
+    for s in samples:
+        if s.turn == 1 and s.session > 0 and s.workload == "shared_prefix":
+            firsts.setdefault((s.concurrency, s.arm), []).append(s)
+    return [{"concurrency": c, "arm": arm, "first_turns": len(g), "ttft_p50_ms": percentile([s.ttft_ms for s in g], 0.5),
+             "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in g), 1),
+             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1)}
+            for (c, arm), g in sorted(firsts.items())]
 
 
 def _transfer_columns(totals: dict[str, float] | None) -> dict:
@@ -338,13 +425,15 @@ def plot(samples: list[TurnSample], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     paths = []
+    arms = [arm for arm in ARMS if any(s.arm == arm for s in samples)]
     fig, ax = plt.subplots(figsize=(8, 5))
     single = min(s.concurrency for s in samples)
-    for arm in ARMS:  # one session at a time: latency without queueing
+    for arm in arms:  # one session at a time: latency without queueing
         pts = sorted((s.prompt_tokens, s.ttft_ms) for s in samples
                      if s.arm == arm and s.turn > 1 and s.concurrency == single)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", alpha=0.7, label=arm)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--" if arm == FLOOR_ARM else "o-", alpha=0.7,
+                    label=f"{arm} (ideal: own cache kept)" if arm == FLOOR_ARM else arm)
     ax.set_xlabel("context length (prompt tokens)")
     ax.set_ylabel("continuation TTFT (ms)")
     ax.set_title(f"Continuation TTFT vs context length ({single} session at a time)")
@@ -352,8 +441,8 @@ def plot(samples: list[TurnSample], out: Path) -> list[str]:
     fig.savefig(out / "ttft_vs_context.png", dpi=120)
     paths.append(str(out / "ttft_vs_context.png"))
     fig, ax = plt.subplots(figsize=(8, 5))
-    data = [[s.ttft_ms for s in samples if s.arm == arm and s.turn > 1] for arm in ARMS]
-    ax.boxplot(data, tick_labels=list(ARMS))
+    data = [[s.ttft_ms for s in samples if s.arm == arm and s.turn > 1] for arm in arms]
+    ax.boxplot(data, tick_labels=arms)
     ax.set_ylabel("continuation TTFT (ms)")
     ax.set_title("Continuation TTFT distribution per arm")
     fig.savefig(out / "ttft_distribution.png", dpi=120)
@@ -372,17 +461,20 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     stacks = {}
     started = time.monotonic()
     try:
-        for arm in ARMS:
+        for arm in config.arms:
+            floor = arm == FLOOR_ARM
             stacks[arm] = Stack(StackConfig(model_dir=model, workdir=config.workdir / arm, kv_cache_gib=1,
                                             block_size=config.block_size, dtype=config.dtype,
-                                            prefill_prefix_caching=config.prefill_prefix_caching,
-                                            mode=arm))
+                                            prefill_prefix_caching=floor or config.prefill_prefix_caching,
+                                            mode="recompute" if floor else arm, decode_servers=0 if floor else 1,
+                                            with_proxy=False))
         with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("starting 3 engine pairs", total=None)
+            task = bar.add_task(f"starting {len(stacks)} arms' engines", total=None)
             for arm, stack in stacks.items():
                 stack.start(lambda what, state, arm=arm: bar.update(task, description=f"{arm}: {what} {state}"))
-            clients = {arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url) for arm, s in stacks.items()}
-            total = len(config.workloads) * len(config.concurrency) * config.turns * len(ARMS) * config.repeats
+            clients = {arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "")
+                       for arm, s in stacks.items()}
+            total = len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
             if config.warmup_turns:
                 bar.update(task, description=f"warm-up: {config.warmup_turns} turns per arm, not measured")
                 warmup = MultiturnConfig(**{**asdict(config), "turns": config.warmup_turns})

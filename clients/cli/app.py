@@ -11,6 +11,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
+from kvloop.clients.bench.multiturn import ARMS, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, decision_reason_name, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
@@ -313,50 +314,89 @@ def proxy(
 @bench_app.command("multiturn")
 def bench_multiturn(
     quick: Annotated[bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")] = False,
-    sessions_turns: Annotated[int, typer.Option("--turns", help="turns per session")] = 10,
+    sessions_turns: Annotated[int, typer.Option("--turns", min=2, help="turns per session")] = 10,
     concurrency: Annotated[list[int], typer.Option(help="concurrent sessions (repeatable)")] = [1, 4, 8],
-    workload: Annotated[list[str], typer.Option(help="plain, shared_prefix, edited (repeatable)")] = [
-        "plain", "shared_prefix", "edited"],
+    workload: Annotated[list[str], typer.Option(help="plain, shared_prefix, edited (repeatable)")] = list(WORKLOADS),
+    arm: Annotated[list[str], typer.Option(help="recompute, builtin, kvloop, local (repeatable; local is the "
+                                                "ideal reference: a prefill that kept its own cache)")] = list(ARMS),
+    tool_tokens: Annotated[Optional[int], typer.Option(min=1, help="words of tool output appended per turn "
+                                                                   "[default: 600, --quick 400]")] = None,
+    system_tokens: Annotated[Optional[int], typer.Option(min=1, help="words of system prompt "
+                                                                     "[default: 1500, --quick 800]")] = None,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
-    repeats: Annotated[int, typer.Option(help="repeat every workload")] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="repeat every workload")] = 1,
     dtype: Annotated[str, typer.Option(help="engines' dtype: float32 keeps bf16 rounding from flipping the "
                                             "random-weight model's greedy near-ties")] = "float32",
     warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
 ) -> None:
-    """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop, on real engines."""
+    """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache ideal), on real engines."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
     from kvloop.clients.demo.model import DTYPE_BYTES
 
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    for name, given, known in (("--arm", arm, ARMS), ("--workload", workload, WORKLOADS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise typer.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(known)}", param_hint=name)
     config = MultiturnConfig(workdir=workdir.resolve(), turns=5 if quick else sessions_turns,
                              concurrency=(1, 4) if quick else tuple(concurrency),
-                             workloads=tuple(workload), prefill_prefix_caching=prefix_caching,
-                             repeats=repeats, quick=quick, system_tokens=800 if quick else 1500,
-                             tool_tokens=400 if quick else 600, dtype=dtype, warmup_turns=warmup_turns)
+                             workloads=tuple(workload), arms=tuple(a for a in ARMS if a in arm),
+                             prefill_prefix_caching=prefix_caching, repeats=repeats, quick=quick,
+                             system_tokens=system_tokens or (800 if quick else 1500),
+                             tool_tokens=tool_tokens or (400 if quick else 600), dtype=dtype,
+                             warmup_turns=warmup_turns)
     result = run_multiturn(config, progress=True)
     out = json_path or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
+    _print_multiturn(result["summary"])
+    console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
+
+
+def _print_multiturn(summary: dict) -> None:
     table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
-    for column in ("workload", "sessions", "arm", "p50 ms", "p90 ms", "x recompute", "transfer share",
-                   "pulled tokens", "prompt tokens", "answers = recompute", "wrong blocks", "MiB moved",
-                   "READ ms"):
+    for column in ("workload", "sessions", "arm", "turns", "p50 ms", "p90 ms", "p50 per repeat", "x recompute",
+                   "transfer share", "pulled tokens", "prompt tokens", "answers = recompute", "wrong blocks",
+                   "MiB moved", "READ ms", "lookup ms"):
         table.add_column(column)
-    for row in result["summary"]["rows"]:
-        table.add_row(row["workload"], str(row["concurrency"]), row["arm"], f"{row['ttft_p50_ms']:.0f}",
-                      f"{row['ttft_p90_ms']:.0f}", str(row["ratio_to_recompute_p50"]), str(row["transfer_share"]),
+    for row in summary["rows"]:
+        table.add_row(row["workload"], str(row["concurrency"]), row["arm"], str(row["continuation_turns"]),
+                      f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p90_ms']:.0f}",
+                      " ".join(f"{v:.0f}" for v in row["ttft_p50_by_repeat_ms"]),
+                      str(row["ratio_to_recompute_p50"]), str(row["transfer_share"]),
                       str(row["mean_pulled_tokens"]), str(row["mean_prompt_tokens"]),
-                      str(row["answer_agreement_with_recompute"]),
-                      f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}", str(row.get("bytes_moved_mib", "")),
-                      str(row.get("nixl_read_ms_mean", "")))
+                      _blank(row["answer_agreement_with_recompute"]),
+                      f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}", _blank(row.get("bytes_moved_mib")),
+                      _blank(row.get("nixl_read_ms_mean")), _blank(row.get("lookup_ms_p50")))
     console.print(table)
-    for row in result["summary"]["shared_prefix_new_conversations"]:
+    table = Table(title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)")
+    for column in ("workload", "sessions", "context", "turns", *ARMS):
+        table.add_column(column)
+    cells: dict[tuple, dict[str, dict]] = {}
+    for cell in summary["by_context"]:
+        cells.setdefault((cell["workload"], cell["concurrency"], cell["context_k"]), {})[cell["arm"]] = cell
+    for (workload, concurrency, k), arms in cells.items():
+        table.add_row(workload, str(concurrency), f"~{k}K", str(max(c["turns"] for c in arms.values())),
+                      *(f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
+                        for a in ARMS))
+    console.print(table)
+    table = Table(title="paired per-turn ratios (same turn, same prompt): median [interquartile range]")
+    for column in ("workload", "sessions", "ratio", "turns", "median", "IQR"):
+        table.add_column(column)
+    for pair in summary["paired"]:
+        table.add_row(pair["workload"], str(pair["concurrency"]), pair["ratio"], str(pair["turns"]),
+                      f"{pair['median']:.3f}", f"{pair['q1']:.2f}-{pair['q3']:.2f}")
+    console.print(table)
+    for row in summary["shared_prefix_new_conversations"]:
         console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
                       f"{row['mean_prompt_tokens']:.0f} tokens")
-    console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
+
+
+def _blank(value: object) -> str:
+    return "" if value is None else str(value)
 
 
 @app.command()

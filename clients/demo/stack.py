@@ -31,6 +31,8 @@ class StackConfig:
     retention_ttl_s: float = 480.0
     span_file: Path | None = None  # where spans go when no OTLP endpoint is configured
     start_timeout_s: float = 240.0
+    # The benchmark talks to the engines directly; a proxy would only take CPU from them.
+    with_proxy: bool = True
 
 
 @dataclass
@@ -103,6 +105,8 @@ class Stack:
                     pending.remove(engine)
                     progress(engine.config.worker_id, f"ready in {engine.started_s:.0f}s at {engine.config.url}")
             time.sleep(0.5)  # polling engine health while they load
+        if not cfg.with_proxy:
+            return
         proxy_port = free_port()
         self.proxy_url = f"http://127.0.0.1:{proxy_port}"
         progress("proxy", "starting")
