@@ -12,7 +12,7 @@ from kvloop.clients.bench.multiturn import (
     TurnOutcome,
     TurnSample,
     context_bucket,
-    nixl_totals,
+    engine_totals,
     run_workload,
     summarize,
     wrong_pulled_blocks,
@@ -57,15 +57,18 @@ def test_summary_reports_nixl_totals_and_connector_timings():
     samples = [sample("recompute", t, 100.0, 0, "a") for t in (1, 2, 3)]
     samples += [sample("kvloop", 1, 100, 0, "a"), sample("kvloop", 2, 20, 8, "a"), sample("kvloop", 3, 40, 8, "a")]
     samples[-1].lookup_ms, samples[-1].pull_ms = 1.5, 12.0
-    transfers = {("edited", 1, "kvloop"): {"bytes": 3 * 2**20, "xfer_s": 0.006, "reads": 2}}
+    transfers = {("edited", 1, "kvloop"): {"bytes": 3 * 2**20, "xfer_s": 0.006, "reads": 2, "queue_s": 0.05,
+                                           "prefill_s": 0.3, "e2e_s": 0.4, "requests": 2}}
     rows = {r["arm"]: r for r in summarize(samples, BS, transfers)["rows"]}
     kvloop = rows["kvloop"]
     assert (kvloop["nixl_reads"], kvloop["bytes_moved_mib"], kvloop["nixl_read_ms_mean"]) == (2, 3.0, 3.0)
     assert (kvloop["lookup_ms_p50"], kvloop["lookup_to_pulled_ms_p50"]) == (1.5, 12.0)
+    assert (kvloop["engine_queue_ms_mean"], kvloop["engine_prefill_ms_mean"], kvloop["engine_e2e_ms_mean"]) == (
+        25.0, 150.0, 200.0)
     assert "nixl_reads" not in rows["recompute"]
 
 
-def test_nixl_totals_sum_vllms_histograms_over_engines():
+def test_engine_totals_sum_vllms_histograms_over_engines():
     page = """# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV Cache transfers.
 # TYPE vllm:nixl_xfer_time_seconds histogram
 vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.01"} 1.0
@@ -77,11 +80,18 @@ vllm:nixl_xfer_time_seconds_sum{engine="1"} 0.5
 # TYPE vllm:nixl_bytes_transferred histogram
 vllm:nixl_bytes_transferred_sum{engine="0"} 4096.0
 vllm:nixl_bytes_transferred_count{engine="0"} 2.0
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.125
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 2.0
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0"} 3.0
 """
-    assert nixl_totals(page) == {"bytes": 4096.0, "xfer_s": 0.75, "reads": 3.0}
-    assert nixl_totals("") == {"bytes": 0.0, "xfer_s": 0.0, "reads": 0.0}
+    assert engine_totals(page) == {"bytes": 4096.0, "xfer_s": 0.75, "reads": 3.0, "queue_s": 0.125, "prefill_s": 0.0,
+                                   "e2e_s": 1.5, "requests": 2.0}
+    assert set(engine_totals("").values()) == {0.0}
 
 
 def timed(arm: str, repeat: int, turn: int, ttft: float, prompt_tokens: int = 100) -> TurnSample:

@@ -85,10 +85,15 @@ class TurnSample:
     pull_ms: float | None = None
 
 
-# The prefill engine's NIXL histograms (vLLM's KV-connector Prometheus metrics): the same source for
-# both arms that pull, so bytes moved and transfer time compare like for like.
-NIXL_SERIES = {"vllm:nixl_bytes_transferred_sum": "bytes", "vllm:nixl_xfer_time_seconds_sum": "xfer_s",
-               "vllm:nixl_xfer_time_seconds_count": "reads"}
+# Read from each arm's prefill engine (vLLM's Prometheus metrics), the same source in every arm:
+# - NIXL histograms (KV-connector metrics): bytes moved and READ time, like for like in both pulling arms;
+# - request phases, where a turn's time goes inside the engine: waiting (for kvloop and builtin that
+#   includes the lookup and the READ), prefill compute (first scheduled -> first token), and arrival ->
+#   finish. What the client measured beyond that is outside the engine (HTTP, chat template, tokenizer).
+ENGINE_SERIES = {"vllm:nixl_bytes_transferred_sum": "bytes", "vllm:nixl_xfer_time_seconds_sum": "xfer_s",
+                 "vllm:nixl_xfer_time_seconds_count": "reads",
+                 "vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_prefill_time_seconds_sum": "prefill_s",
+                 "vllm:e2e_request_latency_seconds_sum": "e2e_s", "vllm:e2e_request_latency_seconds_count": "requests"}
 
 
 @dataclass
@@ -125,13 +130,13 @@ def next_turn_messages(session: Session, answer: str, turn: int, workload: str, 
         del session.messages[2]
 
 
-def nixl_totals(exposition: str) -> dict[str, float]:
-    """NIXL bytes, READ seconds and READ count in a vLLM /metrics page, summed over its engines."""
-    totals = dict.fromkeys(NIXL_SERIES.values(), 0.0)
+def engine_totals(exposition: str) -> dict[str, float]:
+    """The ENGINE_SERIES sums and counts in a vLLM /metrics page, summed over its engines."""
+    totals = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            if sample.name in NIXL_SERIES:
-                totals[NIXL_SERIES[sample.name]] += sample.value
+            if sample.name in ENGINE_SERIES:
+                totals[ENGINE_SERIES[sample.name]] += sample.value
     return totals
 
 
@@ -196,8 +201,8 @@ class ArmClient:
         self.latest.clear()
         self.computed.clear()
 
-    def nixl_totals(self) -> dict[str, float]:
-        return nixl_totals(urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode())
+    def engine_totals(self) -> dict[str, float]:
+        return engine_totals(urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode())
 
     def sources(self, session: Session) -> list[list[int]]:
         """What a pull for this session may legitimately have read from."""
@@ -317,8 +322,8 @@ def summarize(samples: list[TurnSample], block_size: int,
               transfers: dict[tuple[str, int, str], dict[str, float]] | None = None) -> dict:
     """Continuation turns per (workload, concurrency, arm): TTFT percentiles (and the per-repeat p50s,
     their spread), ratio to recompute, path shares, tokens and blocks pulled (and how many were wrong),
-    answer agreement, and from ``transfers`` (NIXL totals measured on each arm's prefill engine) bytes
-    moved and READ time. Also the same TTFTs per context length, per-turn paired ratios between arms,
+    answer agreement, and from ``transfers`` (ENGINE_SERIES totals measured on each arm's prefill engine)
+    bytes moved, READ time and where the time went inside the engine. Also the same TTFTs per context length, per-turn paired ratios between arms,
     and the first turns of new conversations that share a long prefix."""
     continuations = [s for s in samples if s.turn > 1]
     groups: dict[tuple, list[TurnSample]] = {}
@@ -338,6 +343,9 @@ def summarize(samples: list[TurnSample], block_size: int,
         rows.append({
             "workload": workload, "concurrency": concurrency, "arm": arm, "continuation_turns": len(group),
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p90_ms": percentile(ttfts, 0.9),
+            # Engine metrics cover every turn of the workload, so the breakdown beside them does too.
+            "ttft_mean_all_turns_ms": round(statistics.fmean(
+                x.ttft_ms for x in samples if (x.workload, x.concurrency, x.arm) == (workload, concurrency, arm)), 1),
             "ttft_p50_by_repeat_ms": [round(statistics.median(v), 1) for _, v in sorted(by_repeat.items())],
             "ratio_to_recompute_p50": round(statistics.median(ttfts) / base, 3) if base else None,
             "transfer_share": round(sum(s.cached_tokens > 0 for s in group) / len(group), 3),
@@ -402,9 +410,13 @@ def _new_conversations(samples: list[TurnSample]) -> list[dict]:
 def _transfer_columns(totals: dict[str, float] | None) -> dict:
     if not totals:
         return {}
-    reads = int(totals["reads"])
-    return {"nixl_reads": reads, "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
-            "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None}
+    reads, requests = int(totals["reads"]), int(totals["requests"])
+    columns = {"nixl_reads": reads, "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
+               "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None}
+    if requests:
+        columns.update({f"engine_{phase}_ms_mean": round(totals[f"{phase}_s"] * 1e3 / requests, 1)
+                        for phase in ("queue", "prefill", "e2e")})
+    return columns
 
 
 def _connector_columns(group: list[TurnSample]) -> dict:
@@ -487,12 +499,12 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             for repeat in range(config.repeats):
                 for workload in config.workloads:
                     for concurrency in config.concurrency:
-                        before = {arm: c.nixl_totals() for arm, c in clients.items()}
+                        before = {arm: c.engine_totals() for arm, c in clients.items()}
                         samples += run_workload(clients, workload, concurrency, config,
                                                 lambda: bar.advance(task), repeat)
                         for arm, c in clients.items():
                             total = transfers.setdefault((workload, concurrency, arm), dict.fromkeys(before[arm], 0.0))
-                            for key, value in c.nixl_totals().items():
+                            for key, value in c.engine_totals().items():
                                 total[key] += value - before[arm][key]
         summary = summarize(samples, config.block_size, transfers)
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},

@@ -382,6 +382,18 @@ def _print_multiturn(summary: dict) -> None:
                       *(f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
                         for a in ARMS))
     console.print(table)
+    table = Table(title="where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
+                        "request metrics) and outside it (HTTP, chat template, tokenizer)")
+    for column in ("workload", "sessions", "arm", "TTFT", "waiting (lookup + READ)", "of which READ", "prefill compute",
+                   "outside the engine"):
+        table.add_column(column)
+    for row in summary["rows"]:
+        if "engine_e2e_ms_mean" in row:
+            ttft = row["ttft_mean_all_turns_ms"]
+            table.add_row(row["workload"], str(row["concurrency"]), row["arm"], f"{ttft:.0f}",
+                          f"{row['engine_queue_ms_mean']:.0f}", _blank(row.get("nixl_read_ms_mean")),
+                          f"{row['engine_prefill_ms_mean']:.0f}", f"{ttft - row['engine_e2e_ms_mean']:.0f}")
+    console.print(table)
     table = Table(title="paired per-turn ratios (same turn, same prompt): median [interquartile range]")
     for column in ("workload", "sessions", "ratio", "turns", "median", "IQR"):
         table.add_column(column)
