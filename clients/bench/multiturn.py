@@ -482,30 +482,40 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                                             with_proxy=False))
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task(f"starting {len(stacks)} arms' engines", total=None)
+
+            def say(text: str) -> None:
+                bar.update(task, description=text)
+                if progress and not bar.console.is_terminal:  # a log file gets a line per stage instead
+                    bar.console.print(f"[{time.monotonic() - started:5.0f}s] {text}")
+
             for arm, stack in stacks.items():
-                stack.start(lambda what, state, arm=arm: bar.update(task, description=f"{arm}: {what} {state}"))
+                stack.start(lambda what, state, arm=arm: say(f"{arm}: {what} {state}"))
             clients = {arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "")
                        for arm, s in stacks.items()}
-            total = len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
+            turns_in_all = len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
             if config.warmup_turns:
-                bar.update(task, description=f"warm-up: {config.warmup_turns} turns per arm, not measured")
+                say(f"warm-up: {config.warmup_turns} turns per arm, not measured")
                 warmup = MultiturnConfig(**{**asdict(config), "turns": config.warmup_turns})
                 run_workload(clients, "plain", 1, warmup, lambda: None, repeat=-1)
                 for client in clients.values():
                     client.forget()
-            bar.update(task, description="turns", total=total, completed=0)
+            bar.update(task, total=turns_in_all, completed=0)
             samples: list[TurnSample] = []
             transfers: dict[tuple[str, int, str], dict[str, float]] = {}
             for repeat in range(config.repeats):
                 for workload in config.workloads:
                     for concurrency in config.concurrency:
+                        say(f"repeat {repeat + 1}/{config.repeats}: {workload}, {concurrency} session(s), "
+                            f"{config.turns} turns x {len(clients)} arms "
+                            f"({int(bar.tasks[0].completed)}/{turns_in_all} arm-turns done)")
                         before = {arm: c.engine_totals() for arm, c in clients.items()}
                         samples += run_workload(clients, workload, concurrency, config,
                                                 lambda: bar.advance(task), repeat)
                         for arm, c in clients.items():
-                            total = transfers.setdefault((workload, concurrency, arm), dict.fromkeys(before[arm], 0.0))
+                            totals = transfers.setdefault((workload, concurrency, arm), dict.fromkeys(before[arm], 0.0))
                             for key, value in c.engine_totals().items():
-                                total[key] += value - before[arm][key]
+                                totals[key] += value - before[arm][key]
+            say(f"all {turns_in_all} arm-turns done")
         summary = summarize(samples, config.block_size, transfers)
         result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
                   "summary": summary, "samples": [asdict(s) for s in samples],
