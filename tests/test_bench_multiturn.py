@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from kvloop.clients.bench.multiturn import (
@@ -13,6 +14,7 @@ from kvloop.clients.bench.multiturn import (
     TurnSample,
     context_bucket,
     engine_totals,
+    median_ci95,
     run_workload,
     summarize,
     wrong_pulled_blocks,
@@ -115,7 +117,16 @@ def test_summary_spread_per_repeat_and_paired_per_turn_ratios():
     # One noisy turn in six moves neither the median nor the quartiles.
     assert (paired["kvloop/builtin"]["median"], paired["kvloop/builtin"]["q1"]) == (1.1, 1.1)
     assert paired["kvloop/local"] == {"workload": "plain", "concurrency": 1, "ratio": "kvloop/local", "turns": 6,
-                                      "median": 2.2, "q1": 2.2, "q3": 2.2}
+                                      "median": 2.2, "q1": 2.2, "q3": 2.2, "median_ci95": [2.2, 2.2]}
+
+
+def test_median_confidence_interval_narrows_with_more_turns():
+    noisy = [0.7, 1.4, 0.9, 1.2, 1.0, 1.3, 0.8, 1.1]
+    few_low, few_high = median_ci95(noisy)
+    many_low, many_high = median_ci95(noisy * 8)
+    assert few_low <= statistics.median(noisy) <= few_high
+    assert many_high - many_low < few_high - few_low
+    assert median_ci95(noisy) == (few_low, few_high)  # seeded: reproducible
 
 
 def test_context_buckets_compare_each_arm_with_recompute_at_the_same_length():

@@ -379,9 +379,17 @@ def _by_context(continuations: list[TurnSample]) -> list[dict]:
     return out
 
 
+def median_ci95(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap confidence interval of the median (seeded: the same samples give the same interval)."""
+    rnd = random.Random(seed)
+    medians = sorted(statistics.median(rnd.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
 def _paired(continuations: list[TurnSample]) -> list[dict]:
     """Per-turn ratios between two arms on the same turn (same prompt, run within seconds of each other):
-    their median and interquartile range are far less noisy than a ratio of two runs' p50s."""
+    their median and interquartile range are far less noisy than a ratio of two runs' p50s, and the
+    median's confidence interval says whether a target such as "<= 1.05x" is met or only not excluded."""
     ttft = {(s.workload, s.concurrency, s.repeat, s.session, s.turn, s.arm): s.ttft_ms for s in continuations}
     out = []
     for workload, concurrency in sorted({(s.workload, s.concurrency) for s in continuations}):
@@ -390,9 +398,10 @@ def _paired(continuations: list[TurnSample]) -> list[dict]:
                       if key[:2] == (workload, concurrency) and key[5] == bottom and key[:5] + (top,) in ttft]
             if ratios:
                 q1, median, q3 = quartiles(ratios)
+                low, high = median_ci95(ratios)
                 out.append({"workload": workload, "concurrency": concurrency, "ratio": f"{top}/{bottom}",
                             "turns": len(ratios), "median": round(median, 3), "q1": round(q1, 3),
-                            "q3": round(q3, 3)})
+                            "q3": round(q3, 3), "median_ci95": [round(low, 3), round(high, 3)]})
     return out
 
 

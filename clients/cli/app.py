@@ -394,12 +394,13 @@ def _print_multiturn(summary: dict) -> None:
                           f"{row['engine_queue_ms_mean']:.0f}", _blank(row.get("nixl_read_ms_mean")),
                           f"{row['engine_prefill_ms_mean']:.0f}", f"{ttft - row['engine_e2e_ms_mean']:.0f}")
     console.print(table)
-    table = Table(title="paired per-turn ratios (same turn, same prompt): median [interquartile range]")
-    for column in ("workload", "sessions", "ratio", "turns", "median", "IQR"):
+    table = Table(title="paired per-turn ratios (same turn, same prompt)")
+    for column in ("workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
         table.add_column(column)
     for pair in summary["paired"]:
+        low, high = pair["median_ci95"]
         table.add_row(pair["workload"], str(pair["concurrency"]), pair["ratio"], str(pair["turns"]),
-                      f"{pair['median']:.3f}", f"{pair['q1']:.2f}-{pair['q3']:.2f}")
+                      f"{pair['median']:.3f}", f"{low:.2f}-{high:.2f}", f"{pair['q1']:.2f}-{pair['q3']:.2f}")
     console.print(table)
     for row in summary["shared_prefix_new_conversations"]:
         console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "
