@@ -475,6 +475,8 @@ def plot(samples: list[TurnSample], out: Path) -> list[str]:
 def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     from rich.progress import Progress
 
+    from kvloop.clients.console import make_console
+
     from kvloop.clients.demo.stack import Stack, StackConfig
 
     config.workdir.mkdir(parents=True, exist_ok=True)
@@ -489,7 +491,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                                             prefill_prefix_caching=floor or config.prefill_prefix_caching,
                                             mode="recompute" if floor else arm, decode_servers=0 if floor else 1,
                                             with_proxy=False))
-        with Progress(disable=not progress, transient=True) as bar:
+        with Progress(disable=not progress, transient=True, console=make_console()) as bar:
             task = bar.add_task(f"starting {len(stacks)} arms' engines", total=None)
 
             def say(text: str) -> None:
