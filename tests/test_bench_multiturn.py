@@ -7,15 +7,18 @@ from pathlib import Path
 
 from kvloop.clients.bench.multiturn import (
     ARMS,
+    WORKLOADS,
     ArmClient,
     MultiturnConfig,
     Session,
     TurnOutcome,
     TurnSample,
+    build_sessions,
     context_bucket,
     engine_totals,
     median_ci95,
     run_workload,
+    session_seed_base,
     summarize,
     wrong_pulled_blocks,
 )
@@ -166,3 +169,11 @@ def test_arms_take_turns_in_a_rotating_order_and_share_the_reference_history():
     assert sorted(firsts) == sorted(ARMS)  # every arm goes first once in four turns
     for turn, arm, answers in log:  # every arm's history carries the recompute arm's answers, not its own
         assert answers == [f"recompute-{t}" for t in range(1, turn)], arm
+
+
+def test_every_workload_concurrency_and_repeat_replays_conversations_of_its_own():
+    combos = [(w, c, r) for w in WORKLOADS for c in (1, 4, 8) for r in (-1, 0, 1, 2)]
+    config = MultiturnConfig(workdir=Path("."), system_tokens=5)
+    seeds = [s.seed for w, c, r in combos
+             for s in build_sessions(w, c, config, session_seed_base(config.seed, w, c, r))]
+    assert len(seeds) == len(set(seeds))

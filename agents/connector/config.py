@@ -26,10 +26,12 @@ class KvloopConfig(BaseModel):
     # Deadline of one Lookup RPC; the hook runs in the engine-core loop, keep it short.
     lookup_timeout_ms: float = Field(default=20.0, gt=0, le=5000)
     # How long the engine loop waits for a new request's lookup answer before moving on (and asking
-    # again next step). Waiting releases the GIL, so the answer (~1 ms) is taken at once; moving on
-    # at once leaves the loop spinning with the GIL, and the answer waits out Python's 5 ms switch
-    # interval plus a step. Bounded: a slow daemon still never stalls the loop longer than this.
-    lookup_wait_ms: float = Field(default=5.0, ge=0, le=1000)
+    # again next step). Waiting releases the GIL, so the answer is taken at once. Moving on costs the
+    # request a whole engine step, and a step with other prefills running lasts hundreds of ms to
+    # seconds: measured with 8 concurrent sessions on 2 cores, a 5 ms wait let a third of lookups
+    # (answered in 5-50 ms, the host busy) miss it and wait 0.4-2.4 s. Bounded: a slow daemon still
+    # never stalls the loop longer than this per new request.
+    lookup_wait_ms: float = Field(default=50.0, ge=0, le=1000)
     # After a failed lookup, skip lookups (recompute) for this long: a dead daemon costs one
     # timeout, not one per request.
     lookup_backoff_s: float = Field(default=2.0, ge=0)

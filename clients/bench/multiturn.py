@@ -121,6 +121,13 @@ def build_sessions(workload: str, count: int, config: MultiturnConfig, base_seed
     return sessions
 
 
+def session_seed_base(seed: int, workload: str, concurrency: int, repeat: int) -> int:
+    """Every (workload, concurrency, repeat) replays conversations of its own. Reusing one would let
+    kvloop pull an earlier run's KV (a longer matching prefix than any real continuation has), and
+    hand the builtin arm a cached handle of another workload's conversation for a new one."""
+    return seed + 101 * concurrency + 7919 * repeat + 104729 * WORKLOADS.index(workload)
+
+
 def next_turn_messages(session: Session, answer: str, turn: int, workload: str, tool_tokens: int) -> None:
     rnd = random.Random(session.seed * 100 + turn)
     session.messages.append({"role": "assistant", "content": answer})
@@ -258,9 +265,7 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
     is the same in all arms: the reference arm's answer (recompute) is appended everywhere, so every
     turn's prompt is identical across arms and answers can be compared turn by turn."""
     samples: list[TurnSample] = []
-    # A repeat gets new sessions: replaying identical ones would let kvloop pull the previous repeat's
-    # runs (a longer matching prefix than any real continuation has).
-    base_seed = config.seed + concurrency + 7919 * repeat
+    base_seed = session_seed_base(config.seed, workload, concurrency, repeat)
     per_arm = {arm: build_sessions(workload, concurrency, config, base_seed) for arm in clients}
     reference = "recompute" if "recompute" in clients else next(a for a in clients if a != FLOOR_ARM)
     arms = list(clients)
@@ -412,7 +417,8 @@ def _new_conversations(samples: list[TurnSample]) -> list[dict]:
             firsts.setdefault((s.concurrency, s.arm), []).append(s)
     return [{"concurrency": c, "arm": arm, "first_turns": len(g), "ttft_p50_ms": percentile([s.ttft_ms for s in g], 0.5),
              "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in g), 1),
-             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1)}
+             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1),
+             "wrong_pulled_blocks": sum(s.wrong_blocks for s in g)}
             for (c, arm), g in sorted(firsts.items())]
 
 

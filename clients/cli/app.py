@@ -405,7 +405,7 @@ def _print_multiturn(summary: dict) -> None:
     for row in summary["shared_prefix_new_conversations"]:
         console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "
                       f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
-                      f"{row['mean_prompt_tokens']:.0f} tokens")
+                      f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks")
 
 
 def _blank(value: object) -> str:
