@@ -482,7 +482,6 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     from rich.progress import Progress
 
     from kvloop.clients.console import make_console
-
     from kvloop.clients.demo.stack import Stack, StackConfig
 
     config.workdir.mkdir(parents=True, exist_ok=True)
