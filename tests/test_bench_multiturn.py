@@ -17,6 +17,7 @@ from kvloop.clients.bench.multiturn import (
     context_bucket,
     engine_totals,
     median_ci95,
+    plot,
     run_workload,
     session_seed_base,
     summarize,
@@ -177,3 +178,18 @@ def test_every_workload_concurrency_and_repeat_replays_conversations_of_its_own(
     seeds = [s.seed for w, c, r in combos
              for s in build_sessions(w, c, config, session_seed_base(config.seed, w, c, r))]
     assert len(seeds) == len(set(seeds))
+
+
+def test_plots_draw_a_panel_per_workload_and_sessions(tmp_path: Path):
+    import matplotlib.image
+
+    samples = [TurnSample(arm, workload, concurrency, 0, turn, 1000 * turn, 100.0 * turn, 0, "transfer", "a")
+               for arm in ("recompute", "kvloop") for workload in ("plain", "edited")
+               for concurrency in (1, 8) for turn in (1, 2, 3)]
+    samples.append(TurnSample("builtin", "plain", 1, 0, 2, 2000, 50.0, 0, "transfer", "a"))  # one arm in one group
+    paths = plot(samples, tmp_path)
+    assert [Path(p).name for p in paths] == ["ttft_vs_context.png", "ttft_distribution.png"]
+    for path in paths:
+        height, width, _ = matplotlib.image.imread(path).shape
+        assert width > 1.5 * height  # 4 groups: 3 panels by 2 (a single panel is 5.5 x 4.2)
+    assert plot([s for s in samples if s.turn == 1], tmp_path / "none") == []  # no continuation turns

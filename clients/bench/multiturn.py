@@ -446,33 +446,72 @@ def _connector_columns(group: list[TurnSample]) -> dict:
 
 
 def plot(samples: list[TurnSample], out: Path) -> list[str]:
+    """Two PNGs, a panel per (workload, sessions): TTFT vs context length (each turn a dot, the line through
+    each arm's median per 2K bucket) and the TTFT distribution per arm. Log scale: recompute is 5-20x the rest."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    continuations = [s for s in samples if s.turn > 1]
+    groups = sorted({(s.workload, s.concurrency) for s in continuations})
+    arms = [arm for arm in ARMS if any(s.arm == arm for s in continuations)]
+    if not groups:
+        return []
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    labels = {arm: f"{arm} (ideal: own cache kept)" if arm == FLOOR_ARM else arm for arm in arms}
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+
+    def panels(title: str):
+        fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+        fig.suptitle(title)
+        for ax in axes.flat[len(groups):]:
+            ax.set_visible(False)
+        return fig, list(axes.flat)
+
+    def group_samples(workload: str, concurrency: int, arm: str) -> list[TurnSample]:
+        return [s for s in continuations if (s.workload, s.concurrency, s.arm) == (workload, concurrency, arm)]
+
+    def panel_title(workload: str, concurrency: int) -> str:
+        return f"{workload}, {concurrency} session{'s' if concurrency > 1 else ''}"
+
     paths = []
-    arms = [arm for arm in ARMS if any(s.arm == arm for s in samples)]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    single = min(s.concurrency for s in samples)
-    for arm in arms:  # one session at a time: latency without queueing
-        pts = sorted((s.prompt_tokens, s.ttft_ms) for s in samples
-                     if s.arm == arm and s.turn > 1 and s.concurrency == single)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--" if arm == FLOOR_ARM else "o-", alpha=0.7,
-                    label=f"{arm} (ideal: own cache kept)" if arm == FLOOR_ARM else arm)
-    ax.set_xlabel("context length (prompt tokens)")
-    ax.set_ylabel("continuation TTFT (ms)")
-    ax.set_title(f"Continuation TTFT vs context length ({single} session at a time)")
-    ax.legend()
-    fig.savefig(out / "ttft_vs_context.png", dpi=120)
+    fig, axes = panels("Continuation TTFT vs context length (dots: turns; line: median per 2K tokens)")
+    for ax, (workload, concurrency) in zip(axes, groups):
+        for arm in arms:
+            group = group_samples(workload, concurrency, arm)
+            if not group:
+                continue
+            ax.scatter([s.prompt_tokens for s in group], [s.ttft_ms for s in group], s=10, alpha=0.3,
+                       color=colors[arm])
+            buckets: dict[int, list[float]] = {}
+            for s in group:
+                buckets.setdefault(context_bucket(s.prompt_tokens), []).append(s.ttft_ms)
+            xs = sorted(buckets)
+            ax.plot([k * 1000 for k in xs], [statistics.median(buckets[k]) for k in xs],
+                    "o--" if arm == FLOOR_ARM else "o-", color=colors[arm], label=labels[arm])
+        ax.set_yscale("log")
+        ax.set_title(panel_title(workload, concurrency))
+        ax.set_xlabel("context length (prompt tokens)")
+        ax.set_ylabel("continuation TTFT (ms)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "ttft_vs_context.png", dpi=110)
     paths.append(str(out / "ttft_vs_context.png"))
-    fig, ax = plt.subplots(figsize=(8, 5))
-    data = [[s.ttft_ms for s in samples if s.arm == arm and s.turn > 1] for arm in arms]
-    ax.boxplot(data, tick_labels=arms)
-    ax.set_ylabel("continuation TTFT (ms)")
-    ax.set_title("Continuation TTFT distribution per arm")
-    fig.savefig(out / "ttft_distribution.png", dpi=120)
+
+    fig, axes = panels("Continuation TTFT distribution per arm")
+    for ax, (workload, concurrency) in zip(axes, groups):
+        present = [arm for arm in arms if group_samples(workload, concurrency, arm)]
+        ax.boxplot([[s.ttft_ms for s in group_samples(workload, concurrency, arm)] for arm in present],
+                   tick_labels=present)
+        ax.set_yscale("log")
+        ax.set_title(panel_title(workload, concurrency))
+        ax.set_ylabel("continuation TTFT (ms)")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "ttft_distribution.png", dpi=110)
     paths.append(str(out / "ttft_distribution.png"))
     plt.close("all")
     return paths
