@@ -104,9 +104,13 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     trace_id = secrets.token_hex(16)
     traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
     conversation = AgentConversation(seed=31, system_words=400, tool_words=200)
+    with DirectoryClient(served_stack.daemon_address) as directory:
+        retained = directory.stats().retained_runs
     with post(f"{served_stack.proxy_url}/v1/chat/completions",
               {"model": MODEL, "messages": conversation.messages, "max_tokens": 4}, {"traceparent": traceparent}) as r:
         conversation.record(json.loads(r.read())["choices"][0]["message"]["content"])
+    # the next turn can pull only once the decode's retention of this one has reached the directory
+    assert served_stack.wait_retained(retained + 1), "the decode's retained run never reached kvloopd"
     trace_id2 = secrets.token_hex(16)
     with post(f"{served_stack.proxy_url}/v1/chat/completions",
               {"model": MODEL, "messages": conversation.messages, "max_tokens": 4},
@@ -123,7 +127,7 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
         assert time.monotonic() < deadline, f"incomplete trace: {[(s['service'], s['name']) for s in spans]}"
         time.sleep(0.2)  # polling the receiver's file
     kvloop_span = next(s for s in spans if s["name"] == "kvloop.prefill")
-    assert kvloop_span["attributes"]["kvloop.path"] == "transfer"
+    assert kvloop_span["attributes"]["kvloop.path"] == "transfer", kvloop_span["attributes"]
     assert kvloop_span["attributes"]["kvloop.matched_tokens"] > 0
     assert kvloop_span["attributes"]["kvloop.bytes"] > 0
     # the first turn had nothing worth pulling (at most the chat template's first block, shared by
