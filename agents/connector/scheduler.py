@@ -291,16 +291,22 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def _usable_tail(self, request: Request, holder: HolderInfo, matched_blocks: int) -> int:
         """Tokens of the holder's partly filled last block this prompt can pull as well.
 
-        The directory matched every complete block of the run by chained hash; the tail's KV is right
-        for this prompt iff the prompt continues with exactly the tail's tokens. The prompt's last
-        token is always left to compute (vLLM needs one to sample from)."""
+        The directory sends the tail only when it matched every complete block of the run by chained
+        hash. KV at position p depends on tokens 0..p only, so the tail's KV is right for this prompt up
+        to the first token where the two differ: a turn whose re-rendered answer departs from the tokens
+        the decode generated still pulls the tail's agreeing start (the engine computes the rest of
+        the block over it). The prompt's last token is always left to compute (vLLM needs one to
+        sample from)."""
         tail = holder.tail_token_ids
         start = matched_blocks * self.block_size
-        if not tail or len(holder.tail_block_ids) != len(holder.block_ids) \
-                or start + len(tail) >= request.num_prompt_tokens:
+        if not tail or len(holder.tail_block_ids) != len(holder.block_ids):
             return 0
         prompt = request.prompt_token_ids or []
-        return len(tail) if tuple(prompt[start:start + len(tail)]) == tuple(tail) else 0
+        limit = min(len(tail), request.num_prompt_tokens - 1 - start)
+        agreeing = 0
+        while agreeing < limit and prompt[start + agreeing] == tail[agreeing]:
+            agreeing += 1
+        return agreeing
 
     def _finish_now(
         self, request: Request, path: str, reason: str, matched_tokens: int, local_tokens: int, detail: str = ""

@@ -260,6 +260,25 @@ def test_shared_prefix_read_by_two_conversations(engines):
         assert loc.servable
 
 
+def test_prompt_departing_inside_the_tail_pulls_its_agreeing_start(engines):
+    """A turn whose prompt leaves the decode's tokens inside the run's partly filled last block (as a
+    re-rendered answer does) pulls the tail up to that token; the engine computes the rest of the
+    block over the pulled KV, and every full block, that one included, equals a recompute."""
+    rnd = random.Random(4)
+    prompt = rand_tokens(rnd, 2048)
+    d = first_turn(engines, prompt, 32, prefill_salt=f"cold-{uuid.uuid4()}")
+    history = prompt + d["token_ids"]
+    assert (len(history) - 1) % BS > 10, "the run must end in a partly filled block longer than the cut"
+    cut = 2048 + 10  # inside the tail block (2048..)
+    departing = 2 if history[cut] != 2 else 3
+    conv = history[:cut] + [departing] + rand_tokens(rnd, 150)
+    pf = prefill_and_check(engines, conv)  # KV compared on every full block, the departed one included
+    assert pf.span["kvloop.path"] == "transfer", pf.span
+    assert pf.span["kvloop.matched_tokens"] == cut
+    assert pf.out["num_cached_tokens"] == cut
+    assert len(pf.kv_diffs) == len(conv) // BS > cut // BS
+
+
 def test_missing_holder_recomputes(engines):
     rnd = random.Random(4)
     pf = prefill_and_check(engines, rand_tokens(rnd, 900))
