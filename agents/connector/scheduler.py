@@ -26,6 +26,7 @@ from kvloop.agents.connector.events import (
     KvloopRetentionReleased,
     KvloopTransferReport,
 )
+from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.common.tracing import configure_tracing
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -303,10 +304,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             return 0
         prompt = request.prompt_token_ids or []
         limit = min(len(tail), request.num_prompt_tokens - 1 - start)
-        agreeing = 0
-        while agreeing < limit and prompt[start + agreeing] == tail[agreeing]:
-            agreeing += 1
-        return agreeing
+        return agreeing_prefix_length(prompt[start:start + limit], tail) if limit > 0 else 0
 
     def _finish_now(
         self, request: Request, path: str, reason: str, matched_tokens: int, local_tokens: int, detail: str = ""

@@ -28,6 +28,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.demo.model import WORDS, build_tiny_llama
+from kvloop.common.tokens import agreeing_prefix_length
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
 WORKLOADS = ("plain", "shared_prefix", "edited")
@@ -156,14 +157,7 @@ def wrong_pulled_blocks(held: list[list[int]], prompt: list[int], pulled_tokens:
     positions is at or past the longest such agreement."""
     if pulled_tokens <= 0:
         return 0
-    common = 0
-    for sequence in held:
-        n = 0
-        for a, b in zip(sequence, prompt):
-            if a != b:
-                break
-            n += 1
-        common = max(common, n)
+    common = max((agreeing_prefix_length(sequence, prompt) for sequence in held), default=0)
     if pulled_tokens <= common:
         return 0
     return -(-pulled_tokens // block_size) - common // block_size
