@@ -187,9 +187,9 @@ def test_plots_draw_a_panel_per_workload_and_sessions(tmp_path: Path):
                for arm in ("recompute", "kvloop") for workload in ("plain", "edited")
                for concurrency in (1, 8) for turn in (1, 2, 3)]
     samples.append(TurnSample("builtin", "plain", 1, 0, 2, 2000, 50.0, 0, "transfer", "a"))  # one arm in one group
-    paths = plot(samples, tmp_path)
+    paths = plot(samples, summarize(samples, BS)["by_context"], tmp_path)
     assert [Path(p).name for p in paths] == ["ttft_vs_context.png", "ttft_distribution.png"]
     for path in paths:
         height, width, _ = matplotlib.image.imread(path).shape
         assert width > 1.5 * height  # 4 groups: 3 panels by 2 (a single panel is 5.5 x 4.2)
-    assert plot([s for s in samples if s.turn == 1], tmp_path / "none") == []  # no continuation turns
+    assert plot([s for s in samples if s.turn == 1], [], tmp_path / "none") == []  # no continuation turns

@@ -325,9 +325,8 @@ def summarize(samples: list[TurnSample], block_size: int,
     bytes moved, READ time and where the time went inside the engine. Also the same TTFTs per context length, per-turn paired ratios between arms,
     and the first turns of new conversations that share a long prefix."""
     continuations = [s for s in samples if s.turn > 1]
-    groups: dict[tuple, list[TurnSample]] = {}
-    for s in continuations:
-        groups.setdefault((s.workload, s.concurrency, s.arm), []).append(s)
+    groups = _by_cell(continuations)
+    all_turns = _by_cell(samples)
     rows = []
     for (workload, concurrency, arm), group in sorted(groups.items()):
         ttfts = [s.ttft_ms for s in group]
@@ -344,7 +343,7 @@ def summarize(samples: list[TurnSample], block_size: int,
             "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p90_ms": percentile(ttfts, 0.9),
             # Engine metrics cover every turn of the workload, so the breakdown beside them does too.
             "ttft_mean_all_turns_ms": round(statistics.fmean(
-                x.ttft_ms for x in samples if (x.workload, x.concurrency, x.arm) == (workload, concurrency, arm)), 1),
+                x.ttft_ms for x in all_turns[(workload, concurrency, arm)]), 1),
             "ttft_p50_by_repeat_ms": [round(statistics.median(v), 1) for _, v in sorted(by_repeat.items())],
             "ratio_to_recompute_p50": round(statistics.median(ttfts) / base, 3) if base else None,
             "transfer_share": round(sum(s.cached_tokens > 0 for s in group) / len(group), 3),
@@ -360,6 +359,14 @@ def summarize(samples: list[TurnSample], block_size: int,
         })
     return {"rows": rows, "by_context": _by_context(continuations), "paired": _paired(continuations),
             "shared_prefix_new_conversations": _new_conversations(samples)}
+
+
+def _by_cell(samples: list[TurnSample]) -> dict[tuple[str, int, str], list[TurnSample]]:
+    """Samples per (workload, concurrency, arm), in their order."""
+    cells: dict[tuple[str, int, str], list[TurnSample]] = {}
+    for s in samples:
+        cells.setdefault((s.workload, s.concurrency, s.arm), []).append(s)
+    return cells
 
 
 def _by_context(continuations: list[TurnSample]) -> list[dict]:
@@ -439,19 +446,20 @@ def _connector_columns(group: list[TurnSample]) -> dict:
     return columns
 
 
-def plot(samples: list[TurnSample], out: Path) -> list[str]:
+def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[str]:
     """Two PNGs, a panel per (workload, sessions): TTFT vs context length (each turn a dot, the line through
-    each arm's median per 2K bucket) and the TTFT distribution per arm. Log scale: recompute is 5-20x the rest."""
+    each arm's p50 per 2K bucket from the summary's ``by_context``) and the TTFT distribution per arm.
+    Log scale: recompute is 5-20x the rest."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    continuations = [s for s in samples if s.turn > 1]
-    groups = sorted({(s.workload, s.concurrency) for s in continuations})
-    arms = [arm for arm in ARMS if any(s.arm == arm for s in continuations)]
+    cells = _by_cell([s for s in samples if s.turn > 1])
+    groups = sorted({(workload, concurrency) for workload, concurrency, _ in cells})
     if not groups:
         return []
+    arms = [arm for arm in ARMS if any(a == arm for _, _, a in cells)]
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
     labels = {arm: f"{arm} (ideal: own cache kept)" if arm == FLOOR_ARM else arm for arm in arms}
     cols = min(3, len(groups))
@@ -459,32 +467,27 @@ def plot(samples: list[TurnSample], out: Path) -> list[str]:
 
     def panels(title: str):
         fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
-        fig.suptitle(title)
+        fig.suptitle(title, fontsize="medium")
         for ax in axes.flat[len(groups):]:
             ax.set_visible(False)
         return fig, list(axes.flat)
-
-    def group_samples(workload: str, concurrency: int, arm: str) -> list[TurnSample]:
-        return [s for s in continuations if (s.workload, s.concurrency, s.arm) == (workload, concurrency, arm)]
 
     def panel_title(workload: str, concurrency: int) -> str:
         return f"{workload}, {concurrency} session{'s' if concurrency > 1 else ''}"
 
     paths = []
-    fig, axes = panels("Continuation TTFT vs context length (dots: turns; line: median per 2K tokens)")
+    fig, axes = panels("Continuation TTFT vs context (dots: turns; line: p50 per 2K tokens)")
     for ax, (workload, concurrency) in zip(axes, groups):
         for arm in arms:
-            group = group_samples(workload, concurrency, arm)
+            group = cells.get((workload, concurrency, arm))
             if not group:
                 continue
             ax.scatter([s.prompt_tokens for s in group], [s.ttft_ms for s in group], s=10, alpha=0.3,
                        color=colors[arm])
-            buckets: dict[int, list[float]] = {}
-            for s in group:
-                buckets.setdefault(context_bucket(s.prompt_tokens), []).append(s.ttft_ms)
-            xs = sorted(buckets)
-            ax.plot([k * 1000 for k in xs], [statistics.median(buckets[k]) for k in xs],
-                    "o--" if arm == FLOOR_ARM else "o-", color=colors[arm], label=labels[arm])
+            line = [(c["context_k"] * 1000, c["ttft_p50_ms"]) for c in by_context
+                    if (c["workload"], c["concurrency"], c["arm"]) == (workload, concurrency, arm)]
+            ax.plot([x for x, _ in line], [y for _, y in line], "o--" if arm == FLOOR_ARM else "o-",
+                    color=colors[arm], label=labels[arm])
         ax.set_yscale("log")
         ax.set_title(panel_title(workload, concurrency))
         ax.set_xlabel("context length (prompt tokens)")
@@ -497,8 +500,8 @@ def plot(samples: list[TurnSample], out: Path) -> list[str]:
 
     fig, axes = panels("Continuation TTFT distribution per arm")
     for ax, (workload, concurrency) in zip(axes, groups):
-        present = [arm for arm in arms if group_samples(workload, concurrency, arm)]
-        ax.boxplot([[s.ttft_ms for s in group_samples(workload, concurrency, arm)] for arm in present],
+        present = [arm for arm in arms if (workload, concurrency, arm) in cells]
+        ax.boxplot([[s.ttft_ms for s in cells[(workload, concurrency, arm)]] for arm in present],
                    tick_labels=present)
         ax.set_yscale("log")
         ax.set_title(panel_title(workload, concurrency))
@@ -570,7 +573,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                   "summary": summary, "samples": [asdict(s) for s in samples],
                   "engine_start_s": {arm: [round(e.started_s or 0, 1) for e in s.engines] for arm, s in stacks.items()},
                   "wall_s": round(time.monotonic() - started, 1)}
-        result["plots"] = plot(samples, config.workdir)
+        result["plots"] = plot(samples, summary["by_context"], config.workdir)
         return result
     finally:
         for stack in stacks.values():
