@@ -83,22 +83,52 @@ class EngineConfig:
         }
 
     def kv_events_config(self) -> dict:
-        return {"enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://*:{self.kv_events_port}", "replay_endpoint": f"tcp://*:{self.kv_events_port + 1}",
-                "topic": ""}
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.kv_events_port}",
+            "replay_endpoint": f"tcp://*:{self.kv_events_port + 1}",
+            "topic": "",
+        }
 
     def vllm_command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "kvloop.agents.vllm_main", "serve", self.model,
-               "--served-model-name", self.served_model_name, "--host", self.host, "--port", str(self.port),
-               "--dtype", self.dtype, "--enforce-eager", "--block-size", str(self.block_size),
-               "--max-model-len", str(self.max_model_len), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-               "--prefix-caching-hash-algo", "sha256_cbor", "--distributed-executor-backend", "uni",
-               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
-               "--kv-transfer-config", json.dumps(self.kv_transfer_config()),
-               "--kv-events-config", json.dumps(self.kv_events_config())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvloop.agents.vllm_main",
+            "serve",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--enforce-eager",
+            "--block-size",
+            str(self.block_size),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--prefix-caching-hash-algo",
+            "sha256_cbor",
+            "--distributed-executor-backend",
+            "uni",
+            "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log",
+            "--kv-transfer-config",
+            json.dumps(self.kv_transfer_config()),
+            "--kv-events-config",
+            json.dumps(self.kv_events_config()),
+        ]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
-        otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT"
+        )
         if otlp:
             # vLLM's own request spans, joined to the proxy's trace through the traceparent header.
             cmd += ["--otlp-traces-endpoint", otlp]
@@ -106,32 +136,54 @@ class EngineConfig:
 
     def vllm_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update({
-            "VLLM_TARGET_DEVICE": "cpu",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
-            # Full sha256 digests in KV events, so the directory can index prefix-cache blocks too.
-            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
-            # sha256_cbor block hashes are seeded from PYTHONHASHSEED: the same on every engine.
-            "PYTHONHASHSEED": env.get("PYTHONHASHSEED", "0"),
-            "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
-            "UCX_TLS": env.get("UCX_TLS", "cma,tcp,self"),
-            "OTEL_SERVICE_NAME": f"vllm-{self.role}",
-        })
+        env.update(
+            {
+                "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+                # Full sha256 digests in KV events, so the directory can index prefix-cache blocks too.
+                "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
+                # sha256_cbor block hashes are seeded from PYTHONHASHSEED: the same on every engine.
+                "PYTHONHASHSEED": env.get("PYTHONHASHSEED", "0"),
+                "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
+                "UCX_TLS": env.get("UCX_TLS", "cma,tcp,self"),
+                "OTEL_SERVICE_NAME": f"vllm-{self.role}",
+            }
+        )
         env.update(self.env)
         return env
 
     def agent_command(self) -> list[str]:
         bin_dir = Path(sys.executable).parent
-        return [str(bin_dir / "kvloop-agent"), "--daemon", self.daemon, "--worker-id", self.worker_id,
-                "--role", self.role, "--model", self.served_model_name, "--engine-id", self.worker_id,
-                "--nixl-endpoint", f"{self.host}:{self.nixl_port}", "--http-endpoint", self.url,
-                "--block-size", str(self.block_size), "--kv-bytes-per-block", str(self.kv_bytes_per_block),
-                "--kv-events", f"tcp://127.0.0.1:{self.kv_events_port}",
-                "--kv-events-replay", f"tcp://127.0.0.1:{self.kv_events_port + 1}",
-                "--health-listen", f"127.0.0.1:{self.agent_health_port}" if self.agent_health_port else ""]
+        return [
+            str(bin_dir / "kvloop-agent"),
+            "--daemon",
+            self.daemon,
+            "--worker-id",
+            self.worker_id,
+            "--role",
+            self.role,
+            "--model",
+            self.served_model_name,
+            "--engine-id",
+            self.worker_id,
+            "--nixl-endpoint",
+            f"{self.host}:{self.nixl_port}",
+            "--http-endpoint",
+            self.url,
+            "--block-size",
+            str(self.block_size),
+            "--kv-bytes-per-block",
+            str(self.kv_bytes_per_block),
+            "--kv-events",
+            f"tcp://127.0.0.1:{self.kv_events_port}",
+            "--kv-events-replay",
+            f"tcp://127.0.0.1:{self.kv_events_port + 1}",
+            "--health-listen",
+            f"127.0.0.1:{self.agent_health_port}" if self.agent_health_port else "",
+        ]
 
 
 class EngineStartError(RuntimeError):
@@ -159,22 +211,34 @@ class Engine:
     def launch(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
-        self.vllm = subprocess.Popen(self.config.vllm_command(), env=self.config.vllm_env(),
-                                     stdout=self.vllm_log.open("w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.vllm = subprocess.Popen(
+            self.config.vllm_command(),
+            env=self.config.vllm_env(),
+            stdout=self.vllm_log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         if self.config.mode == "kvloop":
-            self.agent = subprocess.Popen(self.config.agent_command(), stdout=self.agent_log.open("w"),
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            self.agent = subprocess.Popen(
+                self.config.agent_command(),
+                stdout=self.agent_log.open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def ready(self) -> bool:
         """Poll once: True when the server answers /health; raises if a process died."""
         assert self.vllm is not None
         if self.vllm.poll() is not None:
             tail = "\n".join(self.vllm_log.read_text().splitlines()[-30:])
-            raise EngineStartError(f"vLLM {self.config.worker_id} exited with {self.vllm.returncode}:\n{tail}")
+            raise EngineStartError(
+                f"vLLM {self.config.worker_id} exited with {self.vllm.returncode}:\n{tail}"
+            )
         if self.agent is not None and self.agent.poll() is not None:
             tail = "\n".join(self.agent_log.read_text().splitlines()[-20:])
-            raise EngineStartError(f"kvloop-agent {self.config.worker_id} exited with {self.agent.returncode}:\n{tail}")
+            raise EngineStartError(
+                f"kvloop-agent {self.config.worker_id} exited with {self.agent.returncode}:\n{tail}"
+            )
         try:
             with urllib.request.urlopen(f"{self.config.url}/health", timeout=2) as r:
                 ok = r.status == 200

@@ -85,8 +85,13 @@ def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
 class _ClientBase:
     """Request builders and public methods; subclasses define `_invoke`."""
 
-    def __init__(self, target: str | None = None, security: ClientSecurity | None = None,
-                 timeout: float = 5.0, max_message_bytes: int = 16 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        security: ClientSecurity | None = None,
+        timeout: float = 5.0,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
         self.target = target or default_target()
         self.security = security or ClientSecurity.from_env()
         self.timeout = timeout
@@ -97,21 +102,42 @@ class _ClientBase:
     def _open(self, options: list) -> Any:
         raise NotImplementedError
 
-    def _invoke(self, method: str, request: Any, transform: Callable[[Any], Any] = _identity,
-                timeout: float | None = None) -> Any:
+    def _invoke(
+        self,
+        method: str,
+        request: Any,
+        transform: Callable[[Any], Any] = _identity,
+        timeout: float | None = None,
+    ) -> Any:
         raise NotImplementedError
 
-    def lookup(self, model: str, block_hashes: Sequence[bytes] | bytes, *, local_blocks: int = 0,
-               requester: str = "", claim: bool = False, lora_name: str = "", block_size: int = 0,
-               pack_block_ids: bool = False, timeout: float | None = None) -> pb.LookupResponse:
+    def lookup(
+        self,
+        model: str,
+        block_hashes: Sequence[bytes] | bytes,
+        *,
+        local_blocks: int = 0,
+        requester: str = "",
+        claim: bool = False,
+        lora_name: str = "",
+        block_size: int = 0,
+        pack_block_ids: bool = False,
+        timeout: float | None = None,
+    ) -> pb.LookupResponse:
         """Ask for the longest servable prefix.
 
         `block_hashes` may be a list or the hashes concatenated (the fast path); with
         `pack_block_ids` holders carry `packed_block_ids` (read them with `holder_block_ids`).
         """
-        request = pb.LookupRequest(model=model, lora_name=lora_name, local_blocks=local_blocks,
-                                   requester_worker_id=requester, claim=claim, block_size=block_size,
-                                   pack_block_ids=pack_block_ids)
+        request = pb.LookupRequest(
+            model=model,
+            lora_name=lora_name,
+            local_blocks=local_blocks,
+            requester_worker_id=requester,
+            claim=claim,
+            block_size=block_size,
+            pack_block_ids=pack_block_ids,
+        )
         if isinstance(block_hashes, (bytes, bytearray)):
             request.packed_block_hashes = bytes(block_hashes)
         else:
@@ -122,15 +148,19 @@ class _ClientBase:
         return self._invoke("ListWorkers", pb.ListWorkersRequest(model=model), lambda r: list(r.workers))
 
     def find_block(self, model: str, block_hash: bytes, lora_name: str = "") -> list[pb.BlockLocation]:
-        return self._invoke("FindBlock", pb.FindBlockRequest(model=model, lora_name=lora_name, block_hash=block_hash),
-                            lambda r: list(r.locations))
+        return self._invoke(
+            "FindBlock",
+            pb.FindBlockRequest(model=model, lora_name=lora_name, block_hash=block_hash),
+            lambda r: list(r.locations),
+        )
 
     def stats(self) -> pb.GetStatsResponse:
         return self._invoke("GetStats", pb.GetStatsRequest())
 
     def drain(self, worker_id: str, reason: str = "") -> bool:
-        return self._invoke("DrainWorker", pb.DrainWorkerRequest(worker_id=worker_id, reason=reason),
-                            lambda r: r.delivered)
+        return self._invoke(
+            "DrainWorker", pb.DrainWorkerRequest(worker_id=worker_id, reason=reason), lambda r: r.delivered
+        )
 
 
 class DirectoryClient(_ClientBase):
@@ -143,7 +173,9 @@ class DirectoryClient(_ClientBase):
 
     def _invoke(self, method, request, transform=_identity, timeout=None):
         try:
-            response = getattr(self.stub, method)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            response = getattr(self.stub, method)(
+                request, timeout=timeout or self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, self.target) from None
         return transform(response)
@@ -158,13 +190,16 @@ class DirectoryClient(_ClientBase):
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE,
-                                    f"cannot reach kvloopd at {self.target} within {timeout:.0f}s", self.target) from None
+            raise DaemonUnavailable(
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot reach kvloopd at {self.target} within {timeout:.0f}s",
+                self.target,
+            ) from None
 
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "DirectoryClient":
+    def __enter__(self) -> DirectoryClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -181,8 +216,9 @@ class AsyncDirectoryClient(_ClientBase):
 
     async def _invoke(self, method, request, transform=_identity, timeout=None):
         try:
-            response = await getattr(self.stub, method)(request, timeout=timeout or self.timeout,
-                                                        metadata=self._metadata)
+            response = await getattr(self.stub, method)(
+                request, timeout=timeout or self.timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise _translate(exc, self.target) from None
         return transform(response)
@@ -201,7 +237,7 @@ class AsyncDirectoryClient(_ClientBase):
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncDirectoryClient":
+    async def __aenter__(self) -> AsyncDirectoryClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -47,8 +47,10 @@ class TlsSettings(BaseModel):
                 context.load_verify_locations(self.client_ca_file)
                 context.verify_mode = ssl.CERT_REQUIRED
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"cannot use the TLS files (cert {self.cert_file}, key {self.key_file}, client CA "
-                             f"{self.client_ca_file}): {exc}") from None
+            raise ValueError(
+                f"cannot use the TLS files (cert {self.cert_file}, key {self.key_file}, client CA "
+                f"{self.client_ca_file}): {exc}"
+            ) from None
         return context
 
     def server_credentials(self) -> grpc.ServerCredentials:
@@ -70,16 +72,18 @@ class ClientSecurity(BaseModel):
     key_file: Path | None = None
 
     @model_validator(mode="after")
-    def _pair(self) -> "ClientSecurity":
+    def _pair(self) -> ClientSecurity:
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("client cert_file and key_file go together (mutual TLS)")
         return self
 
     @classmethod
-    def from_env(cls, prefix: str = "KVLOOP_") -> "ClientSecurity":
+    def from_env(cls, prefix: str = "KVLOOP_") -> ClientSecurity:
         """KVLOOP_TOKEN, KVLOOP_CA_FILE, KVLOOP_CERT_FILE, KVLOOP_KEY_FILE (unset ones stay off)."""
-        values = {key: os.environ.get(f"{prefix}{key.upper()}") or None
-                  for key in ("token", "ca_file", "cert_file", "key_file")}
+        values = {
+            key: os.environ.get(f"{prefix}{key.upper()}") or None
+            for key in ("token", "ca_file", "cert_file", "key_file")
+        }
         return cls(**values)
 
     @property

@@ -9,7 +9,7 @@ def agreeing_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two sequences share. With causal attention the KV computed for one is
     right for the other at exactly these positions."""
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -1,8 +1,9 @@
 """OpenTelemetry setup from the standard OTEL_* variables.
 
 Tracing is on when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set, or when a span
-file is given (argument or KVLOOP_SPAN_FILE: the demo's local fallback, JSON lines); OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn
-it off. With tracing off the no-op API provider stays installed and costs nothing.
+file is given (argument or KVLOOP_SPAN_FILE: the demo's local fallback, JSON lines);
+OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none turn it off.
+With tracing off the no-op API provider stays installed and costs nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from pathlib import Path
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 
 _configured: TracerProvider | None = None
 
@@ -28,7 +34,7 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def export(self, spans: "list[ReadableSpan]") -> SpanExportResult:
+    def export(self, spans: list[ReadableSpan]) -> SpanExportResult:
         lines = [span.to_json(indent=None) for span in spans]
         with self._lock, self._path.open("a") as out:
             out.write("\n".join(lines) + "\n")

@@ -84,7 +84,9 @@ _explicit_config: Path | None = None
 
 
 def _config_path() -> Path | None:
-    path = _explicit_config or (Path(os.environ["KVLOOP_CONFIG"]) if os.environ.get("KVLOOP_CONFIG") else None)
+    path = _explicit_config or (
+        Path(os.environ["KVLOOP_CONFIG"]) if os.environ.get("KVLOOP_CONFIG") else None
+    )
     if path is not None:
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")

@@ -17,23 +17,43 @@ app = typer.Typer(add_completion=False, help="kvloop block-directory daemon.")
 
 @app.command()
 def run(
-    config: Annotated[Optional[Path], typer.Option(
-        "--config", "-c", help="TOML file (default /etc/kvloop/kvloopd.toml if present; env KVLOOP_CONFIG)")] = None,
+    config: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--config",
+            "-c",
+            help="TOML file (default /etc/kvloop/kvloopd.toml if present; env KVLOOP_CONFIG)",
+        ),
+    ] = None,
     listen: Annotated[Optional[str], typer.Option(help="gRPC HOST:PORT (env KVLOOP_LISTEN)")] = None,
-    metrics_listen: Annotated[Optional[str], typer.Option(
-        help="Prometheus HOST:PORT, '' to disable (env KVLOOP_METRICS_LISTEN)")] = None,
+    metrics_listen: Annotated[
+        Optional[str], typer.Option(help="Prometheus HOST:PORT, '' to disable (env KVLOOP_METRICS_LISTEN)")
+    ] = None,
     log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error")] = None,
-    log_json: Annotated[Optional[bool], typer.Option(
-        "--log-json/--log-console", help="JSON log lines (default: JSON unless stderr is a terminal)")] = None,
-    span_file: Annotated[Optional[str], typer.Option(help="also write spans as JSON lines to this file")] = None,
-    check_config: Annotated[bool, typer.Option(
-        "--check-config", help="validate the configuration, print it and exit")] = False,
+    log_json: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--log-json/--log-console", help="JSON log lines (default: JSON unless stderr is a terminal)"
+        ),
+    ] = None,
+    span_file: Annotated[
+        Optional[str], typer.Option(help="also write spans as JSON lines to this file")
+    ] = None,
+    check_config: Annotated[
+        bool, typer.Option("--check-config", help="validate the configuration, print it and exit")
+    ] = False,
 ) -> None:
     from kvloop.daemon.config import load_settings
 
     try:
-        settings = load_settings(config, listen=listen, metrics_listen=metrics_listen, log_level=log_level,
-                                 log_json=log_json, span_file=span_file)
+        settings = load_settings(
+            config,
+            listen=listen,
+            metrics_listen=metrics_listen,
+            log_level=log_level,
+            log_json=log_json,
+            span_file=span_file,
+        )
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"kvloopd: invalid configuration:\n{exc}", err=True)
         raise typer.Exit(2) from None

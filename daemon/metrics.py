@@ -16,7 +16,9 @@ RESYNCS = Counter("kvloop_resyncs_total", "Full-state resyncs requested or perfo
 REJECTED = Counter("kvloop_rejected_messages_total", "Messages refused as bad input", ["rpc", "reason"])
 EVICTIONS = Counter("kvloop_evictions_total", "Directory entries evicted by the memory bound")
 EXPIRED_RUNS = Counter("kvloop_expired_retentions_total", "Retained runs dropped at lease end")
-TRANSFER_REPORTS = Counter("kvloop_transfer_reports_total", "Transfer telemetry reports", ["ok", "first_contact"])
+TRANSFER_REPORTS = Counter(
+    "kvloop_transfer_reports_total", "Transfer telemetry reports", ["ok", "first_contact"]
+)
 ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
 WORKERS = Gauge("kvloop_workers", "Registered workers by lease state", ["state"])
 CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect stream")

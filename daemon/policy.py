@@ -77,8 +77,17 @@ class CostModel:
     def config_for(self, model: str) -> PolicyConfig:
         return self.per_model.get(model, self.default)
 
-    def record_transfer(self, puller: str, holder: str, nbytes: int, duration_us: int, setup_us: int,
-                        ok: bool, model: str, first_contact: bool = False) -> None:
+    def record_transfer(
+        self,
+        puller: str,
+        holder: str,
+        nbytes: int,
+        duration_us: int,
+        setup_us: int,
+        ok: bool,
+        model: str,
+        first_contact: bool = False,
+    ) -> None:
         # A failed READ says nothing about bandwidth; a first READ includes the one-time handshake
         # (the caller's metrics count it, the estimate does not).
         if not ok or duration_us <= 0 or first_contact:
@@ -106,45 +115,85 @@ class CostModel:
         measured = self._prefill.get(worker)
         return measured.value if measured else 0.0
 
-    def decide(self, model: str, match: PrefixMatch, prompt_blocks: int, local_blocks: int,
-               block_size: int, requester: str, allow_transfer: bool = True) -> Verdict:
+    def decide(
+        self,
+        model: str,
+        match: PrefixMatch,
+        prompt_blocks: int,
+        local_blocks: int,
+        block_size: int,
+        requester: str,
+        allow_transfer: bool = True,
+    ) -> Verdict:
         config = self.config_for(model)
         best = match.best
         if best is None:
             if match.unservable_reason:
-                return Verdict(pb.DECISION_RECOMPUTE, _UNSERVABLE[match.unservable_reason],
-                               f"blocks beyond the local prefix are held but not servable: {match.unservable_reason}",
-                               None)
+                return Verdict(
+                    pb.DECISION_RECOMPUTE,
+                    _UNSERVABLE[match.unservable_reason],
+                    f"blocks beyond the local prefix are held but not servable: {match.unservable_reason}",
+                    None,
+                )
             if local_blocks > 0:
-                return Verdict(pb.DECISION_LOCAL, pb.DECISION_REASON_LOCAL_PREFIX,
-                               f"no peer holds more than the local {local_blocks} blocks", None)
-            return Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_MISS, "no peer holds the first block", None)
+                return Verdict(
+                    pb.DECISION_LOCAL,
+                    pb.DECISION_REASON_LOCAL_PREFIX,
+                    f"no peer holds more than the local {local_blocks} blocks",
+                    None,
+                )
+            return Verdict(
+                pb.DECISION_RECOMPUTE, pb.DECISION_REASON_MISS, "no peer holds the first block", None
+            )
         gain_tokens = (best.matched_blocks - local_blocks) * block_size
         if not (config.enabled and allow_transfer):
             return Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_DISABLED, "transfer disabled", None)
-        cost = self._estimate(best.worker.worker_id, requester, best.worker.kv_bytes_per_block,
-                              best.matched_blocks - local_blocks, gain_tokens, config)
+        cost = self._estimate(
+            best.worker.worker_id,
+            requester,
+            best.worker.kv_bytes_per_block,
+            best.matched_blocks - local_blocks,
+            gain_tokens,
+            config,
+        )
         if gain_tokens < config.recompute_threshold_tokens:
-            return Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD,
-                           f"{gain_tokens} transferable tokens < threshold {config.recompute_threshold_tokens}", cost)
+            return Verdict(
+                pb.DECISION_RECOMPUTE,
+                pb.DECISION_REASON_BELOW_THRESHOLD,
+                f"{gain_tokens} transferable tokens < threshold {config.recompute_threshold_tokens}",
+                cost,
+            )
         pair = (best.worker.worker_id, requester)
         if cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio:
             self._recompute_streak.pop(pair, None)
-            return Verdict(pb.DECISION_TRANSFER, pb.DECISION_REASON_TRANSFER_FASTER,
-                           f"transfer ~{cost.transfer_ms:.2f} ms < recompute ~{cost.recompute_ms:.2f} ms", cost)
+            return Verdict(
+                pb.DECISION_TRANSFER,
+                pb.DECISION_REASON_TRANSFER_FASTER,
+                f"transfer ~{cost.transfer_ms:.2f} ms < recompute ~{cost.recompute_ms:.2f} ms",
+                cost,
+            )
         if pair in self._bandwidth and config.reprobe_every:
             streak = self._recompute_streak.get(pair, 0) + 1
             if streak >= config.reprobe_every:
                 self._recompute_streak.pop(pair, None)
-                return Verdict(pb.DECISION_TRANSFER, pb.DECISION_REASON_PROBE,
-                               f"re-measuring: the last {streak - 1} estimates favoured recompute "
-                               f"(~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms)", cost)
+                return Verdict(
+                    pb.DECISION_TRANSFER,
+                    pb.DECISION_REASON_PROBE,
+                    f"re-measuring: the last {streak - 1} estimates favoured recompute "
+                    f"(~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms)",
+                    cost,
+                )
             self._recompute_streak[pair] = streak
-        return Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_RECOMPUTE_FASTER,
-                       f"recompute ~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms", cost)
+        return Verdict(
+            pb.DECISION_RECOMPUTE,
+            pb.DECISION_REASON_RECOMPUTE_FASTER,
+            f"recompute ~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms",
+            cost,
+        )
 
-    def _estimate(self, holder: str, puller: str, bytes_per_block: int, blocks: int, tokens: int,
-                  config: PolicyConfig) -> pb.CostEstimate:
+    def _estimate(
+        self, holder: str, puller: str, bytes_per_block: int, blocks: int, tokens: int, config: PolicyConfig
+    ) -> pb.CostEstimate:
         nbytes = bytes_per_block * blocks
         bandwidth = self._bandwidth.get((holder, puller))
         setup = self._setup.get((holder, puller))
@@ -152,7 +201,9 @@ class CostModel:
             transfer_s = setup.value + nbytes / bandwidth.value
             transfer_basis = f"measured ({bandwidth.samples} reads)"
         else:
-            transfer_s = config.default_transfer_setup_ms / 1e3 + nbytes / (config.default_transfer_gbytes_per_s * 1e9)
+            transfer_s = config.default_transfer_setup_ms / 1e3 + nbytes / (
+                config.default_transfer_gbytes_per_s * 1e9
+            )
             transfer_basis = "default"
         prefill = self._prefill.get(puller)
         tokens_per_s = prefill.value if prefill else config.default_prefill_tokens_per_s

@@ -76,8 +76,10 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         tls = settings.tls
         try:
             metrics_server, _ = start_http_server(
-                mport, addr=mhost,
-                certfile=str(tls.cert_file) if tls else None, keyfile=str(tls.key_file) if tls else None,
+                mport,
+                addr=mhost,
+                certfile=str(tls.cert_file) if tls else None,
+                keyfile=str(tls.key_file) if tls else None,
                 client_cafile=str(tls.client_ca_file) if tls and tls.client_ca_file else None,
                 client_auth_required=bool(tls and tls.client_ca_file),
             )
@@ -86,8 +88,15 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
             raise DaemonStartError(f"cannot serve metrics on {settings.metrics_listen}: {exc}") from None
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    log.info("kvloopd listening", listen=settings.listen, port=bound, metrics=settings.metrics_listen or None,
-             tls=settings.tls is not None, auth=bool(settings.tokens), lease_s=settings.lease_s)
+    log.info(
+        "kvloopd listening",
+        listen=settings.listen,
+        port=bound,
+        metrics=settings.metrics_listen or None,
+        tls=settings.tls is not None,
+        auth=bool(settings.tokens),
+        lease_s=settings.lease_s,
+    )
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -23,9 +23,9 @@ from kvloop.daemon.index import (
     Change,
     Cleared,
     DirectoryError,
+    DirectoryStore,
     Event,
     Holding,
-    DirectoryStore,
     LeaseState,
     Namespace,
     Released,
@@ -41,11 +41,14 @@ from kvloop.v1 import directory_pb2_grpc as pb_grpc
 log = structlog.get_logger("kvloop.daemon")
 
 MAX_ID_LENGTH = 256
-_STATUS = {name: getattr(grpc.StatusCode, name) for name in ("ALREADY_EXISTS", "FAILED_PRECONDITION",
-                                                               "INVALID_ARGUMENT", "NOT_FOUND")}
+_STATUS = {
+    name: getattr(grpc.StatusCode, name)
+    for name in ("ALREADY_EXISTS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "NOT_FOUND")
+}
 _DECISION_NAMES = {v: pb.Decision.Name(v).removeprefix("DECISION_").lower() for v in pb.Decision.values()}
-_REASON_NAMES = {v: pb.DecisionReason.Name(v).removeprefix("DECISION_REASON_").lower()
-                 for v in pb.DecisionReason.values()}
+_REASON_NAMES = {
+    v: pb.DecisionReason.Name(v).removeprefix("DECISION_REASON_").lower() for v in pb.DecisionReason.values()
+}
 
 
 class BadInput(Exception):
@@ -59,7 +62,7 @@ class BadInput(Exception):
 class PackedHashes(Sequence[bytes]):
     """A view of concatenated fixed-length hashes; slices only the hashes a lookup probes."""
 
-    __slots__ = ("_data", "_width", "_n")
+    __slots__ = ("_data", "_n", "_width")
 
     def __init__(self, data: bytes, width: int) -> None:
         self._data, self._width, self._n = data, width, len(data) // width
@@ -73,7 +76,7 @@ class PackedHashes(Sequence[bytes]):
         if not 0 <= i < self._n:
             raise IndexError(i)
         w = self._width
-        return self._data[i * w:(i + 1) * w]
+        return self._data[i * w : (i + 1) * w]
 
 
 @dataclass(eq=False)
@@ -99,8 +102,10 @@ def _check_hashes(hashes: Sequence[bytes], width: int, limit: int, where: str) -
     lengths = set(map(len, hashes))
     if lengths != {width}:
         bad = sorted(lengths - {width})
-        raise BadInput("hash_length", f"{where}: block hashes must be {width} bytes (registered hash_length), "
-                                      f"got lengths {bad}")
+        raise BadInput(
+            "hash_length",
+            f"{where}: block hashes must be {width} bytes (registered hash_length), got lengths {bad}",
+        )
 
 
 def _spec_from(reg: pb.WorkerRegistration) -> WorkerSpec:
@@ -125,12 +130,23 @@ def _spec_from(reg: pb.WorkerRegistration) -> WorkerSpec:
         raise BadInput("registration", "invalid registration: " + "; ".join(problems))
     p = reg.parallel
     return WorkerSpec(
-        worker_id=reg.worker_id, role=reg.role, model=reg.model, engine_id=reg.engine_id,
-        nixl_endpoint=reg.nixl_endpoint, block_size=reg.block_size, hash_algorithm=reg.hash_algorithm,
-        hash_length=reg.hash_length, epoch=reg.epoch, kv_bytes_per_block=reg.kv_bytes_per_block,
+        worker_id=reg.worker_id,
+        role=reg.role,
+        model=reg.model,
+        engine_id=reg.engine_id,
+        nixl_endpoint=reg.nixl_endpoint,
+        block_size=reg.block_size,
+        hash_algorithm=reg.hash_algorithm,
+        hash_length=reg.hash_length,
+        epoch=reg.epoch,
+        kv_bytes_per_block=reg.kv_bytes_per_block,
         http_endpoint=reg.http_endpoint,
-        parallel=(p.tensor_parallel_size or 1, p.pipeline_parallel_size or 1, p.data_parallel_size or 1,
-                  p.data_parallel_rank),
+        parallel=(
+            p.tensor_parallel_size or 1,
+            p.pipeline_parallel_size or 1,
+            p.data_parallel_size or 1,
+            p.data_parallel_rank,
+        ),
         labels=dict(reg.labels),
     )
 
@@ -138,18 +154,34 @@ def _spec_from(reg: pb.WorkerRegistration) -> WorkerSpec:
 def _registration(spec: WorkerSpec) -> pb.WorkerRegistration:
     tp, pp, dp, rank = spec.parallel
     return pb.WorkerRegistration(
-        worker_id=spec.worker_id, role=spec.role, model=spec.model, engine_id=spec.engine_id,
-        nixl_endpoint=spec.nixl_endpoint, block_size=spec.block_size, hash_algorithm=spec.hash_algorithm,
-        hash_length=spec.hash_length, epoch=spec.epoch, kv_bytes_per_block=spec.kv_bytes_per_block,
-        http_endpoint=spec.http_endpoint, labels=spec.labels,
-        parallel=pb.ParallelLayout(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                   data_parallel_size=dp, data_parallel_rank=rank),
+        worker_id=spec.worker_id,
+        role=spec.role,
+        model=spec.model,
+        engine_id=spec.engine_id,
+        nixl_endpoint=spec.nixl_endpoint,
+        block_size=spec.block_size,
+        hash_algorithm=spec.hash_algorithm,
+        hash_length=spec.hash_length,
+        epoch=spec.epoch,
+        kv_bytes_per_block=spec.kv_bytes_per_block,
+        http_endpoint=spec.http_endpoint,
+        labels=spec.labels,
+        parallel=pb.ParallelLayout(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=rank
+        ),
     )
 
 
 class DirectoryService(pb_grpc.DirectoryServicer):
-    def __init__(self, store: DirectoryStore, cost: CostModel, *, heartbeat_interval_s: float,
-                 max_hashes: int, tokens: Sequence[TokenGrant] = ()) -> None:
+    def __init__(
+        self,
+        store: DirectoryStore,
+        cost: CostModel,
+        *,
+        heartbeat_interval_s: float,
+        max_hashes: int,
+        tokens: Sequence[TokenGrant] = (),
+    ) -> None:
         self.store = store
         self.cost = cost
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -166,7 +198,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     # ---- auth --------------------------------------------------------------------------------
 
-    async def _authorize(self, context: grpc.aio.ServicerContext, rpc: str, *allowed: Role) -> TokenGrant | None:
+    async def _authorize(
+        self, context: grpc.aio.ServicerContext, rpc: str, *allowed: Role
+    ) -> TokenGrant | None:
         if not self._tokens:
             return None
         header = dict(context.invocation_metadata() or ()).get("authorization", "")
@@ -174,12 +208,16 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         grant = self._tokens.get(token) if scheme.lower() == "bearer" else None
         if grant is None:
             self._reject(rpc, "unauthenticated")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or unknown bearer token (metadata 'authorization: Bearer <token>')")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or unknown bearer token (metadata 'authorization: Bearer <token>')",
+            )
         if grant.role is not Role.ADMIN and grant.role not in allowed:
             self._reject(rpc, "permission_denied")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"role {grant.role.value!r} may not call {rpc} (needs {', '.join(a.value for a in allowed)})")
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"role {grant.role.value!r} may not call {rpc} (needs {', '.join(a.value for a in allowed)})",
+            )
         return grant
 
     def _reject(self, rpc: str, reason: str) -> None:
@@ -188,8 +226,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     # ---- Connect -----------------------------------------------------------------------------
 
-    async def Connect(self, request_iterator: AsyncIterator[pb.ConnectRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ConnectResponse]:
+    async def Connect(
+        self, request_iterator: AsyncIterator[pb.ConnectRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ConnectResponse]:
         grant = await self._authorize(context, "Connect", Role.AGENT)
         session = _AgentSession(peer=context.peer())
         reader = asyncio.create_task(self._read_agent(request_iterator, session, grant))
@@ -211,16 +250,22 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                     self._publish(Change("disconnected", session.spec.worker_id, session.spec.model))
                     log.info("agent disconnected", worker_id=session.spec.worker_id, peer=session.peer)
 
-    async def _read_agent(self, requests: AsyncIterator[pb.ConnectRequest], session: _AgentSession,
-                          grant: TokenGrant | None) -> None:
+    async def _read_agent(
+        self, requests: AsyncIterator[pb.ConnectRequest], session: _AgentSession, grant: TokenGrant | None
+    ) -> None:
         try:
             async for request in requests:
                 self._handle_agent_message(request, session, grant)
             session.outbox.put_nowait(None)
         except BadInput as exc:
             self._reject("Connect", exc.reason)
-            log.warning("agent message refused", peer=session.peer, reason=exc.reason, error=str(exc),
-                        worker_id=session.spec.worker_id if session.spec else None)
+            log.warning(
+                "agent message refused",
+                peer=session.peer,
+                reason=exc.reason,
+                error=str(exc),
+                worker_id=session.spec.worker_id if session.spec else None,
+            )
             session.outbox.put_nowait(_Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
         except _Refused as exc:
             self._reject("Connect", exc.code.name.lower())
@@ -230,24 +275,33 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             raise
         except Exception:  # a bug must cost one stream, never the daemon
             log.exception("agent stream failed", peer=session.peer)
-            session.outbox.put_nowait(_Refused(grpc.StatusCode.INTERNAL, "internal error handling agent stream"))
+            session.outbox.put_nowait(
+                _Refused(grpc.StatusCode.INTERNAL, "internal error handling agent stream")
+            )
 
-    def _handle_agent_message(self, request: pb.ConnectRequest, session: _AgentSession,
-                              grant: TokenGrant | None) -> None:
+    def _handle_agent_message(
+        self, request: pb.ConnectRequest, session: _AgentSession, grant: TokenGrant | None
+    ) -> None:
         kind = request.WhichOneof("message")
         now = time.monotonic()
         if kind == "register":
             self._register(request.register, session, grant, now)
             return
         if session.spec is None:
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"first message on Connect must be register, got {kind or 'an empty message'}")
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"first message on Connect must be register, got {kind or 'an empty message'}",
+            )
         if self._sessions.get(session.spec.worker_id) is not session:
-            raise _Refused(grpc.StatusCode.ABORTED, "this stream was superseded by a newer one for the same worker")
+            raise _Refused(
+                grpc.StatusCode.ABORTED, "this stream was superseded by a newer one for the same worker"
+            )
         worker_id = session.spec.worker_id
         if kind == "heartbeat":
             self.store.heartbeat(worker_id, now)
-            session.outbox.put_nowait(pb.ConnectResponse(heartbeat=pb.HeartbeatAck(sent_at_us=request.heartbeat.sent_at_us)))
+            session.outbox.put_nowait(
+                pb.ConnectResponse(heartbeat=pb.HeartbeatAck(sent_at_us=request.heartbeat.sent_at_us))
+            )
         elif kind == "batch":
             self._batch(request.batch, session, now)
         elif kind == "snapshot_begin":
@@ -261,20 +315,25 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "snapshot_end without snapshot_begin")
             self.store.end_snapshot(worker_id, request.snapshot_end.sequence, now)
             session.in_snapshot = session.awaiting_resync = False
-            session.outbox.put_nowait(pb.ConnectResponse(ack=pb.BatchAck(sequence=request.snapshot_end.sequence)))
+            session.outbox.put_nowait(
+                pb.ConnectResponse(ack=pb.BatchAck(sequence=request.snapshot_end.sequence))
+            )
             self._publish(Change("resync", worker_id, session.spec.model, 0, "snapshot applied"))
             log.info("snapshot applied", worker_id=worker_id, sequence=request.snapshot_end.sequence)
         else:
             raise BadInput("empty", "ConnectRequest carries no message")
 
-    def _register(self, reg: pb.WorkerRegistration, session: _AgentSession, grant: TokenGrant | None,
-                  now: float) -> None:
+    def _register(
+        self, reg: pb.WorkerRegistration, session: _AgentSession, grant: TokenGrant | None, now: float
+    ) -> None:
         if session.spec is not None:
             raise _Refused(grpc.StatusCode.FAILED_PRECONDITION, "this stream is already registered")
         spec = _spec_from(reg)
         if grant is not None and grant.worker_id and grant.worker_id != spec.worker_id:
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED,
-                           f"this token may only publish for worker {grant.worker_id!r}, not {spec.worker_id!r}")
+            raise _Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this token may only publish for worker {grant.worker_id!r}, not {spec.worker_id!r}",
+            )
         try:
             last, resync = self.store.register(spec, reg.last_sequence, now)
         except DirectoryError as exc:
@@ -286,13 +345,27 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         if resync:
             self.resyncs += 1
             metrics.RESYNCS.labels("register").inc()
-        session.outbox.put_nowait(pb.ConnectResponse(registered=pb.RegisterAck(
-            last_applied_sequence=last, resync_required=resync,
-            heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
-            lease_ms=int(self.store.config.lease_s * 1000))))
+        session.outbox.put_nowait(
+            pb.ConnectResponse(
+                registered=pb.RegisterAck(
+                    last_applied_sequence=last,
+                    resync_required=resync,
+                    heartbeat_interval_ms=int(self.heartbeat_interval_s * 1000),
+                    lease_ms=int(self.store.config.lease_s * 1000),
+                )
+            )
+        )
         self._publish(Change("registered", spec.worker_id, spec.model, 0, f"epoch {spec.epoch}"))
-        log.info("agent registered", worker_id=spec.worker_id, model=spec.model, epoch=spec.epoch,
-                 role=pb.WorkerRole.Name(spec.role), resync_required=resync, last_sequence=last, peer=session.peer)
+        log.info(
+            "agent registered",
+            worker_id=spec.worker_id,
+            model=spec.model,
+            epoch=spec.epoch,
+            role=pb.WorkerRole.Name(spec.role),
+            resync_required=resync,
+            last_sequence=last,
+            peer=session.peer,
+        )
 
     def _batch(self, batch: pb.EventBatch, session: _AgentSession, now: float) -> None:
         spec = session.spec
@@ -312,11 +385,21 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 self.resyncs += 1
                 metrics.RESYNCS.labels("sequence_gap").inc()
                 metrics.BATCHES.labels("gap").inc()
-                log.warning("sequence gap, resync requested", worker_id=spec.worker_id, expected=last + 1,
-                            received=batch.sequence)
-                session.outbox.put_nowait(pb.ConnectResponse(resync=pb.ResyncRequest(
-                    reason=f"sequence gap: expected {last + 1}, received {batch.sequence}",
-                    expected_sequence=last + 1, received_sequence=batch.sequence)))
+                log.warning(
+                    "sequence gap, resync requested",
+                    worker_id=spec.worker_id,
+                    expected=last + 1,
+                    received=batch.sequence,
+                )
+                session.outbox.put_nowait(
+                    pb.ConnectResponse(
+                        resync=pb.ResyncRequest(
+                            reason=f"sequence gap: expected {last + 1}, received {batch.sequence}",
+                            expected_sequence=last + 1,
+                            received_sequence=batch.sequence,
+                        )
+                    )
+                )
                 return
         events = self._decode_events(batch, spec)
         self.store.apply(spec.worker_id, 0 if session.in_snapshot else batch.sequence, events, now)
@@ -325,8 +408,14 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             session.outbox.put_nowait(pb.ConnectResponse(ack=pb.BatchAck(sequence=batch.sequence)))
         if self._watchers:
             for event in events:
-                self._publish(Change(type(event).__name__.lower(), spec.worker_id, spec.model,
-                                     len(getattr(event, "hashes", ()))))
+                self._publish(
+                    Change(
+                        type(event).__name__.lower(),
+                        spec.worker_id,
+                        spec.model,
+                        len(getattr(event, "hashes", ())),
+                    )
+                )
 
     def _decode_events(self, batch: pb.EventBatch, spec: WorkerSpec) -> list[Event]:
         """Validate the whole batch before anything is applied: a bad batch changes nothing."""
@@ -343,21 +432,39 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 _check_hashes(hashes, width, limit, where)
                 groups = r.num_groups or 1
                 if len(r.block_ids) != len(hashes) * groups:
-                    raise BadInput("block_ids", f"{where}: {len(r.block_ids)} block_ids for {len(hashes)} hashes x "
-                                                f"{groups} groups")
+                    raise BadInput(
+                        "block_ids",
+                        f"{where}: {len(r.block_ids)} block_ids for {len(hashes)} hashes x {groups} groups",
+                    )
                 if not r.retention_handle:
                     raise BadInput("handle", f"{where}: retention_handle must be set")
                 if r.expires_in_ms == 0:
                     raise BadInput("expiry", f"{where}: expires_in_ms must be > 0")
                 if r.tail_token_ids or r.tail_block_ids:
                     if not 0 < len(r.tail_token_ids) < spec.block_size:
-                        raise BadInput("tail", f"{where}: {len(r.tail_token_ids)} tail_token_ids; a partly filled "
-                                               f"block holds 1 to {spec.block_size - 1}")
+                        raise BadInput(
+                            "tail",
+                            f"{where}: {len(r.tail_token_ids)} tail_token_ids; a partly filled "
+                            f"block holds 1 to {spec.block_size - 1}",
+                        )
                     if len(r.tail_block_ids) != groups:
-                        raise BadInput("tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups")
-                events.append(Retained(hashes, list(r.block_ids), groups, r.retention_handle, r.expires_in_ms,
-                                       r.single_use, r.lora_name, r.tier, list(r.tail_token_ids),
-                                       list(r.tail_block_ids)))
+                        raise BadInput(
+                            "tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups"
+                        )
+                events.append(
+                    Retained(
+                        hashes,
+                        list(r.block_ids),
+                        groups,
+                        r.retention_handle,
+                        r.expires_in_ms,
+                        r.single_use,
+                        r.lora_name,
+                        r.tier,
+                        list(r.tail_token_ids),
+                        list(r.tail_block_ids),
+                    )
+                )
             elif kind == "stored":
                 hashes = list(event.stored.block_hashes)
                 _check_hashes(hashes, width, limit, where)
@@ -377,7 +484,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             else:
                 raise BadInput("empty", f"{where}: event carries nothing")
             counts[kind] = counts.get(kind, 0) + (
-                1 if kind in ("transfer", "prefill", "released", "cleared") else len(events[-1].hashes))
+                1 if kind in ("transfer", "prefill", "released", "cleared") else len(events[-1].hashes)
+            )
         for event in telemetry:
             self._telemetry(event, spec)
         for kind, n in counts.items():
@@ -387,8 +495,16 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     def _telemetry(self, event: pb.BlockEvent, spec: WorkerSpec) -> None:
         if event.HasField("transfer"):
             t = event.transfer
-            self.cost.record_transfer(spec.worker_id, t.source_worker_id, t.bytes, t.duration_us, t.setup_us,
-                                      t.ok, spec.model, first_contact=t.first_contact)
+            self.cost.record_transfer(
+                spec.worker_id,
+                t.source_worker_id,
+                t.bytes,
+                t.duration_us,
+                t.setup_us,
+                t.ok,
+                spec.model,
+                first_contact=t.first_contact,
+            )
             metrics.TRANSFER_REPORTS.labels(str(t.ok).lower(), str(t.first_contact).lower()).inc()
         else:
             p = event.prefill
@@ -419,21 +535,27 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         self.lookups += 1
         span = trace.get_current_span()
         if span.is_recording():
-            span.set_attributes({
-                "kvloop.model": request.model,
-                "kvloop.decision": decision,
-                "kvloop.reason": reason,
-                "kvloop.matched_blocks": response.matched_blocks,
-                "kvloop.matched_tokens": response.matched_tokens,
-                "kvloop.recompute_tokens": response.recompute_tokens,
-                "kvloop.holder": response.holder.worker_id,
-                "kvloop.requester": request.requester_worker_id,
-                "kvloop.lookup_us": response.lookup_us,
-            })
+            span.set_attributes(
+                {
+                    "kvloop.model": request.model,
+                    "kvloop.decision": decision,
+                    "kvloop.reason": reason,
+                    "kvloop.matched_blocks": response.matched_blocks,
+                    "kvloop.matched_tokens": response.matched_tokens,
+                    "kvloop.recompute_tokens": response.recompute_tokens,
+                    "kvloop.holder": response.holder.worker_id,
+                    "kvloop.requester": request.requester_worker_id,
+                    "kvloop.lookup_us": response.lookup_us,
+                }
+            )
             if response.HasField("cost"):
-                span.set_attributes({"kvloop.estimated_transfer_ms": response.cost.transfer_ms,
-                                     "kvloop.estimated_recompute_ms": response.cost.recompute_ms,
-                                     "kvloop.detail": response.detail})
+                span.set_attributes(
+                    {
+                        "kvloop.estimated_transfer_ms": response.cost.transfer_ms,
+                        "kvloop.estimated_recompute_ms": response.cost.recompute_ms,
+                        "kvloop.detail": response.detail,
+                    }
+                )
         return response
 
     def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
@@ -447,31 +569,58 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             raise BadInput("hashes", "give block_hashes or packed_block_hashes, not both")
         if packed:
             if width and len(packed) % width:
-                raise BadInput("hash_length", f"packed_block_hashes is {len(packed)} bytes, "
-                                              f"not a multiple of the model's hash_length {width}")
+                raise BadInput(
+                    "hash_length",
+                    f"packed_block_hashes is {len(packed)} bytes, "
+                    f"not a multiple of the model's hash_length {width}",
+                )
             hashes: Sequence[bytes] = PackedHashes(packed, width or 32)
             if len(hashes) > self.max_hashes:
-                raise BadInput("too_many_hashes", f"{len(hashes)} block hashes exceed the limit of {self.max_hashes}")
+                raise BadInput(
+                    "too_many_hashes", f"{len(hashes)} block hashes exceed the limit of {self.max_hashes}"
+                )
         else:
             hashes = list(request.block_hashes)
             if hashes and width:
                 _check_hashes(hashes, width, self.max_hashes, "Lookup")
         if request.block_size and block_size and request.block_size != block_size:
-            raise _Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"model {request.model!r} uses block_size {block_size}; the lookup hashed with "
-                           f"{request.block_size}: the hashes cannot match")
+            raise _Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {request.model!r} uses block_size {block_size}; the lookup hashed with "
+                f"{request.block_size}: the hashes cannot match",
+            )
         n = len(hashes)
         if request.local_blocks > n:
-            raise BadInput("local_blocks", f"local_blocks {request.local_blocks} exceeds the {n} hashes given")
+            raise BadInput(
+                "local_blocks", f"local_blocks {request.local_blocks} exceeds the {n} hashes given"
+            )
         now = time.monotonic()
-        match = self.store.lookup(Namespace(request.model, request.lora_name), hashes, request.local_blocks,
-                                  request.requester_worker_id, now, claim=False)
-        verdict = self.cost.decide(request.model, match, n, request.local_blocks, block_size or 0,
-                                   request.requester_worker_id)
-        if verdict.decision == pb.DECISION_TRANSFER and request.claim and match.best and match.best.single_use:
+        match = self.store.lookup(
+            Namespace(request.model, request.lora_name),
+            hashes,
+            request.local_blocks,
+            request.requester_worker_id,
+            now,
+            claim=False,
+        )
+        verdict = self.cost.decide(
+            request.model, match, n, request.local_blocks, block_size or 0, request.requester_worker_id
+        )
+        if (
+            verdict.decision == pb.DECISION_TRANSFER
+            and request.claim
+            and match.best
+            and match.best.single_use
+        ):
             # Claim only what is actually handed out; re-run the lookup with claim (no await in between).
-            match = self.store.lookup(Namespace(request.model, request.lora_name), hashes, request.local_blocks,
-                                      request.requester_worker_id, now, claim=True)
+            match = self.store.lookup(
+                Namespace(request.model, request.lora_name),
+                hashes,
+                request.local_blocks,
+                request.requester_worker_id,
+                now,
+                claim=True,
+            )
         response = pb.LookupResponse(decision=verdict.decision, reason=verdict.reason, detail=verdict.detail)
         if verdict.cost is not None:
             response.cost.CopyFrom(verdict.cost)
@@ -488,42 +637,72 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     # ---- introspection -----------------------------------------------------------------------
 
-    async def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext) -> pb.ListWorkersResponse:
+    async def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkersResponse:
         await self._authorize(context, "ListWorkers", Role.READ, Role.PREFILL)
         response = pb.ListWorkersResponse()
         for view in self.store.workers(time.monotonic(), request.model):
             response.workers.add(
-                registration=_registration(view.spec), lease_state=int(view.state), connected=view.connected,
-                last_applied_sequence=view.last_applied_sequence, stored_blocks=view.stored_blocks,
-                retained_blocks=view.retained_blocks, retained_runs=view.retained_runs,
-                last_seen_ms_ago=int(view.last_seen_s_ago * 1000), events_ingested=view.events_ingested,
-                resyncs=view.resyncs, prefill_tokens_per_second=self.cost.prefill_tokens_per_s(view.spec.worker_id),
+                registration=_registration(view.spec),
+                lease_state=int(view.state),
+                connected=view.connected,
+                last_applied_sequence=view.last_applied_sequence,
+                stored_blocks=view.stored_blocks,
+                retained_blocks=view.retained_blocks,
+                retained_runs=view.retained_runs,
+                last_seen_ms_ago=int(view.last_seen_s_ago * 1000),
+                events_ingested=view.events_ingested,
+                resyncs=view.resyncs,
+                prefill_tokens_per_second=self.cost.prefill_tokens_per_s(view.spec.worker_id),
             )
         return response
 
-    async def FindBlock(self, request: pb.FindBlockRequest, context: grpc.aio.ServicerContext) -> pb.FindBlockResponse:
+    async def FindBlock(
+        self, request: pb.FindBlockRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FindBlockResponse:
         await self._authorize(context, "FindBlock", Role.READ, Role.PREFILL)
         if not request.model or not request.block_hash:
             self._reject("FindBlock", "missing_field")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model and block_hash must be set")
         response = pb.FindBlockResponse()
-        for loc in self.store.find(Namespace(request.model, request.lora_name), request.block_hash, time.monotonic()):
-            response.locations.add(worker_id=loc.worker_id, kind=loc.kind, position=loc.position,
-                                   block_ids=loc.block_ids, retention_handle=loc.handle,
-                                   expires_in_ms=loc.expires_in_ms, servable=loc.servable, tier=loc.tier)
+        for loc in self.store.find(
+            Namespace(request.model, request.lora_name), request.block_hash, time.monotonic()
+        ):
+            response.locations.add(
+                worker_id=loc.worker_id,
+                kind=loc.kind,
+                position=loc.position,
+                block_ids=loc.block_ids,
+                retention_handle=loc.handle,
+                expires_in_ms=loc.expires_in_ms,
+                servable=loc.servable,
+                tier=loc.tier,
+            )
         return response
 
-    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+    async def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatsResponse:
         await self._authorize(context, "GetStats", Role.READ, Role.PREFILL)
         return pb.GetStatsResponse(
-            workers=len(self.store.workers(time.monotonic())), entries=self.store.entry_count(),
-            retained_runs=self.store.retained_run_count(), events_ingested=self.store.events_ingested,
-            lookups=self.lookups, decisions=self.decisions, resyncs=self.resyncs, evictions=self.store.evictions,
-            rejected_messages=self.rejected, max_entries=self.store.config.max_entries,
-            uptime_seconds=time.monotonic() - self._started, models=self.store.models(),
+            workers=len(self.store.workers(time.monotonic())),
+            entries=self.store.entry_count(),
+            retained_runs=self.store.retained_run_count(),
+            events_ingested=self.store.events_ingested,
+            lookups=self.lookups,
+            decisions=self.decisions,
+            resyncs=self.resyncs,
+            evictions=self.store.evictions,
+            rejected_messages=self.rejected,
+            max_entries=self.store.config.max_entries,
+            uptime_seconds=time.monotonic() - self._started,
+            models=self.store.models(),
         )
 
-    async def Watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchResponse]:
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchResponse]:
         await self._authorize(context, "Watch", Role.READ)
         queue: asyncio.Queue = asyncio.Queue(maxsize=10_000)
         self._watchers.add(queue)
@@ -532,22 +711,36 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 change: Change = await queue.get()
                 if request.model and change.model != request.model:
                     continue
-                yield pb.WatchResponse(kind=change.kind, worker_id=change.worker_id, model=change.model,
-                                       blocks=change.blocks, detail=change.detail,
-                                       time_unix_us=int(time.time() * 1e6))
+                yield pb.WatchResponse(
+                    kind=change.kind,
+                    worker_id=change.worker_id,
+                    model=change.model,
+                    blocks=change.blocks,
+                    detail=change.detail,
+                    time_unix_us=int(time.time() * 1e6),
+                )
         finally:
             self._watchers.discard(queue)
 
-    async def DrainWorker(self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext) -> pb.DrainWorkerResponse:
+    async def DrainWorker(
+        self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DrainWorkerResponse:
         await self._authorize(context, "DrainWorker")
         if not self.store.set_draining(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
         session = self._sessions.get(request.worker_id)
         if session is not None:
-            session.outbox.put_nowait(pb.ConnectResponse(drain=pb.DrainRequest(reason=request.reason or "drained by admin")))
+            session.outbox.put_nowait(
+                pb.ConnectResponse(drain=pb.DrainRequest(reason=request.reason or "drained by admin"))
+            )
         spec = self.store.worker_spec(request.worker_id)
         self._publish(Change("drain", request.worker_id, spec.model if spec else "", 0, request.reason))
-        log.info("worker draining", worker_id=request.worker_id, reason=request.reason, delivered=session is not None)
+        log.info(
+            "worker draining",
+            worker_id=request.worker_id,
+            reason=request.reason,
+            delivered=session is not None,
+        )
         return pb.DrainWorkerResponse(delivered=session is not None)
 
     # ---- maintenance -------------------------------------------------------------------------
@@ -563,7 +756,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             if change.kind == "expired":
                 metrics.EXPIRED_RUNS.inc()
             else:
-                log.info("directory change", kind=change.kind, worker_id=change.worker_id, detail=change.detail)
+                log.info(
+                    "directory change", kind=change.kind, worker_id=change.worker_id, detail=change.detail
+                )
             self._publish(change)
         metrics.ENTRIES.set(self.store.entry_count())
         metrics.EVICTIONS.inc(self.store.evictions - self._evictions_reported)
@@ -576,7 +771,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     def close_streams(self) -> None:
         for session in list(self._sessions.values()):
-            session.outbox.put_nowait(pb.ConnectResponse(drain=pb.DrainRequest(reason="daemon shutting down")))
+            session.outbox.put_nowait(
+                pb.ConnectResponse(drain=pb.DrainRequest(reason="daemon shutting down"))
+            )
             session.outbox.put_nowait(None)
 
 

@@ -1,7 +1,7 @@
 """Generate the Python protobuf/gRPC modules from proto/ (the only way they are produced).
 
-    python scripts/gen_protos.py          # (re)write proto/kvloop/v1/*_pb2*.py
-    python scripts/gen_protos.py --check  # fail if the committed modules are stale (CI)
+python scripts/gen_protos.py          # (re)write proto/kvloop/v1/*_pb2*.py
+python scripts/gen_protos.py --check  # fail if the committed modules are stale (CI)
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvloop.common.addresses import free_port
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 KVLOOPD = str(Path(sys.executable).parent / "kvloopd")  # this environment's, whatever PATH says
 
@@ -40,35 +40,62 @@ class DaemonProcess:
         return self.process.returncode
 
 
-def wait_serving(address: str, process: subprocess.Popen, log_path: Path, timeout: float = 20.0,
-                 credentials: grpc.ChannelCredentials | None = None, override: str | None = None) -> None:
+def wait_serving(
+    address: str,
+    process: subprocess.Popen,
+    log_path: Path,
+    timeout: float = 20.0,
+    credentials: grpc.ChannelCredentials | None = None,
+    override: str | None = None,
+) -> None:
     deadline = time.monotonic() + timeout
     options = [("grpc.ssl_target_name_override", override)] if override else []
-    channel = (grpc.secure_channel(address, credentials, options=options) if credentials
-               else grpc.insecure_channel(address))
+    channel = (
+        grpc.secure_channel(address, credentials, options=options)
+        if credentials
+        else grpc.insecure_channel(address)
+    )
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"kvloopd exited with {process.returncode}:\n{log_path.read_text()}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 time.sleep(0.05)  # polling a condition (health), not synchronising on time
     raise TimeoutError(f"kvloopd at {address} not serving after {timeout}s:\n{log_path.read_text()}")
 
 
-def start_daemon(tmp: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
-                 port: int | None = None, **wait_kwargs) -> DaemonProcess:
+def start_daemon(
+    tmp: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+    port: int | None = None,
+    **wait_kwargs,
+) -> DaemonProcess:
     port, metrics_port = port or free_port(), free_port()
     log_path = tmp / f"kvloopd-{port}.log"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     full_env.update(env or {})
     process = subprocess.Popen(
-        [KVLOOPD, "--listen", f"127.0.0.1:{port}", "--metrics-listen", f"127.0.0.1:{metrics_port}",
-         "--log-json", *args],
-        stdout=subprocess.DEVNULL, stderr=log_path.open("w"), env=full_env,
+        [
+            KVLOOPD,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--metrics-listen",
+            f"127.0.0.1:{metrics_port}",
+            "--log-json",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log_path.open("w"),
+        env=full_env,
     )
     daemon = DaemonProcess(f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}", process, log_path)
     if wait:
@@ -79,7 +106,9 @@ def start_daemon(tmp: Path, *args: str, env: dict[str, str] | None = None, wait:
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
     """One shared kvloopd for tests that only add their own workers and models."""
-    proc = start_daemon(tmp_path_factory.mktemp("daemon"), env={"KVLOOP_LEASE_S": "5", "KVLOOP_HEARTBEAT_INTERVAL_S": "0.5"})
+    proc = start_daemon(
+        tmp_path_factory.mktemp("daemon"), env={"KVLOOP_LEASE_S": "5", "KVLOOP_HEARTBEAT_INTERVAL_S": "0.5"}
+    )
     yield proc
     proc.stop()
 
@@ -126,8 +155,12 @@ def otlp_receiver(tmp_path_factory) -> Iterator[OtlpReceiver]:
     """A real OTLP/gRPC receiver process."""
     port = free_port()
     path = tmp_path_factory.mktemp("otlp") / "spans.jsonl"
-    process = subprocess.Popen([sys.executable, "-m", "tests.otlp_receiver", str(port), str(path)],
-                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.otlp_receiver", str(port), str(path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
     assert process.stdout.readline().strip() == "ready"
     yield OtlpReceiver(f"http://127.0.0.1:{port}", path)
     process.terminate()

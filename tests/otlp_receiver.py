@@ -26,16 +26,21 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
                 for scope_spans in resource_spans.scope_spans:
                     for span in scope_spans.spans:
-                        out.write(json.dumps({
-                            "service": resource.get("service.name"),
-                            "scope": scope_spans.scope.name,
-                            "name": span.name,
-                            "trace_id": span.trace_id.hex(),
-                            "span_id": span.span_id.hex(),
-                            "parent_span_id": span.parent_span_id.hex(),
-                            "duration_ns": span.end_time_unix_nano - span.start_time_unix_nano,
-                            "attributes": {a.key: _value(a.value) for a in span.attributes},
-                        }) + "\n")
+                        out.write(
+                            json.dumps(
+                                {
+                                    "service": resource.get("service.name"),
+                                    "scope": scope_spans.scope.name,
+                                    "name": span.name,
+                                    "trace_id": span.trace_id.hex(),
+                                    "span_id": span.span_id.hex(),
+                                    "parent_span_id": span.parent_span_id.hex(),
+                                    "duration_ns": span.end_time_unix_nano - span.start_time_unix_nano,
+                                    "attributes": {a.key: _value(a.value) for a in span.attributes},
+                                }
+                            )
+                            + "\n"
+                        )
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

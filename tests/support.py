@@ -40,22 +40,44 @@ def conversation(name: str, blocks: int, start: int = 0) -> list[bytes]:
     return chain([f"{name}:{i}".encode() for i in range(start, start + blocks)])
 
 
-def registration(worker_id: str, model: str = "test-model", role: int = pb.WORKER_ROLE_DECODE,
-                 epoch: int | None = None, block_size: int = 16, **extra) -> pb.WorkerRegistration:
-    fields = dict(worker_id=worker_id, role=role, model=model, engine_id=f"engine-{worker_id}",
-                  nixl_endpoint=f"127.0.0.1:{5600 + hash(worker_id) % 100}", block_size=block_size,
-                  hash_algorithm="sha256_cbor", hash_length=32, epoch=epoch or next(_epochs),
-                  kv_bytes_per_block=65536)
+def registration(
+    worker_id: str,
+    model: str = "test-model",
+    role: int = pb.WORKER_ROLE_DECODE,
+    epoch: int | None = None,
+    block_size: int = 16,
+    **extra,
+) -> pb.WorkerRegistration:
+    fields = dict(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        engine_id=f"engine-{worker_id}",
+        nixl_endpoint=f"127.0.0.1:{5600 + hash(worker_id) % 100}",
+        block_size=block_size,
+        hash_algorithm="sha256_cbor",
+        hash_length=32,
+        epoch=epoch or next(_epochs),
+        kv_bytes_per_block=65536,
+    )
     fields.update(extra)
     return pb.WorkerRegistration(**fields)
 
 
-def retained(hashes: list[bytes], handle: str, expires_in_ms: int = 60_000, single_use: bool = False,
-             groups: int = 1) -> pb.BlockEvent:
+def retained(
+    hashes: list[bytes], handle: str, expires_in_ms: int = 60_000, single_use: bool = False, groups: int = 1
+) -> pb.BlockEvent:
     ids = [1000 + g * 10_000 + i for g in range(groups) for i in range(len(hashes))]
-    return pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=hashes, block_ids=ids, num_groups=groups,
-                                                    retention_handle=handle, expires_in_ms=expires_in_ms,
-                                                    single_use=single_use))
+    return pb.BlockEvent(
+        retained=pb.BlocksRetained(
+            block_hashes=hashes,
+            block_ids=ids,
+            num_groups=groups,
+            retention_handle=handle,
+            expires_in_ms=expires_in_ms,
+            single_use=single_use,
+        )
+    )
 
 
 def connect_request(**kwargs) -> pb.ConnectRequest:
@@ -67,7 +89,9 @@ async def running_agent(client, worker_id: str, model: str, *events: pb.BlockEve
     """A real DirectoryLink registered and (if events are given) acknowledged, cancelled on exit."""
     from kvloop.agents.sidecar.link import DirectoryLink
 
-    link = DirectoryLink(client, registration(worker_id, model=model, **reg), snapshot=snapshot or (lambda: []))
+    link = DirectoryLink(
+        client, registration(worker_id, model=model, **reg), snapshot=snapshot or (lambda: [])
+    )
     runner = asyncio.create_task(link.run())
     try:
         await asyncio.wait_for(link.connected.wait(), 10)
@@ -84,14 +108,55 @@ def make_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None = None) -> tupl
     key, crt = tmp / f"{name}.key", tmp / f"{name}.crt"
     subj = f"/CN={name}"
     if ca is None:
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-keyout", key,
-                        "-out", crt, "-subj", subj], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-keyout",
+                key,
+                "-out",
+                crt,
+                "-subj",
+                subj,
+            ],
+            check=True,
+            capture_output=True,
+        )
     else:
         csr = tmp / f"{name}.csr"
         ext = tmp / f"{name}.ext"
         ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-        subprocess.run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr,
-                        "-subj", subj], check=True, capture_output=True)
-        subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial",
-                        "-days", "2", "-out", crt, "-extfile", ext], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", subj],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                csr,
+                "-CA",
+                ca[1],
+                "-CAkey",
+                ca[0],
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                crt,
+                "-extfile",
+                ext,
+            ],
+            check=True,
+            capture_output=True,
+        )
     return key, crt

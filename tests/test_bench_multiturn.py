@@ -29,7 +29,7 @@ BS = 4
 
 def test_pulled_blocks_past_the_first_differing_token_are_wrong():
     held = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
-    assert wrong_pulled_blocks([held], held + [11, 12], 8, BS) == 0  # a true prefix
+    assert wrong_pulled_blocks([held], [*held, 11, 12], 8, BS) == 0  # a true prefix
     edited = [1, 2, 3, 4, 5, 7, 8, 9, 10, 11]  # token 6 dropped: positions 5.. differ
     assert wrong_pulled_blocks([held], edited, 8, BS) == 1  # block 1 (positions 4-7) is wrong
     assert wrong_pulled_blocks([held], edited, 10, BS) == 2  # and the partial block 2
@@ -40,15 +40,23 @@ def test_pulled_blocks_past_the_first_differing_token_are_wrong():
 
 
 def sample(arm: str, turn: int, ttft: float, cached: int, answer: str, wrong: int = 0) -> TurnSample:
-    return TurnSample(arm, "edited", 1, 0, turn, 100, ttft, cached, "transfer" if cached else "recompute",
-                      answer, 0, wrong)
+    return TurnSample(
+        arm, "edited", 1, 0, turn, 100, ttft, cached, "transfer" if cached else "recompute", answer, 0, wrong
+    )
 
 
 def test_summary_ratios_agreement_and_wrong_blocks():
     samples = [sample("recompute", t, 100.0 * t, 0, f"a{t}") for t in (1, 2, 3)]
-    samples += [sample("kvloop", 1, 100, 0, "a1"), sample("kvloop", 2, 20, 8, "a2"), sample("kvloop", 3, 40, 9, "a3")]
-    samples += [sample("builtin", 1, 100, 0, "a1"), sample("builtin", 2, 10, 12, "x", 2),
-                sample("builtin", 3, 30, 12, "a3", 1)]
+    samples += [
+        sample("kvloop", 1, 100, 0, "a1"),
+        sample("kvloop", 2, 20, 8, "a2"),
+        sample("kvloop", 3, 40, 9, "a3"),
+    ]
+    samples += [
+        sample("builtin", 1, 100, 0, "a1"),
+        sample("builtin", 2, 10, 12, "x", 2),
+        sample("builtin", 3, 30, 12, "a3", 1),
+    ]
     rows = {r["arm"]: r for r in summarize(samples, BS)["rows"]}
     assert rows["recompute"]["continuation_turns"] == 2 and rows["recompute"]["ratio_to_recompute_p50"] == 1.0
     assert rows["kvloop"]["ratio_to_recompute_p50"] == round(30 / 250, 3)
@@ -61,16 +69,32 @@ def test_summary_ratios_agreement_and_wrong_blocks():
 
 def test_summary_reports_nixl_totals_and_connector_timings():
     samples = [sample("recompute", t, 100.0, 0, "a") for t in (1, 2, 3)]
-    samples += [sample("kvloop", 1, 100, 0, "a"), sample("kvloop", 2, 20, 8, "a"), sample("kvloop", 3, 40, 8, "a")]
+    samples += [
+        sample("kvloop", 1, 100, 0, "a"),
+        sample("kvloop", 2, 20, 8, "a"),
+        sample("kvloop", 3, 40, 8, "a"),
+    ]
     samples[-1].lookup_ms, samples[-1].pull_ms = 1.5, 12.0
-    transfers = {("edited", 1, "kvloop"): {"bytes": 3 * 2**20, "xfer_s": 0.006, "reads": 2, "queue_s": 0.05,
-                                           "prefill_s": 0.3, "e2e_s": 0.4, "requests": 2}}
+    transfers = {
+        ("edited", 1, "kvloop"): {
+            "bytes": 3 * 2**20,
+            "xfer_s": 0.006,
+            "reads": 2,
+            "queue_s": 0.05,
+            "prefill_s": 0.3,
+            "e2e_s": 0.4,
+            "requests": 2,
+        }
+    }
     rows = {r["arm"]: r for r in summarize(samples, BS, transfers)["rows"]}
     kvloop = rows["kvloop"]
     assert (kvloop["nixl_reads"], kvloop["bytes_moved_mib"], kvloop["nixl_read_ms_mean"]) == (2, 3.0, 3.0)
     assert (kvloop["lookup_ms_p50"], kvloop["lookup_to_pulled_ms_p50"]) == (1.5, 12.0)
-    assert (kvloop["engine_queue_ms_mean"], kvloop["engine_prefill_ms_mean"], kvloop["engine_e2e_ms_mean"]) == (
-        25.0, 150.0, 200.0)
+    assert (
+        kvloop["engine_queue_ms_mean"],
+        kvloop["engine_prefill_ms_mean"],
+        kvloop["engine_e2e_ms_mean"],
+    ) == (25.0, 150.0, 200.0)
     assert "nixl_reads" not in rows["recompute"]
 
 
@@ -95,8 +119,15 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running{engine="0"} 3.0
 """
-    assert engine_totals(page) == {"bytes": 4096.0, "xfer_s": 0.75, "reads": 3.0, "queue_s": 0.125, "prefill_s": 0.0,
-                                   "e2e_s": 1.5, "requests": 2.0}
+    assert engine_totals(page) == {
+        "bytes": 4096.0,
+        "xfer_s": 0.75,
+        "reads": 3.0,
+        "queue_s": 0.125,
+        "prefill_s": 0.0,
+        "e2e_s": 1.5,
+        "requests": 2.0,
+    }
     assert set(engine_totals("").values()) == {0.0}
 
 
@@ -110,8 +141,11 @@ def test_summary_spread_per_repeat_and_paired_per_turn_ratios():
     for repeat, scale in ((0, 1.0), (1, 2.0)):
         for turn in (2, 3, 4):
             builtin = 100.0 * scale * turn * (3 if (repeat, turn) == (1, 4) else 1)
-            samples += [timed("builtin", repeat, turn, builtin), timed("kvloop", repeat, turn, 110.0 * scale * turn),
-                        timed("local", repeat, turn, 50.0 * scale * turn)]
+            samples += [
+                timed("builtin", repeat, turn, builtin),
+                timed("kvloop", repeat, turn, 110.0 * scale * turn),
+                timed("local", repeat, turn, 50.0 * scale * turn),
+            ]
     summary = summarize(samples, BS)
     rows = {r["arm"]: r for r in summary["rows"]}
     assert rows["kvloop"]["ttft_p50_by_repeat_ms"] == [330.0, 660.0]
@@ -120,8 +154,16 @@ def test_summary_spread_per_repeat_and_paired_per_turn_ratios():
     assert paired["kvloop/builtin"]["turns"] == 6
     # One noisy turn in six moves neither the median nor the quartiles.
     assert (paired["kvloop/builtin"]["median"], paired["kvloop/builtin"]["q1"]) == (1.1, 1.1)
-    assert paired["kvloop/local"] == {"workload": "plain", "concurrency": 1, "ratio": "kvloop/local", "turns": 6,
-                                      "median": 2.2, "q1": 2.2, "q3": 2.2, "median_ci95": [2.2, 2.2]}
+    assert paired["kvloop/local"] == {
+        "workload": "plain",
+        "concurrency": 1,
+        "ratio": "kvloop/local",
+        "turns": 6,
+        "median": 2.2,
+        "q1": 2.2,
+        "q3": 2.2,
+        "median_ci95": [2.2, 2.2],
+    }
 
 
 def test_median_confidence_interval_narrows_with_more_turns():
@@ -135,9 +177,14 @@ def test_median_confidence_interval_narrows_with_more_turns():
 
 def test_context_buckets_compare_each_arm_with_recompute_at_the_same_length():
     assert [context_bucket(n) for n in (999, 1000, 2999, 3001, 7000, 8999, 9001)] == [0, 2, 2, 4, 8, 8, 10]
-    samples = [timed("recompute", 0, 2, 400, 2100), timed("recompute", 0, 3, 3000, 7800),
-               timed("recompute", 0, 4, 3400, 8600), timed("kvloop", 0, 2, 100, 2100),
-               timed("kvloop", 0, 3, 300, 7800), timed("kvloop", 0, 4, 500, 8600)]
+    samples = [
+        timed("recompute", 0, 2, 400, 2100),
+        timed("recompute", 0, 3, 3000, 7800),
+        timed("recompute", 0, 4, 3400, 8600),
+        timed("kvloop", 0, 2, 100, 2100),
+        timed("kvloop", 0, 3, 300, 7800),
+        timed("kvloop", 0, 4, 500, 8600),
+    ]
     cells = {(c["context_k"], c["arm"]): c for c in summarize(samples, BS)["by_context"]}
     assert cells[(2, "kvloop")]["ratio_to_recompute_p50"] == 0.25
     assert cells[(8, "kvloop")]["turns"] == 2
@@ -175,18 +222,27 @@ def test_arms_take_turns_in_a_rotating_order_and_share_the_reference_history():
 def test_every_workload_concurrency_and_repeat_replays_conversations_of_its_own():
     combos = [(w, c, r) for w in WORKLOADS for c in (1, 4, 8) for r in (-1, 0, 1, 2)]
     config = MultiturnConfig(workdir=Path("."), system_tokens=5)
-    seeds = [s.seed for w, c, r in combos
-             for s in build_sessions(w, c, config, session_seed_base(config.seed, w, c, r))]
+    seeds = [
+        s.seed
+        for w, c, r in combos
+        for s in build_sessions(w, c, config, session_seed_base(config.seed, w, c, r))
+    ]
     assert len(seeds) == len(set(seeds))
 
 
 def test_plots_draw_a_panel_per_workload_and_sessions(tmp_path: Path):
     import matplotlib.image
 
-    samples = [TurnSample(arm, workload, concurrency, 0, turn, 1000 * turn, 100.0 * turn, 0, "transfer", "a")
-               for arm in ("recompute", "kvloop") for workload in ("plain", "edited")
-               for concurrency in (1, 8) for turn in (1, 2, 3)]
-    samples.append(TurnSample("builtin", "plain", 1, 0, 2, 2000, 50.0, 0, "transfer", "a"))  # one arm in one group
+    samples = [
+        TurnSample(arm, workload, concurrency, 0, turn, 1000 * turn, 100.0 * turn, 0, "transfer", "a")
+        for arm in ("recompute", "kvloop")
+        for workload in ("plain", "edited")
+        for concurrency in (1, 8)
+        for turn in (1, 2, 3)
+    ]
+    samples.append(
+        TurnSample("builtin", "plain", 1, 0, 2, 2000, 50.0, 0, "transfer", "a")
+    )  # one arm in one group
     paths = plot(samples, summarize(samples, BS)["by_context"], tmp_path)
     assert [Path(p).name for p in paths] == ["ttft_vs_context.png", "ttft_distribution.png"]
     for path in paths:

@@ -91,8 +91,9 @@ async def test_concurrent_claims_of_a_single_use_handle_never_both_win(daemon):
     prompt = conversation("claim", 32)
     async with AsyncDirectoryClient(daemon.address) as client:
         async with running_agent(client, "dec-c", model, retained(prompt, "once", single_use=True)):
-            answers = await asyncio.gather(*[
-                client.lookup(model, prompt, requester=f"pre-{i}", claim=True) for i in range(16)])
+            answers = await asyncio.gather(
+                *[client.lookup(model, prompt, requester=f"pre-{i}", claim=True) for i in range(16)]
+            )
     winners = [a for a in answers if a.decision == pb.DECISION_TRANSFER]
     assert len(winners) == 1
     assert all(a.reason == pb.DECISION_REASON_CLAIMED for a in answers if a not in winners)
@@ -123,19 +124,43 @@ async def test_sequence_gap_triggers_resync_and_snapshot_replaces_state(daemon):
     assert after.holder.retention_handle == "b"
 
 
-@pytest.mark.parametrize("first, code, fragment", [
-    (pb.ConnectRequest(batch=pb.EventBatch(sequence=1)), grpc.StatusCode.FAILED_PRECONDITION,
-     "first message on Connect must be register"),
-    (pb.ConnectRequest(register=registration("", model="m-bad")), grpc.StatusCode.INVALID_ARGUMENT,
-     "worker_id must be 1-256 characters"),
-    (pb.ConnectRequest(register=registration("x", model="m-bad", hash_length=3)), grpc.StatusCode.INVALID_ARGUMENT,
-     "hash_length must be 8..64"),
-    (pb.ConnectRequest(register=registration("x", model="m-bad", epoch=0) if False else
-                       pb.WorkerRegistration(worker_id="x", role=pb.WORKER_ROLE_DECODE, model="m-bad",
-                                             block_size=16, hash_algorithm="sha256_cbor", hash_length=32,
-                                             nixl_endpoint="h:1")),
-     grpc.StatusCode.INVALID_ARGUMENT, "epoch must be non-zero"),
-])
+@pytest.mark.parametrize(
+    "first, code, fragment",
+    [
+        (
+            pb.ConnectRequest(batch=pb.EventBatch(sequence=1)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "first message on Connect must be register",
+        ),
+        (
+            pb.ConnectRequest(register=registration("", model="m-bad")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "worker_id must be 1-256 characters",
+        ),
+        (
+            pb.ConnectRequest(register=registration("x", model="m-bad", hash_length=3)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "hash_length must be 8..64",
+        ),
+        (
+            pb.ConnectRequest(
+                register=registration("x", model="m-bad", epoch=0)
+                if False
+                else pb.WorkerRegistration(
+                    worker_id="x",
+                    role=pb.WORKER_ROLE_DECODE,
+                    model="m-bad",
+                    block_size=16,
+                    hash_algorithm="sha256_cbor",
+                    hash_length=32,
+                    nixl_endpoint="h:1",
+                )
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "epoch must be non-zero",
+        ),
+    ],
+)
 async def test_bad_registration_gets_precise_status(daemon, first, code, fragment):
     async with AsyncDirectoryClient(daemon.address) as client:
         call = client.stub.Connect()
@@ -143,21 +168,71 @@ async def test_bad_registration_gets_precise_status(daemon, first, code, fragmen
         await expect_abort(call, code, fragment)
 
 
-@pytest.mark.parametrize("event, fragment", [
-    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=[b"short"], block_ids=[1], num_groups=1,
-                                              retention_handle="h", expires_in_ms=1)), "must be 32 bytes"),
-    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 2), block_ids=[1], num_groups=1,
-                                              retention_handle="h", expires_in_ms=1)), "1 block_ids for 2 hashes"),
-    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
-                                              expires_in_ms=1)), "retention_handle must be set"),
-    (pb.BlockEvent(), "event carries nothing"),
-    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
-                                              retention_handle="h", expires_in_ms=1, tail_token_ids=[7] * 16,
-                                              tail_block_ids=[2])), "16 tail_token_ids"),
-    (pb.BlockEvent(retained=pb.BlocksRetained(block_hashes=conversation("x", 1), block_ids=[1], num_groups=1,
-                                              retention_handle="h", expires_in_ms=1, tail_token_ids=[7])),
-     "0 tail_block_ids for 1 groups"),
-])
+@pytest.mark.parametrize(
+    "event, fragment",
+    [
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=[b"short"],
+                    block_ids=[1],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                )
+            ),
+            "must be 32 bytes",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 2),
+                    block_ids=[1],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                )
+            ),
+            "1 block_ids for 2 hashes",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 1), block_ids=[1], num_groups=1, expires_in_ms=1
+                )
+            ),
+            "retention_handle must be set",
+        ),
+        (pb.BlockEvent(), "event carries nothing"),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 1),
+                    block_ids=[1],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                    tail_token_ids=[7] * 16,
+                    tail_block_ids=[2],
+                )
+            ),
+            "16 tail_token_ids",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 1),
+                    block_ids=[1],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                    tail_token_ids=[7],
+                )
+            ),
+            "0 tail_block_ids for 1 groups",
+        ),
+    ],
+)
 async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, fragment):
     model = "m-badevent"
     good_prompt = conversation("good", 6)
@@ -166,8 +241,9 @@ async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, frag
             call, _ = await open_stream(client, registration("misbehaving", model=model))
             bad_prompt = conversation("bad", 3)
             # one valid event and one bad one in the same batch: the whole batch is refused
-            await call.write(pb.ConnectRequest(batch=pb.EventBatch(
-                sequence=1, events=[retained(bad_prompt, "v"), event])))
+            await call.write(
+                pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(bad_prompt, "v"), event]))
+            )
             await expect_abort(call, grpc.StatusCode.INVALID_ARGUMENT, fragment)
             assert (await client.lookup(model, bad_prompt)).decision == pb.DECISION_RECOMPUTE
             # the other agent's stream still works and its blocks are still served
@@ -193,22 +269,27 @@ async def test_lookup_bad_input(daemon):
         with pytest.raises(KvloopError, match="model must be set") as e:
             client.lookup("", [b"x" * 32])
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    async with AsyncDirectoryClient(daemon.address) as aclient:
-        async with running_agent(aclient, "dec-li", "m-li"):
-            with pytest.raises(KvloopError, match="must be 32 bytes"):
-                await aclient.lookup("m-li", [b"x" * 31])
-            with pytest.raises(KvloopError, match="not a multiple"):
-                await aclient.lookup("m-li", b"x" * 33)
-            with pytest.raises(KvloopError, match="local_blocks 3 exceeds"):
-                await aclient.lookup("m-li", [b"x" * 32], local_blocks=3)
-            with pytest.raises(KvloopError, match="uses block_size 16") as e:
-                await aclient.lookup("m-li", [b"x" * 32], block_size=32)
-            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    async with AsyncDirectoryClient(daemon.address) as aclient, running_agent(aclient, "dec-li", "m-li"):
+        with pytest.raises(KvloopError, match="must be 32 bytes"):
+            await aclient.lookup("m-li", [b"x" * 31])
+        with pytest.raises(KvloopError, match="not a multiple"):
+            await aclient.lookup("m-li", b"x" * 33)
+        with pytest.raises(KvloopError, match="local_blocks 3 exceeds"):
+            await aclient.lookup("m-li", [b"x" * 32], local_blocks=3)
+        with pytest.raises(KvloopError, match="uses block_size 16") as e:
+            await aclient.lookup("m-li", [b"x" * 32], block_size=32)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def test_lease_expiry_and_epoch_replacement(daemon_factory):
-    proc = daemon_factory(env={"KVLOOP_LEASE_S": "0.6", "KVLOOP_HEARTBEAT_INTERVAL_S": "0.2",
-                               "KVLOOP_REAP_INTERVAL_S": "0.1", "KVLOOP_EXPIRY_MARGIN_S": "0"})
+    proc = daemon_factory(
+        env={
+            "KVLOOP_LEASE_S": "0.6",
+            "KVLOOP_HEARTBEAT_INTERVAL_S": "0.2",
+            "KVLOOP_REAP_INTERVAL_S": "0.1",
+            "KVLOOP_EXPIRY_MARGIN_S": "0",
+        }
+    )
     model = "m-lease"
     prompt = conversation("lease", 10)
     async with AsyncDirectoryClient(proc.address) as client:
@@ -228,7 +309,9 @@ async def test_lease_expiry_and_epoch_replacement(daemon_factory):
         new_call, ack = await open_stream(client, registration("silent", model=model, epoch=12))
         assert ack.last_applied_sequence == 0
         assert (await client.lookup(model, prompt)).reason == pb.DECISION_REASON_MISS
-        await new_call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(prompt[:4], "n")])))
+        await new_call.write(
+            pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=[retained(prompt[:4], "n")]))
+        )
         assert (await new_call.read()).ack.sequence == 1
         answer = await client.lookup(model, prompt)
         assert answer.matched_blocks == 4 and answer.holder.epoch == 12
@@ -250,8 +333,13 @@ async def test_agent_link_resyncs_after_daemon_restart(daemon_factory):
     prompt = conversation("restart", 12)
     mirror = [retained(prompt, "kept")]
     async with AsyncDirectoryClient(first.address) as client:
-        link = DirectoryLink(client, registration("dec-r", model="m-restart"), snapshot=lambda: mirror,
-                             backoff_initial_s=0.05, backoff_max_s=0.2)
+        link = DirectoryLink(
+            client,
+            registration("dec-r", model="m-restart"),
+            snapshot=lambda: mirror,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+        )
         runner = asyncio.create_task(link.run())
         await link.connected.wait()
         link.publish(mirror)

@@ -29,7 +29,9 @@ def grpcurl(address: str, *args: str, data: str | None = None) -> subprocess.Com
 def kvloop(*args: str, daemon: str | None = None) -> subprocess.CompletedProcess:
     prefix = ["--daemon", daemon] if daemon else []
     env = {**os.environ, "COLUMNS": "200"}  # a wide terminal: rich shortens cells to fit 80 columns
-    return subprocess.run([str(BIN / "kvloop"), *prefix, *args], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [str(BIN / "kvloop"), *prefix, *args], capture_output=True, text=True, timeout=60, env=env
+    )
 
 
 def test_grpcurl_list_describe_health_and_lookup(daemon):
@@ -38,13 +40,20 @@ def test_grpcurl_list_describe_health_and_lookup(daemon):
     assert set(listed.stdout.split()) >= {"kvloop.v1.Directory", "grpc.health.v1.Health"}
     described = grpcurl(daemon.address, "describe", "kvloop.v1.Directory")
     assert "rpc Lookup ( .kvloop.v1.LookupRequest ) returns ( .kvloop.v1.LookupResponse )" in described.stdout
-    assert "rpc Connect ( stream .kvloop.v1.ConnectRequest ) returns ( stream .kvloop.v1.ConnectResponse )" in described.stdout
+    assert (
+        "rpc Connect ( stream .kvloop.v1.ConnectRequest ) returns ( stream .kvloop.v1.ConnectResponse )"
+        in described.stdout
+    )
     health = grpcurl(daemon.address, "grpc.health.v1.Health/Check", data='{"service": "kvloop.v1.Directory"}')
     assert json.loads(health.stdout) == {"status": "SERVING"}
     import base64
+
     hashes = [base64.b64encode(h).decode() for h in conversation("grpcurl", 3)]
-    answer = grpcurl(daemon.address, "kvloop.v1.Directory/Lookup",
-                     data=json.dumps({"model": "m-grpcurl", "block_hashes": hashes}))
+    answer = grpcurl(
+        daemon.address,
+        "kvloop.v1.Directory/Lookup",
+        data=json.dumps({"model": "m-grpcurl", "block_hashes": hashes}),
+    )
     assert answer.returncode == 0, answer.stderr
     assert json.loads(answer.stdout)["decision"] == "DECISION_RECOMPUTE"
     bad = grpcurl(daemon.address, "kvloop.v1.Directory/Lookup", data='{"block_hashes": []}')
@@ -94,8 +103,9 @@ def test_cli_errors_are_messages_not_tracebacks():
 
 
 def test_generated_code_is_fresh_and_buf_lint_is_clean():
-    fresh = subprocess.run([sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True,
-                           text=True)
+    fresh = subprocess.run(
+        [sys.executable, "scripts/gen_protos.py", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     buf = str(BIN / "buf")
     lint = subprocess.run([buf, "lint"], cwd=ROOT / "proto", capture_output=True, text=True)

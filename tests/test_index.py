@@ -25,9 +25,18 @@ NS = Namespace("m")
 
 
 def spec(worker_id: str, epoch: int = 1, model: str = "m", block_size: int = 16) -> WorkerSpec:
-    return WorkerSpec(worker_id=worker_id, role=2, model=model, engine_id=f"e-{worker_id}",
-                      nixl_endpoint="127.0.0.1:1", block_size=block_size, hash_algorithm="sha256_cbor",
-                      hash_length=32, epoch=epoch, kv_bytes_per_block=1024)
+    return WorkerSpec(
+        worker_id=worker_id,
+        role=2,
+        model=model,
+        engine_id=f"e-{worker_id}",
+        nixl_endpoint="127.0.0.1:1",
+        block_size=block_size,
+        hash_algorithm="sha256_cbor",
+        hash_length=32,
+        epoch=epoch,
+        kv_bytes_per_block=1024,
+    )
 
 
 def retain(hashes, handle, ms=60_000, single_use=False, groups=1):
@@ -173,15 +182,28 @@ def model_longest(runs: dict[tuple[str, str], list[bytes]], prompt: list[bytes],
     return best if best > local else 0
 
 
-run_strategy = st.tuples(st.sampled_from(["w1", "w2", "w3"]), st.integers(0, 4), st.integers(0, 2),
-                         st.integers(1, 12), st.integers(0, 12))
+run_strategy = st.tuples(
+    st.sampled_from(["w1", "w2", "w3"]),
+    st.integers(0, 4),
+    st.integers(0, 2),
+    st.integers(1, 12),
+    st.integers(0, 12),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.one_of(
-    st.tuples(st.just("retain"), run_strategy),
-    st.tuples(st.just("release"), st.tuples(st.sampled_from(["w1", "w2", "w3"]), st.integers(0, 4))),
-), max_size=25), trunk=st.integers(0, 2), length=st.integers(1, 12), local=st.integers(0, 12))
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("retain"), run_strategy),
+            st.tuples(st.just("release"), st.tuples(st.sampled_from(["w1", "w2", "w3"]), st.integers(0, 4))),
+        ),
+        max_size=25,
+    ),
+    trunk=st.integers(0, 2),
+    length=st.integers(1, 12),
+    local=st.integers(0, 12),
+)
 def test_lookup_matches_plain_model(ops, trunk, length, local):
     store = MemoryStore()
     for w in ("w1", "w2", "w3"):

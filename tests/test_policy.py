@@ -14,8 +14,14 @@ def match(blocks: int) -> PrefixMatch:
 
 
 def test_threshold_then_cost_then_measurements():
-    model = CostModel(PolicyConfig(recompute_threshold_tokens=64, default_prefill_tokens_per_s=1000,
-                                   default_transfer_gbytes_per_s=1.0, default_transfer_setup_ms=1.0))
+    model = CostModel(
+        PolicyConfig(
+            recompute_threshold_tokens=64,
+            default_prefill_tokens_per_s=1000,
+            default_transfer_gbytes_per_s=1.0,
+            default_transfer_setup_ms=1.0,
+        )
+    )
     below = model.decide("m", match(3), 10, 0, 16, "prefill-0")  # 48 tokens
     assert (below.decision, below.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD)
     fast = model.decide("m", match(100), 100, 0, 16, "prefill-0")  # 1600 tokens: 1.6 s vs ~106 ms
@@ -65,4 +71,6 @@ def test_estimates_favouring_recompute_are_reprobed():
     assert model.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_TRANSFER_FASTER
     # default estimates are not probed: nothing was measured to go stale
     never = CostModel(PolicyConfig(default_prefill_tokens_per_s=1e9, reprobe_every=1))
-    assert never.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_RECOMPUTE_FASTER
+    assert (
+        never.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_RECOMPUTE_FASTER
+    )

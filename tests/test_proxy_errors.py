@@ -23,9 +23,21 @@ def start_proxy(tmp_path: Path, *extra: str, context: ssl.SSLContext | None = No
     """A proxy process over two dead backends, once it answers (503: no backend)."""
     port = free_port()
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-    process = subprocess.Popen([str(BIN / "kvloop"), "proxy", "--listen", f"127.0.0.1:{port}", "--prefill", dead[0],
-                                "--decode", dead[1], "--no-use-directory", *extra],
-                               stderr=(tmp_path / "proxy.log").open("w"))
+    process = subprocess.Popen(
+        [
+            str(BIN / "kvloop"),
+            "proxy",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--prefill",
+            dead[0],
+            "--decode",
+            dead[1],
+            "--no-use-directory",
+            *extra,
+        ],
+        stderr=(tmp_path / "proxy.log").open("w"),
+    )
     # the test certificates name localhost
     url = f"https://localhost:{port}" if context else f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -35,7 +47,9 @@ def start_proxy(tmp_path: Path, *extra: str, context: ssl.SSLContext | None = No
         except urllib.error.HTTPError:
             break  # answering (503: no backend)
         except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, (tmp_path / "proxy.log").read_text()
+            assert time.monotonic() < deadline and process.poll() is None, (
+                tmp_path / "proxy.log"
+            ).read_text()
             time.sleep(0.1)  # polling until the proxy listens
     return process, url, dead
 
@@ -59,8 +73,10 @@ def call(url: str, body: bytes) -> tuple[int, dict]:
 
 def test_backend_down_is_503_with_reason(lonely_proxy):
     url, dead = lonely_proxy
-    status, body = call(f"{url}/v1/chat/completions",
-                        json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+    status, body = call(
+        f"{url}/v1/chat/completions",
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+    )
     assert status == 503
     assert "no healthy prefill server" in body["error"]["message"] and dead[0] in body["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as health:
@@ -68,12 +84,15 @@ def test_backend_down_is_503_with_reason(lonely_proxy):
     assert health.value.code == 503
 
 
-@pytest.mark.parametrize("path, body, fragment", [
-    ("/v1/chat/completions", b"{not json", "not valid JSON"),
-    ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
-    ("/v1/completions", b'{"model": "m"}', "'prompt' is required"),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "path, body, fragment",
+    [
+        ("/v1/chat/completions", b"{not json", "not valid JSON"),
+        ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
+        ("/v1/completions", b'{"model": "m"}', "'prompt' is required"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be a positive integer"),
+    ],
+)
 def test_bad_requests_are_400(lonely_proxy, path, body, fragment):
     url, _ = lonely_proxy
     status, answer = call(f"{url}{path}", body)
@@ -86,14 +105,24 @@ def test_proxy_serves_https_with_mutual_tls(tmp_path):
     client_key, client_crt = make_cert(tmp_path, "client", ca)
     trusted = ssl.create_default_context(cafile=ca[1])
     trusted.load_cert_chain(client_crt, client_key)
-    process, url, _ = start_proxy(tmp_path, "--cert-file", str(server_crt), "--key-file", str(server_key),
-                                  "--client-ca-file", str(ca[1]), context=trusted)
+    process, url, _ = start_proxy(
+        tmp_path,
+        "--cert-file",
+        str(server_crt),
+        "--key-file",
+        str(server_key),
+        "--client-ca-file",
+        str(ca[1]),
+        context=trusted,
+    )
     try:
         with pytest.raises(urllib.error.HTTPError) as health:  # over mutual TLS: the proxy's own answer
             urllib.request.urlopen(f"{url}/health", timeout=5, context=trusted)
         assert health.value.code == 503
         with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)) as refused:
-            urllib.request.urlopen(f"{url}/health", timeout=5, context=ssl.create_default_context(cafile=ca[1]))
+            urllib.request.urlopen(
+                f"{url}/health", timeout=5, context=ssl.create_default_context(cafile=ca[1])
+            )
         assert not isinstance(refused.value, urllib.error.HTTPError)  # refused in the handshake, not answered
         assert process.poll() is None
     finally:

@@ -25,8 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_lookup_span_reaches_otlp_receiver_with_kvloop_attributes(daemon_factory, otlp_receiver):
-    proc = daemon_factory(env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
-                               "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "kvloopd-under-test"})
+    proc = daemon_factory(
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_SERVICE_NAME": "kvloopd-under-test",
+        }
+    )
     with DirectoryClient(proc.address) as client:
         client.lookup("m-traced", conversation("traced", 4), requester="prefill-traced")
     spans = otlp_receiver.wait_for(lambda s: s["attributes"].get("kvloop.requester") == "prefill-traced")
@@ -54,31 +59,47 @@ def test_config_file_env_and_flags_precedence(tmp_path):
     config = tmp_path / "kvloopd.toml"
     config.write_text('lease_s = 7.0\nlog_level = "debug"\n[policy]\nrecompute_threshold_tokens = 128\n')
     env = {"KVLOOP_LOG_LEVEL": "warning", "PATH": str(Path(sys.executable).parent)}
-    out = subprocess.run([KVLOOPD, "--config", str(config), "--check-config", "--listen", "0.0.0.0:6000"],
-                         capture_output=True, text=True, env=env, check=True).stdout
+    out = subprocess.run(
+        [KVLOOPD, "--config", str(config), "--check-config", "--listen", "0.0.0.0:6000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
     assert '"lease_s": 7.0' in out  # file
     assert '"log_level": "warning"' in out  # env beats file
     assert '"listen": "0.0.0.0:6000"' in out  # flag beats all
     assert '"recompute_threshold_tokens": 128' in out
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (["--listen", "nonsense"], {}, "listen\n  Value error, must be HOST:PORT"),
-    ([], {"KVLOOP_LEASE_S": "-1"}, "lease_s"),
-    ([], {"KVLOOP_HEARTBEAT_INTERVAL_S": "20"}, "must be shorter than lease_s"),
-    (["--config", "/nonexistent/kvloopd.toml"], {}, "does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--listen", "nonsense"], {}, "listen\n  Value error, must be HOST:PORT"),
+        ([], {"KVLOOP_LEASE_S": "-1"}, "lease_s"),
+        ([], {"KVLOOP_HEARTBEAT_INTERVAL_S": "20"}, "must be shorter than lease_s"),
+        (["--config", "/nonexistent/kvloopd.toml"], {}, "does not exist"),
+    ],
+)
 def test_bad_config_is_a_clear_error(args, env, message):
-    result = subprocess.run([KVLOOPD, *args, "--check-config"], capture_output=True, text=True,
-                            env={"PATH": str(Path(sys.executable).parent), **env})
+    result = subprocess.run(
+        [KVLOOPD, *args, "--check-config"],
+        capture_output=True,
+        text=True,
+        env={"PATH": str(Path(sys.executable).parent), **env},
+    )
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_busy_port_is_a_clear_error(daemon):
-    result = subprocess.run([KVLOOPD, "--listen", daemon.address, "--metrics-listen", ""],
-                            capture_output=True, text=True, timeout=30)
+    result = subprocess.run(
+        [KVLOOPD, "--listen", daemon.address, "--metrics-listen", ""],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 1
     assert f"cannot listen on {daemon.address}" in result.stderr
     assert "Traceback" not in result.stderr
@@ -118,9 +139,14 @@ role = "admin"
     creds = grpc.ssl_channel_credentials(ca[1].read_bytes(), client_key.read_bytes(), client_crt.read_bytes())
     proc = start_daemon(tmp_path, "--config", str(config), credentials=creds)
     try:
+
         def client(token: str | None, cert: bool = True) -> DirectoryClient:
-            sec = ClientSecurity(token=token, ca_file=ca[1], cert_file=client_crt if cert else None,
-                                 key_file=client_key if cert else None)
+            sec = ClientSecurity(
+                token=token,
+                ca_file=ca[1],
+                cert_file=client_crt if cert else None,
+                key_file=client_key if cert else None,
+            )
             return DirectoryClient(proc.address.replace("127.0.0.1", "localhost"), sec, timeout=5)
 
         hashes = conversation("tls", 3)
@@ -171,8 +197,11 @@ key_file = "{server_key}"
 client_ca_file = "{ca[1]}"
 """)
     log = (tmp_path / "agent.log").open("w")
-    agent = subprocess.Popen([str(Path(KVLOOPD).parent / "kvloop-agent"), "--config", str(config)],
-                             stdout=log, stderr=subprocess.STDOUT)
+    agent = subprocess.Popen(
+        [str(Path(KVLOOPD).parent / "kvloop-agent"), "--config", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         trusted = ssl.create_default_context(cafile=ca[1])
         trusted.load_cert_chain(client_crt, client_key)
@@ -194,7 +223,10 @@ client_ca_file = "{ca[1]}"
         with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()  # plaintext: refused
         # refused clients cost the endpoint nothing: it still serves the trusted one
-        assert "kvloop_agent" in urllib.request.urlopen(f"{url}/metrics", context=trusted, timeout=5).read().decode()
+        assert (
+            "kvloop_agent"
+            in urllib.request.urlopen(f"{url}/metrics", context=trusted, timeout=5).read().decode()
+        )
     finally:
         agent.terminate()
         assert agent.wait(15) == 0

@@ -24,20 +24,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvloop.agents.connector import telemetry as tm
-from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.directory import BlockDirectory, GrpcBlockDirectory
-from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
-from kvloop.agents.connector.worker import KvloopConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
 )
 
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.directory import BlockDirectory, GrpcBlockDirectory
+from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
+from kvloop.agents.connector.worker import KvloopConnectorWorker
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
 
 def make_directory(cfg: KvloopConfig) -> BlockDirectory | None:
     if not cfg.daemon or not cfg.lookup:

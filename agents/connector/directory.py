@@ -70,6 +70,7 @@ class BlockDirectory(Protocol):
 # gRPC (kvloopd)
 # --------------------------------------------------------------------------------------------
 
+
 class GrpcBlockDirectory:
     """kvloopd's ``Directory.Lookup`` through the shared typed client, with a short deadline.
 
@@ -109,9 +110,16 @@ class GrpcBlockDirectory:
             return None
         t0 = time.perf_counter()
         try:
-            resp = self._client.lookup(model, b"".join(block_hashes), local_blocks=local_blocks,
-                                       requester=requester, claim=True, lora_name=lora_name,
-                                       block_size=block_size, pack_block_ids=True)
+            resp = self._client.lookup(
+                model,
+                b"".join(block_hashes),
+                local_blocks=local_blocks,
+                requester=requester,
+                claim=True,
+                lora_name=lora_name,
+                block_size=block_size,
+                pack_block_ids=True,
+            )
         except KvloopError as e:
             self._down_until = time.monotonic() + self.backoff_s
             code = e.code.name if e.code else "error"
@@ -122,7 +130,7 @@ class GrpcBlockDirectory:
             tm.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
         try:
             return self._convert(resp)
-        except Exception as e:  # noqa: BLE001 - must never break the engine loop
+        except Exception as e:
             tm.LOOKUP_ERRORS.labels("bad_response").inc()
             tm.log.warning("kvloop.lookup_bad_response", error=repr(e))
             return None

@@ -116,8 +116,12 @@ def vllm_event_hash_int(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
 
 
-_KVLOOP_TAGS = {RETAINED_TAG: KvloopBlocksRetained, RELEASED_TAG: KvloopRetentionReleased,
-                TRANSFER_TAG: KvloopTransferReport, PREFILL_TAG: KvloopPrefillReport}
+_KVLOOP_TAGS = {
+    RETAINED_TAG: KvloopBlocksRetained,
+    RELEASED_TAG: KvloopRetentionReleased,
+    TRANSFER_TAG: KvloopTransferReport,
+    PREFILL_TAG: KvloopPrefillReport,
+}
 _batch_decoder = msgspec.msgpack.Decoder()
 
 
@@ -145,8 +149,10 @@ def decode_event_batch(payload: bytes) -> DecodedBatch:
 
 
 __all__ = [
+    "PREFILL_TAG",
     "RELEASED_TAG",
     "RETAINED_TAG",
+    "TRANSFER_TAG",
     "DecodedBatch",
     "KvloopBlocksRetained",
     "KvloopEvent",
@@ -154,8 +160,6 @@ __all__ = [
     "KvloopPrefillReport",
     "KvloopRetentionReleased",
     "KvloopTransferReport",
-    "PREFILL_TAG",
-    "TRANSFER_TAG",
     "decode_event_batch",
     "vllm_event_hash_int",
 ]

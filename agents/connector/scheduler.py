@@ -17,6 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import BlockDirectory, HolderInfo, LookupResult
@@ -28,9 +32,6 @@ from kvloop.agents.connector.events import (
 )
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.common.tracing import configure_tracing
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -188,7 +189,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             del self._pending[rid]
             try:
                 result = fut.result()
-            except Exception:  # noqa: BLE001 - must never break the engine loop
+            except Exception:
                 result = None
         params[_DECIDED] = True
         self._lookup_ms = (time.perf_counter() - t0) * 1000
@@ -204,7 +205,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 block_size=self.block_size,
                 model=self.cfg.model,
             )
-        except Exception as e:  # noqa: BLE001 - must never break the engine loop
+        except Exception as e:
             tm.log.warning("kvloop.lookup_exception", error=repr(e))
             return None
 
@@ -241,8 +242,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             return 0, False
         tail = self._usable_tail(request, h, m)
         params.update(
-            remote_block_ids=tuple(list(g[:m]) + ([h.tail_block_ids[i]] if tail else [])
-                                   for i, g in enumerate(h.block_ids)),
+            remote_block_ids=tuple(
+                list(g[:m]) + ([h.tail_block_ids[i]] if tail else []) for i, g in enumerate(h.block_ids)
+            ),
             remote_engine_id=h.engine_id,
             remote_request_id=h.retention_handle,
             remote_host=h.host,
@@ -265,8 +267,13 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             start_time=tm.wall_ns(t0),
             attributes={"kvloop.request_id": request.request_id, "kvloop.holder": h.worker_id or h.engine_id},
         )
-        tm.child_span(span, "kvloop.lookup", t0, t0 + self._lookup_ms / 1000,
-                      {"kvloop.decision": "transfer", "kvloop.matched_blocks": m})
+        tm.child_span(
+            span,
+            "kvloop.lookup",
+            t0,
+            t0 + self._lookup_ms / 1000,
+            {"kvloop.decision": "transfer", "kvloop.matched_blocks": m},
+        )
         self._pulls[request.request_id] = _Pull(
             span=span,
             matched_tokens=min(m * bs + tail, prompt),
@@ -304,10 +311,16 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             return 0
         prompt = request.prompt_token_ids or []
         limit = min(len(tail), request.num_prompt_tokens - 1 - start)
-        return agreeing_prefix_length(prompt[start:start + limit], tail) if limit > 0 else 0
+        return agreeing_prefix_length(prompt[start : start + limit], tail) if limit > 0 else 0
 
     def _finish_now(
-        self, request: Request, path: str, reason: str, matched_tokens: int, local_tokens: int, detail: str = ""
+        self,
+        request: Request,
+        path: str,
+        reason: str,
+        matched_tokens: int,
+        local_tokens: int,
+        detail: str = "",
     ) -> None:
         prompt = request.num_prompt_tokens
         recompute = max(0, prompt - local_tokens)
@@ -333,8 +346,13 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             attributes={"kvloop.request_id": request.request_id},
         ) as span:
             span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})
-            tm.child_span(span, "kvloop.lookup", looked_up, time.perf_counter(),
-                          {"kvloop.decision": path, "kvloop.reason": reason})
+            tm.child_span(
+                span,
+                "kvloop.lookup",
+                looked_up,
+                time.perf_counter(),
+                {"kvloop.decision": path, "kvloop.reason": reason},
+            )
         tm.REQUESTS.labels(path, reason).inc()
         tm.TOKENS.labels("recomputed").inc(recompute)
         tm.TOKENS.labels("local").inc(local_tokens)
@@ -387,13 +405,29 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if not failed:
             self._holders_read.add(pull.holder_engine)
         if self.cfg.publish_events:
-            self._events.append(KvloopTransferReport(
-                source_worker_id=pull.holder, bytes=nbytes, blocks=pulled_blocks,
-                duration_us=int((done - pull.read_started) * 1e6), ok=not failed, ts=time.time(),
-                first_contact=first_contact))
-        tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, done,
-                      {"kvloop.bytes": nbytes, "kvloop.blocks": pulled_blocks, "kvloop.holder": pull.holder,
-                       "kvloop.ok": not failed})
+            self._events.append(
+                KvloopTransferReport(
+                    source_worker_id=pull.holder,
+                    bytes=nbytes,
+                    blocks=pulled_blocks,
+                    duration_us=int((done - pull.read_started) * 1e6),
+                    ok=not failed,
+                    ts=time.time(),
+                    first_contact=first_contact,
+                )
+            )
+        tm.child_span(
+            pull.span,
+            "kvloop.nixl_read",
+            pull.read_started,
+            done,
+            {
+                "kvloop.bytes": nbytes,
+                "kvloop.blocks": pulled_blocks,
+                "kvloop.holder": pull.holder,
+                "kvloop.ok": not failed,
+            },
+        )
         pull.span.set_attributes({f"kvloop.{k}": v for k, v in outcome.items()})
         pull.span.end()
         tm.REQUESTS.labels(path, reason).inc()
@@ -443,8 +477,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         decided, tokens = computing
         if request.num_computed_tokens < request.num_prompt_tokens:  # aborted before its prefill ended
             return
-        self._events.append(KvloopPrefillReport(
-            tokens=tokens, duration_us=int((time.perf_counter() - decided) * 1e6), ts=time.time()))
+        self._events.append(
+            KvloopPrefillReport(
+                tokens=tokens, duration_us=int((time.perf_counter() - decided) * 1e6), ts=time.time()
+            )
+        )
 
     def _announce(self, request: Request, out: dict[str, Any]) -> None:
         bs = self.block_size
@@ -463,8 +500,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         lora = request.lora_request.lora_name if request.lora_request else None
         # The last sampled token never went through the model: KV exists for the tokens before it.
         with_kv = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
-        tail = list(request.all_token_ids[n * bs:with_kv]) \
-            if n == with_kv // bs and all(len(g) > n for g in groups) else []
+        tail = (
+            list(request.all_token_ids[n * bs : with_kv])
+            if n == with_kv // bs and all(len(g) > n for g in groups)
+            else []
+        )
         self._events.append(
             KvloopBlocksRetained(
                 block_hashes=[bytes(h) for h in request.block_hashes[:n]],

@@ -20,8 +20,12 @@ def wall_ns(perf: float) -> int:
 
 def child_span(parent, name: str, start_perf: float, end_perf: float, attributes: dict | None = None) -> None:
     """Record a finished step (lookup, NIXL READ) under a turn's kvloop.prefill span."""
-    span = tracer.start_span(name, context=trace.set_span_in_context(parent), start_time=wall_ns(start_perf),
-                             attributes=attributes or {})
+    span = tracer.start_span(
+        name,
+        context=trace.set_span_in_context(parent),
+        start_time=wall_ns(start_perf),
+        attributes=attributes or {},
+    )
     span.end(end_time=wall_ns(end_perf))
 
 
@@ -29,6 +33,8 @@ def request_context(request):
     """The caller's trace context (W3C traceparent the API server passed down), if any."""
     headers = getattr(request, "trace_headers", None)
     return propagate.extract(dict(headers)) if headers else None
+
+
 log = structlog.get_logger(TRACER_NAME)
 
 # Paths a prefill request can take.

@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 from kvloop.common.addresses import HostPort, OptionalHostPort
 from kvloop.common.security import ClientSecurity, TlsSettings
@@ -55,12 +60,19 @@ class AgentSettings(BaseSettings):
         return value.replace("tcp://*:", "tcp://127.0.0.1:")
 
     def security(self) -> ClientSecurity:
-        return ClientSecurity(token=self.token, ca_file=self.ca_file, cert_file=self.cert_file,
-                              key_file=self.key_file)
+        return ClientSecurity(
+            token=self.token, ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file
+        )
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings: PydanticBaseSettingsSource,
-                                   env_settings: PydanticBaseSettingsSource, dotenv_settings, file_secret_settings):
+    def settings_customise_sources(
+        cls,
+        settings_cls,
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings,
+        file_secret_settings,
+    ):
         path = os.environ.get("KVLOOP_AGENT_CONFIG")
         sources: list[Any] = [init_settings, env_settings]
         if path:

@@ -16,10 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 log = structlog.get_logger("kvloop.agent")
 
 
-def serve_health(host: str, port: int, status: Callable[[], tuple[bool, dict]],
-                 tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+def serve_health(
+    host: str, port: int, status: Callable[[], tuple[bool, dict]], tls: ssl.SSLContext | None = None
+) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+        def do_GET(self) -> None:
             if self.path == "/metrics":
                 body, code, ctype = generate_latest(), 200, CONTENT_TYPE_LATEST
             elif self.path in ("/healthz", "/health"):

@@ -19,8 +19,9 @@ END_SEQ = -1
 
 
 class KvEventSubscriber:
-    def __init__(self, endpoint: str, replay_endpoint: str | None, topic: str = "",
-                 replay_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, endpoint: str, replay_endpoint: str | None, topic: str = "", replay_timeout_s: float = 2.0
+    ) -> None:
         self._ctx = zmq.asyncio.Context.instance()
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -66,7 +67,9 @@ class KvEventSubscriber:
             # meanwhile are deduplicated by seq below.
             history = await self._replay(0)
             if history:
-                log.info("replayed engine history", batches=len(history), first=history[0][0], last=history[-1][0])
+                log.info(
+                    "replayed engine history", batches=len(history), first=history[0][0], last=history[-1][0]
+                )
                 gap = history[0][0] != 0
                 for seq, payload in history:
                     self.last_seq = seq
@@ -80,7 +83,9 @@ class KvEventSubscriber:
                     continue
                 expected = 0 if self.last_seq is None else self.last_seq + 1
                 if seq != expected:
-                    replayed = [(s, p) for s, p in (await self._replay(expected) or []) if expected <= s < seq]
+                    replayed = [
+                        (s, p) for s, p in (await self._replay(expected) or []) if expected <= s < seq
+                    ]
                     if [s for s, _ in replayed] != list(range(expected, seq)):
                         gap = True
                         self.unrecoverable_gaps += 1
@@ -96,6 +101,7 @@ class KvEventSubscriber:
                 gap = False
         finally:
             sub.close()
+
 
 async def engine_publisher_reachable(replay_endpoint: str | None, timeout_s: float = 2.0) -> bool:
     """Whether an engine's replay socket answers (a worker without kv_events_config has none)."""

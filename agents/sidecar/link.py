@@ -131,12 +131,23 @@ class DirectoryLink:
                 raise
             except grpc.aio.AioRpcError as exc:
                 self.last_error = f"{exc.code().name}: {exc.details()}"
-                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
-                                  grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION) \
-                        and not self.registered_once.is_set():
+                if (
+                    exc.code()
+                    in (
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        grpc.StatusCode.UNAUTHENTICATED,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    )
+                    and not self.registered_once.is_set()
+                ):
                     raise RegistrationRefused(self.last_error) from None
-                log.warning("directory stream lost", worker_id=self.worker_id, error=self.last_error,
-                            retry_in_s=round(delay, 2))
+                log.warning(
+                    "directory stream lost",
+                    worker_id=self.worker_id,
+                    error=self.last_error,
+                    retry_in_s=round(delay, 2),
+                )
             except Exception as exc:  # keep the agent alive whatever the transport does
                 self.last_error = repr(exc)
                 log.warning("directory stream failed", worker_id=self.worker_id, error=self.last_error)
@@ -160,9 +171,14 @@ class DirectoryLink:
         ack = first.registered
         self.sessions += 1
         outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
-        needs_snapshot = ack.resync_required or self._overflowed or (
-            ack.last_applied_sequence < self._sequence
-            and (not self._pending or next(iter(self._pending)) > ack.last_applied_sequence + 1))
+        needs_snapshot = (
+            ack.resync_required
+            or self._overflowed
+            or (
+                ack.last_applied_sequence < self._sequence
+                and (not self._pending or next(iter(self._pending)) > ack.last_applied_sequence + 1)
+            )
+        )
         # The daemon's word is authoritative: after a daemon restart it has applied nothing.
         self._acked = ack.last_applied_sequence
         self._mark_acked(ack.last_applied_sequence)
@@ -175,8 +191,14 @@ class DirectoryLink:
         self.connected.set()
         self.registered_once.set()
         self._session_started.set()
-        log.info("registered with directory", worker_id=self.worker_id, epoch=registration.epoch,
-                 last_applied=ack.last_applied_sequence, resync=needs_snapshot, target=self._client.target)
+        log.info(
+            "registered with directory",
+            worker_id=self.worker_id,
+            epoch=registration.epoch,
+            last_applied=ack.last_applied_sequence,
+            resync=needs_snapshot,
+            target=self._client.target,
+        )
         heartbeat_s = max(ack.heartbeat_interval_ms, 100) / 1000
         writer = asyncio.create_task(self._write(call, outbox, heartbeat_s))
         try:
@@ -188,7 +210,9 @@ class DirectoryLink:
                 if kind == "ack":
                     self._mark_acked(response.ack.sequence)
                 elif kind == "resync":
-                    log.warning("daemon requested resync", worker_id=self.worker_id, reason=response.resync.reason)
+                    log.warning(
+                        "daemon requested resync", worker_id=self.worker_id, reason=response.resync.reason
+                    )
                     self._queue_snapshot(outbox, response.resync.reason)
                 elif kind == "drain":
                     self.drain_reason = response.drain.reason
@@ -199,11 +223,13 @@ class DirectoryLink:
             writer.cancel()
             call.cancel()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue, heartbeat_s: float) -> None:
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue, heartbeat_s: float
+    ) -> None:
         while True:
             try:
                 request = await asyncio.wait_for(outbox.get(), heartbeat_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 request = pb.ConnectRequest(heartbeat=pb.Heartbeat(sent_at_us=int(time.monotonic() * 1e6)))
             try:
                 await call.write(request)
@@ -217,14 +243,22 @@ class DirectoryLink:
         events = list(self._snapshot())
         outbox.put_nowait(pb.ConnectRequest(snapshot_begin=pb.SnapshotBegin()))
         for start in range(0, len(events), SNAPSHOT_EVENTS_PER_BATCH):
-            outbox.put_nowait(pb.ConnectRequest(batch=pb.EventBatch(
-                sequence=0, events=events[start:start + SNAPSHOT_EVENTS_PER_BATCH])))
+            outbox.put_nowait(
+                pb.ConnectRequest(
+                    batch=pb.EventBatch(sequence=0, events=events[start : start + SNAPSHOT_EVENTS_PER_BATCH])
+                )
+            )
         outbox.put_nowait(pb.ConnectRequest(snapshot_end=pb.SnapshotEnd(sequence=self._sequence)))
         self._pending.clear()
         self._overflowed = False
         self.snapshots_sent += 1
-        log.info("sending snapshot", worker_id=self.worker_id, events=len(events), sequence=self._sequence,
-                 reason=why)
+        log.info(
+            "sending snapshot",
+            worker_id=self.worker_id,
+            events=len(events),
+            sequence=self._sequence,
+            reason=why,
+        )
 
     def _mark_acked(self, sequence: int) -> None:
         if sequence > self._acked:

@@ -21,7 +21,9 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.logging import configure_logging
 
 log = structlog.get_logger("kvloop.agent")
-app = typer.Typer(add_completion=False, help="kvloop sidecar: streams one vLLM worker's block events to kvloopd.")
+app = typer.Typer(
+    add_completion=False, help="kvloop sidecar: streams one vLLM worker's block events to kvloopd."
+)
 
 FORWARDED = Counter("kvloop_agent_events_forwarded_total", "Block events forwarded to kvloopd", ["kind"])
 ENGINE_GAPS = Counter("kvloop_agent_engine_event_gaps_total", "Unrecoverable gaps in the engine's KV events")
@@ -41,25 +43,42 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
 
     mirror = WorkerMirror(settings.hash_length)
     registration = pb.WorkerRegistration(
-        worker_id=settings.worker_id, role=_ROLES[settings.role], model=settings.model,
-        engine_id=settings.engine_id or settings.worker_id, nixl_endpoint=settings.nixl_endpoint,
-        http_endpoint=settings.http_endpoint, block_size=settings.block_size,
-        hash_algorithm=settings.hash_algorithm, hash_length=settings.hash_length,
-        kv_bytes_per_block=settings.kv_bytes_per_block, epoch=random.getrandbits(63) | 1,
-        labels={"agent_pid": str(os.getpid())})
+        worker_id=settings.worker_id,
+        role=_ROLES[settings.role],
+        model=settings.model,
+        engine_id=settings.engine_id or settings.worker_id,
+        nixl_endpoint=settings.nixl_endpoint,
+        http_endpoint=settings.http_endpoint,
+        block_size=settings.block_size,
+        hash_algorithm=settings.hash_algorithm,
+        hash_length=settings.hash_length,
+        kv_bytes_per_block=settings.kv_bytes_per_block,
+        epoch=random.getrandbits(63) | 1,
+        labels={"agent_pid": str(os.getpid())},
+    )
     client = AsyncDirectoryClient(settings.daemon, settings.security())
-    link = DirectoryLink(client, registration, snapshot=mirror.snapshot,
-                         on_drain=lambda reason: log.warning("worker drained by kvloopd", reason=reason))
+    link = DirectoryLink(
+        client,
+        registration,
+        snapshot=mirror.snapshot,
+        on_drain=lambda reason: log.warning("worker drained by kvloopd", reason=reason),
+    )
     subscriber = KvEventSubscriber(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
     started = time.monotonic()
 
     def status() -> tuple[bool, dict]:
         connected = link.connected.is_set()
         return connected, {
-            "worker_id": settings.worker_id, "connected": connected, "epoch": registration.epoch,
-            "sequence": link.sequence, "acked": link.acked, "engine_batches": subscriber.messages,
-            "engine_gaps": subscriber.unrecoverable_gaps, "retained_runs": len(mirror.retained),
-            "last_error": link.last_error, "drained": link.drain_reason,
+            "worker_id": settings.worker_id,
+            "connected": connected,
+            "epoch": registration.epoch,
+            "sequence": link.sequence,
+            "acked": link.acked,
+            "engine_batches": subscriber.messages,
+            "engine_gaps": subscriber.unrecoverable_gaps,
+            "retained_runs": len(mirror.retained),
+            "last_error": link.last_error,
+            "drained": link.drain_reason,
         }
 
     health = None
@@ -91,9 +110,12 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     async def watch_silence() -> None:
         await asyncio.sleep(settings.silent_engine_warning_s)
         if subscriber.messages == 0:
-            log.warning("no KV events from the engine yet: is vLLM started with kv_events_config "
-                        "(enable_kv_cache_events, publisher zmq) on this endpoint?",
-                        endpoint=settings.kv_events, waited_s=settings.silent_engine_warning_s)
+            log.warning(
+                "no KV events from the engine yet: is vLLM started with kv_events_config "
+                "(enable_kv_cache_events, publisher zmq) on this endpoint?",
+                endpoint=settings.kv_events,
+                waited_s=settings.silent_engine_warning_s,
+            )
 
     async def track_connection() -> None:
         while True:
@@ -103,8 +125,14 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
                 await asyncio.sleep(0.5)
             CONNECTED.set(0)
 
-    log.info("kvloop-agent starting", worker_id=settings.worker_id, model=settings.model, daemon=settings.daemon,
-             kv_events=settings.kv_events, epoch=registration.epoch)
+    log.info(
+        "kvloop-agent starting",
+        worker_id=settings.worker_id,
+        model=settings.model,
+        daemon=settings.daemon,
+        kv_events=settings.kv_events,
+        epoch=registration.epoch,
+    )
     # These run for the agent's whole life: the first to end (or SIGTERM) ends the agent.
     tasks = [asyncio.create_task(t) for t in (link.run(), pump(), track_connection())]
     warner = asyncio.create_task(watch_silence())
@@ -123,7 +151,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         # Graceful stop: let acknowledged-so-far settle briefly, then close the stream.
         try:
             await link.wait_acked(timeout=2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("stopping with unacknowledged batches", sequence=link.sequence, acked=link.acked)
         return 0
     finally:
@@ -133,12 +161,18 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         await client.close()
         if health is not None:
             health.shutdown()
-        log.info("kvloop-agent stopped", worker_id=settings.worker_id, uptime_s=round(time.monotonic() - started, 1))
+        log.info(
+            "kvloop-agent stopped",
+            worker_id=settings.worker_id,
+            uptime_s=round(time.monotonic() - started, 1),
+        )
 
 
 @app.command()
 def run(
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML file (env KVLOOP_AGENT_CONFIG)")] = None,
+    config: Annotated[
+        Optional[Path], typer.Option("--config", "-c", help="TOML file (env KVLOOP_AGENT_CONFIG)")
+    ] = None,
     daemon: Annotated[Optional[str], typer.Option(help="kvloopd HOST:PORT (env KVLOOP_AGENT_DAEMON)")] = None,
     worker_id: Annotated[Optional[str], typer.Option(help="this vLLM instance's stable name")] = None,
     role: Annotated[Optional[str], typer.Option(help="prefill, decode or both")] = None,
@@ -150,23 +184,43 @@ def run(
     kv_bytes_per_block: Annotated[Optional[int], typer.Option(help="KV bytes per block, all layers")] = None,
     kv_events: Annotated[Optional[str], typer.Option(help="vLLM KV-event PUB endpoint")] = None,
     kv_events_replay: Annotated[Optional[str], typer.Option(help="vLLM KV-event replay endpoint")] = None,
-    health_listen: Annotated[Optional[str], typer.Option(help="/healthz and /metrics HOST:PORT, '' disables")] = None,
-    health_cert_file: Annotated[Optional[Path], typer.Option(help="serve /healthz and /metrics over HTTPS")] = None,
+    health_listen: Annotated[
+        Optional[str], typer.Option(help="/healthz and /metrics HOST:PORT, '' disables")
+    ] = None,
+    health_cert_file: Annotated[
+        Optional[Path], typer.Option(help="serve /healthz and /metrics over HTTPS")
+    ] = None,
     health_key_file: Annotated[Optional[Path], typer.Option(help="key of --health-cert-file")] = None,
-    health_client_ca_file: Annotated[Optional[Path], typer.Option(
-        help="require client certificates signed by this CA (mutual TLS)")] = None,
+    health_client_ca_file: Annotated[
+        Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
+    ] = None,
     log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error")] = None,
 ) -> None:
     from kvloop.agents.sidecar.config import AgentSettings
 
     if config is not None:
         os.environ["KVLOOP_AGENT_CONFIG"] = str(config)
-    flags = dict(daemon=daemon, worker_id=worker_id, role=role, model=model, engine_id=engine_id,
-                 nixl_endpoint=nixl_endpoint, http_endpoint=http_endpoint, block_size=block_size,
-                 kv_bytes_per_block=kv_bytes_per_block, kv_events=kv_events, kv_events_replay=kv_events_replay,
-                 health_listen=health_listen, log_level=log_level)
+    flags = dict(
+        daemon=daemon,
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        engine_id=engine_id,
+        nixl_endpoint=nixl_endpoint,
+        http_endpoint=http_endpoint,
+        block_size=block_size,
+        kv_bytes_per_block=kv_bytes_per_block,
+        kv_events=kv_events,
+        kv_events_replay=kv_events_replay,
+        health_listen=health_listen,
+        log_level=log_level,
+    )
     if health_cert_file or health_key_file or health_client_ca_file:
-        tls = {"cert_file": health_cert_file, "key_file": health_key_file, "client_ca_file": health_client_ca_file}
+        tls = {
+            "cert_file": health_cert_file,
+            "key_file": health_key_file,
+            "client_ca_file": health_client_ca_file,
+        }
         flags["health_tls"] = {k: v for k, v in tls.items() if v is not None}
     try:
         settings = AgentSettings(**{k: v for k, v in flags.items() if v is not None})

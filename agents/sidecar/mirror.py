@@ -43,9 +43,12 @@ class WorkerMirror:
             SKIPPED.labels("hash_form").inc()
             if not self._warned_int_hashes:
                 self._warned_int_hashes = True
-                log.warning("engine publishes block hashes that are not full digests; start vLLM with "
-                            "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 so prefix-cache events can be indexed",
-                            expected_bytes=self.hash_length, sample=repr(hashes[:1]))
+                log.warning(
+                    "engine publishes block hashes that are not full digests; start vLLM with "
+                    "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 so prefix-cache events can be indexed",
+                    expected_bytes=self.hash_length,
+                    sample=repr(hashes[:1]),
+                )
             return None
         return hashes
 
@@ -58,9 +61,14 @@ class WorkerMirror:
             if hashes is None:
                 return None
             self.stored.setdefault(lora, {}).update(dict.fromkeys(hashes))
-            return pb.BlockEvent(stored=pb.BlocksStored(
-                block_hashes=hashes, parent_block_hash=event.get("parent_block_hash") or b"", lora_name=lora,
-                tier=pb.BLOCK_TIER_DEVICE))
+            return pb.BlockEvent(
+                stored=pb.BlocksStored(
+                    block_hashes=hashes,
+                    parent_block_hash=event.get("parent_block_hash") or b"",
+                    lora_name=lora,
+                    tier=pb.BLOCK_TIER_DEVICE,
+                )
+            )
         if kind == "BlockRemoved":
             hashes = self._hashes(event.get("block_hashes", []))
             if hashes is None:
@@ -80,10 +88,17 @@ class WorkerMirror:
         if isinstance(event, KvloopPrefillReport):
             return pb.BlockEvent(prefill=pb.PrefillReport(tokens=event.tokens, duration_us=event.duration_us))
         if isinstance(event, KvloopTransferReport):  # telemetry for the cost model, not state
-            return pb.BlockEvent(transfer=pb.TransferReport(
-                source_worker_id=event.source_worker_id, bytes=event.bytes, blocks=event.blocks,
-                duration_us=event.duration_us, setup_us=event.setup_us, ok=event.ok,
-                first_contact=event.first_contact))
+            return pb.BlockEvent(
+                transfer=pb.TransferReport(
+                    source_worker_id=event.source_worker_id,
+                    bytes=event.bytes,
+                    blocks=event.blocks,
+                    duration_us=event.duration_us,
+                    setup_us=event.setup_us,
+                    ok=event.ok,
+                    first_contact=event.first_contact,
+                )
+            )
         if isinstance(event, KvloopRetentionReleased):
             self.retained.pop(event.retention_handle, None)
             return pb.BlockEvent(released=pb.RetentionReleased(retention_handle=event.retention_handle))
@@ -96,10 +111,17 @@ class WorkerMirror:
             SKIPPED.labels("expired_in_transit").inc()
             return None
         retained = pb.BlocksRetained(
-            block_hashes=hashes, block_ids=[i for group in event.block_ids for i in group],
-            num_groups=len(event.block_ids), retention_handle=event.retention_handle, expires_in_ms=remaining,
-            single_use=event.single_use, lora_name=event.lora_name or "", tier=pb.BLOCK_TIER_DEVICE,
-            tail_token_ids=event.tail_token_ids, tail_block_ids=event.tail_block_ids)
+            block_hashes=hashes,
+            block_ids=[i for group in event.block_ids for i in group],
+            num_groups=len(event.block_ids),
+            retention_handle=event.retention_handle,
+            expires_in_ms=remaining,
+            single_use=event.single_use,
+            lora_name=event.lora_name or "",
+            tier=pb.BLOCK_TIER_DEVICE,
+            tail_token_ids=event.tail_token_ids,
+            tail_block_ids=event.tail_block_ids,
+        )
         self.retained[event.retention_handle] = _Run(retained, time.monotonic() + remaining / 1000)
         return pb.BlockEvent(retained=retained)
 
@@ -122,6 +144,11 @@ class WorkerMirror:
             events.append(pb.BlockEvent(retained=event))
         for lora, hashes in self.stored.items():
             if hashes:
-                events.append(pb.BlockEvent(stored=pb.BlocksStored(block_hashes=list(hashes), lora_name=lora,
-                                                                   tier=pb.BLOCK_TIER_DEVICE)))
+                events.append(
+                    pb.BlockEvent(
+                        stored=pb.BlocksStored(
+                            block_hashes=list(hashes), lora_name=lora, tier=pb.BLOCK_TIER_DEVICE
+                        )
+                    )
+                )
         return events

@@ -63,8 +63,12 @@ def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     kvloopd = str(Path(sys.executable).parent / "kvloopd")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     env["KVLOOP_MAX_ENTRIES"] = "100000000"
-    process = subprocess.Popen([kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
-                               stdout=subprocess.DEVNULL, stderr=(workdir / "kvloopd.log").open("w"), env=env)
+    process = subprocess.Popen(
+        [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
+        stdout=subprocess.DEVNULL,
+        stderr=(workdir / "kvloopd.log").open("w"),
+        env=env,
+    )
     with DirectoryClient(listen, timeout=2) as client:
         client.wait_ready(30)
     return process, listen
@@ -90,19 +94,34 @@ class _Fleet:
         """A run is one BlocksRetained event (runs are atomic); several events fill a batch."""
         per_batch = max(1, self.config.batch_hashes // self.config.prompt_blocks)
         events = [
-            pb.BlockEvent(retained=pb.BlocksRetained(
-                block_hashes=hashes, block_ids=list(range(len(hashes))), num_groups=1,
-                retention_handle=f"run-{i}", expires_in_ms=3_600_000))
-            for i, (w, hashes) in enumerate(self.runs) if w == worker
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=hashes,
+                    block_ids=list(range(len(hashes))),
+                    num_groups=1,
+                    retention_handle=f"run-{i}",
+                    expires_in_ms=3_600_000,
+                )
+            )
+            for i, (w, hashes) in enumerate(self.runs)
+            if w == worker
         ]
-        return [events[i:i + per_batch] for i in range(0, len(events), per_batch)]
+        return [events[i : i + per_batch] for i in range(0, len(events), per_batch)]
 
 
 def _registration(worker: int) -> pb.WorkerRegistration:
     return pb.WorkerRegistration(
-        worker_id=f"bench-decode-{worker}", role=pb.WORKER_ROLE_DECODE, model=MODEL, engine_id=f"e{worker}",
-        nixl_endpoint=f"10.0.0.{worker % 250}:5600", block_size=16, hash_algorithm="sha256_cbor",
-        hash_length=32, epoch=random.getrandbits(63) | 1, kv_bytes_per_block=160 * 1024)
+        worker_id=f"bench-decode-{worker}",
+        role=pb.WORKER_ROLE_DECODE,
+        model=MODEL,
+        engine_id=f"e{worker}",
+        nixl_endpoint=f"10.0.0.{worker % 250}:5600",
+        block_size=16,
+        hash_algorithm="sha256_cbor",
+        hash_length=32,
+        epoch=random.getrandbits(63) | 1,
+        kv_bytes_per_block=160 * 1024,
+    )
 
 
 async def _ingest(config: BenchConfig, target: str, conn) -> None:
@@ -119,13 +138,22 @@ async def _ingest(config: BenchConfig, target: str, conn) -> None:
         started = time.perf_counter()
         # Interleave workers batch by batch, keeping a window of unacked batches per worker.
         for round_ in range(max(len(p) for p in plans)):
-            for link, plan in zip(links, plans):
+            for link, plan in zip(links, plans, strict=False):
                 if round_ < len(plan):
                     link.publish(plan[round_])
             if round_ % 4 == 3:
                 await asyncio.gather(*(link.wait_acked(max(0, link.sequence - 8)) for link in links))
-                conn.send(("progress", sum(len(e.retained.block_hashes) for plan in plans
-                                           for batch in plan[:round_ + 1] for e in batch)))
+                conn.send(
+                    (
+                        "progress",
+                        sum(
+                            len(e.retained.block_hashes)
+                            for plan in plans
+                            for batch in plan[: round_ + 1]
+                            for e in batch
+                        ),
+                    )
+                )
         await asyncio.gather(*(link.wait_acked() for link in links))
         conn.send(("ingested", total, time.perf_counter() - started))
         loop = asyncio.get_running_loop()
@@ -149,8 +177,9 @@ async def _concurrent_lookups(target: str, prompts: list[bytes], concurrency: in
             nonlocal done
             while done < count:
                 done += 1
-                await client.lookup(MODEL, prompts[(i + done) % len(prompts)], requester="bench-prefill",
-                                   pack_block_ids=True)
+                await client.lookup(
+                    MODEL, prompts[(i + done) % len(prompts)], requester="bench-prefill", pack_block_ids=True
+                )
 
         started = time.perf_counter()
         await asyncio.gather(*(caller(i) for i in range(concurrency)))
@@ -205,8 +234,9 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             task = progress.add_task("lookups (sequential)", total=config.lookups) if progress else None
             for i in range(config.lookups):
                 t0 = time.perf_counter()
-                answer = sync.lookup(MODEL, prompts[i % len(prompts)], requester="bench-prefill",
-                                     pack_block_ids=True)
+                answer = sync.lookup(
+                    MODEL, prompts[i % len(prompts)], requester="bench-prefill", pack_block_ids=True
+                )
                 e2e_us.append((time.perf_counter() - t0) * 1e6)
                 server_us.append(answer.lookup_us)
                 transfers += answer.decision == pb.DECISION_TRANSFER
@@ -242,11 +272,23 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
         result["table"] = [
             ("ingest (block-hash events/s)", f"{result['ingest_block_events_per_s']:,}", ">= 1,000,000"),
             ("directory entries", f"{entries:,}", f"{config.entries:,}"),
-            (f"lookup server p50 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p50_us']} us", ""),
-            (f"lookup server p99 ({config.prompt_blocks} blocks)", f"{result['lookup_server_p99_us']} us", "<= 100 us"),
+            (
+                f"lookup server p50 ({config.prompt_blocks} blocks)",
+                f"{result['lookup_server_p50_us']} us",
+                "",
+            ),
+            (
+                f"lookup server p99 ({config.prompt_blocks} blocks)",
+                f"{result['lookup_server_p99_us']} us",
+                "<= 100 us",
+            ),
             ("lookup end-to-end p50 (gRPC, loopback)", f"{result['lookup_e2e_p50_ms']} ms", "<= 0.5 ms"),
             ("  gRPC floor: empty health Check p50", f"{result['grpc_health_check_e2e_p50_ms']} ms", ""),
-            (f"lookups/s, {config.concurrency} concurrent callers", f"{result['lookups_per_s_concurrent']:,}", ""),
+            (
+                f"lookups/s, {config.concurrency} concurrent callers",
+                f"{result['lookups_per_s_concurrent']:,}",
+                "",
+            ),
             ("lookups that chose TRANSFER", f"{transfers:,} / {config.lookups:,}", ""),
             ("daemon memory per entry", f"{result['bytes_per_entry']} B", "<= 200 B"),
         ]
@@ -263,6 +305,11 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
 def run_directory_bench(config: BenchConfig, progress: bool = True) -> dict:
     if not progress:
         return asyncio.run(_run(config, None))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total}"),
-                  TimeElapsedColumn(), transient=True) as bar:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:,}/{task.total}"),
+        TimeElapsedColumn(),
+        transient=True,
+    ) as bar:
         return asyncio.run(_run(config, bar))

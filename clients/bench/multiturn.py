@@ -91,10 +91,15 @@ class TurnSample:
 # - request phases, where a turn's time goes inside the engine: waiting (for kvloop and builtin that
 #   includes the lookup and the READ), prefill compute (first scheduled -> first token), and arrival ->
 #   finish. What the client measured beyond that is outside the engine (HTTP, chat template, tokenizer).
-ENGINE_SERIES = {"vllm:nixl_bytes_transferred_sum": "bytes", "vllm:nixl_xfer_time_seconds_sum": "xfer_s",
-                 "vllm:nixl_xfer_time_seconds_count": "reads",
-                 "vllm:request_queue_time_seconds_sum": "queue_s", "vllm:request_prefill_time_seconds_sum": "prefill_s",
-                 "vllm:e2e_request_latency_seconds_sum": "e2e_s", "vllm:e2e_request_latency_seconds_count": "requests"}
+ENGINE_SERIES = {
+    "vllm:nixl_bytes_transferred_sum": "bytes",
+    "vllm:nixl_xfer_time_seconds_sum": "xfer_s",
+    "vllm:nixl_xfer_time_seconds_count": "reads",
+    "vllm:request_queue_time_seconds_sum": "queue_s",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:e2e_request_latency_seconds_sum": "e2e_s",
+    "vllm:e2e_request_latency_seconds_count": "requests",
+}
 
 
 @dataclass
@@ -116,8 +121,10 @@ def build_sessions(workload: str, count: int, config: MultiturnConfig, base_seed
         rnd = random.Random(base_seed * 1000 + i)
         system = shared if workload == "shared_prefix" else Session.words(config.system_tokens, rnd)
         s = Session(seed=base_seed * 1000 + i)
-        s.messages = [{"role": "system", "content": "You are an agent. " + system},
-                      {"role": "user", "content": "Task: " + Session.words(30, rnd)}]
+        s.messages = [
+            {"role": "system", "content": "You are an agent. " + system},
+            {"role": "user", "content": "Task: " + Session.words(30, rnd)},
+        ]
         sessions.append(s)
     return sessions
 
@@ -164,7 +171,9 @@ def wrong_pulled_blocks(held: list[list[int]], prompt: list[int], pulled_tokens:
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -203,7 +212,9 @@ class ArmClient:
         self.computed.clear()
 
     def engine_totals(self) -> dict[str, float]:
-        return engine_totals(urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode())
+        return engine_totals(
+            urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode()
+        )
 
     def sources(self, session: Session) -> list[list[int]]:
         """What a pull for this session may legitimately have read from."""
@@ -219,42 +230,74 @@ class ArmClient:
             kv.update(self.handles.pop(session.seed, {}))  # single use, like vLLM's proxy
         body = {"model": MODEL, "messages": session.messages, "temperature": 0.0, "return_token_ids": True}
         t0 = time.perf_counter()
-        pre = _post(f"{self.prefill_url}/v1/chat/completions",
-                    {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv})
+        pre = _post(
+            f"{self.prefill_url}/v1/chat/completions",
+            {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv},
+        )
         ttft = (time.perf_counter() - t0) * 1e3
         details = (pre.get("usage") or {}).get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") or 0
         prompt_tokens = (pre.get("usage") or {}).get("prompt_tokens", 0)
         params = pre.get("kv_transfer_params") or {}
         path = params.get("kvloop_path") or ("transfer" if cached else "recompute")
-        dec = _post(f"{self.decode_url}/v1/chat/completions",
-                    {**body, "max_tokens": max_tokens, "kv_transfer_params": params})
+        dec = _post(
+            f"{self.decode_url}/v1/chat/completions",
+            {**body, "max_tokens": max_tokens, "kv_transfer_params": params},
+        )
         choice = dec["choices"][0]
         answer = choice["message"]["content"] or ""
         if self.arm == "builtin" and dec.get("kv_transfer_params"):
             self.handles[session.seed] = dec["kv_transfer_params"]
         prompt_ids = list(pre.get("prompt_token_ids") or [])
         computed = list(dec.get("prompt_token_ids") or prompt_ids) + list(choice.get("token_ids") or [])[:-1]
-        return TurnOutcome(ttft, prompt_tokens, cached, path, answer, computed, prompt_ids,
-                           params.get("kvloop_lookup_ms"), params.get("kvloop_pull_ms"))
+        return TurnOutcome(
+            ttft,
+            prompt_tokens,
+            cached,
+            path,
+            answer,
+            computed,
+            prompt_ids,
+            params.get("kvloop_lookup_ms"),
+            params.get("kvloop_pull_ms"),
+        )
 
     def _local_turn(self, session: Session) -> TurnOutcome:
         """The first token from an engine that kept every earlier prompt in its own prefix cache. The
         reference answer is appended to the history as in every arm, so only the first token is needed."""
-        body = {"model": MODEL, "messages": session.messages, "temperature": 0.0, "return_token_ids": True,
-                "max_tokens": 1, "max_completion_tokens": 1}
+        body = {
+            "model": MODEL,
+            "messages": session.messages,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "max_tokens": 1,
+            "max_completion_tokens": 1,
+        }
         t0 = time.perf_counter()
         out = _post(f"{self.prefill_url}/v1/chat/completions", body)
         ttft = (time.perf_counter() - t0) * 1e3
         usage = out.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         prompt_ids = list(out.get("prompt_token_ids") or [])
-        return TurnOutcome(ttft, usage.get("prompt_tokens", 0), cached, "local_hit" if cached else "recompute",
-                           "", prompt_ids, prompt_ids)
+        return TurnOutcome(
+            ttft,
+            usage.get("prompt_tokens", 0),
+            cached,
+            "local_hit" if cached else "recompute",
+            "",
+            prompt_ids,
+            prompt_ids,
+        )
 
 
-def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int, config: MultiturnConfig,
-                 on_turn, repeat: int = 0) -> list[TurnSample]:
+def run_workload(
+    clients: dict[str, ArmClient],
+    workload: str,
+    concurrency: int,
+    config: MultiturnConfig,
+    on_turn,
+    repeat: int = 0,
+) -> list[TurnSample]:
     """Every arm replays the same sessions turn by turn (interleaved). The history each arm sends next
     is the same in all arms: the reference arm's answer (recompute) is appended everywhere, so every
     turn's prompt is identical across arms and answers can be compared turn by turn."""
@@ -271,7 +314,7 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
         active = [i for i in range(concurrency) if not stagger or i < turn]
         # Arms interleaved turn by turn, and the order rotated every turn so that no arm always runs
         # right after another's turn (whose decode and sidecar work may still be winding down).
-        order = arms[turn % len(arms):] + arms[:turn % len(arms)]
+        order = arms[turn % len(arms) :] + arms[: turn % len(arms)]
         for arm in order:
             client = clients[arm]
             sessions = [per_arm[arm][i] for i in active]
@@ -280,23 +323,50 @@ def run_workload(clients: dict[str, ArmClient], workload: str, concurrency: int,
             arriving = sessions[-1:] if stagger and turn - 1 in active and turn > 1 else []
             results = [client.turn(s, config.answer_tokens) for s in arriving]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                results = list(pool.map(client.turn, sessions[:len(sessions) - len(arriving)],
-                                        [config.answer_tokens] * concurrency)) + results
+                results = (
+                    list(
+                        pool.map(
+                            client.turn,
+                            sessions[: len(sessions) - len(arriving)],
+                            [config.answer_tokens] * concurrency,
+                        )
+                    )
+                    + results
+                )
             answers[arm] = [r.answer for r in results]
             # Checked once the turn is over: a concurrent session's run may have been the one pulled.
             client.computed.extend(r.computed_ids for r in results)
-            for i, session, r in zip(active, sessions, results):
+            for i, session, r in zip(active, sessions, results, strict=False):
                 own_turn = turn - i if stagger else turn
-                wrong = wrong_pulled_blocks(client.sources(session), r.prompt_ids, r.cached_tokens,
-                                            config.block_size)
-                samples.append(TurnSample(arm, workload, concurrency, i, own_turn, r.prompt_tokens, r.ttft_ms,
-                                          r.cached_tokens, r.path, r.answer, repeat, wrong, r.lookup_ms, r.pull_ms))
+                wrong = wrong_pulled_blocks(
+                    client.sources(session), r.prompt_ids, r.cached_tokens, config.block_size
+                )
+                samples.append(
+                    TurnSample(
+                        arm,
+                        workload,
+                        concurrency,
+                        i,
+                        own_turn,
+                        r.prompt_tokens,
+                        r.ttft_ms,
+                        r.cached_tokens,
+                        r.path,
+                        r.answer,
+                        repeat,
+                        wrong,
+                        r.lookup_ms,
+                        r.pull_ms,
+                    )
+                )
                 client.latest[session.seed] = r.computed_ids
             on_turn()
         for arm in clients:
-            for i, answer in zip(active, answers[reference]):
+            for i, answer in zip(active, answers[reference], strict=False):
                 session = per_arm[arm][i]
-                next_turn_messages(session, answer, turn - i if stagger else turn, workload, config.tool_tokens)
+                next_turn_messages(
+                    session, answer, turn - i if stagger else turn, workload, config.tool_tokens
+                )
     return samples
 
 
@@ -317,12 +387,16 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def summarize(samples: list[TurnSample], block_size: int,
-              transfers: dict[tuple[str, int, str], dict[str, float]] | None = None) -> dict:
+def summarize(
+    samples: list[TurnSample],
+    block_size: int,
+    transfers: dict[tuple[str, int, str], dict[str, float]] | None = None,
+) -> dict:
     """Continuation turns per (workload, concurrency, arm): TTFT percentiles (and the per-repeat p50s,
     their spread), ratio to recompute, path shares, tokens and blocks pulled (and how many were wrong),
     answer agreement, and from ``transfers`` (ENGINE_SERIES totals measured on each arm's prefill engine)
-    bytes moved, READ time and where the time went inside the engine. Also the same TTFTs per context length, per-turn paired ratios between arms,
+    bytes moved, READ time and where the time went inside the engine. Also the same TTFTs per context
+    length, per-turn paired ratios between arms,
     and the first turns of new conversations that share a long prefix."""
     continuations = [s for s in samples if s.turn > 1]
     groups = _by_cell(continuations)
@@ -333,32 +407,49 @@ def summarize(samples: list[TurnSample], block_size: int,
         recompute = groups.get((workload, concurrency, "recompute"), [])
         base = statistics.median([s.ttft_ms for s in recompute]) if recompute else None
         reference = {(s.repeat, s.session, s.turn): s.answer for s in recompute}
-        agree = [s.answer == reference[(s.repeat, s.session, s.turn)] for s in group
-                 if (s.repeat, s.session, s.turn) in reference]
+        agree = [
+            s.answer == reference[(s.repeat, s.session, s.turn)]
+            for s in group
+            if (s.repeat, s.session, s.turn) in reference
+        ]
         by_repeat: dict[int, list[float]] = {}
         for s in group:
             by_repeat.setdefault(s.repeat, []).append(s.ttft_ms)
-        rows.append({
-            "workload": workload, "concurrency": concurrency, "arm": arm, "continuation_turns": len(group),
-            "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p90_ms": percentile(ttfts, 0.9),
-            # Engine metrics cover every turn of the workload, so the breakdown beside them does too.
-            "ttft_mean_all_turns_ms": round(statistics.fmean(
-                x.ttft_ms for x in all_turns[(workload, concurrency, arm)]), 1),
-            "ttft_p50_by_repeat_ms": [round(statistics.median(v), 1) for _, v in sorted(by_repeat.items())],
-            "ratio_to_recompute_p50": round(statistics.median(ttfts) / base, 3) if base else None,
-            "transfer_share": round(sum(s.cached_tokens > 0 for s in group) / len(group), 3),
-            "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in group), 1),
-            "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in group), 1),
-            # The floor arm stops at the first token: it has no answer to compare.
-            "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3) if agree and arm != FLOOR_ARM
-            else None,
-            "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
-            "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
-            **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
-            **_connector_columns(group),
-        })
-    return {"rows": rows, "by_context": _by_context(continuations), "paired": _paired(continuations),
-            "shared_prefix_new_conversations": _new_conversations(samples)}
+        rows.append(
+            {
+                "workload": workload,
+                "concurrency": concurrency,
+                "arm": arm,
+                "continuation_turns": len(group),
+                "ttft_p50_ms": percentile(ttfts, 0.5),
+                "ttft_p90_ms": percentile(ttfts, 0.9),
+                # Engine metrics cover every turn of the workload, so the breakdown beside them does too.
+                "ttft_mean_all_turns_ms": round(
+                    statistics.fmean(x.ttft_ms for x in all_turns[(workload, concurrency, arm)]), 1
+                ),
+                "ttft_p50_by_repeat_ms": [
+                    round(statistics.median(v), 1) for _, v in sorted(by_repeat.items())
+                ],
+                "ratio_to_recompute_p50": round(statistics.median(ttfts) / base, 3) if base else None,
+                "transfer_share": round(sum(s.cached_tokens > 0 for s in group) / len(group), 3),
+                "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in group), 1),
+                "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in group), 1),
+                # The floor arm stops at the first token: it has no answer to compare.
+                "answer_agreement_with_recompute": round(sum(agree) / len(agree), 3)
+                if agree and arm != FLOOR_ARM
+                else None,
+                "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
+                "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
+                **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
+                **_connector_columns(group),
+            }
+        )
+    return {
+        "rows": rows,
+        "by_context": _by_context(continuations),
+        "paired": _paired(continuations),
+        "shared_prefix_new_conversations": _new_conversations(samples),
+    }
 
 
 def _by_cell(samples: list[TurnSample]) -> dict[tuple[str, int, str], list[TurnSample]]:
@@ -374,14 +465,26 @@ def _by_context(continuations: list[TurnSample]) -> list[dict]:
     p50 to recompute's p50 in the same context bucket."""
     cells: dict[tuple, list[float]] = {}
     for s in continuations:
-        cells.setdefault((s.workload, s.concurrency, context_bucket(s.prompt_tokens), s.arm), []).append(s.ttft_ms)
+        cells.setdefault((s.workload, s.concurrency, context_bucket(s.prompt_tokens), s.arm), []).append(
+            s.ttft_ms
+        )
     out = []
     for (workload, concurrency, k, arm), ttfts in sorted(cells.items()):
         base = cells.get((workload, concurrency, k, "recompute"))
-        out.append({"workload": workload, "concurrency": concurrency, "context_k": k, "arm": arm,
-                    "turns": len(ttfts), "ttft_p50_ms": percentile(ttfts, 0.5), "ttft_p90_ms": percentile(ttfts, 0.9),
-                    "ratio_to_recompute_p50": round(statistics.median(ttfts) / statistics.median(base), 3)
-                    if base else None})
+        out.append(
+            {
+                "workload": workload,
+                "concurrency": concurrency,
+                "context_k": k,
+                "arm": arm,
+                "turns": len(ttfts),
+                "ttft_p50_ms": percentile(ttfts, 0.5),
+                "ttft_p90_ms": percentile(ttfts, 0.9),
+                "ratio_to_recompute_p50": round(statistics.median(ttfts) / statistics.median(base), 3)
+                if base
+                else None,
+            }
+        )
     return out
 
 
@@ -400,14 +503,26 @@ def _paired(continuations: list[TurnSample]) -> list[dict]:
     out = []
     for workload, concurrency in sorted({(s.workload, s.concurrency) for s in continuations}):
         for top, bottom in PAIRED_RATIOS:
-            ratios = [ttft[key[:5] + (top,)] / value for key, value in ttft.items()
-                      if key[:2] == (workload, concurrency) and key[5] == bottom and key[:5] + (top,) in ttft]
+            ratios = [
+                ttft[(*key[:5], top)] / value
+                for key, value in ttft.items()
+                if key[:2] == (workload, concurrency) and key[5] == bottom and (*key[:5], top) in ttft
+            ]
             if ratios:
                 q1, median, q3 = quartiles(ratios)
                 low, high = median_ci95(ratios)
-                out.append({"workload": workload, "concurrency": concurrency, "ratio": f"{top}/{bottom}",
-                            "turns": len(ratios), "median": round(median, 3), "q1": round(q1, 3),
-                            "q3": round(q3, 3), "median_ci95": [round(low, 3), round(high, 3)]})
+                out.append(
+                    {
+                        "workload": workload,
+                        "concurrency": concurrency,
+                        "ratio": f"{top}/{bottom}",
+                        "turns": len(ratios),
+                        "median": round(median, 3),
+                        "q1": round(q1, 3),
+                        "q3": round(q3, 3),
+                        "median_ci95": [round(low, 3), round(high, 3)],
+                    }
+                )
     return out
 
 
@@ -416,22 +531,36 @@ def _new_conversations(samples: list[TurnSample]) -> list[dict]:
     for s in samples:
         if s.turn == 1 and s.session > 0 and s.workload == "shared_prefix":
             firsts.setdefault((s.concurrency, s.arm), []).append(s)
-    return [{"concurrency": c, "arm": arm, "first_turns": len(g), "ttft_p50_ms": percentile([s.ttft_ms for s in g], 0.5),
-             "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in g), 1),
-             "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1),
-             "wrong_pulled_blocks": sum(s.wrong_blocks for s in g)}
-            for (c, arm), g in sorted(firsts.items())]
+    return [
+        {
+            "concurrency": c,
+            "arm": arm,
+            "first_turns": len(g),
+            "ttft_p50_ms": percentile([s.ttft_ms for s in g], 0.5),
+            "mean_pulled_tokens": round(statistics.fmean(s.cached_tokens for s in g), 1),
+            "mean_prompt_tokens": round(statistics.fmean(s.prompt_tokens for s in g), 1),
+            "wrong_pulled_blocks": sum(s.wrong_blocks for s in g),
+        }
+        for (c, arm), g in sorted(firsts.items())
+    ]
 
 
 def _transfer_columns(totals: dict[str, float] | None) -> dict:
     if not totals:
         return {}
     reads, requests = int(totals["reads"]), int(totals["requests"])
-    columns = {"nixl_reads": reads, "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
-               "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None}
+    columns = {
+        "nixl_reads": reads,
+        "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
+        "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None,
+    }
     if requests:
-        columns.update({f"engine_{phase}_ms_mean": round(totals[f"{phase}_s"] * 1e3 / requests, 1)
-                        for phase in ("queue", "prefill", "e2e")})
+        columns.update(
+            {
+                f"engine_{phase}_ms_mean": round(totals[f"{phase}_s"] * 1e3 / requests, 1)
+                for phase in ("queue", "prefill", "e2e")
+            }
+        )
     return columns
 
 
@@ -468,7 +597,7 @@ def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[s
     def panels(title: str):
         fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
         fig.suptitle(title, fontsize="medium")
-        for ax in axes.flat[len(groups):]:
+        for ax in axes.flat[len(groups) :]:
             ax.set_visible(False)
         return fig, list(axes.flat)
 
@@ -477,17 +606,30 @@ def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[s
 
     paths = []
     fig, axes = panels("Continuation TTFT vs context (dots: turns; line: p50 per 2K tokens)")
-    for ax, (workload, concurrency) in zip(axes, groups):
+    for ax, (workload, concurrency) in zip(axes, groups, strict=False):
         for arm in arms:
             group = cells.get((workload, concurrency, arm))
             if not group:
                 continue
-            ax.scatter([s.prompt_tokens for s in group], [s.ttft_ms for s in group], s=10, alpha=0.3,
-                       color=colors[arm])
-            line = [(c["context_k"] * 1000, c["ttft_p50_ms"]) for c in by_context
-                    if (c["workload"], c["concurrency"], c["arm"]) == (workload, concurrency, arm)]
-            ax.plot([x for x, _ in line], [y for _, y in line], "o--" if arm == FLOOR_ARM else "o-",
-                    color=colors[arm], label=labels[arm])
+            ax.scatter(
+                [s.prompt_tokens for s in group],
+                [s.ttft_ms for s in group],
+                s=10,
+                alpha=0.3,
+                color=colors[arm],
+            )
+            line = [
+                (c["context_k"] * 1000, c["ttft_p50_ms"])
+                for c in by_context
+                if (c["workload"], c["concurrency"], c["arm"]) == (workload, concurrency, arm)
+            ]
+            ax.plot(
+                [x for x, _ in line],
+                [y for _, y in line],
+                "o--" if arm == FLOOR_ARM else "o-",
+                color=colors[arm],
+                label=labels[arm],
+            )
         ax.set_yscale("log")
         ax.set_title(panel_title(workload, concurrency))
         ax.set_xlabel("context length (prompt tokens)")
@@ -499,10 +641,11 @@ def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[s
     paths.append(str(out / "ttft_vs_context.png"))
 
     fig, axes = panels("Continuation TTFT distribution per arm")
-    for ax, (workload, concurrency) in zip(axes, groups):
+    for ax, (workload, concurrency) in zip(axes, groups, strict=False):
         present = [arm for arm in arms if (workload, concurrency, arm) in cells]
-        ax.boxplot([[s.ttft_ms for s in cells[(workload, concurrency, arm)]] for arm in present],
-                   tick_labels=present)
+        ax.boxplot(
+            [[s.ttft_ms for s in cells[(workload, concurrency, arm)]] for arm in present], tick_labels=present
+        )
         ax.set_yscale("log")
         ax.set_title(panel_title(workload, concurrency))
         ax.set_ylabel("continuation TTFT (ms)")
@@ -527,11 +670,19 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     try:
         for arm in config.arms:
             floor = arm == FLOOR_ARM
-            stacks[arm] = Stack(StackConfig(model_dir=model, workdir=config.workdir / arm, kv_cache_gib=1,
-                                            block_size=config.block_size, dtype=config.dtype,
-                                            prefill_prefix_caching=floor or config.prefill_prefix_caching,
-                                            mode="recompute" if floor else arm, decode_servers=0 if floor else 1,
-                                            with_proxy=False))
+            stacks[arm] = Stack(
+                StackConfig(
+                    model_dir=model,
+                    workdir=config.workdir / arm,
+                    kv_cache_gib=1,
+                    block_size=config.block_size,
+                    dtype=config.dtype,
+                    prefill_prefix_caching=floor or config.prefill_prefix_caching,
+                    mode="recompute" if floor else arm,
+                    decode_servers=0 if floor else 1,
+                    with_proxy=False,
+                )
+            )
         with Progress(disable=not progress, transient=True, console=make_console()) as bar:
             task = bar.add_task(f"starting {len(stacks)} arms' engines", total=None)
 
@@ -542,9 +693,13 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
 
             for arm, stack in stacks.items():
                 stack.start(lambda what, state, arm=arm: say(f"{arm}: {what} {state}"))
-            clients = {arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "")
-                       for arm, s in stacks.items()}
-            turns_in_all = len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
+            clients = {
+                arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "")
+                for arm, s in stacks.items()
+            }
+            turns_in_all = (
+                len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
+            )
             if config.warmup_turns:
                 say(f"warm-up: {config.warmup_turns} turns per arm, not measured")
                 warmup = MultiturnConfig(**{**asdict(config), "turns": config.warmup_turns})
@@ -557,22 +712,32 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             for repeat in range(config.repeats):
                 for workload in config.workloads:
                     for concurrency in config.concurrency:
-                        say(f"repeat {repeat + 1}/{config.repeats}: {workload}, {concurrency} session(s), "
+                        say(
+                            f"repeat {repeat + 1}/{config.repeats}: {workload}, {concurrency} session(s), "
                             f"{config.turns} turns x {len(clients)} arms "
-                            f"({int(bar.tasks[0].completed)}/{turns_in_all} arm-turns done)")
+                            f"({int(bar.tasks[0].completed)}/{turns_in_all} arm-turns done)"
+                        )
                         before = {arm: c.engine_totals() for arm, c in clients.items()}
-                        samples += run_workload(clients, workload, concurrency, config,
-                                                lambda: bar.advance(task), repeat)
+                        samples += run_workload(
+                            clients, workload, concurrency, config, lambda: bar.advance(task), repeat
+                        )
                         for arm, c in clients.items():
-                            totals = transfers.setdefault((workload, concurrency, arm), dict.fromkeys(before[arm], 0.0))
+                            totals = transfers.setdefault(
+                                (workload, concurrency, arm), dict.fromkeys(before[arm], 0.0)
+                            )
                             for key, value in c.engine_totals().items():
                                 totals[key] += value - before[arm][key]
             say(f"all {turns_in_all} arm-turns done")
         summary = summarize(samples, config.block_size, transfers)
-        result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-                  "summary": summary, "samples": [asdict(s) for s in samples],
-                  "engine_start_s": {arm: [round(e.started_s or 0, 1) for e in s.engines] for arm, s in stacks.items()},
-                  "wall_s": round(time.monotonic() - started, 1)}
+        result = {
+            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+            "summary": summary,
+            "samples": [asdict(s) for s in samples],
+            "engine_start_s": {
+                arm: [round(e.started_s or 0, 1) for e in s.engines] for arm, s in stacks.items()
+            },
+            "wall_s": round(time.monotonic() - started, 1),
+        }
         result["plots"] = plot(samples, summary["by_context"], config.workdir)
         return result
     finally:

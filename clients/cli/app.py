@@ -18,8 +18,11 @@ from kvloop.common.logging import configure_logging
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Inspect and exercise the kvloop block directory (kvloopd).")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Inspect and exercise the kvloop block directory (kvloopd).",
+)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
@@ -101,16 +104,36 @@ def workers(model: Annotated[str, typer.Option(help="only this model")] = "") ->
         _emit_json([_as_dict(w) for w in found])
         return
     table = Table(title=f"workers at {state.daemon}")
-    for column in ("worker", "role", "model", "lease", "epoch", "seq", "retained blocks", "runs",
-                   "stored blocks", "last seen", "nixl"):
+    for column in (
+        "worker",
+        "role",
+        "model",
+        "lease",
+        "epoch",
+        "seq",
+        "retained blocks",
+        "runs",
+        "stored blocks",
+        "last seen",
+        "nixl",
+    ):
         table.add_column(column)
     for w in found:
         reg = w.registration
         lease = pb.LeaseState.Name(w.lease_state).removeprefix("LEASE_STATE_")
-        table.add_row(reg.worker_id, pb.WorkerRole.Name(reg.role).removeprefix("WORKER_ROLE_").lower(), reg.model,
-                      f"[{_STATE_STYLE.get(lease, 'white')}]{lease.lower()}[/]" + ("" if w.connected else " (gone)"),
-                      str(reg.epoch), str(w.last_applied_sequence), str(w.retained_blocks), str(w.retained_runs),
-                      str(w.stored_blocks), f"{w.last_seen_ms_ago / 1000:.1f}s", reg.nixl_endpoint)
+        table.add_row(
+            reg.worker_id,
+            pb.WorkerRole.Name(reg.role).removeprefix("WORKER_ROLE_").lower(),
+            reg.model,
+            f"[{_STATE_STYLE.get(lease, 'white')}]{lease.lower()}[/]" + ("" if w.connected else " (gone)"),
+            str(reg.epoch),
+            str(w.last_applied_sequence),
+            str(w.retained_blocks),
+            str(w.retained_runs),
+            str(w.stored_blocks),
+            f"{w.last_seen_ms_ago / 1000:.1f}s",
+            reg.nixl_endpoint,
+        )
     console.print(table if found else f"no workers registered at {state.daemon}")
 
 
@@ -133,10 +156,15 @@ def find(
     for column in ("worker", "kind", "position", "block ids", "handle", "expires in", "servable"):
         table.add_column(column)
     for loc in found:
-        table.add_row(loc.worker_id, loc.kind, str(loc.position) if loc.position >= 0 else "-",
-                      ",".join(map(str, loc.block_ids)) or "-", loc.retention_handle or "-",
-                      f"{loc.expires_in_ms / 1000:.1f}s" if loc.kind == "retained" else "-",
-                      "yes" if loc.servable else "no")
+        table.add_row(
+            loc.worker_id,
+            loc.kind,
+            str(loc.position) if loc.position >= 0 else "-",
+            ",".join(map(str, loc.block_ids)) or "-",
+            loc.retention_handle or "-",
+            f"{loc.expires_in_ms / 1000:.1f}s" if loc.kind == "retained" else "-",
+            "yes" if loc.servable else "no",
+        )
     console.print(table)
 
 
@@ -146,7 +174,9 @@ app.command("blocks", help="Alias of find.")(find)
 @app.command()
 def lookup(
     model: Annotated[str, typer.Option(help="model")],
-    hashes: Annotated[Optional[list[str]], typer.Argument(help="the prompt's block hashes, hex, in order")] = None,
+    hashes: Annotated[
+        Optional[list[str]], typer.Argument(help="the prompt's block hashes, hex, in order")
+    ] = None,
     hashes_file: Annotated[Optional[Path], typer.Option(help="JSON list of hex hashes")] = None,
     local_blocks: Annotated[int, typer.Option(help="leading blocks the caller already has")] = 0,
     requester: Annotated[str, typer.Option(help="asking worker id")] = "",
@@ -162,8 +192,9 @@ def lookup(
     if not values:
         _fail("give block hashes as arguments or with --hashes-file", code=2)
     digests = [_hex_hash(v) for v in values]
-    answer = _call(lambda c: c.lookup(model, digests, local_blocks=local_blocks, requester=requester,
-                                      lora_name=lora))
+    answer = _call(
+        lambda c: c.lookup(model, digests, local_blocks=local_blocks, requester=requester, lora_name=lora)
+    )
     if state.json:
         _emit_json(_as_dict(answer))
         return
@@ -172,13 +203,19 @@ def lookup(
     console.print(f"[bold]{decision}[/bold] ({reason}): {answer.detail}")
     if answer.holder.worker_id:
         h = answer.holder
-        console.print(f"holder {h.worker_id} ({h.nixl_endpoint}) serves {h.matched_blocks} blocks, "
-                      f"handle {h.retention_handle}, lease {h.expires_in_ms / 1000:.1f}s")
-    console.print(f"matched tokens {answer.matched_tokens}, to recompute {answer.recompute_tokens}, "
-                  f"server time {answer.lookup_us} us")
+        console.print(
+            f"holder {h.worker_id} ({h.nixl_endpoint}) serves {h.matched_blocks} blocks, "
+            f"handle {h.retention_handle}, lease {h.expires_in_ms / 1000:.1f}s"
+        )
+    console.print(
+        f"matched tokens {answer.matched_tokens}, to recompute {answer.recompute_tokens}, "
+        f"server time {answer.lookup_us} us"
+    )
     if answer.HasField("cost"):
-        console.print(f"cost: transfer ~{answer.cost.transfer_ms:.3f} ms ({answer.cost.transfer_basis}), "
-                      f"recompute ~{answer.cost.recompute_ms:.3f} ms ({answer.cost.recompute_basis})")
+        console.print(
+            f"cost: transfer ~{answer.cost.transfer_ms:.3f} ms ({answer.cost.transfer_basis}), "
+            f"recompute ~{answer.cost.recompute_ms:.3f} ms ({answer.cost.recompute_basis})"
+        )
 
 
 @app.command()
@@ -189,8 +226,17 @@ def stats() -> None:
         _emit_json(_as_dict(answer))
         return
     table = Table(title=f"kvloopd at {state.daemon}", show_header=False)
-    for field in ("workers", "entries", "retained_runs", "events_ingested", "lookups", "resyncs", "evictions",
-                  "rejected_messages", "max_entries"):
+    for field in (
+        "workers",
+        "entries",
+        "retained_runs",
+        "events_ingested",
+        "lookups",
+        "resyncs",
+        "evictions",
+        "rejected_messages",
+        "max_entries",
+    ):
         table.add_row(field.replace("_", " "), f"{getattr(answer, field):,}")
     table.add_row("uptime", f"{answer.uptime_seconds:.0f}s")
     table.add_row("models", ", ".join(answer.models) or "-")
@@ -209,8 +255,11 @@ def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> N
                     sys.stdout.write(json.dumps(_as_dict(change)) + "\n")
                     sys.stdout.flush()
                 else:
-                    console.print(f"{change.kind:<12} {change.worker_id:<20} {change.model:<20} "
-                                  f"blocks={change.blocks} {change.detail}", highlight=False)
+                    console.print(
+                        f"{change.kind:<12} {change.worker_id:<20} {change.model:<20} "
+                        f"blocks={change.blocks} {change.detail}",
+                        highlight=False,
+                    )
     except KvloopError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
@@ -218,8 +267,10 @@ def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> N
 
 
 @app.command()
-def drain(worker_id: Annotated[str, typer.Argument(help="worker to drain")],
-          reason: Annotated[str, typer.Option(help="why")] = "") -> None:
+def drain(
+    worker_id: Annotated[str, typer.Argument(help="worker to drain")],
+    reason: Annotated[str, typer.Option(help="why")] = "",
+) -> None:
     """Stop serving a worker's blocks and tell its agent to drain (admin)."""
     delivered = _call(lambda c: c.drain(worker_id, reason))
     if state.json:
@@ -236,13 +287,22 @@ def bench_directory(
     lookups: Annotated[int, typer.Option(help="lookups per measurement")] = 2000,
     concurrency: Annotated[int, typer.Option(help="concurrent lookup callers")] = 32,
     batch_hashes: Annotated[int, typer.Option(help="block hashes per ingest event")] = 512,
-    daemon_listen: Annotated[str, typer.Option(help="where the benchmark's own kvloopd listens")] = "127.0.0.1:0",
+    daemon_listen: Annotated[
+        str, typer.Option(help="where the benchmark's own kvloopd listens")
+    ] = "127.0.0.1:0",
 ) -> None:
     """Start a kvloopd process and measure ingest, lookup latency/throughput and memory per entry."""
     from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
 
-    config = BenchConfig(entries=entries, workers=workers_count, prompt_blocks=prompt_blocks, lookups=lookups,
-                         concurrency=concurrency, batch_hashes=batch_hashes, listen=daemon_listen)
+    config = BenchConfig(
+        entries=entries,
+        workers=workers_count,
+        prompt_blocks=prompt_blocks,
+        lookups=lookups,
+        concurrency=concurrency,
+        batch_hashes=batch_hashes,
+        listen=daemon_listen,
+    )
     result = run_directory_bench(config, progress=not state.json)
     if state.json:
         _emit_json({k: v for k, v in result.items() if k != "table"})
@@ -261,13 +321,15 @@ def proxy(
     prefill: Annotated[list[str], typer.Option(help="prefill vLLM server base URL (repeatable)")],
     decode: Annotated[list[str], typer.Option(help="decode vLLM server base URL (repeatable)")],
     listen: Annotated[str, typer.Option(help="HOST:PORT to serve the OpenAI API on")] = "127.0.0.1:8000",
-    use_directory: Annotated[bool, typer.Option(
-        help="ask kvloopd (--daemon) which decode server holds a conversation's blocks")] = True,
+    use_directory: Annotated[
+        bool, typer.Option(help="ask kvloopd (--daemon) which decode server holds a conversation's blocks")
+    ] = True,
     request_timeout: Annotated[float, typer.Option(help="seconds per upstream request")] = 600.0,
     cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
     key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
-    client_ca_file: Annotated[Optional[Path], typer.Option(
-        help="require client certificates signed by this CA (mutual TLS)")] = None,
+    client_ca_file: Annotated[
+        Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
+    ] = None,
 ) -> None:
     """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers."""
     import asyncio
@@ -287,14 +349,19 @@ def proxy(
         if not (cert_file and key_file):
             _fail("--cert-file and --key-file go together (--client-ca-file adds mutual TLS)", code=2)
         try:
-            tls = TlsSettings(cert_file=cert_file, key_file=key_file,
-                              client_ca_file=client_ca_file).http_server_context()
+            tls = TlsSettings(
+                cert_file=cert_file, key_file=key_file, client_ca_file=client_ca_file
+            ).http_server_context()
         except ValueError as exc:
             _fail(str(exc), code=2)
     configure_logging("info")
     configure_tracing("kvloop-proxy")
-    config = ProxyConfig(prefill=prefill, decode=decode, request_timeout_s=request_timeout,
-                         daemon=state.daemon if use_directory else None)
+    config = ProxyConfig(
+        prefill=prefill,
+        decode=decode,
+        request_timeout_s=request_timeout,
+        daemon=state.daemon if use_directory else None,
+    )
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -313,41 +380,72 @@ def proxy(
 
 @bench_app.command("multiturn")
 def bench_multiturn(
-    quick: Annotated[bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")
+    ] = False,
     sessions_turns: Annotated[int, typer.Option("--turns", min=2, help="turns per session")] = 10,
-    concurrency: Annotated[list[int], typer.Option(help="concurrent sessions (repeatable)")] = [1, 4, 8],
-    workload: Annotated[list[str], typer.Option(help="plain, shared_prefix, edited (repeatable)")] = list(WORKLOADS),
-    arm: Annotated[list[str], typer.Option(help="recompute, builtin, kvloop, local (repeatable; local is the "
-                                                "ideal reference: a prefill that kept its own cache)")] = list(ARMS),
-    tool_tokens: Annotated[Optional[int], typer.Option(min=1, help="words of tool output appended per turn "
-                                                                   "[default: 600, --quick 400]")] = None,
-    system_tokens: Annotated[Optional[int], typer.Option(min=1, help="words of system prompt "
-                                                                     "[default: 1500, --quick 800]")] = None,
+    concurrency: Annotated[list[int] | None, typer.Option(help="concurrent sessions (repeatable)")] = None,
+    workload: Annotated[
+        list[str] | None, typer.Option(help="plain, shared_prefix, edited (repeatable)")
+    ] = None,
+    arm: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="recompute, builtin, kvloop, local (repeatable; local is the "
+            "ideal reference: a prefill that kept its own cache)"
+        ),
+    ] = None,
+    tool_tokens: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="words of tool output appended per turn [default: 600, --quick 400]"),
+    ] = None,
+    system_tokens: Annotated[
+        Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
+    ] = None,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
     repeats: Annotated[int, typer.Option(min=1, help="repeat every workload")] = 1,
-    dtype: Annotated[str, typer.Option(help="engines' dtype: float32 keeps bf16 rounding from flipping the "
-                                            "random-weight model's greedy near-ties")] = "float32",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="engines' dtype: float32 keeps bf16 rounding from flipping the "
+            "random-weight model's greedy near-ties"
+        ),
+    ] = "float32",
     warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
 ) -> None:
-    """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache ideal), on real engines."""
+    """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
+    ideal), on real engines."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
     from kvloop.clients.demo.model import DTYPE_BYTES
 
+    if arm is None:
+        arm = list(ARMS)
+    if workload is None:
+        workload = list(WORKLOADS)
+    if concurrency is None:
+        concurrency = [1, 4, 8]
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
     for name, given, known in (("--arm", arm, ARMS), ("--workload", workload, WORKLOADS)):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise typer.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(known)}", param_hint=name)
-    config = MultiturnConfig(workdir=workdir.resolve(), turns=5 if quick else sessions_turns,
-                             concurrency=(1, 4) if quick else tuple(concurrency),
-                             workloads=tuple(workload), arms=tuple(a for a in ARMS if a in arm),
-                             prefill_prefix_caching=prefix_caching, repeats=repeats, quick=quick,
-                             system_tokens=system_tokens or (800 if quick else 1500),
-                             tool_tokens=tool_tokens or (400 if quick else 600), dtype=dtype,
-                             warmup_turns=warmup_turns)
+    config = MultiturnConfig(
+        workdir=workdir.resolve(),
+        turns=5 if quick else sessions_turns,
+        concurrency=(1, 4) if quick else tuple(concurrency),
+        workloads=tuple(workload),
+        arms=tuple(a for a in ARMS if a in arm),
+        prefill_prefix_caching=prefix_caching,
+        repeats=repeats,
+        quick=quick,
+        system_tokens=system_tokens or (800 if quick else 1500),
+        tool_tokens=tool_tokens or (400 if quick else 600),
+        dtype=dtype,
+        warmup_turns=warmup_turns,
+    )
     result = run_multiturn(config, progress=True)
     out = json_path or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
@@ -357,55 +455,116 @@ def bench_multiturn(
 
 def _print_multiturn(summary: dict) -> None:
     table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
-    for column in ("workload", "sessions", "arm", "turns", "p50 ms", "p90 ms", "p50 per repeat", "x recompute",
-                   "transfer share", "pulled tokens", "prompt tokens", "answers = recompute", "wrong blocks",
-                   "MiB moved", "READ ms", "lookup ms"):
+    for column in (
+        "workload",
+        "sessions",
+        "arm",
+        "turns",
+        "p50 ms",
+        "p90 ms",
+        "p50 per repeat",
+        "x recompute",
+        "transfer share",
+        "pulled tokens",
+        "prompt tokens",
+        "answers = recompute",
+        "wrong blocks",
+        "MiB moved",
+        "READ ms",
+        "lookup ms",
+    ):
         table.add_column(column)
     for row in summary["rows"]:
-        table.add_row(row["workload"], str(row["concurrency"]), row["arm"], str(row["continuation_turns"]),
-                      f"{row['ttft_p50_ms']:.0f}", f"{row['ttft_p90_ms']:.0f}",
-                      " ".join(f"{v:.0f}" for v in row["ttft_p50_by_repeat_ms"]),
-                      str(row["ratio_to_recompute_p50"]), str(row["transfer_share"]),
-                      str(row["mean_pulled_tokens"]), str(row["mean_prompt_tokens"]),
-                      _blank(row["answer_agreement_with_recompute"]),
-                      f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}", _blank(row.get("bytes_moved_mib")),
-                      _blank(row.get("nixl_read_ms_mean")), _blank(row.get("lookup_ms_p50")))
+        table.add_row(
+            row["workload"],
+            str(row["concurrency"]),
+            row["arm"],
+            str(row["continuation_turns"]),
+            f"{row['ttft_p50_ms']:.0f}",
+            f"{row['ttft_p90_ms']:.0f}",
+            " ".join(f"{v:.0f}" for v in row["ttft_p50_by_repeat_ms"]),
+            str(row["ratio_to_recompute_p50"]),
+            str(row["transfer_share"]),
+            str(row["mean_pulled_tokens"]),
+            str(row["mean_prompt_tokens"]),
+            _blank(row["answer_agreement_with_recompute"]),
+            f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}",
+            _blank(row.get("bytes_moved_mib")),
+            _blank(row.get("nixl_read_ms_mean")),
+            _blank(row.get("lookup_ms_p50")),
+        )
     console.print(table)
-    table = Table(title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)")
+    table = Table(
+        title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)"
+    )
     for column in ("workload", "sessions", "context", "turns", *ARMS):
         table.add_column(column)
     cells: dict[tuple, dict[str, dict]] = {}
     for cell in summary["by_context"]:
         cells.setdefault((cell["workload"], cell["concurrency"], cell["context_k"]), {})[cell["arm"]] = cell
     for (workload, concurrency, k), arms in cells.items():
-        table.add_row(workload, str(concurrency), f"~{k}K", str(max(c["turns"] for c in arms.values())),
-                      *(f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
-                        for a in ARMS))
+        table.add_row(
+            workload,
+            str(concurrency),
+            f"~{k}K",
+            str(max(c["turns"] for c in arms.values())),
+            *(
+                f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
+                for a in ARMS
+            ),
+        )
     console.print(table)
-    table = Table(title="where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
-                        "request metrics) and outside it (HTTP, chat template, tokenizer)")
-    for column in ("workload", "sessions", "arm", "TTFT", "waiting (lookup + READ)", "of which READ", "prefill compute",
-                   "outside the engine"):
+    table = Table(
+        title="where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
+        "request metrics) and outside it (HTTP, chat template, tokenizer)"
+    )
+    for column in (
+        "workload",
+        "sessions",
+        "arm",
+        "TTFT",
+        "waiting (lookup + READ)",
+        "of which READ",
+        "prefill compute",
+        "outside the engine",
+    ):
         table.add_column(column)
     for row in summary["rows"]:
         if "engine_e2e_ms_mean" in row:
             ttft = row["ttft_mean_all_turns_ms"]
-            table.add_row(row["workload"], str(row["concurrency"]), row["arm"], f"{ttft:.0f}",
-                          f"{row['engine_queue_ms_mean']:.0f}", _blank(row.get("nixl_read_ms_mean")),
-                          f"{row['engine_prefill_ms_mean']:.0f}", f"{ttft - row['engine_e2e_ms_mean']:.0f}")
+            table.add_row(
+                row["workload"],
+                str(row["concurrency"]),
+                row["arm"],
+                f"{ttft:.0f}",
+                f"{row['engine_queue_ms_mean']:.0f}",
+                _blank(row.get("nixl_read_ms_mean")),
+                f"{row['engine_prefill_ms_mean']:.0f}",
+                f"{ttft - row['engine_e2e_ms_mean']:.0f}",
+            )
     console.print(table)
     table = Table(title="paired per-turn ratios (same turn, same prompt)")
     for column in ("workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
         table.add_column(column)
     for pair in summary["paired"]:
         low, high = pair["median_ci95"]
-        table.add_row(pair["workload"], str(pair["concurrency"]), pair["ratio"], str(pair["turns"]),
-                      f"{pair['median']:.3f}", f"{low:.2f}-{high:.2f}", f"{pair['q1']:.2f}-{pair['q3']:.2f}")
+        table.add_row(
+            pair["workload"],
+            str(pair["concurrency"]),
+            pair["ratio"],
+            str(pair["turns"]),
+            f"{pair['median']:.3f}",
+            f"{low:.2f}-{high:.2f}",
+            f"{pair['q1']:.2f}-{pair['q3']:.2f}",
+        )
     console.print(table)
     for row in summary["shared_prefix_new_conversations"]:
-        console.print(f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: first-turn "
-                      f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
-                      f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks")
+        console.print(
+            f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: "
+            f"first-turn "
+            f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
+            f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks"
+        )
 
 
 def _blank(value: object) -> str:
@@ -424,7 +583,9 @@ def engine(
     kv_events_port: Annotated[int, typer.Option(help="ZMQ KV-event port (replay on +1)")] = 5557,
     block_size: Annotated[int, typer.Option(help="KV block size (a multiple of 32 on CPU)")] = 32,
     kv_cache_gib: Annotated[int, typer.Option(help="CPU KV cache size")] = 2,
-    retention_ttl: Annotated[float, typer.Option(help="seconds a decode retains finished turns' blocks")] = 480.0,
+    retention_ttl: Annotated[
+        float, typer.Option(help="seconds a decode retains finished turns' blocks")
+    ] = 480.0,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
 ) -> None:
     """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar
@@ -437,10 +598,21 @@ def engine(
     if role not in ("prefill", "decode"):
         _fail("--role must be prefill or decode", code=2)
     name = served_model_name or model
-    config = EngineConfig(role=role, model=model, served_model_name=name, worker_id=worker_id, port=port,
-                          nixl_port=nixl_port, kv_events_port=kv_events_port, daemon=state.daemon, host=host,
-                          block_size=block_size, kv_cache_gib=kv_cache_gib, retention_ttl_s=retention_ttl,
-                          prefix_caching=prefix_caching)
+    config = EngineConfig(
+        role=role,
+        model=model,
+        served_model_name=name,
+        worker_id=worker_id,
+        port=port,
+        nixl_port=nixl_port,
+        kv_events_port=kv_events_port,
+        daemon=state.daemon,
+        host=host,
+        block_size=block_size,
+        kv_cache_gib=kv_cache_gib,
+        retention_ttl_s=retention_ttl,
+        prefix_caching=prefix_caching,
+    )
     if Path(model).is_dir():
         from kvloop.clients.demo.model import kv_bytes_per_block
 
@@ -453,7 +625,9 @@ def engine(
     try:
         while not worker.ready():
             time.sleep(0.5)  # polling /health while vLLM loads
-        err_console.print(f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s")
+        err_console.print(
+            f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s"
+        )
         while not stop:
             worker.ready()  # raises when vLLM or the sidecar died
             time.sleep(1)
@@ -472,7 +646,9 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="model, logs and spans go here")] = Path(".kvloop-demo"),
     hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
     layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
-    keep_running: Annotated[bool, typer.Option(help="keep everything up after the conversation (Ctrl-C stops)")] = False,
+    keep_running: Annotated[
+        bool, typer.Option(help="keep everything up after the conversation (Ctrl-C stops)")
+    ] = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
     agent conversation through it; print each turn's path and TTFT; stop everything."""

@@ -41,12 +41,22 @@ def _header_int(headers, name: str) -> int:
         return 0
 
 
-def chat_turn(proxy_url: str, model: str, messages: list[dict], max_tokens: int, turn: int,
-              timeout_s: float = 300.0) -> TurnResult:
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    request = urllib.request.Request(f"{proxy_url}/v1/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+def chat_turn(
+    proxy_url: str, model: str, messages: list[dict], max_tokens: int, turn: int, timeout_s: float = 300.0
+) -> TurnResult:
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{proxy_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     started = time.perf_counter()
     ttft = None
     pieces: list[str] = []
@@ -66,24 +76,37 @@ def chat_turn(proxy_url: str, model: str, messages: list[dict], max_tokens: int,
                 prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
     total = time.perf_counter() - started
     return TurnResult(
-        turn=turn, prompt_tokens=prompt_tokens, path=headers.get("x-kvloop-path", "unknown"),
-        reason=headers.get("x-kvloop-reason", ""), matched_tokens=_header_int(headers, "x-kvloop-matched-tokens"),
+        turn=turn,
+        prompt_tokens=prompt_tokens,
+        path=headers.get("x-kvloop-path", "unknown"),
+        reason=headers.get("x-kvloop-reason", ""),
+        matched_tokens=_header_int(headers, "x-kvloop-matched-tokens"),
         recompute_tokens=_header_int(headers, "x-kvloop-recompute-tokens"),
-        bytes_moved=_header_int(headers, "x-kvloop-bytes"), holder=headers.get("x-kvloop-holder", ""),
-        ttft_ms=round((ttft or total) * 1e3, 1), prefill_ms=float(headers.get("x-kvloop-prefill-ms", "0")),
-        total_ms=round(total * 1e3, 1), answer="".join(pieces), decode_server=headers.get("x-kvloop-decode", ""),
-        detail=headers.get("x-kvloop-detail", ""))
+        bytes_moved=_header_int(headers, "x-kvloop-bytes"),
+        holder=headers.get("x-kvloop-holder", ""),
+        ttft_ms=round((ttft or total) * 1e3, 1),
+        prefill_ms=float(headers.get("x-kvloop-prefill-ms", "0")),
+        total_ms=round(total * 1e3, 1),
+        answer="".join(pieces),
+        decode_server=headers.get("x-kvloop-decode", ""),
+        detail=headers.get("x-kvloop-detail", ""),
+    )
 
 
 class AgentConversation:
     """System prompt + task, then per turn: the model's answer and a tool's output appended."""
 
-    def __init__(self, seed: int, system_words: int = SYSTEM_PROMPT_WORDS, tool_words: int = TOOL_OUTPUT_WORDS):
+    def __init__(
+        self, seed: int, system_words: int = SYSTEM_PROMPT_WORDS, tool_words: int = TOOL_OUTPUT_WORDS
+    ):
         self.seed = seed
         self.tool_words = tool_words
         self.messages: list[dict] = [
-            {"role": "system", "content": "You are a coding agent. Tools: search, read, write. "
-                                          + random_text(system_words, seed)},
+            {
+                "role": "system",
+                "content": "You are a coding agent. Tools: search, read, write. "
+                + random_text(system_words, seed),
+            },
             {"role": "user", "content": "Task: " + random_text(40, seed + 1)},
         ]
         self.turns = 0
@@ -91,5 +114,9 @@ class AgentConversation:
     def record(self, answer: str) -> None:
         self.turns += 1
         self.messages.append({"role": "assistant", "content": answer})
-        self.messages.append({"role": "user", "content": "Tool output: "
-                              + random_text(self.tool_words, self.seed * 1000 + self.turns)})
+        self.messages.append(
+            {
+                "role": "user",
+                "content": "Tool output: " + random_text(self.tool_words, self.seed * 1000 + self.turns),
+            }
+        )

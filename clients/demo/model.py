@@ -12,10 +12,51 @@ import random
 from pathlib import Path
 
 WORDS = [
-    "kv", "cache", "block", "transfer", "prefill", "decode", "engine", "token", "hash", "lease",
-    "the", "a", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "at",
-    "model", "layer", "attention", "head", "vector", "matrix", "loop", "daemon", "worker", "peer",
-    "tool", "call", "result", "search", "file", "read", "write", "error", "ok", "user", "agent",
+    "kv",
+    "cache",
+    "block",
+    "transfer",
+    "prefill",
+    "decode",
+    "engine",
+    "token",
+    "hash",
+    "lease",
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "it",
+    "that",
+    "for",
+    "on",
+    "with",
+    "as",
+    "at",
+    "model",
+    "layer",
+    "attention",
+    "head",
+    "vector",
+    "matrix",
+    "loop",
+    "daemon",
+    "worker",
+    "peer",
+    "tool",
+    "call",
+    "result",
+    "search",
+    "file",
+    "read",
+    "write",
+    "error",
+    "ok",
+    "user",
+    "agent",
 ]
 
 CHAT_TEMPLATE = (
@@ -24,16 +65,30 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_llama(out: Path, *, hidden_size: int = 384, layers: int = 4, heads: int = 6,
-                     intermediate_size: int = 1024, vocab_size: int = 1024, seed: int = 0) -> Path:
+def build_tiny_llama(
+    out: Path,
+    *,
+    hidden_size: int = 384,
+    layers: int = 4,
+    heads: int = 6,
+    intermediate_size: int = 1024,
+    vocab_size: int = 1024,
+    seed: int = 0,
+) -> Path:
     """Write a model directory vLLM can serve; returns it. Reuses an existing build."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     marker = out / "kvloop-tiny.json"
-    spec = {"hidden_size": hidden_size, "layers": layers, "heads": heads, "intermediate_size": intermediate_size,
-            "vocab_size": vocab_size, "seed": seed}
+    spec = {
+        "hidden_size": hidden_size,
+        "layers": layers,
+        "heads": heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "seed": seed,
+    }
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
@@ -42,15 +97,27 @@ def build_tiny_llama(out: Path, *, hidden_size: int = 384, layers: int = 4, head
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=32768, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=32768,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     marker.write_text(json.dumps(spec))

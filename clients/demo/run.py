@@ -16,8 +16,15 @@ from kvloop.clients.demo.model import build_tiny_llama
 from kvloop.clients.demo.stack import Stack, StackConfig
 
 
-def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_size: int, layers: int,
-             keep_running: bool = False) -> int:
+def run_demo(
+    workdir: Path,
+    turns: int,
+    max_tokens: int,
+    as_json: bool,
+    hidden_size: int,
+    layers: int,
+    keep_running: bool = False,
+) -> int:
     console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
     span_file = workdir / "spans.jsonl"
@@ -26,19 +33,29 @@ def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_s
     started = time.monotonic()
 
     def progress(what: str, state: str) -> None:
-        console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] [bold]{what}[/bold]: {state}", highlight=False)
+        console.print(
+            f"[dim]{time.monotonic() - started:6.1f}s[/dim] [bold]{what}[/bold]: {state}", highlight=False
+        )
 
-    progress("model", f"building a random-weight Llama (hidden {hidden_size}, {layers} layers) in {workdir / 'model'}")
+    progress(
+        "model",
+        f"building a random-weight Llama (hidden {hidden_size}, {layers} layers) in {workdir / 'model'}",
+    )
     model_dir = build_tiny_llama(workdir / "model", hidden_size=hidden_size, layers=layers)
     stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file))
     results = []
     try:
         stack.start(progress)
-        console.print(f"Inspect the directory meanwhile: kvloop --daemon {stack.daemon_address} workers  |  "
-                      f"grpcurl -plaintext {stack.daemon_address} list", highlight=False)
+        console.print(
+            f"Inspect the directory meanwhile: kvloop --daemon {stack.daemon_address} workers  |  "
+            f"grpcurl -plaintext {stack.daemon_address} list",
+            highlight=False,
+        )
         conversation = AgentConversation(seed=11)
         for turn in range(1, turns + 1):
-            result = chat_turn(stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn)
+            result = chat_turn(
+                stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn
+            )
             conversation.record(result.answer)
             results.append(result)
             # The agent's tool runs now; meanwhile the decode's retained blocks reach the directory.
@@ -47,25 +64,56 @@ def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_s
                 sys.stdout.write(json.dumps(result.as_dict()) + "\n")
                 sys.stdout.flush()
             else:
-                progress(f"turn {turn}", f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
-                                         f"TTFT {result.ttft_ms:.0f} ms")
+                progress(
+                    f"turn {turn}",
+                    f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
+                    f"TTFT {result.ttft_ms:.0f} ms",
+                )
         if not as_json:
             table = Table(title="kvloop demo: one agent conversation through the proxy")
-            for column in ("turn", "prompt tokens", "path", "reason", "matched", "recomputed", "bytes moved",
-                           "holder", "TTFT ms"):
-                table.add_column(column, justify="right" if column not in ("path", "reason", "holder") else "left")
+            for column in (
+                "turn",
+                "prompt tokens",
+                "path",
+                "reason",
+                "matched",
+                "recomputed",
+                "bytes moved",
+                "holder",
+                "TTFT ms",
+            ):
+                table.add_column(
+                    column, justify="right" if column not in ("path", "reason", "holder") else "left"
+                )
             for r in results:
-                style = "green" if r.path == "transfer" else ("yellow" if r.path in ("recompute", "miss") else "red")
-                table.add_row(str(r.turn), str(r.prompt_tokens), f"[{style}]{r.path}[/]", r.reason,
-                              str(r.matched_tokens), str(r.recompute_tokens), f"{r.bytes_moved:,}", r.holder or "-",
-                              f"{r.ttft_ms:.0f}")
+                style = (
+                    "green"
+                    if r.path == "transfer"
+                    else ("yellow" if r.path in ("recompute", "miss") else "red")
+                )
+                table.add_row(
+                    str(r.turn),
+                    str(r.prompt_tokens),
+                    f"[{style}]{r.path}[/]",
+                    r.reason,
+                    str(r.matched_tokens),
+                    str(r.recompute_tokens),
+                    f"{r.bytes_moved:,}",
+                    r.holder or "-",
+                    f"{r.ttft_ms:.0f}",
+                )
             console.print(table)
-        otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+        )
         where = f"OTLP endpoint {otlp}" if otlp else f"the local file {span_file}"
         console.print(f"\nTraces went to {where}.")
-        console.print(f"Inspect the daemon: kvloop --daemon {stack.daemon_address} workers  |  "
-                      f"kvloop --daemon {stack.daemon_address} stats  |  grpcurl -plaintext {stack.daemon_address} "
-                      "describe kvloop.v1.Directory", highlight=False)
+        console.print(
+            f"Inspect the daemon: kvloop --daemon {stack.daemon_address} workers  |  "
+            f"kvloop --daemon {stack.daemon_address} stats  |  grpcurl -plaintext {stack.daemon_address} "
+            "describe kvloop.v1.Directory",
+            highlight=False,
+        )
         console.print(f"Logs: {workdir / 'logs'}")
         if keep_running:
             console.print(f"Everything keeps running (OpenAI API at {stack.proxy_url}); Ctrl-C stops it.")
@@ -77,4 +125,6 @@ def run_demo(workdir: Path, turns: int, max_tokens: int, as_json: bool, hidden_s
         return 130
     finally:
         stack.stop()
-        console.print(f"[dim]stopped kvloopd, engines, sidecars and proxy after {time.monotonic() - started:.0f}s[/dim]")
+        console.print(
+            f"[dim]stopped kvloopd, engines, sidecars and proxy after {time.monotonic() - started:.0f}s[/dim]"
+        )

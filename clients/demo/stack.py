@@ -4,6 +4,8 @@ the end-to-end tests."""
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import subprocess
 import sys
@@ -68,29 +70,56 @@ class Stack:
         self.daemon_address = f"127.0.0.1:{daemon_port}"
         progress("kvloopd", "starting")
         self.daemon = subprocess.Popen(
-            [str(bin_dir / "kvloopd"), "--listen", self.daemon_address, "--metrics-listen", f"127.0.0.1:{free_port()}",
-             "--log-json"],
-            stdout=subprocess.DEVNULL, stderr=(logs / "kvloopd.log").open("w"), env=self._env("kvloopd"))
+            [
+                str(bin_dir / "kvloopd"),
+                "--listen",
+                self.daemon_address,
+                "--metrics-listen",
+                f"127.0.0.1:{free_port()}",
+                "--log-json",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(logs / "kvloopd.log").open("w"),
+            env=self._env("kvloopd"),
+        )
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             client.wait_ready(30)
         progress("kvloopd", f"ready on {self.daemon_address}")
         from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block
 
-        bytes_per_block = kv_bytes_per_block(cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype])
+        bytes_per_block = kv_bytes_per_block(
+            cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
+        )
         roles = ["prefill"] + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
             name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
             engine_env = {}
             if cfg.span_file and not _otlp_configured():
                 engine_env["KVLOOP_SPAN_FILE"] = str(cfg.span_file)
-            self.engines.append(Engine(EngineConfig(
-                role=role, model=str(cfg.model_dir), served_model_name=cfg.served_model_name, worker_id=name,
-                port=free_port(), nixl_port=free_port(), kv_events_port=free_port_pair(),
-                daemon=self.daemon_address, block_size=cfg.block_size, dtype=cfg.dtype, kv_cache_gib=cfg.kv_cache_gib,
-                retention_ttl_s=cfg.retention_ttl_s, kv_bytes_per_block=bytes_per_block,
-                agent_health_port=free_port(),
-                prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
-                mode=cfg.mode, env=engine_env), logs))
+            self.engines.append(
+                Engine(
+                    EngineConfig(
+                        role=role,
+                        model=str(cfg.model_dir),
+                        served_model_name=cfg.served_model_name,
+                        worker_id=name,
+                        port=free_port(),
+                        nixl_port=free_port(),
+                        kv_events_port=free_port_pair(),
+                        daemon=self.daemon_address,
+                        block_size=cfg.block_size,
+                        dtype=cfg.dtype,
+                        kv_cache_gib=cfg.kv_cache_gib,
+                        retention_ttl_s=cfg.retention_ttl_s,
+                        kv_bytes_per_block=bytes_per_block,
+                        agent_health_port=free_port(),
+                        prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
+                        mode=cfg.mode,
+                        env=engine_env,
+                    ),
+                    logs,
+                )
+            )
         for engine in self.engines:
             engine.launch()
             progress(engine.config.worker_id, "starting vllm serve")
@@ -98,12 +127,16 @@ class Stack:
         pending = list(self.engines)
         while pending:
             if time.monotonic() > deadline:
-                raise EngineStartError(f"engines not ready after {cfg.start_timeout_s:.0f}s: "
-                                       f"{[e.config.worker_id for e in pending]} (logs in {logs})")
+                raise EngineStartError(
+                    f"engines not ready after {cfg.start_timeout_s:.0f}s: "
+                    f"{[e.config.worker_id for e in pending]} (logs in {logs})"
+                )
             for engine in list(pending):
                 if engine.ready():
                     pending.remove(engine)
-                    progress(engine.config.worker_id, f"ready in {engine.started_s:.0f}s at {engine.config.url}")
+                    progress(
+                        engine.config.worker_id, f"ready in {engine.started_s:.0f}s at {engine.config.url}"
+                    )
             time.sleep(0.5)  # polling engine health while they load
         if not cfg.with_proxy:
             return
@@ -111,9 +144,21 @@ class Stack:
         self.proxy_url = f"http://127.0.0.1:{proxy_port}"
         progress("proxy", "starting")
         self.proxy = subprocess.Popen(
-            [str(bin_dir / "kvloop"), "--daemon", self.daemon_address, "proxy", "--listen", f"127.0.0.1:{proxy_port}",
-             "--prefill", self.prefill.config.url, *sum((["--decode", d.config.url] for d in self.decodes), [])],
-            stdout=subprocess.DEVNULL, stderr=(logs / "proxy.log").open("w"), env=self._env("kvloop-proxy"))
+            [
+                str(bin_dir / "kvloop"),
+                "--daemon",
+                self.daemon_address,
+                "proxy",
+                "--listen",
+                f"127.0.0.1:{proxy_port}",
+                "--prefill",
+                self.prefill.config.url,
+                *functools.reduce(operator.iadd, (["--decode", d.config.url] for d in self.decodes), []),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(logs / "proxy.log").open("w"),
+            env=self._env("kvloop-proxy"),
+        )
         _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
         progress("proxy", f"ready at {self.proxy_url}")
 
@@ -147,7 +192,9 @@ class Stack:
 
 
 def _otlp_configured() -> bool:
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
 
 
 def _wait_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:

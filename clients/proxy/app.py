@@ -30,10 +30,16 @@ log = structlog.get_logger("kvloop.proxy")
 tracer = trace.get_tracer("kvloop.proxy")
 
 REQUESTS = Counter("kvloop_proxy_requests_total", "Proxied requests", ["endpoint", "outcome"])
-TTFT = Histogram("kvloop_proxy_ttft_seconds", "Request arrival to first streamed token",
-                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-PREFILL_SECONDS = Histogram("kvloop_proxy_prefill_seconds", "Prefill step duration",
-                            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TTFT = Histogram(
+    "kvloop_proxy_ttft_seconds",
+    "Request arrival to first streamed token",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+PREFILL_SECONDS = Histogram(
+    "kvloop_proxy_prefill_seconds",
+    "Prefill step duration",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 KVLOOP_PREFIX = "kvloop_"
 
 
@@ -104,12 +110,15 @@ async def _post_json(state: _State, backend: Backend, path: str, body: dict, hea
         async with state.session.post(f"{backend.url}{path}", json=body, headers=headers) as r:
             text = await r.text()
             if r.status != 200:
-                raise UpstreamError(r.status if 400 <= r.status < 500 else 502,
-                                    f"{backend.role} server {backend.url} answered {r.status}: {text[:500]}", backend)
+                raise UpstreamError(
+                    r.status if 400 <= r.status < 500 else 502,
+                    f"{backend.role} server {backend.url} answered {r.status}: {text[:500]}",
+                    backend,
+                )
             return json.loads(text)
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
         raise UpstreamError(502, f"{backend.role} server {backend.url} failed: {exc}", backend) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise UpstreamError(504, f"{backend.role} server {backend.url} timed out", backend) from None
 
 
@@ -136,7 +145,9 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     started = time.perf_counter()
     parent = propagate.extract(request.headers)
     with tracer.start_as_current_span(f"kvloop.proxy {path}", context=parent, kind=SpanKind.SERVER) as span:
-        span.set_attributes({"http.route": path, "kvloop.stream": stream, "gen_ai.request.model": str(body.get("model", ""))})
+        span.set_attributes(
+            {"http.route": path, "kvloop.stream": stream, "gen_ai.request.model": str(body.get("model", ""))}
+        )
         try:
             prefill = state.prefill.pick()
             prefill.in_flight += 1
@@ -152,19 +163,36 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             PREFILL_SECONDS.observe(prefill_s)
             kv = answer.get("kv_transfer_params")
             if not isinstance(kv, dict) or not kv:
-                raise UpstreamError(502, f"prefill server {prefill.url} returned no kv_transfer_params: is it "
-                                         "started with the kvloop connector (kv_role kv_both)?", prefill)
+                raise UpstreamError(
+                    502,
+                    f"prefill server {prefill.url} returned no kv_transfer_params: is it "
+                    "started with the kvloop connector (kv_role kv_both)?",
+                    prefill,
+                )
             info = {k: v for k, v in kv.items() if k.startswith(KVLOOP_PREFIX)}
             decode = state.decode.pick(prefer=_holder_backend(state, kv))
-            span.set_attributes({"kvloop.prefill_backend": prefill.url, "kvloop.decode_backend": decode.url,
-                                 "kvloop.prefill_ms": round(prefill_s * 1e3, 3),
-                                 **{f"kvloop.{k[len(KVLOOP_PREFIX):]}": v for k, v in info.items()
-                                    if isinstance(v, (str, int, float, bool))}})
-            response_headers = {"x-kvloop-prefill": prefill.url, "x-kvloop-decode": decode.url,
-                                "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}"}
+            span.set_attributes(
+                {
+                    "kvloop.prefill_backend": prefill.url,
+                    "kvloop.decode_backend": decode.url,
+                    "kvloop.prefill_ms": round(prefill_s * 1e3, 3),
+                    **{
+                        f"kvloop.{k[len(KVLOOP_PREFIX) :]}": v
+                        for k, v in info.items()
+                        if isinstance(v, (str, int, float, bool))
+                    },
+                }
+            )
+            response_headers = {
+                "x-kvloop-prefill": prefill.url,
+                "x-kvloop-decode": decode.url,
+                "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}",
+            }
             response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
-            decode_body = {**body, "kv_transfer_params": {k: v for k, v in kv.items()
-                                                          if not k.startswith(KVLOOP_PREFIX)}}
+            decode_body = {
+                **body,
+                "kv_transfer_params": {k: v for k, v in kv.items() if not k.startswith(KVLOOP_PREFIX)},
+            }
             decode.in_flight += 1
             try:
                 with tracer.start_as_current_span("kvloop.proxy.decode", kind=SpanKind.CLIENT) as dspan:
@@ -175,8 +203,17 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                         result = await _post_json(state, decode, path, decode_body, headers)
                         REQUESTS.labels(endpoint, "ok").inc()
                         return web.json_response(result, headers=response_headers)
-                    return await _stream(request, state, decode, path, decode_body, headers, response_headers,
-                                         started, endpoint)
+                    return await _stream(
+                        request,
+                        state,
+                        decode,
+                        path,
+                        decode_body,
+                        headers,
+                        response_headers,
+                        started,
+                        endpoint,
+                    )
             finally:
                 decode.in_flight -= 1
         except NoBackend as exc:
@@ -187,26 +224,40 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             REQUESTS.labels(endpoint, f"upstream_{exc.status}").inc()
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             if exc.backend is not None and exc.status in (502, 504):
-                state.prefill.mark_failed(exc.backend, str(exc)) if exc.backend.role == "prefill" else \
-                    state.decode.mark_failed(exc.backend, str(exc))
+                state.prefill.mark_failed(
+                    exc.backend, str(exc)
+                ) if exc.backend.role == "prefill" else state.decode.mark_failed(exc.backend, str(exc))
             log.warning("upstream failed", error=str(exc), status=exc.status)
             return _error(exc.status, str(exc), "upstream_error")
 
 
-async def _stream(request: web.Request, state: _State, decode: Backend, path: str, body: dict, headers: dict,
-                  response_headers: dict, started: float, endpoint: str) -> web.StreamResponse:
+async def _stream(
+    request: web.Request,
+    state: _State,
+    decode: Backend,
+    path: str,
+    body: dict,
+    headers: dict,
+    response_headers: dict,
+    started: float,
+    endpoint: str,
+) -> web.StreamResponse:
     assert state.session is not None
     try:
         upstream = await state.session.post(f"{decode.url}{path}", json=body, headers=headers)
-    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientConnectionError) as exc:
         raise UpstreamError(502, f"decode server {decode.url} failed: {exc}", decode) from None
     async with upstream:
         if upstream.status != 200:
             text = await upstream.text()
-            raise UpstreamError(upstream.status if 400 <= upstream.status < 500 else 502,
-                                f"decode server {decode.url} answered {upstream.status}: {text[:500]}", decode)
-        response = web.StreamResponse(headers={**response_headers, "Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+            raise UpstreamError(
+                upstream.status if 400 <= upstream.status < 500 else 502,
+                f"decode server {decode.url} answered {upstream.status}: {text[:500]}",
+                decode,
+            )
+        response = web.StreamResponse(
+            headers={**response_headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await response.prepare(request)
         first = True
         try:
@@ -230,14 +281,20 @@ async def _stream(request: web.Request, state: _State, decode: Backend, path: st
 async def _models(request: web.Request) -> web.Response:
     state: _State = request.app["state"]
     names = sorted({m for pool in (state.prefill, state.decode) for b in pool.backends for m in b.models})
-    return web.json_response({"object": "list", "data": [{"id": n, "object": "model", "owned_by": "kvloop"}
-                                                         for n in names]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "kvloop"} for n in names]}
+    )
 
 
 async def _health(request: web.Request) -> web.Response:
     state: _State = request.app["state"]
-    detail = {pool.role: [{"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "error": b.last_error}
-                          for b in pool.backends] for pool in (state.prefill, state.decode)}
+    detail = {
+        pool.role: [
+            {"url": b.url, "healthy": b.healthy, "in_flight": b.in_flight, "error": b.last_error}
+            for b in pool.backends
+        ]
+        for pool in (state.prefill, state.decode)
+    }
     ok = any(b.healthy for b in state.prefill.backends) and any(b.healthy for b in state.decode.backends)
     return web.json_response({"status": "ok" if ok else "unavailable", **detail}, status=200 if ok else 503)
 
@@ -253,8 +310,11 @@ async def _refresh_holders(state: _State) -> None:
         while True:
             try:
                 workers = await client.list_workers()
-                state.holder_urls = {w.registration.worker_id: w.registration.http_endpoint.rstrip("/")
-                                     for w in workers if w.registration.http_endpoint}
+                state.holder_urls = {
+                    w.registration.worker_id: w.registration.http_endpoint.rstrip("/")
+                    for w in workers
+                    if w.registration.http_endpoint
+                }
             except KvloopError as exc:
                 log.warning("cannot refresh holder map from kvloopd", error=str(exc))
             await asyncio.sleep(state.config.holder_map_refresh_s)
@@ -263,17 +323,25 @@ async def _refresh_holders(state: _State) -> None:
 def build_app(config: ProxyConfig) -> web.Application:
     if not config.prefill or not config.decode:
         raise ValueError("the proxy needs at least one prefill and one decode server")
-    state = _State(config, BackendPool("prefill", config.prefill, config.health_interval_s),
-                   BackendPool("decode", config.decode, config.health_interval_s))
+    state = _State(
+        config,
+        BackendPool("prefill", config.prefill, config.health_interval_s),
+        BackendPool("decode", config.decode, config.health_interval_s),
+    )
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["state"] = state
 
     async def lifecycle(app: web.Application):
-        state.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
-            total=config.request_timeout_s, sock_connect=config.connect_timeout_s))
+        state.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(
+                total=config.request_timeout_s, sock_connect=config.connect_timeout_s
+            )
+        )
         await asyncio.gather(state.prefill.check_all(state.session), state.decode.check_all(state.session))
-        state.tasks = [asyncio.create_task(state.prefill.keep_checking(state.session)),
-                       asyncio.create_task(state.decode.keep_checking(state.session))]
+        state.tasks = [
+            asyncio.create_task(state.prefill.keep_checking(state.session)),
+            asyncio.create_task(state.decode.keep_checking(state.session)),
+        ]
         if config.daemon:
             state.tasks.append(asyncio.create_task(_refresh_holders(state)))
         yield
@@ -290,14 +358,20 @@ def build_app(config: ProxyConfig) -> web.Application:
     return app
 
 
-async def serve(config: ProxyConfig, host: str, port: int, stop: asyncio.Event,
-                tls: ssl.SSLContext | None = None) -> None:
+async def serve(
+    config: ProxyConfig, host: str, port: int, stop: asyncio.Event, tls: ssl.SSLContext | None = None
+) -> None:
     runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
-    log.info("kvloop proxy listening", listen=f"{host}:{port}", tls=tls is not None, prefill=config.prefill,
-             decode=config.decode)
+    log.info(
+        "kvloop proxy listening",
+        listen=f"{host}:{port}",
+        tls=tls is not None,
+        prefill=config.prefill,
+        decode=config.decode,
+    )
     try:
         await stop.wait()
     finally:

@@ -58,14 +58,22 @@ class BackendPool:
                 ok = r.status == 200
                 backend.last_error = "" if ok else f"/health answered {r.status}"
             if ok and not backend.models:
-                async with session.get(f"{backend.url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)) as r:
+                async with session.get(
+                    f"{backend.url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)
+                ) as r:
                     if r.status == 200:
                         backend.models = [m["id"] for m in (await r.json()).get("data", [])]
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             ok = False
             backend.last_error = f"unreachable: {exc.__class__.__name__}: {exc}"
         if ok != backend.healthy:
-            log.info("backend health changed", role=self.role, url=backend.url, healthy=ok, error=backend.last_error)
+            log.info(
+                "backend health changed",
+                role=self.role,
+                url=backend.url,
+                healthy=ok,
+                error=backend.last_error,
+            )
         backend.healthy = ok
         backend.last_check = time.monotonic()
 

@@ -20,7 +20,22 @@ from kvloop.daemon.index.model import (
 from kvloop.daemon.index.store import DirectoryError, DirectoryStore
 
 __all__ = [
-    "Change", "Cleared", "DirectoryError", "DirectoryStore", "Event", "Holding", "IndexConfig",
-    "LeaseState", "Location", "MemoryStore", "Namespace", "PrefixMatch", "Released", "Removed",
-    "Retained", "Stored", "WorkerSpec", "WorkerView",
+    "Change",
+    "Cleared",
+    "DirectoryError",
+    "DirectoryStore",
+    "Event",
+    "Holding",
+    "IndexConfig",
+    "LeaseState",
+    "Location",
+    "MemoryStore",
+    "Namespace",
+    "PrefixMatch",
+    "Released",
+    "Removed",
+    "Retained",
+    "Stored",
+    "WorkerSpec",
+    "WorkerView",
 ]

@@ -51,10 +51,22 @@ class IndexConfig:
 
 
 class _Run:
-    __slots__ = ("run_id", "worker", "namespace", "hashes", "block_ids", "num_groups", "handle",
-                 "deadline", "single_use", "claimed", "tier", "tail")
+    __slots__ = (
+        "block_ids",
+        "claimed",
+        "deadline",
+        "handle",
+        "hashes",
+        "namespace",
+        "num_groups",
+        "run_id",
+        "single_use",
+        "tail",
+        "tier",
+        "worker",
+    )
 
-    def __init__(self, run_id: int, worker: "_Worker", namespace: Namespace, event: Retained, now: float):
+    def __init__(self, run_id: int, worker: _Worker, namespace: Namespace, event: Retained, now: float):
         self.run_id = run_id
         self.worker = worker
         self.namespace = namespace
@@ -67,8 +79,11 @@ class _Run:
         self.claimed = False
         self.tier = event.tier
         # (token ids, block id per group) of the partly filled last block; None for most runs' cost
-        self.tail = (array("I", event.tail_token_ids), array("I", event.tail_block_ids)) \
-            if event.tail_token_ids else None
+        self.tail = (
+            (array("I", event.tail_token_ids), array("I", event.tail_block_ids))
+            if event.tail_token_ids
+            else None
+        )
 
     def ids_for(self, blocks: int) -> array:
         """Physical ids of blocks [0, blocks), group-major (array slices: no per-id Python work)."""
@@ -78,13 +93,24 @@ class _Run:
             return ids[:blocks]
         out = array("I")
         for g in range(self.num_groups):
-            out.extend(ids[g * length: g * length + blocks])
+            out.extend(ids[g * length : g * length + blocks])
         return out
 
 
 class _Worker:
-    __slots__ = ("spec", "slot", "state", "connected", "last_seen", "last_sequence", "runs",
-                 "stored", "events_ingested", "resyncs", "retained_blocks")
+    __slots__ = (
+        "connected",
+        "events_ingested",
+        "last_seen",
+        "last_sequence",
+        "resyncs",
+        "retained_blocks",
+        "runs",
+        "slot",
+        "spec",
+        "state",
+        "stored",
+    )
 
     def __init__(self, spec: WorkerSpec, slot: int, now: float):
         self.spec = spec
@@ -458,9 +484,7 @@ class MemoryStore:
         candidates = [
             run
             for rid in _values(index[hashes[lo]])
-            if servable(rid)
-            and len((run := runs[rid]).hashes) >= matched
-            and run.hashes[lo] == hashes[lo]
+            if servable(rid) and len((run := runs[rid]).hashes) >= matched and run.hashes[lo] == hashes[lo]
         ]
         if not candidates:
             return PrefixMatch(None, [])
@@ -489,8 +513,11 @@ class MemoryStore:
             block_ids=run.ids_for(matched),
             num_groups=run.num_groups,
             single_use=run.single_use,
-            **({"tail_token_ids": run.tail[0], "tail_block_ids": run.tail[1]}
-               if run.tail is not None and matched == len(run.hashes) else {}),
+            **(
+                {"tail_token_ids": run.tail[0], "tail_block_ids": run.tail[1]}
+                if run.tail is not None and matched == len(run.hashes)
+                else {}
+            ),
         )
 
     def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
@@ -503,16 +530,18 @@ class MemoryStore:
             run = self._runs[rid]
             position = run.hashes.index(block_hash)
             length = len(run.hashes)
-            found.append(Location(
-                worker_id=run.worker.spec.worker_id,
-                kind="retained",
-                position=position,
-                block_ids=[run.block_ids[g * length + position] for g in range(run.num_groups)],
-                handle=run.handle,
-                expires_in_ms=max(0, int((run.deadline - now) * 1000)),
-                servable=self._servable(run, floor, now, ""),
-                tier=run.tier,
-            ))
+            found.append(
+                Location(
+                    worker_id=run.worker.spec.worker_id,
+                    kind="retained",
+                    position=position,
+                    block_ids=[run.block_ids[g * length + position] for g in range(run.num_groups)],
+                    handle=run.handle,
+                    expires_in_ms=max(0, int((run.deadline - now) * 1000)),
+                    servable=self._servable(run, floor, now, ""),
+                    tier=run.tier,
+                )
+            )
         for slot in _values(ns.stored.get(block_hash, [])):
             worker = self._slots[slot]
             found.append(Location(worker.spec.worker_id, "stored", -1, [], "", 0, False, 0))
@@ -526,18 +555,20 @@ class MemoryStore:
             state = worker.state
             if state == LeaseState.ACTIVE and not self._serving(worker, now):
                 state = LeaseState.EXPIRED
-            views.append(WorkerView(
-                spec=worker.spec,
-                state=state,
-                connected=worker.connected,
-                last_applied_sequence=worker.last_sequence,
-                stored_blocks=sum(len(s) for s in worker.stored.values()),
-                retained_blocks=worker.retained_blocks,
-                retained_runs=len(worker.runs),
-                last_seen_s_ago=max(0.0, now - worker.last_seen),
-                events_ingested=worker.events_ingested,
-                resyncs=worker.resyncs,
-            ))
+            views.append(
+                WorkerView(
+                    spec=worker.spec,
+                    state=state,
+                    connected=worker.connected,
+                    last_applied_sequence=worker.last_sequence,
+                    stored_blocks=sum(len(s) for s in worker.stored.values()),
+                    retained_blocks=worker.retained_blocks,
+                    retained_runs=len(worker.runs),
+                    last_seen_s_ago=max(0.0, now - worker.last_seen),
+                    events_ingested=worker.events_ingested,
+                    resyncs=worker.resyncs,
+                )
+            )
         return views
 
     def models(self) -> list[str]:
@@ -559,17 +590,40 @@ class MemoryStore:
             run = self._runs.get(rid)
             if run is not None:
                 blocks = self._drop_run(run)
-                changes.append(Change("expired", run.worker.spec.worker_id, run.worker.spec.model, blocks,
-                                      f"retention {run.handle} lease ended"))
+                changes.append(
+                    Change(
+                        "expired",
+                        run.worker.spec.worker_id,
+                        run.worker.spec.model,
+                        blocks,
+                        f"retention {run.handle} lease ended",
+                    )
+                )
         for worker in list(self._workers.values()):
             idle = now - worker.last_seen
             if worker.state == LeaseState.ACTIVE and idle > self.config.lease_s:
                 worker.state = LeaseState.EXPIRED
-                changes.append(Change("lease", worker.spec.worker_id, worker.spec.model, 0,
-                                      f"no message for {idle:.1f}s: blocks no longer served"))
-            if (not worker.connected or worker.state == LeaseState.EXPIRED) and idle > self.config.drop_after_s:
+                changes.append(
+                    Change(
+                        "lease",
+                        worker.spec.worker_id,
+                        worker.spec.model,
+                        0,
+                        f"no message for {idle:.1f}s: blocks no longer served",
+                    )
+                )
+            if (
+                not worker.connected or worker.state == LeaseState.EXPIRED
+            ) and idle > self.config.drop_after_s:
                 blocks = worker.retained_blocks + sum(len(s) for s in worker.stored.values())
                 self._drop_worker(worker)
-                changes.append(Change("dropped", worker.spec.worker_id, worker.spec.model, blocks,
-                                      f"silent for {idle:.1f}s: entries dropped"))
+                changes.append(
+                    Change(
+                        "dropped",
+                        worker.spec.worker_id,
+                        worker.spec.model,
+                        blocks,
+                        f"silent for {idle:.1f}s: entries dropped",
+                    )
+                )
         return changes

@@ -12,8 +12,12 @@ BIN = Path(sys.executable).parent
 
 def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
     workdir = tmp_path / "demo"
-    result = subprocess.run([str(BIN / "kvloop"), "--json", "demo", "--turns", "3", "--workdir", str(workdir)],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [str(BIN / "kvloop"), "--json", "demo", "--turns", "3", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [t["turn"] for t in turns] == [1, 2, 3]

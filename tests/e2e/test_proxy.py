@@ -19,31 +19,42 @@ MODEL = "kvloop-tiny"
 
 
 def post(url: str, body: dict, headers: dict | None = None):
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
+    )
     return urllib.request.urlopen(request, timeout=300)
 
 
 def test_chat_without_and_with_streaming(served_stack):
     messages = [{"role": "user", "content": random_text(200, 1)}]
-    with post(f"{served_stack.proxy_url}/v1/chat/completions",
-              {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0}) as r:
+    with post(
+        f"{served_stack.proxy_url}/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
+    ) as r:
         plain = json.loads(r.read())
         assert r.headers["x-kvloop-prefill"] == served_stack.prefill.config.url
     assert plain["choices"][0]["message"]["content"]
     assert plain["usage"]["completion_tokens"] == 8
-    with post(f"{served_stack.proxy_url}/v1/chat/completions",
-              {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}) as r:
+    with post(
+        f"{served_stack.proxy_url}/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True},
+    ) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         lines = [line.decode().strip() for line in r if line.strip()]
     assert lines[-1] == "data: [DONE]"
-    streamed = "".join(json.loads(l[5:])["choices"][0]["delta"].get("content") or ""
-                       for l in lines[:-1] if json.loads(l[5:])["choices"])
+    streamed = "".join(
+        json.loads(line[5:])["choices"][0]["delta"].get("content") or ""
+        for line in lines[:-1]
+        if json.loads(line[5:])["choices"]
+    )
     assert streamed == plain["choices"][0]["message"]["content"]  # greedy: same answer either way
 
 
 def test_bad_requests_get_4xx(served_stack):
-    for body, fragment in (({"model": MODEL}, "'messages'"), ({"model": MODEL, "messages": [{"x": 1}]}, "'role'")):
+    for body, fragment in (
+        ({"model": MODEL}, "'messages'"),
+        ({"model": MODEL, "messages": [{"x": 1}]}, "'role'"),
+    ):
         try:
             post(f"{served_stack.proxy_url}/v1/chat/completions", body)
             raise AssertionError("expected 400")
@@ -73,16 +84,24 @@ def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
             assert r.decode_server == by_worker[r.holder], "decode must go to the server holding the prefix"
     # the prefill's own (first-turn) prefills reached the cost model through its sidecar
     with DirectoryClient(served_stack.daemon_address) as directory:
-        prefill = next(w for w in directory.list_workers(MODEL)
-                       if w.registration.worker_id == served_stack.prefill.config.worker_id)
+        prefill = next(
+            w
+            for w in directory.list_workers(MODEL)
+            if w.registration.worker_id == served_stack.prefill.config.worker_id
+        )
     assert prefill.prefill_tokens_per_second > 0
 
 
 def test_client_disconnect_frees_the_decode_request(served_stack):
     url = urlparse(served_stack.proxy_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": random_text(100, 5)}],
-            "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": random_text(100, 5)}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
     decode_url = response.getheader("x-kvloop-decode")
@@ -91,8 +110,11 @@ def test_client_disconnect_frees_the_decode_request(served_stack):
 
     def running() -> float:
         text = urllib.request.urlopen(f"{decode_url}/metrics", timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:num_requests_running"))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:num_requests_running")
+        )
 
     deadline = time.monotonic() + 60
     while running() > 0:
@@ -106,15 +128,20 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     conversation = AgentConversation(seed=31, system_words=400, tool_words=200)
     with DirectoryClient(served_stack.daemon_address) as directory:
         retained = directory.stats().retained_runs
-    with post(f"{served_stack.proxy_url}/v1/chat/completions",
-              {"model": MODEL, "messages": conversation.messages, "max_tokens": 4}, {"traceparent": traceparent}) as r:
+    with post(
+        f"{served_stack.proxy_url}/v1/chat/completions",
+        {"model": MODEL, "messages": conversation.messages, "max_tokens": 4},
+        {"traceparent": traceparent},
+    ) as r:
         conversation.record(json.loads(r.read())["choices"][0]["message"]["content"])
     # the next turn can pull only once the decode's retention of this one has reached the directory
     assert served_stack.wait_retained(retained + 1), "the decode's retained run never reached kvloopd"
     trace_id2 = secrets.token_hex(16)
-    with post(f"{served_stack.proxy_url}/v1/chat/completions",
-              {"model": MODEL, "messages": conversation.messages, "max_tokens": 4},
-              {"traceparent": f"00-{trace_id2}-{secrets.token_hex(8)}-01"}) as r:
+    with post(
+        f"{served_stack.proxy_url}/v1/chat/completions",
+        {"model": MODEL, "messages": conversation.messages, "max_tokens": 4},
+        {"traceparent": f"00-{trace_id2}-{secrets.token_hex(8)}-01"},
+    ) as r:
         r.read()
 
     def complete(spans):
@@ -135,4 +162,6 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     first = [s for s in otlp_receiver.spans() if s["trace_id"] == trace_id and s["name"] == "kvloop.prefill"]
     assert first and first[0]["attributes"]["kvloop.path"] in ("miss", "recompute"), first
     assert first[0]["attributes"]["kvloop.reason"] in ("miss", "below_threshold")
-    assert first[0]["attributes"]["kvloop.bytes"] == 0 and first[0]["attributes"]["kvloop.recompute_tokens"] > 0
+    assert (
+        first[0]["attributes"]["kvloop.bytes"] == 0 and first[0]["attributes"]["kvloop.recompute_tokens"] > 0
+    )

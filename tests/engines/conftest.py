@@ -45,8 +45,6 @@ AGENT = str(Path(KVLOOPD).parent / "kvloop-agent")
 DAEMON_ENV = {"KVLOOP_SHUTDOWN_GRACE_S": "0.5"}
 
 
-
-
 @dataclass
 class Run:
     """A retained run announced by the decode engine (as the tests know it)."""
@@ -160,7 +158,7 @@ class KvloopStack:
                     w.registration.worker_id == DECODE_WORKER and w.connected
                     for w in self.client.list_workers(MODEL)
                 )
-            except Exception:  # noqa: BLE001 - daemon still starting
+            except Exception:
                 return False
 
         wait_until(connected, timeout, "kvloop-agent registered with kvloopd", interval=0.1)
@@ -237,7 +235,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver) -> Iterator[EnginePair]:
+def engines(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
+) -> Iterator[EnginePair]:
     if not HAVE_ENGINES:
         pytest.skip("vLLM CPU build / NIXL not installed")
     from engine_harness import EngineHandle, EngineSpec

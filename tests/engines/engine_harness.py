@@ -169,8 +169,9 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
         if spec.otlp_endpoint:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-            provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=spec.otlp_endpoint,
-                                                                             insecure=True)))
+            provider.add_span_processor(
+                SimpleSpanProcessor(OTLPSpanExporter(endpoint=spec.otlp_endpoint, insecure=True))
+            )
         trace.set_tracer_provider(provider)
 
         from vllm import LLM, SamplingParams
@@ -214,7 +215,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
         )
         start_s = time.perf_counter() - t0
         conn.send(("ready", {"start_s": start_s, "kv_shapes": llm.collective_rpc(_kv_shapes)[0]}))
-    except Exception:  # noqa: BLE001
+    except Exception:
         conn.send(("error", traceback.format_exc()))
         return
 
@@ -224,7 +225,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             if cmd == "stop":
                 try:  # the multiprocess layout leaves orphaned engine-core processes otherwise
                     llm.llm_engine.engine_core.shutdown()
-                except Exception:  # noqa: BLE001, S110
+                except Exception:
                     pass
                 conn.send(("ok", None))
                 break
@@ -245,7 +246,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 (res,) = llm.generate([TokensPrompt(**prompt)], sp, use_tqdm=False)
                 elapsed = time.perf_counter() - t
                 c = res.outputs[0]
-                lps = [lp[tok].logprob for lp, tok in zip(c.logprobs or [], c.token_ids)]
+                lps = [lp[tok].logprob for lp, tok in zip(c.logprobs or [], c.token_ids, strict=False)]
                 conn.send(
                     (
                         "ok",
@@ -254,7 +255,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                             "token_ids": list(c.token_ids),
                             "logprobs": lps,
                             "top_logprobs": [
-                                sorted(((t, l.logprob) for t, l in lp.items()), key=lambda x: -x[1])
+                                sorted(((t, p.logprob) for t, p in lp.items()), key=lambda x: -x[1])
                                 for lp in (c.logprobs or [])
                             ],
                             "kv_transfer_params": res.kv_transfer_params,
@@ -309,7 +310,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 conn.send(("ok", None))
             else:
                 conn.send(("error", f"unknown command {cmd}"))
-        except Exception:  # noqa: BLE001
+        except Exception:
             conn.send(("error", traceback.format_exc()))
 
 
@@ -377,7 +378,7 @@ class EngineHandle:
         try:
             if self.proc.is_alive():
                 self.call("stop")
-        except Exception:  # noqa: BLE001, S110
+        except Exception:
             pass
         self.proc.join(timeout=20)
         if self.proc.is_alive():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from pydantic import ValidationError
+
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import GrpcBlockDirectory, holder_from_proto
 from kvloop.agents.connector.events import (
@@ -11,7 +13,6 @@ from kvloop.agents.connector.events import (
     KvloopRetentionReleased,
     decode_event_batch,
 )
-from pydantic import ValidationError
 
 
 def _run(handle: str, hashes: list[bytes], lease_ms: int = 60_000, single_use: bool = False, worker="d0"):

@@ -31,6 +31,7 @@ from conftest import (
     Run,
     wait_until,
 )
+
 from kvloop.v1 import directory_pb2 as pb
 
 pytestmark = pytest.mark.engines
@@ -50,7 +51,7 @@ def assert_same_greedy(a: dict[str, Any], b: dict[str, Any]) -> int:
     Returns the number of tokens compared (comparison stops at a tie flip, since the two
     continuations then condition on different histories).
     """
-    for i, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"])):
+    for i, (ta, tb) in enumerate(zip(a["token_ids"], b["token_ids"], strict=False)):
         if ta != tb:
             ref_top = dict(b["top_logprobs"][i])
             assert ta in ref_top, f"token {i}: {ta} not in reference top-k {b['top_logprobs'][i]}"
@@ -193,7 +194,8 @@ def test_four_turn_conversation_transfers_each_turn(engines):
         compared = assert_same_greedy(d, d_ref)
         assert s["kvloop.lookup_ms"] < 1000
         print(
-            f"turn {turn}: lookup {s['kvloop.lookup_ms']:.1f} ms, pulled {s['kvloop.bytes'] / 2**20:.1f} MiB, "
+            f"turn {turn}: lookup {s['kvloop.lookup_ms']:.1f} ms, "
+            f"pulled {s['kvloop.bytes'] / 2**20:.1f} MiB, "
             f"{compared}/{len(d['token_ids'])} decoded tokens identical before any tie flip"
         )
     assert _transfers(engines) - transfers_before == 3  # prometheus agrees with the spans
@@ -271,7 +273,7 @@ def test_prompt_departing_inside_the_tail_pulls_its_agreeing_start(engines):
     assert (len(history) - 1) % BS > 10, "the run must end in a partly filled block longer than the cut"
     cut = 2048 + 10  # inside the tail block (2048..)
     departing = 2 if history[cut] != 2 else 3
-    conv = history[:cut] + [departing] + rand_tokens(rnd, 150)
+    conv = [*history[:cut], departing, *rand_tokens(rnd, 150)]
     pf = prefill_and_check(engines, conv)  # KV compared on every full block, the departed one included
     assert pf.span["kvloop.path"] == "transfer", pf.span
     assert pf.span["kvloop.matched_tokens"] == cut
@@ -414,14 +416,21 @@ def test_every_path_reached_the_otlp_receiver(engines, otlp_receiver):
     receiver for every path the session produced, with the per-turn attributes."""
     wanted = {"transfer", "miss", "expired", "failed", "recompute"}
     spans = otlp_receiver.wait_for(
-        lambda s: s["name"] == "kvloop.prefill" and s["service"] == "vllm-prefill", timeout=30)
+        lambda s: s["name"] == "kvloop.prefill" and s["service"] == "vllm-prefill", timeout=30
+    )
     deadline = time.monotonic() + 30
     while not wanted <= {s["attributes"].get("kvloop.path") for s in spans}:
         assert time.monotonic() < deadline, sorted({s["attributes"].get("kvloop.path") for s in spans})
         time.sleep(0.2)  # polling the receiver's file for late exports
         spans = [s for s in otlp_receiver.spans() if s["name"] == "kvloop.prefill"]
     transfer = next(s for s in spans if s["attributes"]["kvloop.path"] == "transfer")
-    for key in ("kvloop.matched_tokens", "kvloop.recompute_tokens", "kvloop.bytes", "kvloop.holder",
-                "kvloop.lookup_ms", "kvloop.pull_ms"):
+    for key in (
+        "kvloop.matched_tokens",
+        "kvloop.recompute_tokens",
+        "kvloop.bytes",
+        "kvloop.holder",
+        "kvloop.lookup_ms",
+        "kvloop.pull_ms",
+    ):
         assert key in transfer["attributes"], key
     assert transfer["attributes"]["kvloop.bytes"] > 0 and transfer["duration_ns"] > 0
