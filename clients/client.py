@@ -50,15 +50,6 @@ def _translate(exc: grpc.RpcError, target: str) -> KvloopError:
     return KvloopError(code, f"{code.name}: {details}", target)
 
 
-def decision_reason_name(reason: int) -> str:
-    """A Lookup reason as its short name ("transfer_faster"), from the proto enum; a value this
-    client's protocol does not know yet (a newer daemon) stays a number."""
-    try:
-        return pb.DecisionReason.Name(reason).removeprefix("DECISION_REASON_").lower()
-    except ValueError:
-        return str(reason)
-
-
 def holder_block_ids(holder: pb.Holder) -> list[int]:
     """A holder's physical block ids, whichever form the response used."""
     if holder.packed_block_ids:
@@ -122,12 +113,19 @@ class _ClientBase:
         lora_name: str = "",
         block_size: int = 0,
         pack_block_ids: bool = False,
+        min_pull_tokens: int = 0,
+        lease_margin_ms: int = 0,
+        parallel: pb.ParallelLayout | None = None,
+        kv_dtype: str = "",
+        kv_bytes_per_block: int = 0,
         timeout: float | None = None,
     ) -> pb.LookupResponse:
         """Ask for the longest servable prefix.
 
         `block_hashes` may be a list or the hashes concatenated (the fast path); with
         `pack_block_ids` holders carry `packed_block_ids` (read them with `holder_block_ids`).
+        A puller states its constraints (minimum pull, lease margin, its KV layout): the daemon
+        answers within them.
         """
         request = pb.LookupRequest(
             model=model,
@@ -137,12 +135,30 @@ class _ClientBase:
             claim=claim,
             block_size=block_size,
             pack_block_ids=pack_block_ids,
+            min_pull_tokens=min_pull_tokens,
+            lease_margin_ms=lease_margin_ms,
+            parallel=parallel,
+            kv_dtype=kv_dtype,
+            kv_bytes_per_block=kv_bytes_per_block,
         )
         if isinstance(block_hashes, (bytes, bytearray)):
             request.packed_block_hashes = bytes(block_hashes)
         else:
             request.block_hashes.extend(block_hashes)
         return self._invoke("Lookup", request, timeout=timeout)
+
+    def release_claim(
+        self, model: str, holder: str, handle: str, *, requester: str = "", lora_name: str = ""
+    ) -> bool:
+        """Give back a single-use run a TRANSFER answer claimed for `requester` (idempotent)."""
+        request = pb.ReleaseClaimRequest(
+            model=model,
+            lora_name=lora_name,
+            holder_worker_id=holder,
+            retention_handle=handle,
+            requester_worker_id=requester,
+        )
+        return self._invoke("ReleaseClaim", request, lambda r: r.released)
 
     def list_workers(self, model: str = "") -> list[pb.WorkerInfo]:
         return self._invoke("ListWorkers", pb.ListWorkersRequest(model=model), lambda r: list(r.workers))
@@ -229,10 +245,6 @@ class AsyncDirectoryClient(_ClientBase):
                 yield change
         except grpc.RpcError as exc:
             raise _translate(exc, self.target) from None
-
-    def connect(self, requests: AsyncIterator[pb.ConnectRequest]) -> grpc.aio.StreamStreamCall:
-        """Open the agent stream (the sidecar drives it)."""
-        return self.stub.Connect(requests, metadata=self._metadata)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -22,3 +22,43 @@ TRANSFER_REPORTS = Counter(
 ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
 WORKERS = Gauge("kvloop_workers", "Registered workers by lease state", ["state"])
 CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect stream")
+CLAIMS_RELEASED = Counter(
+    "kvloop_claims_released_total", "Single-use runs a TRANSFER answer claimed and the puller gave back"
+)
+
+
+class DaemonCounters:
+    """This daemon's counters: every count goes to Prometheus and to the totals GetStats reports.
+
+    The Prometheus series are process-global (one registry); the totals belong to one service, so
+    several daemons in one process (tests) each report their own."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.decisions: dict[str, int] = {}
+        self.rejected = 0
+        self.resyncs = 0
+        self._evictions_reported = 0
+
+    def lookup(self, seconds: float, decision: str, reason: str) -> None:
+        LOOKUP_LATENCY.observe(seconds)
+        DECISIONS.labels(decision, reason).inc()
+        key = f"{decision}/{reason}"
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        self.lookups += 1
+
+    def claim_released(self) -> None:
+        """A TRANSFER answer the puller did not act on: it no longer counts as a transfer."""
+        CLAIMS_RELEASED.inc()
+
+    def rejected_message(self, rpc: str, reason: str) -> None:
+        self.rejected += 1
+        REJECTED.labels(rpc, reason).inc()
+
+    def resync(self, cause: str) -> None:
+        self.resyncs += 1
+        RESYNCS.labels(cause).inc()
+
+    def evictions(self, total: int) -> None:
+        EVICTIONS.inc(total - self._evictions_reported)
+        self._evictions_reported = total

@@ -14,9 +14,11 @@ from prometheus_client import start_http_server
 
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
+from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.index import MemoryStore
-from kvloop.daemon.policy import CostModel
+from kvloop.daemon.metrics import DaemonCounters
+from kvloop.daemon.policy import Policy
 from kvloop.daemon.service import DirectoryService
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -42,14 +44,16 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
-    server = grpc.aio.server(options=options)
+    counters = DaemonCounters()
+    interceptors = [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     store = MemoryStore(settings.index_config())
     service = DirectoryService(
         store,
-        CostModel(settings.policy, settings.models),
+        Policy(settings.policy, settings.models),
         heartbeat_interval_s=settings.heartbeat_interval_s,
         max_hashes=settings.max_hashes_per_message,
-        tokens=settings.tokens,
+        counters=counters,
     )
     pb_grpc.add_DirectoryServicer_to_server(service, server)
     health = health_aio.HealthServicer()

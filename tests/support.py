@@ -80,10 +80,6 @@ def retained(
     )
 
 
-def connect_request(**kwargs) -> pb.ConnectRequest:
-    return pb.ConnectRequest(**kwargs)
-
-
 @asynccontextmanager
 async def running_agent(client, worker_id: str, model: str, *events: pb.BlockEvent, snapshot=None, **reg):
     """A real DirectoryLink registered and (if events are given) acknowledged, cancelled on exit."""

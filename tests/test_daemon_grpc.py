@@ -99,6 +99,93 @@ async def test_concurrent_claims_of_a_single_use_handle_never_both_win(daemon):
     assert all(a.reason == pb.DECISION_REASON_CLAIMED for a in answers if a not in winners)
 
 
+async def test_a_claim_the_puller_does_not_use_is_given_back(daemon):
+    """Single-use mode: a TRANSFER answer claims the run; a puller that then does not read it
+    (refused the pull, READ failed) releases the claim, and the next puller gets the run."""
+    model = "m-release"
+    prompt = conversation("release", 32)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-r", model, retained(prompt, "once", single_use=True)):
+            before = (await client.stats()).decisions["transfer/transfer_faster"]
+            first = await client.lookup(model, prompt, requester="pre-a", claim=True)
+            held = await client.lookup(model, prompt, requester="pre-b", claim=True)
+            # only the claimant may give it back; a stranger's release changes nothing
+            assert not await client.release_claim(model, "dec-r", "once", requester="pre-b")
+            assert await client.release_claim(model, "dec-r", "once", requester="pre-a")
+            assert not await client.release_claim(model, "dec-r", "once", requester="pre-a")  # idempotent
+            second = await client.lookup(model, prompt, requester="pre-b", claim=True)
+            stats = await client.stats()
+    assert first.decision == pb.DECISION_TRANSFER and first.holder.retention_handle == "once"
+    assert (held.decision, held.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_CLAIMED)
+    assert second.decision == pb.DECISION_TRANSFER and second.holder.retention_handle == "once"
+    assert stats.decisions["transfer/transfer_faster"] - before == 2
+    with pytest.raises(KvloopError) as bad:
+        await AsyncDirectoryClient(daemon.address).release_claim("", "dec-r", "once")
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_only_holders_whose_kv_the_puller_can_read_are_chosen(daemon):
+    model = "m-layout"
+    prompt = conversation("layout", 40)
+    bf16 = {"kv_dtype": "bfloat16", "kv_bytes_per_block": 65536}
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with (
+            running_agent(
+                client,
+                "dec-fp32",
+                model,
+                retained(prompt[:36], "long"),
+                kv_dtype="float32",
+                kv_bytes_per_block=131072,
+            ),
+            running_agent(
+                client,
+                "dec-tp2",
+                model,
+                retained(prompt[:24], "short"),
+                parallel=pb.ParallelLayout(tensor_parallel_size=2),
+                **bf16,
+            ),
+        ):
+            tp1 = pb.ParallelLayout(tensor_parallel_size=1)
+            answer = await client.lookup(model, prompt, requester="pre-l", parallel=tp1, **bf16)
+            tp3 = pb.ParallelLayout(tensor_parallel_size=3)
+            refused = await client.lookup(model, prompt, requester="pre-l", parallel=tp3, **bf16)
+            unknown = await client.lookup(model, prompt, requester="pre-l")
+    # the longer run is float32 KV: never read into a bfloat16 cache; the TP-2 holder is readable
+    assert answer.decision == pb.DECISION_TRANSFER, answer
+    assert answer.holder.worker_id == "dec-tp2" and answer.matched_blocks == 24
+    assert answer.holder.tensor_parallel_size == 2
+    assert (refused.decision, refused.reason) == (
+        pb.DECISION_RECOMPUTE,
+        pb.DECISION_REASON_INCOMPATIBLE_LAYOUT,
+    )
+    assert refused.path == pb.TURN_PATH_RECOMPUTE
+    # a puller that states no layout is not filtered (the longest run wins)
+    assert unknown.holder.worker_id == "dec-fp32" and unknown.matched_blocks == 36
+
+
+async def test_an_answer_that_does_not_pull_still_says_what_matched(daemon):
+    model = "m-matched"
+    prompt = conversation("matched", 20)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-m", model, retained(prompt[:3], "r")):
+            answer = await client.lookup(model, prompt, requester="pre-m", block_size=16)
+            strict = await client.lookup(
+                model,
+                conversation("matched", 20),
+                requester="pre-m",
+                min_pull_tokens=64,
+                lease_margin_ms=120_000,
+            )
+    # 3 blocks x 16 tokens: below the threshold, recomputed, but the match is reported
+    assert (answer.decision, answer.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD)
+    assert answer.path == pb.TURN_PATH_RECOMPUTE
+    assert answer.matched_blocks == 3 and answer.matched_tokens == 48 and answer.recompute_tokens == 320
+    # the puller's lease margin (120 s) is longer than the run's lease (60 s): expired for this puller
+    assert (strict.reason, strict.path) == (pb.DECISION_REASON_EXPIRED, pb.TURN_PATH_EXPIRED)
+
+
 async def test_sequence_gap_triggers_resync_and_snapshot_replaces_state(daemon):
     model = "m-gap"
     prompt = conversation("gap", 8)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvloop.daemon.index import Holding, PrefixMatch, WorkerSpec
-from kvloop.daemon.policy import CostModel, PolicyConfig
+from kvloop.daemon.index import Holding, Namespace, PrefixMatch, WorkerSpec
+from kvloop.daemon.policy import LookupQuery, Policy, PolicyConfig
 from kvloop.v1 import directory_pb2 as pb
 
 HOLDER = WorkerSpec("decode-0", 2, "m", "e", "h:1", 16, "sha256_cbor", 32, 1, kv_bytes_per_block=1 << 20)
@@ -13,8 +13,16 @@ def match(blocks: int) -> PrefixMatch:
     return PrefixMatch(Holding(HOLDER, blocks, "h", 60_000, list(range(blocks)), 1, False), [])
 
 
+def query(model: str, prompt_blocks: int, local_blocks: int, requester: str, min_pull_tokens: int = 0):
+    hashes = [bytes([i % 256]) * 32 for i in range(prompt_blocks)]
+    return LookupQuery(Namespace(model), hashes, local_blocks, requester, 16, min_pull_tokens=min_pull_tokens)
+
+
+Q100 = query("m", 100, 0, "prefill-0")  # a 100-block prompt from prefill-0, nothing local
+
+
 def test_threshold_then_cost_then_measurements():
-    model = CostModel(
+    model = Policy(
         PolicyConfig(
             recompute_threshold_tokens=64,
             default_prefill_tokens_per_s=1000,
@@ -22,55 +30,80 @@ def test_threshold_then_cost_then_measurements():
             default_transfer_setup_ms=1.0,
         )
     )
-    below = model.decide("m", match(3), 10, 0, 16, "prefill-0")  # 48 tokens
+    below = model.decide(query("m", 10, 0, "prefill-0"), match(3))  # 48 tokens
     assert (below.decision, below.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD)
-    fast = model.decide("m", match(100), 100, 0, 16, "prefill-0")  # 1600 tokens: 1.6 s vs ~106 ms
+    fast = model.decide(Q100, match(100))  # 1600 tokens: 1.6 s vs ~106 ms
     assert (fast.decision, fast.reason) == (pb.DECISION_TRANSFER, pb.DECISION_REASON_TRANSFER_FASTER)
     assert fast.cost.transfer_basis == "default"
     # measured: this pair moves 1 MiB in 1 s (slow link) -> recomputing 1,600 tokens is faster
     for _ in range(5):
-        model.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000_000, 0, True, "m")
-    slow = model.decide("m", match(100), 100, 0, 16, "prefill-0")
+        model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000_000, 0, True, "m")
+    slow = model.decide(Q100, match(100))
     assert (slow.decision, slow.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_RECOMPUTE_FASTER)
     assert slow.cost.transfer_basis == "measured (5 reads)"
     # another puller has no measurements of its own
-    assert model.decide("m", match(100), 100, 0, 16, "prefill-1").cost.transfer_basis == "default"
+    assert model.decide(query("m", 100, 0, "prefill-1"), match(100)).cost.transfer_basis == "default"
     # failed reads teach nothing about bandwidth
-    model.record_transfer("prefill-1", "decode-0", 1, 10, 0, False, "m")
-    assert model.decide("m", match(100), 100, 0, 16, "prefill-1").cost.transfer_basis == "default"
+    model.cost.record_transfer("prefill-1", "decode-0", 1, 10, 0, False, "m")
+    assert model.decide(query("m", 100, 0, "prefill-1"), match(100)).cost.transfer_basis == "default"
 
 
 def test_per_model_policy_and_local_and_miss():
-    model = CostModel(PolicyConfig(), {"big": PolicyConfig(recompute_threshold_tokens=10_000)})
-    assert model.decide("big", match(100), 100, 0, 16, "p").reason == pb.DECISION_REASON_BELOW_THRESHOLD
-    assert model.decide("m", PrefixMatch(None, []), 10, 4, 16, "p").decision == pb.DECISION_LOCAL
-    assert model.decide("m", PrefixMatch(None, []), 10, 0, 16, "p").reason == pb.DECISION_REASON_MISS
-    expired = model.decide("m", PrefixMatch(None, [], "expired"), 10, 0, 16, "p")
+    model = Policy(PolicyConfig(), {"big": PolicyConfig(recompute_threshold_tokens=10_000)})
+    assert model.decide(query("big", 100, 0, "p"), match(100)).reason == pb.DECISION_REASON_BELOW_THRESHOLD
+    assert model.decide(query("m", 10, 4, "p"), PrefixMatch(None, [])).decision == pb.DECISION_LOCAL
+    assert model.decide(query("m", 10, 0, "p"), PrefixMatch(None, [])).reason == pb.DECISION_REASON_MISS
+    expired = model.decide(query("m", 10, 0, "p"), PrefixMatch(None, [], "expired"))
     assert (expired.decision, expired.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_EXPIRED)
 
 
 def test_first_contact_reads_do_not_count_as_steady_state_cost():
-    model = CostModel(PolicyConfig(default_prefill_tokens_per_s=1000))
+    model = Policy(PolicyConfig(default_prefill_tokens_per_s=1000))
     # the first READ from a holder waited ~2 s for the NIXL handshake
-    model.record_transfer("prefill-0", "decode-0", 1 << 20, 2_000_000, 0, True, "m", first_contact=True)
-    verdict = model.decide("m", match(100), 100, 0, 16, "prefill-0")
+    model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 2_000_000, 0, True, "m", first_contact=True)
+    verdict = model.decide(Q100, match(100))
     assert (verdict.decision, verdict.cost.transfer_basis) == (pb.DECISION_TRANSFER, "default")
-    model.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
-    assert model.decide("m", match(100), 100, 0, 16, "prefill-0").cost.transfer_basis == "measured (1 reads)"
+    model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
+    assert model.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
 
 
 def test_estimates_favouring_recompute_are_reprobed():
-    model = CostModel(PolicyConfig(default_prefill_tokens_per_s=1000, reprobe_every=4))
-    model.record_transfer("prefill-0", "decode-0", 1 << 20, 10_000_000, 0, True, "m")  # one very slow READ
-    reasons = [model.decide("m", match(100), 100, 0, 16, "prefill-0").reason for _ in range(8)]
+    model = Policy(PolicyConfig(default_prefill_tokens_per_s=1000, reprobe_every=4))
+    model.cost.record_transfer(
+        "prefill-0", "decode-0", 1 << 20, 10_000_000, 0, True, "m"
+    )  # one very slow READ
+    reasons = [model.decide(Q100, match(100)).reason for _ in range(8)]
     recompute, probe = pb.DECISION_REASON_RECOMPUTE_FASTER, pb.DECISION_REASON_PROBE
     assert reasons == [recompute] * 3 + [probe] + [recompute] * 3 + [probe]
     # the probe's READ is fast again: the estimate recovers and transfers resume
     for _ in range(20):
-        model.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
-    assert model.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_TRANSFER_FASTER
+        model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
+    assert model.decide(Q100, match(100)).reason == pb.DECISION_REASON_TRANSFER_FASTER
     # default estimates are not probed: nothing was measured to go stale
-    never = CostModel(PolicyConfig(default_prefill_tokens_per_s=1e9, reprobe_every=1))
+    never = Policy(PolicyConfig(default_prefill_tokens_per_s=1e9, reprobe_every=1))
+    assert never.decide(Q100, match(100)).reason == pb.DECISION_REASON_RECOMPUTE_FASTER
+
+
+def test_the_pullers_minimum_pull_is_part_of_the_one_decision():
+    policy = Policy(PolicyConfig(recompute_threshold_tokens=64))
+    # 10 blocks x 16 tokens = 160 transferable tokens: above the daemon's 64, below the puller's 256
+    verdict = policy.decide(query("m", 20, 0, "p", min_pull_tokens=256), match(10))
+    assert (verdict.decision, verdict.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD)
+    assert "threshold 256" in verdict.detail
     assert (
-        never.decide("m", match(100), 100, 0, 16, "prefill-0").reason == pb.DECISION_REASON_RECOMPUTE_FASTER
+        policy.decide(query("m", 20, 0, "p", min_pull_tokens=128), match(10)).decision == pb.DECISION_TRANSFER
     )
+
+
+def test_layout_compatibility_follows_vllms_nixl_rules():
+    from kvloop.daemon.policy import KvLayout, layout_mismatch
+
+    same = KvLayout(1, 1, "bfloat16", 1024)
+    assert layout_mismatch(same, same) is None
+    assert layout_mismatch(same, KvLayout()) is None  # an unknown puller layout is not refused
+    assert "dtype" in layout_mismatch(same, KvLayout(1, 1, "float32", 2048))
+    assert "divide" in layout_mismatch(KvLayout(tensor_parallel_size=3), KvLayout(tensor_parallel_size=2))
+    # TP 2 -> TP 1: heads split over ranks, vLLM maps ranks (bytes per rank differ and are not compared)
+    assert layout_mismatch(KvLayout(2, 1, "bfloat16", 512), KvLayout(1, 1, "bfloat16", 1024)) is None
+    assert "bytes" in layout_mismatch(KvLayout(1, 1, "bfloat16", 512), KvLayout(1, 1, "bfloat16", 1024))
+    assert "pipeline" in layout_mismatch(KvLayout(1, 2), KvLayout(1, 1))

@@ -12,9 +12,10 @@ from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
 from kvloop.clients.bench.multiturn import ARMS, WORKLOADS
-from kvloop.clients.client import DirectoryClient, KvloopError, decision_reason_name, default_target
+from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
+from kvloop.common.outcomes import reason_name
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 
@@ -199,7 +200,7 @@ def lookup(
         _emit_json(_as_dict(answer))
         return
     decision = pb.Decision.Name(answer.decision).removeprefix("DECISION_")
-    reason = decision_reason_name(answer.reason)
+    reason = reason_name(answer.reason)
     console.print(f"[bold]{decision}[/bold] ({reason}): {answer.detail}")
     if answer.holder.worker_id:
         h = answer.holder

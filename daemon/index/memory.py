@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvloop.daemon.index.model import (
@@ -53,7 +53,7 @@ class IndexConfig:
 class _Run:
     __slots__ = (
         "block_ids",
-        "claimed",
+        "claimed_by",
         "deadline",
         "handle",
         "hashes",
@@ -76,7 +76,7 @@ class _Run:
         self.handle = event.handle
         self.deadline = now + event.expires_in_ms / 1000.0
         self.single_use = event.single_use
-        self.claimed = False
+        self.claimed_by: str | None = None  # the puller a single-use run was handed to
         self.tier = event.tier
         # (token ids, block id per group) of the partly filled last block; None for most runs' cost
         self.tail = (
@@ -273,10 +273,6 @@ class MemoryStore:
         worker.state = LeaseState.DRAINING
         return True
 
-    def worker_state(self, worker_id: str, now: float) -> LeaseState | None:
-        worker = self._workers.get(worker_id)
-        return worker.state if worker else None
-
     def _serving(self, worker: _Worker, now: float) -> bool:
         return (
             worker.connected
@@ -429,7 +425,7 @@ class MemoryStore:
         worker = run.worker
         return (
             run.deadline > floor
-            and not run.claimed
+            and run.claimed_by is None
             and worker.connected
             and worker.state == LeaseState.ACTIVE
             and now - worker.last_seen <= self.config.lease_s
@@ -444,20 +440,36 @@ class MemoryStore:
         requester: str,
         now: float,
         claim: bool,
+        *,
+        margin_s: float = 0.0,
+        accept: Callable[[WorkerSpec], bool] | None = None,
     ) -> PrefixMatch:
+        """The longest prefix one servable run holds beyond ``local_blocks``.
+
+        A run is servable when its lease outlives ``max(expiry_margin_s, margin_s)``, it is not
+        claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
+        check) takes its worker."""
         ns = self._namespaces.get(namespace)
         n = len(hashes)
         if ns is None or local_blocks >= n:
             return PrefixMatch(None, [])
         index = ns.retained
         runs = self._runs
-        floor = now + self.config.expiry_margin_s
+        floor = now + max(self.config.expiry_margin_s, margin_s)
         verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
+        accepted: dict[str, bool] = {}
 
         def servable(rid: int) -> bool:
             verdict = verdicts.get(rid)
             if verdict is None:
-                verdict = verdicts[rid] = self._servable(runs[rid], floor, now, requester)
+                run = runs[rid]
+                verdict = self._servable(run, floor, now, requester)
+                if verdict and accept is not None:
+                    worker_id = run.worker.spec.worker_id
+                    if worker_id not in accepted:
+                        accepted[worker_id] = accept(run.worker.spec)
+                    verdict = accepted[worker_id]
+                verdicts[rid] = verdict
             return verdict
 
         def any_servable(position: int) -> bool:
@@ -472,7 +484,8 @@ class MemoryStore:
             entry = index.get(hashes[local_blocks])
             if entry is None:
                 return PrefixMatch(None, [])
-            return PrefixMatch(None, [], self._why_unservable([runs[r] for r in _values(entry)], floor, now))
+            held = [runs[r] for r in _values(entry)]
+            return PrefixMatch(None, [], self._why_unservable(held, floor, now, requester, accepted))
         lo, hi = local_blocks, n - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -491,18 +504,34 @@ class MemoryStore:
         candidates.sort(key=lambda r: r.deadline, reverse=True)
         best = candidates[0]
         if claim and best.single_use:
-            best.claimed = True
+            best.claimed_by = requester
         return PrefixMatch(
             self._holding(best, matched, now),
             [self._holding(r, matched, now) for r in candidates[1:8]],
         )
 
-    def _why_unservable(self, held: list[_Run], floor: float, now: float) -> str:
-        if any(r.claimed for r in held):
+    def _why_unservable(
+        self, held: list[_Run], floor: float, now: float, requester: str, accepted: dict[str, bool]
+    ) -> str:
+        if any(r.claimed_by is not None for r in held):
             return "claimed"
         if any(r.deadline <= floor for r in held):
             return "expired"
+        if any(
+            accepted.get(r.worker.spec.worker_id) is False and self._servable(r, floor, now, requester)
+            for r in held
+        ):
+            return "incompatible_layout"
         return "peer_unavailable"
+
+    def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+        """Give a single-use run back to every puller; only its claimant may. Idempotent."""
+        worker = self._workers.get(holder)
+        run = worker.runs.get(handle) if worker is not None else None
+        if run is None or run.namespace != namespace or run.claimed_by != requester:
+            return False
+        run.claimed_by = None
+        return True
 
     def _holding(self, run: _Run, matched: int, now: float) -> Holding:
         return Holding(

@@ -36,8 +36,10 @@ class WorkerSpec:
     epoch: int
     kv_bytes_per_block: int = 0
     http_endpoint: str = ""
+    # (tensor, pipeline, data parallel size, data parallel rank)
     parallel: tuple[int, int, int, int] = (1, 1, 1, 0)
     labels: dict[str, str] = field(default_factory=dict)
+    kv_dtype: str = ""  # empty: unknown
 
 
 @dataclass(slots=True)
@@ -103,7 +105,7 @@ class PrefixMatch:
     best: Holding | None
     others: list[Holding]
     # Set when blocks beyond the caller's local prefix exist but none is servable:
-    # "expired", "claimed" or "peer_unavailable".
+    # "expired", "claimed", "peer_unavailable" or "incompatible_layout".
     unservable_reason: str | None = None
 
 

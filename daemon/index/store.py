@@ -7,7 +7,7 @@ caller, so stores stay deterministic under test.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 from kvloop.daemon.index.model import (
     Change,
     Event,
-    LeaseState,
     Location,
     Namespace,
     PrefixMatch,
@@ -73,13 +72,17 @@ class DirectoryStore(Protocol):
         requester: str,
         now: float,
         claim: bool,
+        *,
+        margin_s: float = 0.0,
+        accept: Callable[[WorkerSpec], bool] | None = None,
     ) -> PrefixMatch: ...
+
+    def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+        """Give back a single-use run claimed by ``requester``; False when it holds no such claim."""
 
     def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]: ...
 
     def workers(self, now: float, model: str = "") -> list[WorkerView]: ...
-
-    def worker_state(self, worker_id: str, now: float) -> LeaseState | None: ...
 
     def reap(self, now: float) -> list[Change]:
         """Expire leases and retained runs, drop long-dead workers; returns what changed."""

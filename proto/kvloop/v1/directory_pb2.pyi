@@ -42,6 +42,22 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_PEER_UNAVAILABLE: _ClassVar[DecisionReason]
     DECISION_REASON_DISABLED: _ClassVar[DecisionReason]
     DECISION_REASON_PROBE: _ClassVar[DecisionReason]
+    DECISION_REASON_INCOMPATIBLE_LAYOUT: _ClassVar[DecisionReason]
+    DECISION_REASON_DIRECTORY_UNAVAILABLE: _ClassVar[DecisionReason]
+    DECISION_REASON_SHORT_PROMPT: _ClassVar[DecisionReason]
+    DECISION_REASON_LEASE_ENDING: _ClassVar[DecisionReason]
+    DECISION_REASON_READ_FAILED: _ClassVar[DecisionReason]
+    DECISION_REASON_ENGINE_DECLINED: _ClassVar[DecisionReason]
+
+class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_PATH_UNSPECIFIED: _ClassVar[TurnPath]
+    TURN_PATH_TRANSFER: _ClassVar[TurnPath]
+    TURN_PATH_RECOMPUTE: _ClassVar[TurnPath]
+    TURN_PATH_LOCAL: _ClassVar[TurnPath]
+    TURN_PATH_MISS: _ClassVar[TurnPath]
+    TURN_PATH_EXPIRED: _ClassVar[TurnPath]
+    TURN_PATH_FAILED: _ClassVar[TurnPath]
 
 class LeaseState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -73,6 +89,19 @@ DECISION_REASON_CLAIMED: DecisionReason
 DECISION_REASON_PEER_UNAVAILABLE: DecisionReason
 DECISION_REASON_DISABLED: DecisionReason
 DECISION_REASON_PROBE: DecisionReason
+DECISION_REASON_INCOMPATIBLE_LAYOUT: DecisionReason
+DECISION_REASON_DIRECTORY_UNAVAILABLE: DecisionReason
+DECISION_REASON_SHORT_PROMPT: DecisionReason
+DECISION_REASON_LEASE_ENDING: DecisionReason
+DECISION_REASON_READ_FAILED: DecisionReason
+DECISION_REASON_ENGINE_DECLINED: DecisionReason
+TURN_PATH_UNSPECIFIED: TurnPath
+TURN_PATH_TRANSFER: TurnPath
+TURN_PATH_RECOMPUTE: TurnPath
+TURN_PATH_LOCAL: TurnPath
+TURN_PATH_MISS: TurnPath
+TURN_PATH_EXPIRED: TurnPath
+TURN_PATH_FAILED: TurnPath
 LEASE_STATE_UNSPECIFIED: LeaseState
 LEASE_STATE_ACTIVE: LeaseState
 LEASE_STATE_RESYNCING: LeaseState
@@ -92,7 +121,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence")
+    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +143,7 @@ class WorkerRegistration(_message.Message):
     HTTP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -128,7 +158,8 @@ class WorkerRegistration(_message.Message):
     http_endpoint: str
     labels: _containers.ScalarMap[str, str]
     last_sequence: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier")
@@ -321,7 +352,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., ack: _Optional[_Union[BatchAck, _Mapping]] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids")
+    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids", "min_pull_tokens", "lease_margin_ms", "parallel", "kv_dtype", "kv_bytes_per_block")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +362,11 @@ class LookupRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PACK_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_PULL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MARGIN_MS_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -340,10 +376,15 @@ class LookupRequest(_message.Message):
     block_size: int
     packed_block_hashes: bytes
     pack_block_ids: bool
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ...) -> None: ...
+    min_pull_tokens: int
+    lease_margin_ms: int
+    parallel: ParallelLayout
+    kv_dtype: str
+    kv_bytes_per_block: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids")
+    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +400,7 @@ class Holder(_message.Message):
     PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine_id: str
     nixl_endpoint: str
@@ -374,7 +416,8 @@ class Holder(_message.Message):
     packed_block_ids: bytes
     tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tail_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_ms", "recompute_ms", "transfer_bytes", "transfer_basis", "recompute_basis")
@@ -391,7 +434,7 @@ class CostEstimate(_message.Message):
     def __init__(self, transfer_ms: _Optional[float] = ..., recompute_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_basis: _Optional[str] = ..., recompute_basis: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("decision", "reason", "detail", "matched_blocks", "matched_tokens", "recompute_tokens", "holder", "other_holders", "cost", "lookup_us")
+    __slots__ = ("decision", "reason", "detail", "matched_blocks", "matched_tokens", "recompute_tokens", "holder", "other_holders", "cost", "lookup_us", "path")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +445,7 @@ class LookupResponse(_message.Message):
     OTHER_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_US_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: DecisionReason
     detail: str
@@ -412,7 +456,8 @@ class LookupResponse(_message.Message):
     other_holders: _containers.RepeatedCompositeFieldContainer[Holder]
     cost: CostEstimate
     lookup_us: int
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., detail: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., other_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., lookup_us: _Optional[int] = ...) -> None: ...
+    path: TurnPath
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., detail: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., other_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., lookup_us: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("registration", "lease_state", "connected", "last_applied_sequence", "stored_blocks", "retained_blocks", "retained_runs", "last_seen_ms_ago", "events_ingested", "resyncs", "prefill_tokens_per_second")
@@ -562,3 +607,23 @@ class DrainWorkerResponse(_message.Message):
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
     delivered: bool
     def __init__(self, delivered: _Optional[bool] = ...) -> None: ...
+
+class ReleaseClaimRequest(_message.Message):
+    __slots__ = ("model", "lora_name", "holder_worker_id", "retention_handle", "requester_worker_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora_name: str
+    holder_worker_id: str
+    retention_handle: str
+    requester_worker_id: str
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., holder_worker_id: _Optional[str] = ..., retention_handle: _Optional[str] = ..., requester_worker_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseClaimResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,361 @@
+"""Protocol <-> domain conversion for kvloopd, with the validation that refuses bad input.
+
+Everything that reads or builds a ``kvloop.v1`` message for the directory lives here, so the
+session, the service and the policy work on domain types only. A message that fails validation
+raises :class:`BadInput` (INVALID_ARGUMENT) or :class:`Refused` (another status) and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Sequence
+
+import grpc
+
+from kvloop.daemon.index import (
+    Cleared,
+    Event,
+    Holding,
+    Location,
+    Namespace,
+    Released,
+    Removed,
+    Retained,
+    Stored,
+    WorkerSpec,
+    WorkerView,
+)
+from kvloop.daemon.policy import Answer, KvLayout, LookupQuery
+from kvloop.v1 import directory_pb2 as pb
+
+MAX_ID_LENGTH = 256
+
+
+class BadInput(Exception):
+    """A message that is refused: INVALID_ARGUMENT with this text, counted under `reason`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Refused(Exception):
+    """A request refused with a status other than INVALID_ARGUMENT."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PackedHashes(Sequence[bytes]):
+    """A view of concatenated fixed-length hashes; slices only the hashes a lookup probes."""
+
+    __slots__ = ("_data", "_n", "_width")
+
+    def __init__(self, data: bytes, width: int) -> None:
+        self._data, self._width, self._n = data, width, len(data) // width
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        w = self._width
+        return self._data[i * w : (i + 1) * w]
+
+
+def check_hashes(hashes: Sequence[bytes], width: int, limit: int, where: str) -> None:
+    if not hashes:
+        raise BadInput("empty", f"{where}: no block hashes")
+    if len(hashes) > limit:
+        raise BadInput("too_many_hashes", f"{where}: {len(hashes)} block hashes exceed the limit of {limit}")
+    lengths = set(map(len, hashes))
+    if lengths != {width}:
+        bad = sorted(lengths - {width})
+        raise BadInput(
+            "hash_length",
+            f"{where}: block hashes must be {width} bytes (registered hash_length), got lengths {bad}",
+        )
+
+
+# ---- registration -------------------------------------------------------------------------------
+
+
+def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
+    problems = []
+    if not reg.worker_id or len(reg.worker_id) > MAX_ID_LENGTH:
+        problems.append(f"worker_id must be 1-{MAX_ID_LENGTH} characters")
+    if reg.role == pb.WORKER_ROLE_UNSPECIFIED:
+        problems.append("role must be set (PREFILL, DECODE or BOTH)")
+    if not reg.model:
+        problems.append("model must be set")
+    if reg.block_size == 0:
+        problems.append("block_size must be > 0")
+    if not reg.hash_algorithm:
+        problems.append("hash_algorithm must be set (e.g. sha256_cbor)")
+    if not 8 <= reg.hash_length <= 64:
+        problems.append(f"hash_length must be 8..64 bytes, got {reg.hash_length}")
+    if reg.epoch == 0:
+        problems.append("epoch must be non-zero (new on every agent restart)")
+    if reg.role in (pb.WORKER_ROLE_DECODE, pb.WORKER_ROLE_BOTH) and not reg.nixl_endpoint:
+        problems.append("nixl_endpoint must be set for a decode worker (pullers connect to it)")
+    if problems:
+        raise BadInput("registration", "invalid registration: " + "; ".join(problems))
+    p = reg.parallel
+    return WorkerSpec(
+        worker_id=reg.worker_id,
+        role=reg.role,
+        model=reg.model,
+        engine_id=reg.engine_id,
+        nixl_endpoint=reg.nixl_endpoint,
+        block_size=reg.block_size,
+        hash_algorithm=reg.hash_algorithm,
+        hash_length=reg.hash_length,
+        epoch=reg.epoch,
+        kv_bytes_per_block=reg.kv_bytes_per_block,
+        http_endpoint=reg.http_endpoint,
+        parallel=(
+            p.tensor_parallel_size or 1,
+            p.pipeline_parallel_size or 1,
+            p.data_parallel_size or 1,
+            p.data_parallel_rank,
+        ),
+        labels=dict(reg.labels),
+        kv_dtype=reg.kv_dtype,
+    )
+
+
+def registration_of(spec: WorkerSpec) -> pb.WorkerRegistration:
+    tp, pp, dp, rank = spec.parallel
+    return pb.WorkerRegistration(
+        worker_id=spec.worker_id,
+        role=spec.role,
+        model=spec.model,
+        engine_id=spec.engine_id,
+        nixl_endpoint=spec.nixl_endpoint,
+        block_size=spec.block_size,
+        hash_algorithm=spec.hash_algorithm,
+        hash_length=spec.hash_length,
+        epoch=spec.epoch,
+        kv_bytes_per_block=spec.kv_bytes_per_block,
+        http_endpoint=spec.http_endpoint,
+        labels=spec.labels,
+        kv_dtype=spec.kv_dtype,
+        parallel=pb.ParallelLayout(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=rank
+        ),
+    )
+
+
+def worker_info(view: WorkerView, prefill_tokens_per_s: float) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        registration=registration_of(view.spec),
+        lease_state=int(view.state),
+        connected=view.connected,
+        last_applied_sequence=view.last_applied_sequence,
+        stored_blocks=view.stored_blocks,
+        retained_blocks=view.retained_blocks,
+        retained_runs=view.retained_runs,
+        last_seen_ms_ago=int(view.last_seen_s_ago * 1000),
+        events_ingested=view.events_ingested,
+        resyncs=view.resyncs,
+        prefill_tokens_per_second=prefill_tokens_per_s,
+    )
+
+
+# ---- event batches ------------------------------------------------------------------------------
+
+# Events that count once, not once per block hash, in kvloop_block_events_ingested_total.
+_COUNTED_ONCE = ("transfer", "prefill", "released", "cleared")
+
+
+def events_from_batch(
+    batch: pb.EventBatch, spec: WorkerSpec, max_hashes: int
+) -> tuple[list[Event], list[pb.BlockEvent], dict[str, int]]:
+    """Validate the whole batch before anything is applied: a bad batch changes nothing.
+
+    Returns the directory events, the telemetry events (for the cost model) and counts per kind."""
+    width = spec.hash_length
+    events: list[Event] = []
+    telemetry: list[pb.BlockEvent] = []
+    counts: dict[str, int] = {}
+    for position, event in enumerate(batch.events):
+        kind = event.WhichOneof("event")
+        where = f"batch {batch.sequence} event {position} ({kind})"
+        if kind == "retained":
+            events.append(_retained(event.retained, spec, max_hashes, where))
+        elif kind == "stored":
+            hashes = list(event.stored.block_hashes)
+            check_hashes(hashes, width, max_hashes, where)
+            events.append(Stored(hashes, event.stored.lora_name, event.stored.tier))
+        elif kind == "removed":
+            hashes = list(event.removed.block_hashes)
+            check_hashes(hashes, width, max_hashes, where)
+            events.append(Removed(hashes, event.removed.lora_name))
+        elif kind == "released":
+            if not event.released.retention_handle:
+                raise BadInput("handle", f"{where}: retention_handle must be set")
+            events.append(Released(event.released.retention_handle))
+        elif kind == "cleared":
+            events.append(Cleared())
+        elif kind in ("transfer", "prefill"):
+            telemetry.append(event)
+        else:
+            raise BadInput("empty", f"{where}: event carries nothing")
+        if kind in _COUNTED_ONCE:
+            counts[kind] = counts.get(kind, 0) + 1
+        else:
+            counts[kind] = counts.get(kind, 0) + len(getattr(events[-1], "hashes", ()))
+    return events, telemetry, counts
+
+
+def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: str) -> Retained:
+    hashes = list(r.block_hashes)
+    check_hashes(hashes, spec.hash_length, max_hashes, where)
+    groups = r.num_groups or 1
+    if len(r.block_ids) != len(hashes) * groups:
+        raise BadInput(
+            "block_ids", f"{where}: {len(r.block_ids)} block_ids for {len(hashes)} hashes x {groups} groups"
+        )
+    if not r.retention_handle:
+        raise BadInput("handle", f"{where}: retention_handle must be set")
+    if r.expires_in_ms == 0:
+        raise BadInput("expiry", f"{where}: expires_in_ms must be > 0")
+    if r.tail_token_ids or r.tail_block_ids:
+        if not 0 < len(r.tail_token_ids) < spec.block_size:
+            raise BadInput(
+                "tail",
+                f"{where}: {len(r.tail_token_ids)} tail_token_ids; a partly filled block holds "
+                f"1 to {spec.block_size - 1}",
+            )
+        if len(r.tail_block_ids) != groups:
+            raise BadInput("tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups")
+    return Retained(
+        hashes,
+        list(r.block_ids),
+        groups,
+        r.retention_handle,
+        r.expires_in_ms,
+        r.single_use,
+        r.lora_name,
+        r.tier,
+        list(r.tail_token_ids),
+        list(r.tail_block_ids),
+    )
+
+
+# ---- Lookup -------------------------------------------------------------------------------------
+
+
+def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_hashes: int) -> LookupQuery:
+    """The request as a query; ``model_spec`` is any registered worker of the model (its layout)."""
+    if not request.model:
+        raise BadInput("model", "model must be set")
+    width = model_spec.hash_length if model_spec else 0
+    block_size = model_spec.block_size if model_spec else request.block_size
+    packed = request.packed_block_hashes  # read once: each access copies the bytes out of the message
+    if packed and len(request.block_hashes):
+        raise BadInput("hashes", "give block_hashes or packed_block_hashes, not both")
+    hashes: Sequence[bytes]
+    if packed:
+        if width and len(packed) % width:
+            raise BadInput(
+                "hash_length",
+                f"packed_block_hashes is {len(packed)} bytes, "
+                f"not a multiple of the model's hash_length {width}",
+            )
+        hashes = PackedHashes(packed, width or 32)
+        if len(hashes) > max_hashes:
+            raise BadInput("too_many_hashes", f"{len(hashes)} block hashes exceed the limit of {max_hashes}")
+    else:
+        hashes = list(request.block_hashes)
+        if hashes and width:
+            check_hashes(hashes, width, max_hashes, "Lookup")
+    if request.block_size and block_size and request.block_size != block_size:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model {request.model!r} uses block_size {block_size}; the lookup hashed with "
+            f"{request.block_size}: the hashes cannot match",
+        )
+    if request.local_blocks > len(hashes):
+        raise BadInput(
+            "local_blocks", f"local_blocks {request.local_blocks} exceeds the {len(hashes)} hashes given"
+        )
+    p = request.parallel
+    return LookupQuery(
+        namespace=Namespace(request.model, request.lora_name),
+        hashes=hashes,
+        local_blocks=request.local_blocks,
+        requester=request.requester_worker_id,
+        block_size=block_size or 0,
+        claim=request.claim,
+        min_pull_tokens=request.min_pull_tokens,
+        lease_margin_s=request.lease_margin_ms / 1000.0,
+        layout=KvLayout(
+            p.tensor_parallel_size, p.pipeline_parallel_size, request.kv_dtype, request.kv_bytes_per_block
+        ),
+    )
+
+
+def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb.LookupResponse:
+    response = pb.LookupResponse(
+        decision=answer.decision,
+        reason=answer.reason,
+        path=answer.path,
+        detail=answer.detail,
+        matched_blocks=answer.matched_blocks,
+        matched_tokens=answer.matched_blocks * block_size,
+        recompute_tokens=answer.recompute_blocks * block_size,
+    )
+    if answer.cost is not None:
+        response.cost.CopyFrom(answer.cost)
+    match = answer.match
+    if match.best is not None:
+        _fill_holder(response.holder, match.best, pack_block_ids)
+        for other in match.others:
+            _fill_holder(response.other_holders.add(), other, pack_block_ids)
+    return response
+
+
+def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
+    spec = holding.worker
+    message.worker_id = spec.worker_id
+    message.engine_id = spec.engine_id
+    message.nixl_endpoint = spec.nixl_endpoint
+    message.http_endpoint = spec.http_endpoint
+    message.matched_blocks = holding.matched_blocks
+    message.retention_handle = holding.handle
+    message.expires_in_ms = holding.expires_in_ms
+    if packed:
+        ids = array("I", holding.block_ids)
+        if sys.byteorder != "little":
+            ids.byteswap()
+        message.packed_block_ids = ids.tobytes()
+    else:
+        message.block_ids.extend(holding.block_ids)
+    message.num_groups = holding.num_groups
+    message.single_use = holding.single_use
+    if holding.tail_token_ids:
+        message.tail_token_ids.extend(holding.tail_token_ids)
+        message.tail_block_ids.extend(holding.tail_block_ids)
+    message.kv_bytes_per_block = spec.kv_bytes_per_block
+    message.epoch = spec.epoch
+    message.tensor_parallel_size = spec.parallel[0]
+
+
+def block_location(loc: Location) -> pb.BlockLocation:
+    return pb.BlockLocation(
+        worker_id=loc.worker_id,
+        kind=loc.kind,
+        position=loc.position,
+        block_ids=loc.block_ids,
+        retention_handle=loc.handle,
+        expires_in_ms=loc.expires_in_ms,
+        servable=loc.servable,
+        tier=loc.tier,
+    )

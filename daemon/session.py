@@ -1,0 +1,245 @@
+"""The agents' Connect streams: one state machine per stream, and the registry of live ones.
+
+A stream is ``register`` first, then ``batch``es with per-worker sequence numbers, ``heartbeat``s
+and ``snapshot_begin`` ... ``snapshot_end`` resyncs. :meth:`AgentSession.handle` applies one
+message atomically (no await between reading and changing the store); its replies go to the
+session's outbox, which the Connect handler streams back. The one place a block event enters the
+index is :meth:`AgentSession._batch` -> ``DirectoryStore.apply``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from kvloop.common.security import TokenGrant
+from kvloop.daemon import metrics
+from kvloop.daemon.convert import BadInput, Refused, events_from_batch, spec_from_registration
+from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, WorkerSpec
+from kvloop.daemon.metrics import DaemonCounters
+from kvloop.daemon.policy import CostModel
+from kvloop.daemon.watch import ChangeFeed
+from kvloop.v1 import directory_pb2 as pb
+
+log = structlog.get_logger("kvloop.daemon")
+
+_STATUS = {
+    name: getattr(grpc.StatusCode, name)
+    for name in ("ALREADY_EXISTS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "NOT_FOUND")
+}
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What every session shares: the store, the cost model, counters and the Watch fan-out."""
+
+    store: DirectoryStore
+    cost: CostModel
+    counters: DaemonCounters
+    changes: ChangeFeed
+    heartbeat_interval_s: float
+    max_hashes: int
+    live: dict[str, AgentSession] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class AgentSession:
+    ctx: SessionContext
+    peer: str
+    grant: TokenGrant | None
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    spec: WorkerSpec | None = None
+    in_snapshot: bool = False
+    awaiting_resync: bool = False
+
+    def send(self, response: pb.ConnectResponse) -> None:
+        self.outbox.put_nowait(response)
+
+    def handle(self, request: pb.ConnectRequest) -> None:
+        kind = request.WhichOneof("message")
+        now = time.monotonic()
+        store = self.ctx.store
+        if kind == "register":
+            self._register(request.register, now)
+            return
+        spec = self.spec
+        if spec is None:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"first message on Connect must be register, got {kind or 'an empty message'}",
+            )
+        if self.ctx.live.get(spec.worker_id) is not self:
+            raise Refused(
+                grpc.StatusCode.ABORTED, "this stream was superseded by a newer one for the same worker"
+            )
+        if kind == "heartbeat":
+            store.heartbeat(spec.worker_id, now)
+            self.send(pb.ConnectResponse(heartbeat=pb.HeartbeatAck(sent_at_us=request.heartbeat.sent_at_us)))
+        elif kind == "batch":
+            self._batch(request.batch, spec, now)
+        elif kind == "snapshot_begin":
+            store.begin_snapshot(spec.worker_id, now)
+            self.in_snapshot = True
+            self.ctx.counters.resync("snapshot")
+            self.ctx.changes.publish(Change("resync", spec.worker_id, spec.model, 0, "snapshot started"))
+        elif kind == "snapshot_end":
+            if not self.in_snapshot:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "snapshot_end without snapshot_begin")
+            sequence = request.snapshot_end.sequence
+            store.end_snapshot(spec.worker_id, sequence, now)
+            self.in_snapshot = self.awaiting_resync = False
+            self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=sequence)))
+            self.ctx.changes.publish(Change("resync", spec.worker_id, spec.model, 0, "snapshot applied"))
+            log.info("snapshot applied", worker_id=spec.worker_id, sequence=sequence)
+        else:
+            raise BadInput("empty", "ConnectRequest carries no message")
+
+    def _register(self, reg: pb.WorkerRegistration, now: float) -> None:
+        if self.spec is not None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "this stream is already registered")
+        spec = spec_from_registration(reg)
+        grant = self.grant
+        if grant is not None and grant.worker_id and grant.worker_id != spec.worker_id:
+            raise Refused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"this token may only publish for worker {grant.worker_id!r}, not {spec.worker_id!r}",
+            )
+        try:
+            last, resync = self.ctx.store.register(spec, reg.last_sequence, now)
+        except DirectoryError as exc:
+            raise Refused(_STATUS[exc.code], str(exc)) from None
+        self.spec = spec
+        self.awaiting_resync = resync
+        self.ctx.live[spec.worker_id] = self
+        metrics.CONNECTED_AGENTS.set(len(self.ctx.live))
+        if resync:
+            self.ctx.counters.resync("register")
+        self.send(
+            pb.ConnectResponse(
+                registered=pb.RegisterAck(
+                    last_applied_sequence=last,
+                    resync_required=resync,
+                    heartbeat_interval_ms=int(self.ctx.heartbeat_interval_s * 1000),
+                    lease_ms=int(self.ctx.store.config.lease_s * 1000),
+                )
+            )
+        )
+        self.ctx.changes.publish(Change("registered", spec.worker_id, spec.model, 0, f"epoch {spec.epoch}"))
+        log.info(
+            "agent registered",
+            worker_id=spec.worker_id,
+            model=spec.model,
+            epoch=spec.epoch,
+            role=pb.WorkerRole.Name(spec.role),
+            resync_required=resync,
+            last_sequence=last,
+            peer=self.peer,
+        )
+
+    def _batch(self, batch: pb.EventBatch, spec: WorkerSpec, now: float) -> None:
+        store = self.ctx.store
+        if not self.in_snapshot:
+            last = store.last_sequence(spec.worker_id)
+            if self.awaiting_resync:
+                metrics.BATCHES.labels("ignored_awaiting_resync").inc()
+                return
+            if batch.sequence <= last:
+                metrics.BATCHES.labels("duplicate").inc()
+                self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=last)))
+                return
+            if batch.sequence != last + 1:
+                self._request_resync(spec, last + 1, batch.sequence)
+                return
+        events, telemetry, counts = events_from_batch(batch, spec, self.ctx.max_hashes)
+        for event in telemetry:
+            self._telemetry(event, spec)
+        for kind, n in counts.items():
+            metrics.EVENTS_INGESTED.labels(kind).inc(n)
+        store.apply(spec.worker_id, 0 if self.in_snapshot else batch.sequence, events, now)
+        metrics.BATCHES.labels("applied").inc()
+        if not self.in_snapshot:
+            self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=batch.sequence)))
+        if self.ctx.changes:
+            for event in events:
+                blocks = len(getattr(event, "hashes", ()))
+                self.ctx.changes.publish(
+                    Change(type(event).__name__.lower(), spec.worker_id, spec.model, blocks)
+                )
+
+    def _request_resync(self, spec: WorkerSpec, expected: int, received: int) -> None:
+        self.ctx.store.mark_resyncing(spec.worker_id)
+        self.awaiting_resync = True
+        self.ctx.counters.resync("sequence_gap")
+        metrics.BATCHES.labels("gap").inc()
+        log.warning(
+            "sequence gap, resync requested", worker_id=spec.worker_id, expected=expected, received=received
+        )
+        self.send(
+            pb.ConnectResponse(
+                resync=pb.ResyncRequest(
+                    reason=f"sequence gap: expected {expected}, received {received}",
+                    expected_sequence=expected,
+                    received_sequence=received,
+                )
+            )
+        )
+
+    def _telemetry(self, event: pb.BlockEvent, spec: WorkerSpec) -> None:
+        if event.HasField("transfer"):
+            t = event.transfer
+            self.ctx.cost.record_transfer(
+                spec.worker_id,
+                t.source_worker_id,
+                t.bytes,
+                t.duration_us,
+                t.setup_us,
+                t.ok,
+                spec.model,
+                first_contact=t.first_contact,
+            )
+            metrics.TRANSFER_REPORTS.labels(str(t.ok).lower(), str(t.first_contact).lower()).inc()
+        else:
+            p = event.prefill
+            self.ctx.cost.record_prefill(spec.worker_id, p.tokens, p.duration_us, spec.model)
+
+    async def read(self, requests: AsyncIterator[pb.ConnectRequest]) -> None:
+        """Apply the agent's messages until the stream ends or one is refused."""
+        try:
+            async for request in requests:
+                self.handle(request)
+            self.outbox.put_nowait(None)
+        except BadInput as exc:
+            self.ctx.counters.rejected_message("Connect", exc.reason)
+            log.warning(
+                "agent message refused",
+                peer=self.peer,
+                reason=exc.reason,
+                error=str(exc),
+                worker_id=self.spec.worker_id if self.spec else None,
+            )
+            self.outbox.put_nowait(Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+        except Refused as exc:
+            self.ctx.counters.rejected_message("Connect", exc.code.name.lower())
+            log.warning("agent refused", peer=self.peer, code=exc.code.name, error=str(exc))
+            self.outbox.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must cost one stream, never the daemon
+            log.exception("agent stream failed", peer=self.peer)
+            self.outbox.put_nowait(Refused(grpc.StatusCode.INTERNAL, "internal error handling agent stream"))
+
+    def closed(self) -> None:
+        """The stream ended: the worker stays registered until its lease lapses."""
+        spec = self.spec
+        if spec is None or self.ctx.live.get(spec.worker_id) is not self:
+            return
+        del self.ctx.live[spec.worker_id]
+        self.ctx.store.disconnect(spec.worker_id, spec.epoch, time.monotonic())
+        metrics.CONNECTED_AGENTS.set(len(self.ctx.live))
+        self.ctx.changes.publish(Change("disconnected", spec.worker_id, spec.model))
+        log.info("agent disconnected", worker_id=spec.worker_id, peer=self.peer)
