@@ -1,10 +1,14 @@
 """One command for a kvloop-enabled vLLM worker: `vllm serve` with the kvloop connector and KV events,
 plus its `kvloop-agent` sidecar, supervised together.
 
-Serving setup chosen for CPU hosts (measured in shared/notes/platform-facts.md): the model runs inside
+Serving setup chosen for CPU hosts (measured on 2-core hosts; see README): the model runs inside
 the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) and NIXL's progress thread
 sleeps between polls (the connector's `kvloop_nixl_progress_delay_us`): stock multiprocess serving
 paid 0.3-0.9 s per step on 2 cores.
+
+The sidecar's registration is the one statement of the worker's identity and KV layout (engine id,
+NIXL endpoint, block size, KV dtype, bytes per block, TP size); the connector's events do not repeat
+it.
 """
 
 from __future__ import annotations
@@ -177,6 +181,8 @@ class EngineConfig:
             str(self.block_size),
             "--kv-bytes-per-block",
             str(self.kv_bytes_per_block),
+            "--kv-dtype",
+            self.dtype,
             "--kv-events",
             f"tcp://127.0.0.1:{self.kv_events_port}",
             "--kv-events-replay",
@@ -191,7 +197,8 @@ class EngineStartError(RuntimeError):
 
 
 class Engine:
-    """A running vLLM server and its sidecar (start() returns once /health answers)."""
+    """A vLLM server and its sidecar: ``launch()`` starts both, ``ready()`` polls /health,
+    ``stop()`` ends both process groups."""
 
     def __init__(self, config: EngineConfig, log_dir: Path) -> None:
         self.config = config

@@ -33,7 +33,6 @@ def start_proxy(tmp_path: Path, *extra: str, context: ssl.SSLContext | None = No
             dead[0],
             "--decode",
             dead[1],
-            "--no-use-directory",
             *extra,
         ],
         stderr=(tmp_path / "proxy.log").open("w"),

@@ -38,11 +38,6 @@ def retained_event(hashes: list[bytes], handle: str, lease_ms: int = 120_000) ->
         retention_handle=handle,
         lease_ms=lease_ms,
         single_use=False,
-        engine_id="engine-dec-s",
-        nixl_host="127.0.0.1",
-        nixl_port=5999,
-        block_size=16,
-        num_tokens=16 * len(hashes),
         ts=time.time(),
     )
 

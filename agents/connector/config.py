@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PREFIX = "kvloop_"
 
@@ -40,10 +40,15 @@ class KvloopConfig(BaseModel):
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
     # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
     sharing: Literal["multi", "single"] = "multi"
-    # Do not pull when the holder's lease ends within this margin (vLLM declines reads within
-    # 5 s of the deadline on its own; keep this >= 5 s).
+    # Sent with every lookup: the directory hands out only runs whose lease outlives this margin
+    # (the daemon's own expiry_margin_s applies too). It covers the lookup answer's trip and the
+    # engine step before the READ is posted.
     expiry_margin_s: float = Field(default=6.0, ge=0)
-    # Minimum pulled tokens beyond the local prefix (the daemon applies its own threshold too).
+    # Checked by the worker when it posts the READ: a run whose lease ends sooner is not read
+    # (the holder may free and reuse its blocks under the READ). Smaller than expiry_margin_s.
+    read_margin_s: float = Field(default=2.0, ge=0)
+    # Sent with every lookup: fewer transferable tokens are recomputed (the daemon's
+    # recompute_threshold_tokens and vLLM's kv_recompute_threshold apply too; the largest wins).
     min_pull_tokens: int = Field(default=64, ge=0)
     # Publish retained/released events (decode role).
     publish_events: bool = True
@@ -59,6 +64,15 @@ class KvloopConfig(BaseModel):
         if v and (":" not in v or not v.rsplit(":", 1)[1].isdigit()):
             raise ValueError(f"kvloop_daemon must be host:port, got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _check_margins(self) -> KvloopConfig:
+        if self.read_margin_s >= self.expiry_margin_s:
+            raise ValueError(
+                f"kvloop_read_margin_s ({self.read_margin_s}) must be below kvloop_expiry_margin_s "
+                f"({self.expiry_margin_s}): a run handed out near the lookup margin would never be read"
+            )
+        return self
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> KvloopConfig:

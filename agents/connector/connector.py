@@ -32,19 +32,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.directory import BlockDirectory, GrpcBlockDirectory
 from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
 from kvloop.agents.connector.worker import KvloopConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-
-def make_directory(cfg: KvloopConfig) -> BlockDirectory | None:
-    if not cfg.daemon or not cfg.lookup:
-        return None
-    return GrpcBlockDirectory(cfg.daemon, timeout_ms=cfg.lookup_timeout_ms, backoff_s=cfg.lookup_backoff_s)
 
 
 class KvloopConnector(NixlPullConnector):
@@ -68,11 +61,7 @@ class KvloopConnector(NixlPullConnector):
             )
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KvloopConnectorScheduler(
-                vllm_config,
-                self.engine_id,
-                kv_cache_config,
-                self.kvloop_config,
-                make_directory(self.kvloop_config),
+                vllm_config, self.engine_id, kv_cache_config, self.kvloop_config
             )
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:

@@ -1,33 +1,33 @@
-"""Where the prefill side asks which peer holds the longest prefix.
+"""The prefill side's calls to kvloopd: ``Lookup`` with the puller's constraints, ``ReleaseClaim``.
 
-``BlockDirectory`` is the seam the scheduler depends on; :class:`GrpcBlockDirectory` implements it
-with kvloopd's ``Directory.Lookup`` (the directory's rules live in kvloopd only).
+The directory's rules live in kvloopd only (``Policy.answer``): this module states what the puller
+needs (its minimum pull, its lease margin, its KV layout), and converts the answer into plain
+values the scheduler applies. Path and reason stay the proto's enum values.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvloop.agents.connector import telemetry as tm
+from kvloop.clients.client import DirectoryClient, KvloopError, holder_block_ids
+from kvloop.v1 import directory_pb2 as pb
 
 
 @dataclass(frozen=True)
 class HolderInfo:
+    worker_id: str
     engine_id: str
     host: str
     port: int
+    http_endpoint: str
     retention_handle: str
     # Physical block ids per KV-cache group for blocks [0, matched_blocks) (at least).
     block_ids: tuple[tuple[int, ...], ...]
     expires_in_ms: int
-    single_use: bool = False
-    worker_id: str = ""
-    # Holder's tensor-parallel size; None = same as the puller (kvloopd's Holder has no TP field:
-    # the directory only pairs compatible layouts).
-    tp_size: int | None = None
-    kv_bytes_per_block: int = 0
+    single_use: bool
+    tp_size: int  # the holder's tensor-parallel size (0: not registered)
     # The run's partly filled last block (only when the match is the holder's whole run): the
     # token ids it holds KV for, and its block id per group.
     tail_token_ids: tuple[int, ...] = ()
@@ -35,44 +35,62 @@ class HolderInfo:
 
 
 @dataclass(frozen=True)
-class LookupResult:
-    # "transfer" | "recompute" | "local" | "miss" | "expired"
-    path: str
-    reason: str
-    matched_blocks: int
-    holder: HolderInfo | None = None
-    detail: str = ""
+class LookupAnswer:
+    path: int  # pb.TurnPath
+    reason: int  # pb.DecisionReason
+    matched_blocks: int  # what the best holder serves, pulled or not
+    holder: HolderInfo | None
+    detail: str
 
 
-class BlockDirectory(Protocol):
-    """Answers "who holds the longest prefix of these chained block hashes"."""
+@dataclass(frozen=True)
+class PullerConstraints:
+    """What this engine tells the directory with every lookup."""
 
-    #: True when lookup() answers without I/O (safe to call inline in the scheduler loop).
-    inline: bool
-
-    def lookup(
-        self,
-        block_hashes: list[bytes],
-        local_blocks: int,
-        *,
-        requester: str = "",
-        block_size: int = 0,
-        model: str = "",
-        lora_name: str = "",
-    ) -> LookupResult | None:
-        """None means the directory could not answer (the caller recomputes)."""
-        ...
-
-    def close(self) -> None: ...
+    model: str
+    requester: str
+    block_size: int
+    min_pull_tokens: int
+    lease_margin_ms: int
+    tensor_parallel_size: int
+    kv_dtype: str
+    kv_bytes_per_block: int
 
 
-# --------------------------------------------------------------------------------------------
-# gRPC (kvloopd)
-# --------------------------------------------------------------------------------------------
+def holder_from_proto(h: pb.Holder) -> HolderInfo:
+    host, _, port = h.nixl_endpoint.rpartition(":")
+    num_groups = max(1, int(h.num_groups))
+    ids = holder_block_ids(h)
+    if len(ids) % num_groups:
+        raise ValueError(f"block_ids ({len(ids)}) not divisible by num_groups ({num_groups})")
+    per = len(ids) // num_groups
+    if per < h.matched_blocks:
+        raise ValueError(f"{per} block ids per group for {h.matched_blocks} matched blocks")
+    return HolderInfo(
+        worker_id=h.worker_id,
+        engine_id=h.engine_id,
+        host=host,
+        port=int(port),
+        http_endpoint=h.http_endpoint,
+        retention_handle=h.retention_handle,
+        block_ids=tuple(tuple(ids[g * per : (g + 1) * per]) for g in range(num_groups)),
+        expires_in_ms=int(h.expires_in_ms),
+        single_use=h.single_use,
+        tp_size=int(h.tensor_parallel_size),
+        tail_token_ids=tuple(h.tail_token_ids),
+        tail_block_ids=tuple(h.tail_block_ids),
+    )
 
 
-class GrpcBlockDirectory:
-    """kvloopd's ``Directory.Lookup`` through the shared typed client, with a short deadline.
+def answer_from_proto(resp: pb.LookupResponse) -> LookupAnswer:
+    holder = holder_from_proto(resp.holder) if resp.HasField("holder") and resp.holder.engine_id else None
+    if resp.path == pb.TURN_PATH_TRANSFER and (holder is None or resp.matched_blocks == 0):
+        raise ValueError("TRANSFER without a holder")
+    return LookupAnswer(resp.path, resp.reason, int(resp.matched_blocks), holder, resp.detail)
+
+
+class DirectoryLookups:
+    """kvloopd's ``Lookup`` through the shared typed client, with a short deadline.
 
     Hashes go packed and block ids come back packed (no per-hash objects on either side). TLS and
     the bearer token come from the client's defaults (``KVLOOP_TOKEN``). Any error (deadline,
@@ -80,45 +98,39 @@ class GrpcBlockDirectory:
     ``backoff_s`` so a dead daemon costs one timeout, not one per request.
     """
 
-    inline = False
-
-    def __init__(self, target: str, timeout_ms: float = 20.0, backoff_s: float = 2.0) -> None:
-        from kvloop.clients.client import DirectoryClient, decision_reason_name
-        from kvloop.v1 import directory_pb2
-
-        self._pb = directory_pb2
-        self._reason_name = decision_reason_name
+    def __init__(
+        self, target: str, constraints: PullerConstraints, timeout_ms: float = 20.0, backoff_s: float = 2.0
+    ) -> None:
         self.target = target
+        self.constraints = constraints
         self.backoff_s = backoff_s
         self._client = DirectoryClient(target, timeout=timeout_ms / 1000.0)
         self._down_until = 0.0
 
     def lookup(
-        self,
-        block_hashes: list[bytes],
-        local_blocks: int,
-        *,
-        requester: str = "",
-        block_size: int = 0,
-        model: str = "",
-        lora_name: str = "",
-    ) -> LookupResult | None:
-        from kvloop.clients.client import KvloopError
-
+        self, block_hashes: list[bytes], local_blocks: int, lora_name: str = ""
+    ) -> LookupAnswer | None:
+        """The directory's answer; None when it could not answer (the caller recomputes)."""
         if time.monotonic() < self._down_until:
             tm.LOOKUP_ERRORS.labels("backoff").inc()
             return None
+        c = self.constraints
         t0 = time.perf_counter()
         try:
             resp = self._client.lookup(
-                model,
+                c.model,
                 b"".join(block_hashes),
                 local_blocks=local_blocks,
-                requester=requester,
+                requester=c.requester,
                 claim=True,
                 lora_name=lora_name,
-                block_size=block_size,
+                block_size=c.block_size,
                 pack_block_ids=True,
+                min_pull_tokens=c.min_pull_tokens,
+                lease_margin_ms=c.lease_margin_ms,
+                parallel=pb.ParallelLayout(tensor_parallel_size=c.tensor_parallel_size),
+                kv_dtype=c.kv_dtype,
+                kv_bytes_per_block=c.kv_bytes_per_block,
             )
         except KvloopError as e:
             self._down_until = time.monotonic() + self.backoff_s
@@ -129,63 +141,26 @@ class GrpcBlockDirectory:
         finally:
             tm.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
         try:
-            return self._convert(resp)
-        except Exception as e:
+            return answer_from_proto(resp)
+        except Exception as e:  # must never break the engine loop
             tm.LOOKUP_ERRORS.labels("bad_response").inc()
             tm.log.warning("kvloop.lookup_bad_response", error=repr(e))
             return None
 
-    def _convert(self, resp) -> LookupResult:
-        pb = self._pb
-        reason = self._reason_name(resp.reason)
-        holder = None
-        if resp.HasField("holder") and resp.holder.engine_id:
-            h = resp.holder
-            holder = holder_from_proto(h)
-        if resp.decision == pb.DECISION_TRANSFER:
-            if holder is None or resp.matched_blocks == 0:
-                raise ValueError("TRANSFER without a holder")
-            path = tm.PATH_TRANSFER
-        elif resp.decision == pb.DECISION_LOCAL:
-            path = tm.PATH_LOCAL
-        elif reason == "miss":
-            path = tm.PATH_MISS
-        elif reason == "expired":
-            path = tm.PATH_EXPIRED
-        else:
-            path = tm.PATH_RECOMPUTE
-        return LookupResult(
-            path=path,
-            reason=reason,
-            matched_blocks=int(resp.matched_blocks),
-            holder=holder,
-            detail=resp.detail,
-        )
+    def release_claim(self, holder: HolderInfo, lora_name: str = "") -> None:
+        """Give back a single-use run this engine was handed but did not read."""
+        try:
+            released = self._client.release_claim(
+                self.constraints.model,
+                holder.worker_id,
+                holder.retention_handle,
+                requester=self.constraints.requester,
+                lora_name=lora_name,
+            )
+        except KvloopError as e:  # the run stays claimed until its lease ends: safe, only wasteful
+            tm.log.warning("kvloop.release_claim_failed", handle=holder.retention_handle, error=str(e))
+            return
+        tm.CLAIMS_RELEASED.labels(str(released).lower()).inc()
 
     def close(self) -> None:
         self._client.close()
-
-
-def holder_from_proto(h) -> HolderInfo:
-    from kvloop.clients.client import holder_block_ids
-
-    host, _, port = h.nixl_endpoint.rpartition(":")
-    num_groups = max(1, int(h.num_groups))
-    ids = holder_block_ids(h)
-    if len(ids) % num_groups:
-        raise ValueError(f"block_ids ({len(ids)}) not divisible by num_groups ({num_groups})")
-    per = len(ids) // num_groups
-    groups = tuple(tuple(ids[g * per : (g + 1) * per]) for g in range(num_groups))
-    return HolderInfo(
-        engine_id=h.engine_id,
-        host=host,
-        port=int(port),
-        retention_handle=h.retention_handle,
-        block_ids=groups,
-        expires_in_ms=int(h.expires_in_ms),
-        single_use=h.single_use,
-        worker_id=h.worker_id,
-        kv_bytes_per_block=int(h.kv_bytes_per_block),
-        tail_token_ids=tuple(h.tail_token_ids),
-        tail_block_ids=tuple(h.tail_block_ids),
-    )

@@ -50,22 +50,15 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
     retention_handle: str  # vLLM remote_request_id the puller must pass
     lease_ms: int  # lease remaining when the event was emitted
     single_use: bool
-    engine_id: str  # vLLM kv_transfer_config.engine_id (NIXL remote_engine_id)
-    nixl_host: str  # NIXL side-channel host (VLLM_NIXL_SIDE_CHANNEL_HOST)
-    nixl_port: int  # NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT + dp index)
-    block_size: int
-    num_tokens: int  # tokens covered = len(block_hashes) * block_size
-    worker_id: str = ""
     lora_name: str | None = None
-    tp_size: int = 1
-    # Bytes one block occupies over all layers and KV-cache groups on the holder.
-    kv_bytes_per_block: int = 0
     # Wall-clock (unix seconds) when the event was emitted; lease_ms is relative to it.
     ts: float = 0.0
     # The partly filled block after the complete ones: token ids it holds KV for (fewer than
     # block_size; empty when the run ends on a block boundary) and its block id per group.
     tail_token_ids: list[int] = msgspec.field(default_factory=list)
     tail_block_ids: list[int] = msgspec.field(default_factory=list)
+    # Who holds the run (engine id, NIXL endpoint, block size, layout) is not repeated here: the
+    # sidecar's registration states it once for every event of its worker.
 
 
 class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
@@ -73,8 +66,6 @@ class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
 
     retention_handle: str
     reason: str = "expired"  # "expired" | "read" | "aborted"
-    reads: int = -1  # completed READ notices seen for the run (-1 when unknown)
-    worker_id: str = ""
     ts: float = 0.0
 
 
@@ -107,13 +98,6 @@ class KvloopPrefillReport(KvloopEvent, tag=PREFILL_TAG):
 
 
 KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport | KvloopPrefillReport
-
-
-def vllm_event_hash_int(block_hash: bytes) -> int:
-    """The int vLLM's own BlockStored/BlockRemoved events carry for ``block_hash`` when
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` (the default): the low 64 bits, big-endian.
-    kvloop events always carry the full digest (32 bytes with sha256_cbor)."""
-    return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
 
 
 _KVLOOP_TAGS = {
@@ -161,5 +145,4 @@ __all__ = [
     "KvloopRetentionReleased",
     "KvloopTransferReport",
     "decode_event_batch",
-    "vllm_event_hash_int",
 ]

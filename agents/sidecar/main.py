@@ -53,6 +53,8 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         hash_algorithm=settings.hash_algorithm,
         hash_length=settings.hash_length,
         kv_bytes_per_block=settings.kv_bytes_per_block,
+        kv_dtype=settings.kv_dtype,
+        parallel=pb.ParallelLayout(tensor_parallel_size=settings.tensor_parallel_size),
         epoch=random.getrandbits(63) | 1,
         labels={"agent_pid": str(os.getpid())},
     )
@@ -182,6 +184,8 @@ def run(
     http_endpoint: Annotated[Optional[str], typer.Option(help="the engine's OpenAI HTTP base URL")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="vLLM block size")] = None,
     kv_bytes_per_block: Annotated[Optional[int], typer.Option(help="KV bytes per block, all layers")] = None,
+    kv_dtype: Annotated[Optional[str], typer.Option(help="KV-cache element type, e.g. bfloat16")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(help="the engine's TP size")] = None,
     kv_events: Annotated[Optional[str], typer.Option(help="vLLM KV-event PUB endpoint")] = None,
     kv_events_replay: Annotated[Optional[str], typer.Option(help="vLLM KV-event replay endpoint")] = None,
     health_listen: Annotated[
@@ -210,6 +214,8 @@ def run(
         http_endpoint=http_endpoint,
         block_size=block_size,
         kv_bytes_per_block=kv_bytes_per_block,
+        kv_dtype=kv_dtype,
+        tensor_parallel_size=tensor_parallel_size,
         kv_events=kv_events,
         kv_events_replay=kv_events_replay,
         health_listen=health_listen,

@@ -322,9 +322,6 @@ def proxy(
     prefill: Annotated[list[str], typer.Option(help="prefill vLLM server base URL (repeatable)")],
     decode: Annotated[list[str], typer.Option(help="decode vLLM server base URL (repeatable)")],
     listen: Annotated[str, typer.Option(help="HOST:PORT to serve the OpenAI API on")] = "127.0.0.1:8000",
-    use_directory: Annotated[
-        bool, typer.Option(help="ask kvloopd (--daemon) which decode server holds a conversation's blocks")
-    ] = True,
     request_timeout: Annotated[float, typer.Option(help="seconds per upstream request")] = 600.0,
     cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
     key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
@@ -361,7 +358,6 @@ def proxy(
         prefill=prefill,
         decode=decode,
         request_timeout_s=request_timeout,
-        daemon=state.daemon if use_directory else None,
     )
 
     async def run() -> None:

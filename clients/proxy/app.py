@@ -3,8 +3,9 @@
 Per request: the prefill server computes (or pulls, through the kvloop connector) the prompt's KV
 and returns a forward handle; a decode server pulls it and streams the answer back. The proxy keeps
 no per-conversation state: which decode worker holds a conversation's blocks is the directory's
-business, and the prefill's connector reports the holder it used (`kvloop_holder` in the returned
-kv_transfer_params), which the proxy prefers as the decode server. W3C trace context flows
+business: the prefill's connector returns the holder the directory named, with its HTTP endpoint
+(`kvloop_holder`, `kvloop_holder_http` in the returned kv_transfer_params), and the proxy prefers
+that server for the decode. W3C trace context flows
 client -> proxy -> prefill -> decode, so one trace shows the whole turn.
 """
 
@@ -50,8 +51,6 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
-    daemon: str | None = None  # kvloopd, to map a holder's worker id to its HTTP endpoint
-    holder_map_refresh_s: float = 5.0
 
 
 @dataclass
@@ -60,7 +59,6 @@ class _State:
     prefill: BackendPool
     decode: BackendPool
     session: aiohttp.ClientSession | None = None
-    holder_urls: dict[str, str] = field(default_factory=dict)  # worker id -> http endpoint
     tasks: list[asyncio.Task] = field(default_factory=list)
 
 
@@ -123,9 +121,10 @@ async def _post_json(state: _State, backend: Backend, path: str, body: dict, hea
 
 
 def _holder_backend(state: _State, kv: dict) -> Backend | None:
-    holder = kv.get("kvloop_holder")
-    url = state.holder_urls.get(holder) if holder else None
-    return state.decode.by_url(url) if url else None
+    """The decode server holding the conversation's KV, as the prefill's connector reported it
+    (the directory's answer carries the holder's HTTP endpoint)."""
+    url = kv.get("kvloop_holder_http")
+    return state.decode.by_url(url) if isinstance(url, str) and url else None
 
 
 async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -303,23 +302,6 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _refresh_holders(state: _State) -> None:
-    from kvloop.clients.client import AsyncDirectoryClient, KvloopError
-
-    async with AsyncDirectoryClient(state.config.daemon, timeout=2) as client:
-        while True:
-            try:
-                workers = await client.list_workers()
-                state.holder_urls = {
-                    w.registration.worker_id: w.registration.http_endpoint.rstrip("/")
-                    for w in workers
-                    if w.registration.http_endpoint
-                }
-            except KvloopError as exc:
-                log.warning("cannot refresh holder map from kvloopd", error=str(exc))
-            await asyncio.sleep(state.config.holder_map_refresh_s)
-
-
 def build_app(config: ProxyConfig) -> web.Application:
     if not config.prefill or not config.decode:
         raise ValueError("the proxy needs at least one prefill and one decode server")
@@ -342,8 +324,6 @@ def build_app(config: ProxyConfig) -> web.Application:
             asyncio.create_task(state.prefill.keep_checking(state.session)),
             asyncio.create_task(state.decode.keep_checking(state.session)),
         ]
-        if config.daemon:
-            state.tasks.append(asyncio.create_task(_refresh_holders(state)))
         yield
         for task in state.tasks:
             task.cancel()

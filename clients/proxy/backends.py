@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -19,8 +18,6 @@ class Backend:
     healthy: bool = False
     in_flight: int = 0
     last_error: str = ""
-    last_check: float = 0.0
-    served: int = 0
     models: list[str] = field(default_factory=list)
 
 
@@ -75,7 +72,6 @@ class BackendPool:
                 error=backend.last_error,
             )
         backend.healthy = ok
-        backend.last_check = time.monotonic()
 
     async def check_all(self, session: aiohttp.ClientSession) -> None:
         await asyncio.gather(*(self.check(session, b) for b in self.backends))

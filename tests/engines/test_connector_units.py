@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.directory import GrpcBlockDirectory, holder_from_proto
+from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints, holder_from_proto
 from kvloop.agents.connector.events import (
     KvloopBlocksRetained,
     KvloopRetentionReleased,
@@ -15,19 +15,13 @@ from kvloop.agents.connector.events import (
 )
 
 
-def _run(handle: str, hashes: list[bytes], lease_ms: int = 60_000, single_use: bool = False, worker="d0"):
+def _run(handle: str, hashes: list[bytes], lease_ms: int = 60_000, single_use: bool = False):
     return KvloopBlocksRetained(
         block_hashes=hashes,
         block_ids=[[100 + i for i in range(len(hashes))]],
         retention_handle=handle,
         lease_ms=lease_ms,
         single_use=single_use,
-        engine_id="eng-" + worker,
-        nixl_host="127.0.0.1",
-        nixl_port=5600,
-        block_size=32,
-        num_tokens=32 * len(hashes),
-        worker_id=worker,
     )
 
 
@@ -79,14 +73,46 @@ def test_holder_block_ids_are_group_major():
         )
     )
     assert h.block_ids == ((1, 2, 3), (7, 8, 9)) and h.host == "10.0.0.1" and h.port == 5601
+    # an answer whose block lists are shorter than the match is refused, never half-applied
+    with pytest.raises(ValueError, match="matched blocks"):
+        holder_from_proto(pb.Holder(engine_id="e", nixl_endpoint="h:1", block_ids=[1, 2], matched_blocks=3))
 
 
 def test_grpc_directory_unreachable_returns_none_fast():
     import time
 
-    d = GrpcBlockDirectory("127.0.0.1:9", timeout_ms=50, backoff_s=5)
+    constraints = PullerConstraints("m", "p0", 32, 64, 6000, 1, "bfloat16", 1024)
+    d = DirectoryLookups("127.0.0.1:9", constraints, timeout_ms=50, backoff_s=5)
     t = time.perf_counter()
     assert d.lookup(H[:2], 0) is None
     assert d.lookup(H[:2], 0) is None  # backoff: no second RPC
     assert time.perf_counter() - t < 1.0
     d.close()
+
+
+def test_the_connector_refuses_a_vllm_it_was_not_written_for():
+    from kvloop.agents.connector.worker import SUPPORTED_VLLM, check_vllm_version
+
+    check_vllm_version(SUPPORTED_VLLM)
+    check_vllm_version(SUPPORTED_VLLM + "+cpu")
+    with pytest.raises(ImportError, match="overrides private methods"):
+        check_vllm_version("0.33.0")
+
+
+def test_read_margin_must_be_below_the_lookup_margin():
+    with pytest.raises(ValidationError, match="read_margin_s"):
+        KvloopConfig.from_extra_config({"kvloop_expiry_margin_s": 1.0, "kvloop_read_margin_s": 2.0})
+
+
+def test_outcome_fields_name_the_proto_enums():
+    from kvloop.agents.connector.outcome import Outcome
+    from kvloop.common.outcomes import PATH_NAMES
+    from kvloop.v1 import directory_pb2 as pb
+
+    fields = Outcome(pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_BELOW_THRESHOLD, matched_tokens=32).fields()
+    assert (fields["path"], fields["reason"], fields["matched_tokens"]) == (
+        "recompute",
+        "below_threshold",
+        32,
+    )
+    assert set(PATH_NAMES) == {"transfer", "recompute", "local", "miss", "expired", "failed"}

@@ -1,0 +1,83 @@
+"""The decode role of the kvloop connector's scheduler side: announce and release retained runs.
+
+When a request finishes, vLLM's NixlConnector (``bidirectional_kv_xfer``) keeps its blocks for a
+reverse pull; :meth:`DecodeSide.announce` tells the directory (through the KV-event stream the
+sidecar forwards) which complete blocks, by chained hash, and which partly filled tail it holds,
+and marks kvloop runs multi-reader so the worker keeps them until the lease ends instead of
+freeing after one READ. :meth:`DecodeSide.released` reports each run vLLM frees.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _Retained:
+    deadline: float  # perf_counter
+    blocks: int
+
+
+class DecodeSide:
+    def __init__(self, cfg: KvloopConfig, block_size: int, emit: Callable[[Any], None]) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self._emit = emit if cfg.publish_events else (lambda event: None)
+        self._retained: dict[str, _Retained] = {}
+        # For the worker: runs announced this step that it keeps until their lease ends.
+        self.multi_reader_new: set[str] = set()
+
+    def announce(self, request: Request, out: dict[str, Any], default_ttl_s: float) -> None:
+        """``out`` is vLLM's returned kv_transfer_params for a finished request it retains."""
+        bs = self.block_size
+        groups = [list(g) for g in out["remote_block_ids"]]
+        n = min([len(request.block_hashes), request.num_computed_tokens // bs] + [len(g) for g in groups])
+        rid = request.request_id
+        deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
+        multi = self.cfg.sharing == "multi"
+        self._retained[rid] = _Retained(deadline=deadline, blocks=n)
+        if multi:
+            self.multi_reader_new.add(rid)
+        if n <= 0:
+            return
+        lease_ms = max(0, int((deadline - time.perf_counter()) * 1000))
+        # The last sampled token never went through the model: KV exists for the tokens before it.
+        with_kv = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
+        has_tail = n == with_kv // bs and all(len(g) > n for g in groups)
+        tail = list(request.all_token_ids[n * bs : with_kv]) if has_tail else []
+        self._emit(
+            KvloopBlocksRetained(
+                block_hashes=[bytes(h) for h in request.block_hashes[:n]],
+                block_ids=[g[:n] for g in groups],
+                retention_handle=rid,
+                lease_ms=lease_ms,
+                single_use=not multi,
+                lora_name=request.lora_request.lora_name if request.lora_request else None,
+                ts=time.time(),
+                tail_token_ids=tail,
+                tail_block_ids=[g[n] for g in groups] if tail else [],
+            )
+        )
+        tm.RETAINED.inc()
+        tm.RETAINED_BLOCKS.inc(n)
+        tm.log.debug("kvloop.retained", handle=rid, blocks=n, lease_ms=lease_ms, multi=multi)
+
+    def released(self, finished_sending: set[str]) -> None:
+        now = time.perf_counter()
+        for rid in finished_sending:
+            run = self._retained.pop(rid, None)
+            if run is None:
+                continue
+            reason = "expired" if now >= run.deadline - 1.0 else "read"
+            tm.RELEASED.labels(reason).inc()
+            self._emit(KvloopRetentionReleased(retention_handle=rid, reason=reason, ts=time.time()))

@@ -1,0 +1,326 @@
+"""The prefill role of the kvloop connector's scheduler side.
+
+For each request that asks for a disaggregated prefill (``do_remote_decode``), :meth:`PrefillSide.match`
+asks kvloopd (off the engine loop) for the longest prefix a peer holds, and applies the answer:
+on TRANSFER it rewrites ``kv_transfer_params`` into a hash-matched NixlConnector reverse pull
+(truncated per KV-cache group) and lets vLLM allocate it; otherwise it strips any handle, so no
+peer frees blocks nobody read. The READ itself starts in the worker
+(``KvloopConnectorWorker._read_blocks_for_req``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer
+from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
+from kvloop.agents.connector.outcome import Outcome, record
+from kvloop.common.tokens import agreeing_prefix_length
+from kvloop.v1 import directory_pb2 as pb
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+    from vllm.v1.request import Request
+
+# kv_transfer_params keys that make vLLM pull from (and notify) a peer.
+HANDLE_KEYS = (
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+)
+# Private marker: kvloop already decided for this request.
+_DECIDED = "_kvloop_decided"
+
+VllmMatch = Callable[["Request", int], tuple[int | None, bool]]
+
+
+@dataclass
+class _Pull:
+    span: Span
+    outcome: Outcome
+    holder: HolderInfo
+    prompt_tokens: int
+    started: float  # perf_counter at the lookup
+    read_started: float = 0.0
+
+
+@dataclass
+class _Lookup:
+    future: Future[LookupAnswer | None]
+    started: float
+
+
+class PrefillSide:
+    def __init__(
+        self,
+        cfg: KvloopConfig,
+        directory: DirectoryLookups,
+        block_size: int,
+        kv_bytes_per_block: int,
+        transfer_tp_size: int,
+        emit: Callable[[Any], None],
+    ) -> None:
+        self.cfg = cfg
+        self.directory = directory
+        self.block_size = block_size
+        self.kv_bytes_per_block = kv_bytes_per_block
+        self.transfer_tp_size = transfer_tp_size
+        self._emit = emit if cfg.publish_events else (lambda event: None)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvloop-lookup")
+        self._lookups: dict[str, _Lookup] = {}
+        self._pulls: dict[str, _Pull] = {}
+        # Requests computing their prompt here -> (decided at, tokens), for the prefill report.
+        self._computing: dict[str, tuple[float, int]] = {}
+        # Each request's recorded outcome, returned to the caller in kv_transfer_params.
+        self._outcomes: dict[str, dict[str, Any]] = {}
+        # Holders read from: a first READ also pays the NIXL handshake (kept out of the cost model).
+        self._holders_read: set[str] = set()
+        # For the worker: when each new pull's holder lease ends (this process's perf_counter).
+        self.pull_deadlines: dict[str, float] = {}
+
+    def wants(self, params: dict[str, Any] | None) -> bool:
+        return params is not None and bool(params.get("do_remote_decode"))
+
+    # ---- get_num_new_matched_tokens ----------------------------------------------------------
+
+    def match(
+        self, request: Request, num_computed_tokens: int, vllm_match: VllmMatch
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        assert params is not None
+        if params.get("_remote_blocks_processed") or (
+            params.get(_DECIDED) and not params.get("remote_block_ids")
+        ):
+            # Already pulled (or decided not to): a reschedule after preemption computes locally.
+            return 0, False
+        if params.get(_DECIDED):
+            return vllm_match(request, num_computed_tokens)
+        bs = self.block_size
+        hashes = [bytes(h) for h in request.block_hashes[: request.num_prompt_tokens // bs]]
+        lora = request.lora_request.lora_name if request.lora_request else ""
+        if not hashes:
+            answer: LookupAnswer | None = LookupAnswer(
+                pb.TURN_PATH_MISS, pb.DECISION_REASON_SHORT_PROMPT, 0, None, "no full block in the prompt"
+            )
+            started = time.perf_counter()
+        else:
+            lookup = self._lookups.get(request.request_id)
+            if lookup is None:
+                future = self._pool.submit(self.directory.lookup, hashes, num_computed_tokens // bs, lora)
+                lookup = self._lookups[request.request_id] = _Lookup(future, time.perf_counter())
+                if self.cfg.lookup_wait_ms:
+                    wait([future], timeout=self.cfg.lookup_wait_ms / 1000)
+            if not lookup.future.done():
+                return None, False  # ask again next step; never block the engine loop longer
+            del self._lookups[request.request_id]
+            started = lookup.started
+            try:
+                answer = lookup.future.result()
+            except Exception:  # must never break the engine loop
+                answer = None
+        params[_DECIDED] = True
+        return self._apply(request, params, num_computed_tokens, answer, started, vllm_match)
+
+    def _apply(
+        self,
+        request: Request,
+        params: dict[str, Any],
+        num_computed_tokens: int,
+        answer: LookupAnswer | None,
+        started: float,
+        vllm_match: VllmMatch,
+    ) -> tuple[int | None, bool]:
+        answered = time.perf_counter()
+        for k in HANDLE_KEYS:  # never act on a handle kvloop did not choose
+            params.pop(k, None)
+        span = tm.tracer.start_span(
+            "kvloop.prefill",
+            context=tm.request_context(request),
+            start_time=tm.wall_ns(started),
+            attributes={"kvloop.request_id": request.request_id},
+        )
+        outcome = Outcome(
+            pb.TURN_PATH_RECOMPUTE,
+            pb.DECISION_REASON_DIRECTORY_UNAVAILABLE,
+            local_tokens=num_computed_tokens,
+            lookup_ms=(answered - started) * 1000,
+        )
+        if answer is not None:
+            outcome.path, outcome.reason, outcome.detail = answer.path, answer.reason, answer.detail
+            outcome.matched_tokens = answer.matched_blocks * self.block_size
+            if answer.holder is not None:
+                outcome.holder, outcome.holder_http = answer.holder.worker_id, answer.holder.http_endpoint
+        tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": outcome.fields()["path"]})
+        if answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
+            count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
+            if count:
+                self._pulls[request.request_id] = _Pull(
+                    span, outcome, answer.holder, request.num_prompt_tokens, started, answered
+                )
+                return count, is_async
+            outcome.path, outcome.reason = pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_ENGINE_DECLINED
+            outcome.detail = f"vLLM declined a pull of {outcome.matched_tokens} tokens"
+            if answer.holder.single_use:
+                self._pool.submit(self.directory.release_claim, answer.holder)
+        outcome.recompute_tokens = max(0, request.num_prompt_tokens - num_computed_tokens)
+        if outcome.recompute_tokens:
+            self._computing[request.request_id] = (answered, outcome.recompute_tokens)
+        self._outcomes[request.request_id] = record(request.request_id, outcome, span, time.perf_counter())
+        return 0, False
+
+    def _pull(
+        self,
+        request: Request,
+        params: dict[str, Any],
+        num_computed_tokens: int,
+        answer: LookupAnswer,
+        vllm_match: VllmMatch,
+        outcome: Outcome,
+    ) -> tuple[int | None, bool]:
+        """Turn the answer into vLLM's reverse-pull params; vLLM allocates the blocks."""
+        h = answer.holder
+        assert h is not None
+        m = answer.matched_blocks
+        tail = self._usable_tail(request, h, m)
+        outcome.matched_tokens = min(m * self.block_size + tail, request.num_prompt_tokens)
+        params.update(
+            remote_block_ids=tuple(
+                list(g[:m]) + ([h.tail_block_ids[i]] if tail else []) for i, g in enumerate(h.block_ids)
+            ),
+            remote_engine_id=h.engine_id,
+            remote_request_id=h.retention_handle,
+            remote_host=h.host,
+            remote_port=h.port,
+            remote_num_tokens=m * self.block_size + tail,
+            remote_blocks_expiry_time=None,  # the worker checks the relative lease (pull_deadlines)
+            tp_size=h.tp_size or self.transfer_tp_size,
+        )
+        count, is_async = vllm_match(request, num_computed_tokens)
+        if count:
+            self.pull_deadlines[request.request_id] = time.perf_counter() + h.expires_in_ms / 1000.0
+        else:
+            for k in HANDLE_KEYS:
+                params.pop(k, None)
+        return count, is_async
+
+    def _usable_tail(self, request: Request, holder: HolderInfo, matched_blocks: int) -> int:
+        """Tokens of the holder's partly filled last block this prompt can pull as well.
+
+        The directory sends the tail only when it matched every complete block of the run by chained
+        hash. KV at position p depends on tokens 0..p only, so the tail's KV is right for this prompt up
+        to the first token where the two differ: a turn whose re-rendered answer departs from the tokens
+        the decode generated still pulls the tail's agreeing start (the engine computes the rest of
+        the block over it). The prompt's last token is always left to compute (vLLM needs one to
+        sample from)."""
+        tail = holder.tail_token_ids
+        start = matched_blocks * self.block_size
+        if not tail or len(holder.tail_block_ids) != len(holder.block_ids):
+            return 0
+        prompt = request.prompt_token_ids or []
+        limit = min(len(tail), request.num_prompt_tokens - 1 - start)
+        return agreeing_prefix_length(prompt[start : start + limit], tail) if limit > 0 else 0
+
+    # ---- allocation, READ completion, finish -------------------------------------------------
+
+    def allocated(self, request_id: str, num_external_tokens: int) -> None:
+        pull = self._pulls.get(request_id)
+        if pull is not None:
+            pull.outcome.pulled_tokens = num_external_tokens
+
+    def reads_done(self, finished: set[str], failed: set[str]) -> None:
+        for rid in failed:
+            self._end_pull(rid, ok=False)
+        for rid in finished - failed:
+            self._end_pull(rid, ok=True)
+
+    def _end_pull(self, request_id: str, ok: bool) -> None:
+        pull = self._pulls.pop(request_id, None)
+        if pull is None:
+            return
+        done = time.perf_counter()  # one reading: the outcome, the report and the span agree
+        outcome = pull.outcome
+        if not ok:
+            # The claim is kept: the holder may have seen the READ's completion notice and freed
+            # the blocks, and handing the run out again could make the next puller read them.
+            outcome.path, outcome.reason = pb.TURN_PATH_FAILED, pb.DECISION_REASON_READ_FAILED
+            outcome.pulled_tokens = 0
+        blocks = -(-outcome.pulled_tokens // self.block_size)
+        outcome.bytes = blocks * self.kv_bytes_per_block
+        outcome.recompute_tokens = pull.prompt_tokens - outcome.local_tokens - outcome.pulled_tokens
+        outcome.pull_ms = (done - pull.started) * 1000
+        first_contact = pull.holder.engine_id not in self._holders_read
+        if ok:
+            self._holders_read.add(pull.holder.engine_id)
+        self._emit(
+            KvloopTransferReport(
+                source_worker_id=outcome.holder,
+                bytes=outcome.bytes,
+                blocks=blocks,
+                duration_us=int((done - pull.read_started) * 1e6),
+                ok=ok,
+                ts=time.time(),
+                first_contact=first_contact,
+            )
+        )
+        tm.child_span(
+            pull.span,
+            "kvloop.nixl_read",
+            pull.read_started,
+            done,
+            {
+                "kvloop.bytes": outcome.bytes,
+                "kvloop.blocks": blocks,
+                "kvloop.holder": outcome.holder,
+                "kvloop.ok": ok,
+            },
+        )
+        self._outcomes[request_id] = record(request_id, outcome, pull.span, done)
+
+    def finished(self, request: Request) -> dict[str, Any] | None:
+        """The request left the engine: its outcome's kv_transfer_params fields (None if none)."""
+        rid = request.request_id
+        lookup = self._lookups.pop(rid, None)
+        if lookup is not None:  # aborted while its lookup ran: give back what the answer claimed
+            lookup.future.add_done_callback(self._release_unused)
+        if rid in self._pulls:
+            self._end_pull(rid, ok=False)
+        self._report_prefill(request)
+        return self._outcomes.pop(rid, None)
+
+    def _release_unused(self, future: Future[LookupAnswer | None]) -> None:
+        try:
+            answer = future.result()
+        except Exception:
+            return
+        if (
+            answer is not None
+            and answer.path == pb.TURN_PATH_TRANSFER
+            and answer.holder
+            and answer.holder.single_use
+        ):
+            self.directory.release_claim(answer.holder)
+
+    def _report_prefill(self, request: Request) -> None:
+        computing = self._computing.pop(request.request_id, None)
+        if computing is None or request.num_computed_tokens < request.num_prompt_tokens:
+            return  # nothing computed here, or aborted before its prefill ended
+        decided, tokens = computing
+        self._emit(
+            KvloopPrefillReport(
+                tokens=tokens, duration_us=int((time.perf_counter() - decided) * 1e6), ts=time.time()
+            )
+        )
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.directory.close()
