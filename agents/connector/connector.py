@@ -33,10 +33,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
+from kvloop.agents.connector.stats import KvloopKVConnectorStats, KvloopPromMetrics, collect
 from kvloop.agents.connector.worker import KvloopConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
@@ -76,6 +83,28 @@ class KvloopConnector(NixlPullConnector):
         if isinstance(self.connector_scheduler, KvloopConnectorScheduler):
             return self.connector_scheduler.take_events()
         return ()
+
+    # Metrics: vLLM asks both halves for stats (the worker after each model step, the scheduler after
+    # each step's output) and carries them to the API server's /metrics (see stats.py). Either half
+    # hands over everything kvloop counted in its process since the last call, with NIXL's own
+    # transfer stats (worker half); an in-process engine has both halves in one process: each count
+    # goes to whichever asks first, once.
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return collect(super().get_kv_connector_stats())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvloopKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KvloopPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 __all__ = ["KvloopConnector"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import structlog
 from opentelemetry import propagate, trace
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 TRACER_NAME = "kvloop.agents.connector"
 
@@ -27,6 +30,9 @@ def child_span(parent, name: str, start_perf: float, end_perf: float, attributes
         attributes=attributes or {},
     )
     span.end(end_time=wall_ns(end_perf))
+    step = STEP_SECONDS.get(name)
+    if step is not None and (attributes or {}).get("kvloop.ok", True):
+        step.observe(max(0.0, end_perf - start_perf))
 
 
 def request_context(request):
@@ -37,21 +43,145 @@ def request_context(request):
 
 log = structlog.get_logger(TRACER_NAME)
 
-REQUESTS = Counter("kvloop_connector_requests", "Prefill requests by kvloop path", ["path", "reason"])
-TOKENS = Counter(
-    "kvloop_connector_tokens", "Prompt tokens by how they were obtained", ["kind"]
-)  # kind: pulled | recomputed | local
-BYTES = Counter("kvloop_connector_pulled_bytes", "KV bytes pulled from peers")
-LOOKUP_SECONDS = Histogram(
-    "kvloop_connector_lookup_seconds",
-    "Directory lookup latency seen by the connector",
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+# Metrics. The connector runs in vLLM's engine-core process (and its worker processes), while `vllm
+# serve` answers /metrics from its API-server process. So every update below goes to STATS, this
+# process's accumulator: the connector hands what it holds to vLLM as KV-connector stats
+# (KvloopConnector.get_kv_connector_stats, see stats.py), vLLM carries them to the API server with
+# its scheduler stats, and stats.KvloopPromMetrics records them there under the names below (plus
+# vLLM's model_name and engine labels). LOCAL keeps this process's running totals as well: it is
+# not served, it is for in-process engines (vllm.LLM) and tests.
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str  # key in the stats payload; the Prometheus name is kvloop_connector_<key>
+    kind: Literal["counter", "histogram"]
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"kvloop_connector_{self.key}"
+
+
+class StatsAccumulator:
+    """What this process counted since vLLM last collected it.
+
+    The payload nests one level per label value: a counter's leaves are sums, a histogram's are lists
+    of observations (``{"requests": {"transfer": {"pulled": 2}}, "lookup_seconds": [0.001]}``).
+    Lookups record from a thread pool, vLLM drains from the engine loop: both under one lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] = {}
+
+    def record(self, spec: MetricSpec, labels: tuple[str, ...], value: float) -> None:
+        path = (spec.key, *labels)
+        with self._lock:
+            node = self._data
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            if spec.kind == "histogram":
+                node.setdefault(path[-1], []).append(value)
+            else:
+                node[path[-1]] = node.get(path[-1], 0) + value
+
+    def drain(self) -> dict[str, Any]:
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
+STATS = StatsAccumulator()
+LOCAL = CollectorRegistry()
+
+
+class Metric:
+    """A connector metric: ``labels(...).inc(n)`` / ``inc(n)`` / ``observe(s)`` as prometheus_client's."""
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self._local: Counter | Histogram
+        if spec.kind == "histogram":
+            self._local = Histogram(spec.name, spec.doc, spec.labels, registry=LOCAL, buckets=spec.buckets)
+        else:
+            self._local = Counter(spec.name, spec.doc, spec.labels, registry=LOCAL)
+
+    def labels(self, *values: str) -> _Child:
+        if len(values) != len(self.spec.labels):
+            raise ValueError(f"{self.spec.name} takes labels {self.spec.labels}, got {values}")
+        return _Child(self, tuple(str(v) for v in values))
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._record((), amount)
+
+    def observe(self, value: float) -> None:
+        self._record((), value)
+
+    def _record(self, labels: tuple[str, ...], value: float) -> None:
+        if len(labels) != len(self.spec.labels):
+            raise ValueError(f"{self.spec.name} needs labels {self.spec.labels}")
+        local = self._local.labels(*labels) if labels else self._local
+        if isinstance(local, Histogram):
+            local.observe(value)
+        else:
+            local.inc(value)  # raises on a negative amount before anything is recorded
+        STATS.record(self.spec, labels, value)
+
+
+@dataclass(frozen=True)
+class _Child:
+    metric: Metric
+    values: tuple[str, ...]
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.metric._record(self.values, amount)
+
+    def observe(self, value: float) -> None:
+        self.metric._record(self.values, value)
+
+
+SPECS = (
+    MetricSpec("requests", "counter", "Prefill requests by kvloop path", ("path", "reason")),
+    # kind: pulled | recomputed | local
+    MetricSpec("tokens", "counter", "Prompt tokens by how they were obtained", ("kind",)),
+    MetricSpec("pulled_bytes", "counter", "KV bytes pulled from peers"),
+    MetricSpec(
+        "lookup_seconds",
+        "histogram",
+        "Directory lookup latency seen by the connector",
+        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+    ),
+    MetricSpec(
+        "read_seconds",
+        "histogram",
+        "Pull time of a successful transfer, from the pull decision until the engine saw the NIXL READ "
+        "done (handshake and engine-step waits included; the READ itself: vllm:nixl_xfer_time_seconds)",
+        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+    ),
+    MetricSpec("lookup_errors", "counter", "Failed directory lookups", ("kind",)),
+    MetricSpec("retained_runs", "counter", "Retained runs announced (decode role)"),
+    MetricSpec("retained_blocks", "counter", "Blocks in announced retained runs"),
+    MetricSpec("released_runs", "counter", "Retained runs released", ("reason",)),
+    MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
+    MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
 )
-LOOKUP_ERRORS = Counter("kvloop_connector_lookup_errors", "Failed directory lookups", ["kind"])
-RETAINED = Counter("kvloop_connector_retained_runs", "Retained runs announced (decode role)")
-RETAINED_BLOCKS = Counter("kvloop_connector_retained_blocks", "Blocks in announced retained runs")
-RELEASED = Counter("kvloop_connector_released_runs", "Retained runs released", ["reason"])
-CLAIMS_RELEASED = Counter(
-    "kvloop_connector_claims_released", "Single-use claims given back unread", ["released"]
-)
-READS_SERVED = Counter("kvloop_connector_reads_served", "READ completion notices received for retained runs")
+SPEC_BY_KEY = {spec.key: spec for spec in SPECS}
+_METRICS = {spec.key: Metric(spec) for spec in SPECS}
+
+REQUESTS = _METRICS["requests"]
+TOKENS = _METRICS["tokens"]
+BYTES = _METRICS["pulled_bytes"]
+LOOKUP_SECONDS = _METRICS["lookup_seconds"]
+READ_SECONDS = _METRICS["read_seconds"]
+LOOKUP_ERRORS = _METRICS["lookup_errors"]
+RETAINED = _METRICS["retained_runs"]
+RETAINED_BLOCKS = _METRICS["retained_blocks"]
+RELEASED = _METRICS["released_runs"]
+READS_SERVED = _METRICS["reads_served"]
+CLAIMS_RELEASED = _METRICS["claims_released"]
+
+# A finished step recorded with child_span() also feeds its latency histogram (a failed step,
+# attribute kvloop.ok false, does not).
+STEP_SECONDS: dict[str, Metric] = {"kvloop.nixl_read": READ_SECONDS}

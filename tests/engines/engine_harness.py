@@ -291,15 +291,15 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
 
                 w = get_kv_transfer_group().connector_worker
                 conn.send(("ok", dict(w.kvloop_reads)))
-            elif cmd == "metrics":  # this process's kvloop prometheus samples
-                from prometheus_client import REGISTRY
+            elif cmd == "metrics":  # this process's kvloop prometheus samples (running totals)
+                from kvloop.agents.connector.telemetry import LOCAL
 
                 conn.send(
                     (
                         "ok",
                         {
                             (m.name + s.name[len(m.name) :], tuple(sorted(s.labels.items()))): s.value
-                            for m in REGISTRY.collect()
+                            for m in LOCAL.collect()
                             if m.name.startswith("kvloop_")
                             for s in m.samples
                         },
