@@ -52,7 +52,7 @@ def test_metrics_accumulate_per_process_and_drain_once():
     a_pull()
     tm.REQUESTS.labels("miss", "miss").inc()
     data = tm.STATS.drain()
-    assert data["requests"] == {"transfer": {"pulled": 2}, "miss": {"miss": 1}}
+    assert data["requests"] == {"transfer": {"transfer_faster": 2}, "miss": {"miss": 1}}
     assert data["tokens"] == {"pulled": 1280, "recomputed": 24}
     assert data["pulled_bytes"] == 2 * 2**20
     assert data["lookup_seconds"] == [0.0015, 0.0015]
@@ -92,12 +92,12 @@ def test_aggregate_round_trip_reduce_and_reset():
     payload = msgspec.msgpack.decode(msgspec.msgpack.encode(combined.to_dict()))
     rebuilt = KvloopKVConnectorStats(data=payload)
     assert rebuilt.nixl.num_successful_transfers == 2
-    assert rebuilt.kvloop["requests"] == {"transfer": {"pulled": 2}}
+    assert rebuilt.kvloop["requests"] == {"transfer": {"transfer_faster": 2}}
     assert rebuilt.kvloop["released_runs"] == {"read": 1}
     # aggregating never changes what was aggregated in, nor the payload it was built from
     rebuilt.aggregate(KvloopKVConnectorStats(data=payload))
-    assert rebuilt.kvloop["requests"]["transfer"]["pulled"] == 4
-    assert payload["kvloop"]["requests"]["transfer"]["pulled"] == 2
+    assert rebuilt.kvloop["requests"]["transfer"]["transfer_faster"] == 4
+    assert payload["kvloop"]["requests"]["transfer"]["transfer_faster"] == 2
     assert len(payload["nixl"]["transfer_duration"]) == 2
     # a plain NIXL stats object aggregates in too
     rebuilt.aggregate(nixl_transfer())
@@ -133,7 +133,7 @@ def test_prometheus_metrics_on_the_api_server_side():
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model_name": "m", "engine": "1", **labels})
 
-    assert value("kvloop_connector_requests_total", path="transfer", reason="pulled") == 1
+    assert value("kvloop_connector_requests_total", path="transfer", reason="transfer_faster") == 1
     assert value("kvloop_connector_tokens_total", kind="pulled") == 640
     assert value("kvloop_connector_pulled_bytes_total") == 2**20
     assert value("kvloop_connector_lookup_seconds_count") == 1
