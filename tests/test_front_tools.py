@@ -83,8 +83,9 @@ async def test_cli_tables_and_json(daemon, populated):
     hexes = [h.hex() for h in prompt]
     looked = json.loads((await run("--json", "lookup", "--model", "m-cli", *hexes)).stdout)
     assert looked["decision"] == "DECISION_TRANSFER" and looked["matched_blocks"] == 12
+    assert looked["path"] == "TURN_PATH_TRANSFER"
     human = await run("lookup", "--model", "m-cli", *hexes)
-    assert "TRANSFER" in human.stdout and "dec-cli" in human.stdout
+    assert "transfer (transfer_faster)" in human.stdout and "dec-cli" in human.stdout
     found = json.loads((await run("--json", "find", hexes[3], "--model", "m-cli")).stdout)
     assert found[0]["position"] == "3" and found[0]["retention_handle"] == "cli-handle"
     blocks = await run("blocks", hexes[3], "--model", "m-cli")

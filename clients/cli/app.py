@@ -15,7 +15,7 @@ from kvloop.clients.bench.multiturn import ARMS, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
-from kvloop.common.outcomes import reason_name
+from kvloop.common.outcomes import path_name, reason_name
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 
@@ -199,9 +199,9 @@ def lookup(
     if state.json:
         _emit_json(_as_dict(answer))
         return
-    decision = pb.Decision.Name(answer.decision).removeprefix("DECISION_")
-    reason = reason_name(answer.reason)
-    console.print(f"[bold]{decision}[/bold] ({reason}): {answer.detail}")
+    console.print(
+        f"[bold]{path_name(answer.path)}[/bold] ({reason_name(answer.reason)}): {answer.detail}"
+    )
     if answer.holder.worker_id:
         h = answer.holder
         console.print(
