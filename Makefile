@@ -4,6 +4,7 @@
 #   make run     - set up and start kvloopd on 127.0.0.1:50051 (Ctrl-C stops it)
 #   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
 #   make bench   - set up and run `kvloop bench directory`
+#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint (CI runs it)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -58,7 +59,11 @@ bench-multiturn: setup setup-engines
 protos: setup
 	$(BIN)/python scripts/gen_protos.py
 
-lint: setup
+# ruff (lint + format), mypy over the hand-written packages, generated code up to date, buf lint.
+lint: setup setup-engines
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy daemon agents clients common
 	$(BIN)/python scripts/gen_protos.py --check
 	cd proto && ../$(BIN)/buf lint
 

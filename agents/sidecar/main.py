@@ -136,19 +136,21 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         epoch=registration.epoch,
     )
     # These run for the agent's whole life: the first to end (or SIGTERM) ends the agent.
-    tasks = [asyncio.create_task(t) for t in (link.run(), pump(), track_connection())]
+    named = {"directory link": link.run(), "event pump": pump(), "connection tracker": track_connection()}
+    tasks = [asyncio.create_task(coro, name=name) for name, coro in named.items()]
     warner = asyncio.create_task(watch_silence())
     stopper = asyncio.create_task(stop.wait())
     try:
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is not stopper and task.exception() is not None:
-                if isinstance(task.exception(), RegistrationRefused):
-                    log.error("kvloopd refused this agent", error=str(task.exception()))
+            failure = task.exception() if task is not stopper else None
+            if failure is not None:
+                if isinstance(failure, RegistrationRefused):
+                    log.error("kvloopd refused this agent", error=str(failure))
                     return 2
-                raise task.exception()
+                raise failure
             if task is not stopper:
-                log.error("agent task ended unexpectedly", task=task.get_coro().__name__)
+                log.error("agent task ended unexpectedly", task=task.get_name())
                 return 1
         # Graceful stop: let acknowledged-so-far settle briefly, then close the stream.
         try:
@@ -204,7 +206,7 @@ def run(
 
     if config is not None:
         os.environ["KVLOOP_AGENT_CONFIG"] = str(config)
-    flags = dict(
+    flags: dict[str, object] = dict(
         daemon=daemon,
         worker_id=worker_id,
         role=role,

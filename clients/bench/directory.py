@@ -215,7 +215,7 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
             if message[0] == "ingested":
                 _, hashes, ingest_seconds = message
                 break
-            if progress:
+            if progress and task is not None:
                 progress.update(task, completed=message[1])
         with DirectoryClient(target) as sync:
             # The gRPC round-trip floor on this machine: the standard health Check, which does nothing.
@@ -240,7 +240,7 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
                 e2e_us.append((time.perf_counter() - t0) * 1e6)
                 server_us.append(answer.lookup_us)
                 transfers += answer.decision == pb.DECISION_TRANSFER
-                if progress:
+                if progress and task is not None:
                     progress.advance(task)
         if progress:
             progress.add_task(f"lookups ({config.concurrency} concurrent callers)", total=None)

@@ -199,9 +199,7 @@ def lookup(
     if state.json:
         _emit_json(_as_dict(answer))
         return
-    console.print(
-        f"[bold]{path_name(answer.path)}[/bold] ({reason_name(answer.reason)}): {answer.detail}"
-    )
+    console.print(f"[bold]{path_name(answer.path)}[/bold] ({reason_name(answer.reason)}): {answer.detail}")
     if answer.holder.worker_id:
         h = answer.holder
         console.print(

@@ -119,7 +119,8 @@ def build_tiny_llama(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    # transformers wraps PreTrainedModel.to in a decorator its stubs type wrongly
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)  # type: ignore[arg-type]
     marker.write_text(json.dumps(spec))
     return out
 

@@ -169,7 +169,7 @@ def _discard(index: dict, key: bytes, value: int) -> bool:
 
 
 def _values(entry: int | list[int]) -> Iterable[int]:
-    return entry if type(entry) is list else (entry,)
+    return entry if isinstance(entry, list) else (entry,)
 
 
 class MemoryStore:
@@ -476,7 +476,7 @@ class MemoryStore:
             entry = index.get(hashes[position])
             if entry is None:
                 return False
-            if type(entry) is int:
+            if isinstance(entry, int):
                 return servable(entry)
             return any(map(servable, entry))
 
