@@ -170,6 +170,10 @@ class _ClientBase:
             lambda r: list(r.locations),
         )
 
+    def pairs(self, model: str = "") -> pb.ListPairsResponse:
+        """The cost model's estimates per holder -> puller pair and per puller."""
+        return self._invoke("ListPairs", pb.ListPairsRequest(model=model))
+
     def stats(self) -> pb.GetStatsResponse:
         return self._invoke("GetStats", pb.GetStatsRequest())
 

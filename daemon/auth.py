@@ -28,6 +28,7 @@ METHOD_ROLES: Mapping[str, tuple[Role, ...]] = {
     "ListWorkers": (Role.READ, Role.PREFILL),
     "FindBlock": (Role.READ, Role.PREFILL),
     "GetStats": (Role.READ, Role.PREFILL),
+    "ListPairs": (Role.READ, Role.PREFILL),
     "Watch": (Role.READ,),
     "DrainWorker": (),
 }

@@ -6,24 +6,37 @@ against recomputing it, claims a single-use run only when it answers TRANSFER, a
 path and reason in the proto's vocabulary. The connector applies the answer and adds only what it
 alone can know (the READ's own outcome, a lease that ran out before the READ was posted).
 
-Agents report every NIXL READ (bytes, duration, setup) and every prefill (tokens, duration). The
-model keeps exponentially weighted estimates per (holder, puller) pair and per prefill worker and
-falls back to configured defaults until it has measurements; each decision says which it used.
+The cost model compares like with like. The transfer side learns from NIXL's own telemetry of each
+READ (bytes and transfer time, measured by NIXL on the puller: no engine-step wait in it; the wait is
+reported apart and shown, never learnt from). The recompute side learns from each prefill the puller
+computed itself (tokens over the time from the engine step that first scheduled it to the end of
+its prefill, on the engine scheduler's clock).
 
-Two things keep one bad sample from deciding forever. A pair's first READ also pays the NIXL
-handshake (hundreds of ms on a busy host), a one-time cost: it is kept apart and never charged to
-later transfers. And transfer estimates are only refreshed by transfers, so a pair whose estimate
-says "recompute" would never be measured again: every ``reprobe_every``-th such verdict transfers
-anyway (reason PROBE), which is always correct, only possibly slower.
+Real traffic cannot fool it with a few bad samples:
+
+* estimates are the median of a window of recent samples (``window_samples``), and until a pair has
+  ``min_samples`` of them the configured default stands in for the missing ones, so one or two slow
+  READs (a cold page cache, a stopped peer) never flip the decision alone;
+* a pair's first READ also pays the NIXL handshake, a one-time cost: it is never charged to later
+  transfers;
+* transfer estimates are only refreshed by transfers, so a pair whose estimate says "recompute" is
+  re-measured (reason PROBE) every ``reprobe_every`` verdicts and at least every
+  ``reprobe_interval_s`` while lookups arrive: a probe is always correct, only possibly slower.
+
+``Policy.pairs`` shows all of it per holder -> puller pair (``ListPairs``, ``kvloop pairs``).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvloop.common.outcomes import reason_name
 from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import DirectoryStore
 from kvloop.v1 import directory_pb2 as pb
@@ -41,21 +54,45 @@ class PolicyConfig(BaseModel):
     min_prefill_sample_tokens: int = Field(256, ge=1)
     # Transfer only when it is estimated at most this fraction of recompute time.
     transfer_cost_ratio: float = Field(1.0, gt=0)
-    ewma_alpha: float = Field(0.2, gt=0, le=1)
-    # After this many consecutive measured "recompute is faster" verdicts for a pair, transfer once
-    # to re-measure it (0: never).
+    # Estimates are the median of the last window_samples samples; with fewer than min_samples the
+    # default fills the gap, so min_samples // 2 outliers in a row cannot move the estimate.
+    window_samples: int = Field(16, ge=1)
+    min_samples: int = Field(5, ge=1)
+    # After this many consecutive measured "recompute is faster" verdicts for a pair, or this long
+    # since its last transfer, transfer once to re-measure it (0: never).
     reprobe_every: int = Field(16, ge=0)
+    reprobe_interval_s: float = Field(2.0, ge=0)
     enabled: bool = True
 
 
-@dataclass(slots=True)
-class _Ewma:
-    value: float
-    samples: int = 1
+class _Window:
+    """Recent samples of one quantity; its estimate is their median, the prior filling the gap."""
 
-    def update(self, sample: float, alpha: float) -> None:
-        self.value += alpha * (sample - self.value)
-        self.samples += 1
+    __slots__ = ("samples",)
+
+    def __init__(self, size: int) -> None:
+        self.samples: deque[float] = deque(maxlen=size)
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+
+    def estimate(self, prior: float, min_samples: int) -> float:
+        missing = max(0, min_samples - len(self.samples))
+        return statistics.median([*self.samples, *([prior] * missing)])
+
+
+@dataclass(slots=True)
+class _Pair:
+    """What the model knows of reading from one holder into one puller."""
+
+    model: str
+    bandwidth: _Window  # bytes/s of NIXL-measured READs
+    setup: _Window  # seconds to post a READ
+    verdicts: Counter[str] = field(default_factory=Counter)
+    recompute_streak: int = 0  # measured "recompute is faster" verdicts in a row
+    last_transfer: float | None = None  # monotonic time of the last TRANSFER verdict
+    wait_s: float = 0.0  # engine-step waits around READs, summed (shown, not learnt from)
+    waits: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,75 +194,97 @@ class CostModel:
 
     def __init__(self, config_for) -> None:
         self._config_for = config_for
-        self._bandwidth: dict[tuple[str, str], _Ewma] = {}  # (holder, puller) -> bytes/s
-        self._setup: dict[tuple[str, str], _Ewma] = {}  # (holder, puller) -> seconds
-        self._prefill: dict[str, _Ewma] = {}  # worker -> tokens/s
+        self._pairs: dict[tuple[str, str], _Pair] = {}  # (holder, puller)
+        self._prefill: dict[str, _Window] = {}  # worker -> tokens/s
 
-    def record_transfer(
-        self,
-        puller: str,
-        holder: str,
-        nbytes: int,
-        duration_us: int,
-        setup_us: int,
-        ok: bool,
-        model: str,
-        first_contact: bool = False,
-    ) -> None:
-        # A failed READ says nothing about bandwidth; a first READ includes the one-time handshake
-        # (the caller's metrics count it, the estimate does not).
-        if not ok or duration_us <= 0 or first_contact:
+    def pair(self, holder: str, puller: str, model: str) -> _Pair:
+        pair = self._pairs.get((holder, puller))
+        if pair is None:
+            size = self._config_for(model).window_samples
+            pair = self._pairs[(holder, puller)] = _Pair(model, _Window(size), _Window(size))
+        return pair
+
+    def record_transfer(self, puller: str, holder: str, report: pb.TransferReport, model: str) -> None:
+        """Learn from a READ measured by NIXL itself; a failed READ says nothing about bandwidth, a
+        first READ includes the one-time handshake, and the engine's view includes step waits."""
+        pair = self.pair(holder, puller, model)
+        if report.wait_us:
+            pair.wait_s += report.wait_us / 1e6
+            pair.waits += 1
+        if not report.ok or report.duration_us <= 0 or report.first_contact or not report.nixl_measured:
             return
-        alpha = self._config_for(model).ewma_alpha
-        key = (holder, puller)
-        data_s = max(duration_us - setup_us, 1) / 1e6
-        self._observe(self._bandwidth, key, nbytes / data_s, alpha)
-        self._observe(self._setup, key, setup_us / 1e6, alpha)
+        pair.bandwidth.add(report.bytes / (report.duration_us / 1e6))
+        pair.setup.add(report.setup_us / 1e6)
 
     def record_prefill(self, worker: str, tokens: int, duration_us: int, model: str) -> None:
         config = self._config_for(model)
         if tokens < config.min_prefill_sample_tokens or duration_us <= 0:
             return
-        self._observe(self._prefill, worker, tokens / (duration_us / 1e6), config.ewma_alpha)
-
-    @staticmethod
-    def _observe(table: dict, key, sample: float, alpha: float) -> None:
-        current = table.get(key)
-        if current is None:
-            table[key] = _Ewma(sample)
-        else:
-            current.update(sample, alpha)
+        window = self._prefill.setdefault(worker, _Window(config.window_samples))
+        window.add(tokens / (duration_us / 1e6))
 
     def prefill_tokens_per_s(self, worker: str) -> float:
-        measured = self._prefill.get(worker)
-        return measured.value if measured else 0.0
+        window = self._prefill.get(worker)
+        return statistics.median(window.samples) if window and window.samples else 0.0
 
     def measured(self, holder: str, puller: str) -> bool:
-        return (holder, puller) in self._bandwidth
+        pair = self._pairs.get((holder, puller))
+        return pair is not None and bool(pair.bandwidth.samples)
 
     def estimate(
         self, holder: str, puller: str, bytes_per_block: int, blocks: int, tokens: int, config: PolicyConfig
     ) -> pb.CostEstimate:
         nbytes = bytes_per_block * blocks
-        bandwidth = self._bandwidth.get((holder, puller))
-        setup = self._setup.get((holder, puller))
-        if bandwidth is not None and setup is not None:
-            transfer_s = setup.value + nbytes / bandwidth.value
-            transfer_basis = f"measured ({bandwidth.samples} reads)"
-        else:
-            transfer_s = config.default_transfer_setup_ms / 1e3 + nbytes / (
-                config.default_transfer_gbytes_per_s * 1e9
-            )
-            transfer_basis = "default"
-        prefill = self._prefill.get(puller)
-        tokens_per_s = prefill.value if prefill else config.default_prefill_tokens_per_s
+        pair = self._pairs.get((holder, puller))
+        n = len(pair.bandwidth.samples) if pair else 0
+        bandwidth = config.default_transfer_gbytes_per_s * 1e9
+        setup = config.default_transfer_setup_ms / 1e3
+        if pair is not None and n:
+            bandwidth = pair.bandwidth.estimate(bandwidth, config.min_samples)
+            setup = pair.setup.estimate(setup, config.min_samples)
+        window = self._prefill.get(puller)
+        m = len(window.samples) if window else 0
+        tokens_per_s = config.default_prefill_tokens_per_s
+        if window is not None and m:
+            tokens_per_s = window.estimate(tokens_per_s, config.min_samples)
         return pb.CostEstimate(
-            transfer_ms=transfer_s * 1e3,
+            transfer_ms=(setup + nbytes / bandwidth) * 1e3,
             recompute_ms=tokens / tokens_per_s * 1e3,
             transfer_bytes=nbytes,
-            transfer_basis=transfer_basis,
-            recompute_basis=f"measured ({prefill.samples} prefills)" if prefill else "default",
+            transfer_basis=f"measured ({n} reads)" if n else "default",
+            recompute_basis=f"measured ({m} prefills)" if m else "default",
         )
+
+    def views(self) -> tuple[list[pb.PairEstimate], list[pb.PullerEstimate]]:
+        now = time.monotonic()
+        pairs = []
+        for (holder, puller), pair in sorted(self._pairs.items()):
+            config = self._config_for(pair.model)
+            bandwidth = pair.bandwidth.estimate(
+                config.default_transfer_gbytes_per_s * 1e9, config.min_samples
+            )
+            pairs.append(
+                pb.PairEstimate(
+                    holder_worker_id=holder,
+                    puller_worker_id=puller,
+                    transfer_gbytes_per_s=bandwidth / 1e9,
+                    setup_ms=pair.setup.estimate(config.default_transfer_setup_ms / 1e3, config.min_samples)
+                    * 1e3,
+                    sample_gbytes_per_s=[b / 1e9 for b in pair.bandwidth.samples],
+                    verdicts=dict(pair.verdicts),
+                    last_transfer_s_ago=now - pair.last_transfer if pair.last_transfer is not None else -1.0,
+                    mean_wait_ms=pair.wait_s / pair.waits * 1e3 if pair.waits else 0.0,
+                )
+            )
+        pullers = [
+            pb.PullerEstimate(
+                worker_id=worker,
+                prefill_tokens_per_s=self.prefill_tokens_per_s(worker),
+                sample_tokens_per_s=list(window.samples),
+            )
+            for worker, window in sorted(self._prefill.items())
+        ]
+        return pairs, pullers
 
 
 class Policy:
@@ -233,7 +292,6 @@ class Policy:
         self.default = default
         self.per_model = per_model or {}
         self.cost = CostModel(self.config_for)
-        self._recompute_streak: dict[tuple[str, str], int] = {}  # measured "recompute faster" in a row
 
     def config_for(self, model: str) -> PolicyConfig:
         return self.per_model.get(model, self.default)
@@ -247,7 +305,7 @@ class Policy:
         match = store.lookup(
             query.namespace, query.hashes, query.local_blocks, query.requester, now, claim=False, **lookup
         )
-        verdict = self.decide(query, match)
+        verdict = self.decide(query, match, now)
         if verdict.decision == pb.DECISION_TRANSFER and query.claim and match.best and match.best.single_use:
             # Claim only what is handed out; the same query again, now claiming (no await between).
             match = store.lookup(
@@ -266,7 +324,7 @@ class Policy:
             recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
         )
 
-    def decide(self, query: LookupQuery, match: PrefixMatch) -> _Verdict:
+    def decide(self, query: LookupQuery, match: PrefixMatch, now: float | None = None) -> _Verdict:
         config = self.config_for(query.namespace.model)
         local_blocks = query.local_blocks
         best = match.best
@@ -298,30 +356,48 @@ class Policy:
                 f"{gain_tokens} transferable tokens < threshold {threshold}",
                 cost,
             )
-        pair = (holder, puller)
+        return self._weigh(cost, self.cost.pair(holder, puller, query.namespace.model), config, now)
+
+    def _weigh(self, cost: pb.CostEstimate, pair: _Pair, config: PolicyConfig, now: float | None) -> _Verdict:
+        now = time.monotonic() if now is None else now
         if cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio:
-            self._recompute_streak.pop(pair, None)
-            return _Verdict(
+            verdict = _Verdict(
                 pb.DECISION_TRANSFER,
                 pb.DECISION_REASON_TRANSFER_FASTER,
                 f"transfer ~{cost.transfer_ms:.2f} ms < recompute ~{cost.recompute_ms:.2f} ms",
                 cost,
             )
-        if self.cost.measured(holder, puller) and config.reprobe_every:
-            streak = self._recompute_streak.get(pair, 0) + 1
-            if streak >= config.reprobe_every:
-                self._recompute_streak.pop(pair, None)
-                return _Verdict(
-                    pb.DECISION_TRANSFER,
-                    pb.DECISION_REASON_PROBE,
-                    f"re-measuring: the last {streak - 1} estimates favoured recompute "
-                    f"(~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms)",
-                    cost,
-                )
-            self._recompute_streak[pair] = streak
-        return _Verdict(
-            pb.DECISION_RECOMPUTE,
-            pb.DECISION_REASON_RECOMPUTE_FASTER,
-            f"recompute ~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms",
-            cost,
-        )
+        elif pair.bandwidth.samples and self._reprobe_due(pair, config, now):
+            verdict = _Verdict(
+                pb.DECISION_TRANSFER,
+                pb.DECISION_REASON_PROBE,
+                f"re-measuring after {pair.recompute_streak} estimates favoured recompute "
+                f"(~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms)",
+                cost,
+            )
+        else:
+            pair.recompute_streak += 1
+            verdict = _Verdict(
+                pb.DECISION_RECOMPUTE,
+                pb.DECISION_REASON_RECOMPUTE_FASTER,
+                f"recompute ~{cost.recompute_ms:.2f} ms <= transfer ~{cost.transfer_ms:.2f} ms",
+                cost,
+            )
+        if verdict.decision == pb.DECISION_TRANSFER:
+            pair.recompute_streak = 0
+            pair.last_transfer = now
+        pair.verdicts[reason_name(verdict.reason)] += 1
+        return verdict
+
+    @staticmethod
+    def _reprobe_due(pair: _Pair, config: PolicyConfig, now: float) -> bool:
+        """A pair that keeps losing to recompute is re-measured every reprobe_every verdicts and at
+        least every reprobe_interval_s while lookups arrive (its estimate only moves with READs)."""
+        if config.reprobe_every and pair.recompute_streak + 1 >= config.reprobe_every:
+            return True
+        since = now - pair.last_transfer if pair.last_transfer is not None else None
+        return bool(config.reprobe_interval_s) and (since is None or since >= config.reprobe_interval_s)
+
+    def pairs(self) -> pb.ListPairsResponse:
+        pairs, pullers = self.cost.views()
+        return pb.ListPairsResponse(pairs=pairs, pullers=pullers)

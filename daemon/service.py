@@ -166,6 +166,17 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             ]
         )
 
+    async def ListPairs(
+        self, request: pb.ListPairsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListPairsResponse:
+        response = self.policy.pairs()
+        if request.model:
+            keep = {w.spec.worker_id for w in self.store.workers(time.monotonic(), request.model)}
+            pairs = [p for p in response.pairs if p.holder_worker_id in keep or p.puller_worker_id in keep]
+            pullers = [p for p in response.pullers if p.worker_id in keep]
+            response = pb.ListPairsResponse(pairs=pairs, pullers=pullers)
+        return response
+
     async def FindBlock(
         self, request: pb.FindBlockRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindBlockResponse:

@@ -192,16 +192,7 @@ class AgentSession:
     def _telemetry(self, event: pb.BlockEvent, spec: WorkerSpec) -> None:
         if event.HasField("transfer"):
             t = event.transfer
-            self.ctx.cost.record_transfer(
-                spec.worker_id,
-                t.source_worker_id,
-                t.bytes,
-                t.duration_us,
-                t.setup_us,
-                t.ok,
-                spec.model,
-                first_contact=t.first_contact,
-            )
+            self.ctx.cost.record_transfer(spec.worker_id, t.source_worker_id, t, spec.model)
             metrics.TRANSFER_REPORTS.labels(str(t.ok).lower(), str(t.first_contact).lower()).inc()
         else:
             p = event.prefill

@@ -21,6 +21,29 @@ def query(model: str, prompt_blocks: int, local_blocks: int, requester: str, min
 Q100 = query("m", 100, 0, "prefill-0")  # a 100-block prompt from prefill-0, nothing local
 
 
+def read(
+    policy: Policy,
+    puller: str,
+    nbytes: int,
+    us: int,
+    ok: bool = True,
+    first_contact: bool = False,
+    nixl_measured: bool = True,
+    wait_us: int = 0,
+) -> None:
+    """A TransferReport from `puller` of a READ from decode-0, as the connector sends it."""
+    report = pb.TransferReport(
+        source_worker_id="decode-0",
+        bytes=nbytes,
+        duration_us=us,
+        ok=ok,
+        first_contact=first_contact,
+        nixl_measured=nixl_measured,
+        wait_us=wait_us,
+    )
+    policy.cost.record_transfer(puller, "decode-0", report, "m")
+
+
 def test_threshold_then_cost_then_measurements():
     model = Policy(
         PolicyConfig(
@@ -37,14 +60,14 @@ def test_threshold_then_cost_then_measurements():
     assert fast.cost.transfer_basis == "default"
     # measured: this pair moves 1 MiB in 1 s (slow link) -> recomputing 1,600 tokens is faster
     for _ in range(5):
-        model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000_000, 0, True, "m")
+        read(model, "prefill-0", 1 << 20, 1_000_000)
     slow = model.decide(Q100, match(100))
     assert (slow.decision, slow.reason) == (pb.DECISION_RECOMPUTE, pb.DECISION_REASON_RECOMPUTE_FASTER)
     assert slow.cost.transfer_basis == "measured (5 reads)"
     # another puller has no measurements of its own
     assert model.decide(query("m", 100, 0, "prefill-1"), match(100)).cost.transfer_basis == "default"
     # failed reads teach nothing about bandwidth
-    model.cost.record_transfer("prefill-1", "decode-0", 1, 10, 0, False, "m")
+    read(model, "prefill-1", 1, 10, ok=False)
     assert model.decide(query("m", 100, 0, "prefill-1"), match(100)).cost.transfer_basis == "default"
 
 
@@ -60,24 +83,25 @@ def test_per_model_policy_and_local_and_miss():
 def test_first_contact_reads_do_not_count_as_steady_state_cost():
     model = Policy(PolicyConfig(default_prefill_tokens_per_s=1000))
     # the first READ from a holder waited ~2 s for the NIXL handshake
-    model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 2_000_000, 0, True, "m", first_contact=True)
+    read(model, "prefill-0", 1 << 20, 2_000_000, first_contact=True)
     verdict = model.decide(Q100, match(100))
     assert (verdict.decision, verdict.cost.transfer_basis) == (pb.DECISION_TRANSFER, "default")
-    model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
+    read(model, "prefill-0", 1 << 20, 1_000)
     assert model.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
 
 
 def test_estimates_favouring_recompute_are_reprobed():
-    model = Policy(PolicyConfig(default_prefill_tokens_per_s=1000, reprobe_every=4))
-    model.cost.record_transfer(
-        "prefill-0", "decode-0", 1 << 20, 10_000_000, 0, True, "m"
-    )  # one very slow READ
+    # one sample decides (min_samples 1), re-measured every 4th verdict only (no time bound)
+    model = Policy(
+        PolicyConfig(default_prefill_tokens_per_s=1000, reprobe_every=4, min_samples=1, reprobe_interval_s=0)
+    )
+    read(model, "prefill-0", 1 << 20, 10_000_000)  # one very slow READ
     reasons = [model.decide(Q100, match(100)).reason for _ in range(8)]
     recompute, probe = pb.DECISION_REASON_RECOMPUTE_FASTER, pb.DECISION_REASON_PROBE
     assert reasons == [recompute] * 3 + [probe] + [recompute] * 3 + [probe]
     # the probe's READ is fast again: the estimate recovers and transfers resume
     for _ in range(20):
-        model.cost.record_transfer("prefill-0", "decode-0", 1 << 20, 1_000, 0, True, "m")
+        read(model, "prefill-0", 1 << 20, 1_000)
     assert model.decide(Q100, match(100)).reason == pb.DECISION_REASON_TRANSFER_FASTER
     # default estimates are not probed: nothing was measured to go stale
     never = Policy(PolicyConfig(default_prefill_tokens_per_s=1e9, reprobe_every=1))
@@ -107,3 +131,49 @@ def test_layout_compatibility_follows_vllms_nixl_rules():
     assert layout_mismatch(KvLayout(2, 1, "bfloat16", 512), KvLayout(1, 1, "bfloat16", 1024)) is None
     assert "bytes" in layout_mismatch(KvLayout(1, 1, "bfloat16", 512), KvLayout(1, 1, "bfloat16", 1024))
     assert "pipeline" in layout_mismatch(KvLayout(1, 2), KvLayout(1, 1))
+
+
+def test_one_or_two_slow_reads_cannot_flip_the_decision():
+    """The issue's run: the 2nd and 3rd READs of a pair took ~1 s, later ones ~10 ms; the EWMA then
+    answered "recompute is faster" for 30 lookups in a row. Median of a window, default filling in."""
+    model = Policy(PolicyConfig(default_prefill_tokens_per_s=4000))
+    slow, fast = (1 << 20, 100_000), (1 << 20, 1_000)  # 1 MiB in 100 ms / in 1 ms
+    read(model, "prefill-0", *slow)
+    read(model, "prefill-0", *slow)
+    assert model.decide(Q100, match(100)).reason == pb.DECISION_REASON_TRANSFER_FASTER
+    for _ in range(3):
+        read(model, "prefill-0", *fast)
+    assert model.decide(Q100, match(100)).reason == pb.DECISION_REASON_TRANSFER_FASTER
+    # a link that really is slow wins the window, and the decision follows it
+    for _ in range(12):
+        read(model, "prefill-0", *slow)
+    assert model.decide(Q100, match(100)).reason == pb.DECISION_REASON_RECOMPUTE_FASTER
+
+
+def test_engine_clock_samples_teach_nothing():
+    """A READ timed by the engine (lookup answer -> an engine step saw it done) includes waiting for
+    the step; only NIXL's own transfer time is learnt from, the wait is shown apart."""
+    model = Policy(PolicyConfig(default_prefill_tokens_per_s=1000, min_samples=1))
+    read(model, "prefill-0", 1 << 20, 900_000, nixl_measured=False, wait_us=880_000)
+    assert model.decide(Q100, match(100)).cost.transfer_basis == "default"
+    view = model.pairs().pairs[0]
+    assert (view.holder_worker_id, view.puller_worker_id) == ("decode-0", "prefill-0")
+    assert not view.sample_gbytes_per_s and round(view.mean_wait_ms) == 880
+
+
+def test_a_pair_losing_to_recompute_is_remeasured_within_the_interval():
+    model = Policy(
+        PolicyConfig(
+            default_prefill_tokens_per_s=1000, min_samples=1, reprobe_every=0, reprobe_interval_s=2.0
+        )
+    )
+    read(model, "prefill-0", 1 << 20, 10_000_000)  # 0.1 MB/s: recompute looks faster
+    t = 1000.0
+    first = model.decide(Q100, match(100), now=t)
+    assert first.reason == pb.DECISION_REASON_PROBE  # never transferred since it was measured
+    reasons = [model.decide(Q100, match(100), now=t + dt).reason for dt in (0.5, 1.0, 1.9, 2.1, 2.5)]
+    recompute, probe = pb.DECISION_REASON_RECOMPUTE_FASTER, pb.DECISION_REASON_PROBE
+    assert reasons == [recompute, recompute, recompute, probe, recompute]
+    view = model.pairs().pairs[0]
+    assert dict(view.verdicts) == {"probe": 2, "recompute_faster": 4}
+    assert len(view.sample_gbytes_per_s) == 1 and view.sample_gbytes_per_s[0] < 0.001

@@ -131,7 +131,7 @@ def test_agent_forwards_engine_events_and_recovers_after_restart(daemon, publish
                 kv_events.KVEventBatch(
                     ts=time.time(),
                     events=[
-                        KvloopRetentionReleased(retention_handle="req-a", worker_id="dec-s"),
+                        KvloopRetentionReleased(retention_handle="req-a"),
                         retained_event(second, "req-b"),
                     ],
                 )

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -78,6 +78,11 @@ class KvloopConnector(NixlPullConnector):
             )
         else:
             raise ValueError(f"unsupported role {role}")
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if isinstance(self.connector_worker, KvloopConnectorWorker):
+            return self.connector_worker.take_worker_meta()
+        return None
 
     def take_events(self) -> Iterable[Any]:
         if isinstance(self.connector_scheduler, KvloopConnectorScheduler):

@@ -78,11 +78,13 @@ class KvloopTransferReport(KvloopEvent, tag=TRANSFER_TAG):
     source_worker_id: str
     bytes: int
     blocks: int
-    duration_us: int  # lookup answer -> READ complete (includes any connection setup)
+    duration_us: int  # NIXL's transfer time when nixl_measured, else lookup answer -> READ seen done
     ok: bool
-    setup_us: int = 0
+    setup_us: int = 0  # NIXL's time to post the transfer
     ts: float = 0.0
     first_contact: bool = False  # first READ from this holder: duration_us includes the handshake
+    nixl_measured: bool = False  # duration_us and bytes are NIXL's telemetry of the transfer
+    wait_us: int = 0  # engine-step wait around the READ (reported apart, not learnt from)
 
 
 PREFILL_TAG = "kvloop.prefill"

@@ -1,7 +1,11 @@
-"""What kvloop's scheduler side tells its worker side each step, on top of vLLM's NIXL metadata."""
+"""What kvloop's two halves tell each other each step, on top of vLLM's NIXL metadata: scheduler ->
+worker (:class:`KvloopConnectorMetadata`) and worker -> scheduler (:class:`KvloopWorkerMetadata`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
 
@@ -29,3 +33,32 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         meta.multi_reader = multi_reader
         meta.pull_deadlines = pull_deadlines
         return meta
+
+
+@dataclass(frozen=True)
+class ReadTiming:
+    """NIXL's own telemetry of one request's READ (all its transfer handles)."""
+
+    xfer_s: float  # transfer time as NIXL measured it (the longest handle: they run side by side)
+    post_s: float  # time to post the transfer
+    bytes: int
+
+    def merge(self, other: ReadTiming) -> ReadTiming:
+        return ReadTiming(
+            max(self.xfer_s, other.xfer_s), max(self.post_s, other.post_s), self.bytes + other.bytes
+        )
+
+
+@dataclass
+class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
+    """What kvloop's worker side tells its scheduler side after a step: NIXL's timing of each
+    finished READ, so the cost model learns from the transfer itself, not from engine steps."""
+
+    reads: dict[str, ReadTiming] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvloopWorkerMetadata):
+            for req_id, timing in other.reads.items():
+                mine = self.reads.get(req_id)
+                self.reads[req_id] = timing if mine is None else mine.merge(timing)
+        return self

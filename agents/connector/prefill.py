@@ -20,6 +20,7 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer
 from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
+from kvloop.agents.connector.metadata import ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
@@ -237,13 +238,14 @@ class PrefillSide:
         if pull is not None:
             pull.outcome.pulled_tokens = num_external_tokens
 
-    def reads_done(self, finished: set[str], failed: set[str]) -> None:
+    def reads_done(self, finished: set[str], failed: set[str], timings: dict[str, ReadTiming]) -> None:
+        """READs the worker saw end this step, with NIXL's own timing of each (when it had one)."""
         for rid in failed:
             self._end_pull(rid, ok=False)
         for rid in finished - failed:
-            self._end_pull(rid, ok=True)
+            self._end_pull(rid, ok=True, timing=timings.get(rid))
 
-    def _end_pull(self, request_id: str, ok: bool) -> None:
+    def _end_pull(self, request_id: str, ok: bool, timing: ReadTiming | None = None) -> None:
         pull = self._pulls.pop(request_id, None)
         if pull is None:
             return
@@ -261,29 +263,33 @@ class PrefillSide:
         first_contact = pull.holder.engine_id not in self._holders_read
         if ok:
             self._holders_read.add(pull.holder.engine_id)
+        # The engine sees a READ end only at a step boundary: the time from the lookup answer to
+        # then includes waiting for steps. NIXL's own timing is what the cost model learns from.
+        engine_us = int((done - pull.read_started) * 1e6)
+        xfer_us = int(timing.xfer_s * 1e6) if timing else engine_us
         self._emit(
             KvloopTransferReport(
                 source_worker_id=outcome.holder,
-                bytes=outcome.bytes,
+                bytes=timing.bytes if timing else outcome.bytes,
                 blocks=blocks,
-                duration_us=int((done - pull.read_started) * 1e6),
+                duration_us=xfer_us,
+                setup_us=int(timing.post_s * 1e6) if timing else 0,
                 ok=ok,
                 ts=time.time(),
                 first_contact=first_contact,
+                nixl_measured=timing is not None,
+                wait_us=max(0, engine_us - xfer_us) if timing else 0,
             )
         )
-        tm.child_span(
-            pull.span,
-            "kvloop.nixl_read",
-            pull.read_started,
-            done,
-            {
-                "kvloop.bytes": outcome.bytes,
-                "kvloop.blocks": blocks,
-                "kvloop.holder": outcome.holder,
-                "kvloop.ok": ok,
-            },
-        )
+        attributes: dict[str, Any] = {
+            "kvloop.bytes": outcome.bytes,
+            "kvloop.blocks": blocks,
+            "kvloop.holder": outcome.holder,
+            "kvloop.ok": ok,
+        }
+        if timing is not None:
+            attributes["kvloop.nixl_xfer_ms"] = round(timing.xfer_s * 1e3, 3)
+        tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, done, attributes)
         self._outcomes[request_id] = record(request_id, outcome, pull.span, done)
 
     def finished(self, request: Request) -> dict[str, Any] | None:

@@ -19,7 +19,7 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
-from kvloop.agents.connector.metadata import KvloopConnectorMetadata
+from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata
 from kvloop.agents.connector.prefill import PrefillSide
 from kvloop.common.tracing import configure_tracing
 
@@ -127,8 +127,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         if self.prefill is not None:
+            meta = connector_output.kv_connector_worker_meta
             self.prefill.reads_done(
-                set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
+                set(connector_output.finished_recving or ()),
+                set(connector_output.failed_recving or ()),
+                meta.reads if isinstance(meta, KvloopWorkerMetadata) else {},
             )
         self.decode.released(set(connector_output.finished_sending or ()))
 

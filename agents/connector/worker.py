@@ -28,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.metadata import KvloopConnectorMetadata
+from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,6 +106,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self.kvloop_reads: Counter[str] = Counter()
         # Prefill role: local perf_counter deadline of each pending kvloop pull.
         self._pull_deadlines: dict[str, float] = {}
+        # Prefill role: NIXL's timing of each finished READ, for the scheduler (take_worker_meta).
+        self._read_timings: dict[str, ReadTiming] = {}
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         if isinstance(metadata, KvloopConnectorMetadata):
@@ -171,6 +173,34 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                     self._reqs_to_process.remove(req_id)
                     self._reqs_to_send.pop(req_id, None)
         return notified_req_ids
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        """vLLM's polling of outstanding transfers; NIXL's telemetry of each finished handle, which
+        vLLM records only in aggregate, is also kept per request for the scheduler's cost reports."""
+        owner = {handle: req_id for req_id, handles in transfers.items() for handle in handles}
+        agent = self.nixl_wrapper
+        telemetry_of = agent.get_xfer_telemetry
+
+        def telemetry(handle: int) -> Any:
+            res = telemetry_of(handle)
+            req_id = owner.get(handle)
+            if res is not None and req_id is not None:
+                timing = ReadTiming(res.xferDuration / 1e6, res.postDuration / 1e6, int(res.totalBytes))
+                known = self._read_timings.get(req_id)
+                self._read_timings[req_id] = timing if known is None else known.merge(timing)
+            return res
+
+        agent.get_xfer_telemetry = telemetry  # for this call only: the class's method shows again below
+        try:
+            return super()._pop_done_transfers(transfers)
+        finally:
+            del agent.get_xfer_telemetry
+
+    def take_worker_meta(self) -> KvloopWorkerMetadata | None:
+        if not self._read_timings:
+            return None
+        reads, self._read_timings = self._read_timings, {}
+        return KvloopWorkerMetadata(reads)
 
     def get_transfer_results(self) -> Any:
         results = super().get_transfer_results()

@@ -97,6 +97,8 @@ class WorkerMirror:
                     setup_us=event.setup_us,
                     ok=event.ok,
                     first_contact=event.first_contact,
+                    nixl_measured=event.nixl_measured,
+                    wait_us=event.wait_us,
                 )
             )
         if isinstance(event, KvloopRetentionReleased):

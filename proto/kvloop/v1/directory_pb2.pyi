@@ -214,7 +214,7 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact")
+    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact", "nixl_measured", "wait_us")
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,8 @@ class TransferReport(_message.Message):
     SETUP_US_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     FIRST_CONTACT_FIELD_NUMBER: _ClassVar[int]
+    NIXL_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    WAIT_US_FIELD_NUMBER: _ClassVar[int]
     source_worker_id: str
     bytes: int
     blocks: int
@@ -229,7 +231,9 @@ class TransferReport(_message.Message):
     setup_us: int
     ok: bool
     first_contact: bool
-    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ...) -> None: ...
+    nixl_measured: bool
+    wait_us: int
+    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ..., nixl_measured: _Optional[bool] = ..., wait_us: _Optional[int] = ...) -> None: ...
 
 class PrefillReport(_message.Message):
     __slots__ = ("tokens", "duration_us")
@@ -591,6 +595,57 @@ class WatchResponse(_message.Message):
     detail: str
     time_unix_us: int
     def __init__(self, kind: _Optional[str] = ..., worker_id: _Optional[str] = ..., model: _Optional[str] = ..., blocks: _Optional[int] = ..., detail: _Optional[str] = ..., time_unix_us: _Optional[int] = ...) -> None: ...
+
+class ListPairsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class PairEstimate(_message.Message):
+    __slots__ = ("holder_worker_id", "puller_worker_id", "transfer_gbytes_per_s", "setup_ms", "sample_gbytes_per_s", "verdicts", "last_transfer_s_ago", "mean_wait_ms")
+    class VerdictsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    HOLDER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PULLER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_GBYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SETUP_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_GBYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRANSFER_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    MEAN_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    holder_worker_id: str
+    puller_worker_id: str
+    transfer_gbytes_per_s: float
+    setup_ms: float
+    sample_gbytes_per_s: _containers.RepeatedScalarFieldContainer[float]
+    verdicts: _containers.ScalarMap[str, int]
+    last_transfer_s_ago: float
+    mean_wait_ms: float
+    def __init__(self, holder_worker_id: _Optional[str] = ..., puller_worker_id: _Optional[str] = ..., transfer_gbytes_per_s: _Optional[float] = ..., setup_ms: _Optional[float] = ..., sample_gbytes_per_s: _Optional[_Iterable[float]] = ..., verdicts: _Optional[_Mapping[str, int]] = ..., last_transfer_s_ago: _Optional[float] = ..., mean_wait_ms: _Optional[float] = ...) -> None: ...
+
+class PullerEstimate(_message.Message):
+    __slots__ = ("worker_id", "prefill_tokens_per_s", "sample_tokens_per_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    prefill_tokens_per_s: float
+    sample_tokens_per_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[str] = ..., prefill_tokens_per_s: _Optional[float] = ..., sample_tokens_per_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ListPairsResponse(_message.Message):
+    __slots__ = ("pairs", "pullers")
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    PULLERS_FIELD_NUMBER: _ClassVar[int]
+    pairs: _containers.RepeatedCompositeFieldContainer[PairEstimate]
+    pullers: _containers.RepeatedCompositeFieldContainer[PullerEstimate]
+    def __init__(self, pairs: _Optional[_Iterable[_Union[PairEstimate, _Mapping]]] = ..., pullers: _Optional[_Iterable[_Union[PullerEstimate, _Mapping]]] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
     __slots__ = ("worker_id", "reason")

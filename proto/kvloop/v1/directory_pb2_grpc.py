@@ -71,6 +71,11 @@ class DirectoryStub:
                 request_serializer=kvloop_dot_v1_dot_directory__pb2.DrainWorkerRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_directory__pb2.DrainWorkerResponse.FromString,
                 _registered_method=True)
+        self.ListPairs = channel.unary_unary(
+                '/kvloop.v1.Directory/ListPairs',
+                request_serializer=kvloop_dot_v1_dot_directory__pb2.ListPairsRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_directory__pb2.ListPairsResponse.FromString,
+                _registered_method=True)
         self.ReleaseClaim = channel.unary_unary(
                 '/kvloop.v1.Directory/ReleaseClaim',
                 request_serializer=kvloop_dot_v1_dot_directory__pb2.ReleaseClaimRequest.SerializeToString,
@@ -134,6 +139,14 @@ class DirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPairs(self, request, context):
+        """ListPairs shows the cost model: per holder -> puller pair its transfer estimate, the samples
+        behind it and the verdicts it decided; per puller its prefill estimate.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseClaim(self, request, context):
         """ReleaseClaim gives back a single-use run a TRANSFER answer claimed but the puller did not
         read (it refused the pull, or the READ failed). Idempotent.
@@ -179,6 +192,11 @@ def add_DirectoryServicer_to_server(servicer, server):
                     servicer.DrainWorker,
                     request_deserializer=kvloop_dot_v1_dot_directory__pb2.DrainWorkerRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_directory__pb2.DrainWorkerResponse.SerializeToString,
+            ),
+            'ListPairs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPairs,
+                    request_deserializer=kvloop_dot_v1_dot_directory__pb2.ListPairsRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_directory__pb2.ListPairsResponse.SerializeToString,
             ),
             'ReleaseClaim': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseClaim,
@@ -376,6 +394,33 @@ class Directory:
             '/kvloop.v1.Directory/DrainWorker',
             kvloop_dot_v1_dot_directory__pb2.DrainWorkerRequest.SerializeToString,
             kvloop_dot_v1_dot_directory__pb2.DrainWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPairs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.Directory/ListPairs',
+            kvloop_dot_v1_dot_directory__pb2.ListPairsRequest.SerializeToString,
+            kvloop_dot_v1_dot_directory__pb2.ListPairsResponse.FromString,
             options,
             channel_credentials,
             insecure,
