@@ -293,6 +293,7 @@ def bench_directory(
 ) -> None:
     """Start a kvloopd process and measure ingest, lookup latency/throughput and memory per entry."""
     from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
+    from kvloop.common.processes import supervisor
 
     config = BenchConfig(
         entries=entries,
@@ -303,7 +304,8 @@ def bench_directory(
         batch_hashes=batch_hashes,
         listen=daemon_listen,
     )
-    result = run_directory_bench(config, progress=not state.json)
+    with supervisor().stop_on_signals():
+        result = run_directory_bench(config, progress=not state.json)
     if state.json:
         _emit_json({k: v for k, v in result.items() if k != "table"})
     else:
@@ -331,7 +333,8 @@ def proxy(
         Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
     ] = None,
 ) -> None:
-    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers."""
+    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers. Stops on
+    SIGTERM, SIGINT and SIGHUP."""
     import asyncio
     import signal as signals
 
@@ -366,7 +369,7 @@ def proxy(
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signals.SIGTERM, signals.SIGINT):
+        for sig in (signals.SIGTERM, signals.SIGINT, signals.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         await serve(config, host, port, stop, tls)
 
@@ -419,6 +422,7 @@ def bench_multiturn(
     ideal), on real engines."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
     from kvloop.clients.demo.model import DTYPE_BYTES
+    from kvloop.common.processes import supervisor
 
     if arm is None:
         arm = list(ARMS)
@@ -446,7 +450,8 @@ def bench_multiturn(
         dtype=dtype,
         warmup_turns=warmup_turns,
     )
-    result = run_multiturn(config, progress=True)
+    with supervisor().stop_on_signals():
+        result = run_multiturn(config, progress=True)
     out = json_path or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
     _print_multiturn(result["summary"])
@@ -588,12 +593,13 @@ def engine(
     ] = 480.0,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
 ) -> None:
-    """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar
-    (both stop on Ctrl-C / SIGTERM). kvloopd is --daemon / KVLOOP_DAEMON."""
-    import signal as signals
+    """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
+    stop with this command (SIGTERM, SIGINT, SIGHUP, or its death). kvloopd is --daemon /
+    KVLOOP_DAEMON. --json prints one JSON object when the engine is ready."""
     import time
 
     from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
+    from kvloop.common.processes import Terminated, supervisor
 
     if role not in ("prefill", "decode"):
         _fail("--role must be prefill or decode", code=2)
@@ -617,26 +623,39 @@ def engine(
         from kvloop.clients.demo.model import kv_bytes_per_block
 
         config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
-    worker = Engine(config, Path(".kvloop-engine-logs") / worker_id)
-    stop = []
-    signals.signal(signals.SIGTERM, lambda *_: stop.append(True))
-    worker.launch()
-    err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
-    try:
-        while not worker.ready():
-            time.sleep(0.5)  # polling /health while vLLM loads
-        err_console.print(
-            f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s"
-        )
-        while not stop:
-            worker.ready()  # raises when vLLM or the sidecar died
-            time.sleep(1)
-    except EngineStartError as exc:
-        _fail(str(exc))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        worker.stop()
+    children = supervisor()
+    worker = Engine(config, Path(".kvloop-engine-logs") / worker_id, children)
+    with children.stop_on_signals():
+        try:
+            worker.launch()
+            err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
+            while not worker.ready():
+                time.sleep(0.5)  # polling /health while vLLM loads
+            err_console.print(
+                f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s"
+            )
+            if state.json:  # one line, for scripts that wait for it
+                ready = {
+                    "worker_id": worker_id,
+                    "role": role,
+                    "url": config.url,
+                    "nixl": f"{host}:{nixl_port}",
+                    "started_s": round(worker.started_s or 0, 1),
+                    "pids": {
+                        "vllm": worker.vllm.pid if worker.vllm else None,
+                        "agent": worker.agent.pid if worker.agent else None,
+                    },
+                }
+                sys.stdout.write(json.dumps(ready) + "\n")
+                sys.stdout.flush()
+            while True:
+                worker.ready()  # raises when vLLM or the sidecar died
+                time.sleep(1)  # until a signal
+        except EngineStartError as exc:
+            _fail(str(exc))
+        except Terminated as exc:
+            err_console.print(f"{exc}: stopping {worker_id}")
+            raise
 
 
 @app.command()
@@ -647,18 +666,24 @@ def demo(
     hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
     layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
     keep_running: Annotated[
-        bool, typer.Option(help="keep everything up after the conversation (Ctrl-C stops)")
+        bool,
+        typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
     ] = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
-    agent conversation through it; print each turn's path and TTFT; stop everything."""
+    agent conversation through it; print each turn's path and TTFT (--json: one JSON line per turn);
+    stop everything (also on SIGTERM, SIGINT, SIGHUP, or if this command dies)."""
     from kvloop.agents.engine import EngineStartError
     from kvloop.clients.demo.run import run_demo
+    from kvloop.common.processes import supervisor
 
-    try:
-        code = run_demo(workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running)
-    except EngineStartError as exc:
-        _fail(str(exc))
+    with supervisor().stop_on_signals():
+        try:
+            code = run_demo(
+                workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running
+            )
+        except EngineStartError as exc:
+            _fail(str(exc))
     raise typer.Exit(code)
 
 
