@@ -40,6 +40,22 @@ class _State:
 state = _State()
 
 
+def _json_flag(value: bool) -> bool:
+    if value:
+        state.json = True
+    return value
+
+
+# `--json` is accepted before the subcommand (`kvloop --json workers`) and after it (`kvloop workers
+# --json`), and means the same everywhere: print JSON on stdout. Every command takes it.
+JsonFlag = Annotated[
+    bool,
+    typer.Option(
+        "--json", callback=_json_flag, help="print JSON on stdout (same as `kvloop --json COMMAND`)"
+    ),
+]
+
+
 @app.callback()
 def _global(
     daemon: Annotated[str, typer.Option(envvar="KVLOOP_DAEMON", help="kvloopd HOST:PORT")] = default_target(),
@@ -97,7 +113,9 @@ _STATE_STYLE = {"ACTIVE": "green", "RESYNCING": "yellow", "EXPIRED": "red", "DRA
 
 
 @app.command()
-def workers(model: Annotated[str, typer.Option(help="only this model")] = "") -> None:
+def workers(
+    model: Annotated[str, typer.Option(help="only this model")] = "", json_output: JsonFlag = False
+) -> None:
     """List registered workers with lease state, epoch and block counts."""
     found = _call(lambda c: c.list_workers(model))
     if state.json:
@@ -142,6 +160,7 @@ def find(
     block_hash: Annotated[str, typer.Argument(help="block hash, hex")],
     model: Annotated[str, typer.Option(help="model the block belongs to")],
     lora: Annotated[str, typer.Option(help="LoRA name")] = "",
+    json_output: JsonFlag = False,
 ) -> None:
     """Show every location of one block hash (alias: blocks)."""
     digest = _hex_hash(block_hash)
@@ -181,6 +200,7 @@ def lookup(
     local_blocks: Annotated[int, typer.Option(help="leading blocks the caller already has")] = 0,
     requester: Annotated[str, typer.Option(help="asking worker id")] = "",
     lora: Annotated[str, typer.Option(help="LoRA name")] = "",
+    json_output: JsonFlag = False,
 ) -> None:
     """Ask which peer can serve the longest prefix of a prompt, and the decision (never claims)."""
     values = list(hashes or [])
@@ -219,7 +239,7 @@ def lookup(
 
 
 @app.command()
-def stats() -> None:
+def stats(json_output: JsonFlag = False) -> None:
     """Directory-wide counters."""
     answer = _call(lambda c: c.stats())
     if state.json:
@@ -246,7 +266,9 @@ def stats() -> None:
 
 
 @app.command()
-def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> None:
+def watch(
+    model: Annotated[str, typer.Option(help="only this model")] = "", json_output: JsonFlag = False
+) -> None:
     """Stream directory changes until interrupted."""
     try:
         with _client() as client:
@@ -270,6 +292,7 @@ def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> N
 def drain(
     worker_id: Annotated[str, typer.Argument(help="worker to drain")],
     reason: Annotated[str, typer.Option(help="why")] = "",
+    json_output: JsonFlag = False,
 ) -> None:
     """Stop serving a worker's blocks and tell its agent to drain (admin)."""
     delivered = _call(lambda c: c.drain(worker_id, reason))
@@ -290,6 +313,7 @@ def bench_directory(
     daemon_listen: Annotated[
         str, typer.Option(help="where the benchmark's own kvloopd listens")
     ] = "127.0.0.1:0",
+    json_output: JsonFlag = False,
 ) -> None:
     """Start a kvloopd process and measure ingest, lookup latency/throughput and memory per entry."""
     from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
@@ -332,9 +356,10 @@ def proxy(
     client_ca_file: Annotated[
         Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
     ] = None,
+    json_output: JsonFlag = False,
 ) -> None:
-    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers. Stops on
-    SIGTERM, SIGINT and SIGHUP."""
+    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers (--json: log
+    lines as JSON). Stops on SIGTERM, SIGINT and SIGHUP."""
     import asyncio
     import signal as signals
 
@@ -357,7 +382,7 @@ def proxy(
             ).http_server_context()
         except ValueError as exc:
             _fail(str(exc), code=2)
-    configure_logging("info")
+    configure_logging("info", json_logs=True if state.json else None)
     configure_tracing("kvloop-proxy")
     config = ProxyConfig(
         prefill=prefill,
@@ -416,10 +441,14 @@ def bench_multiturn(
     ] = "float32",
     warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
+    ] = None,
+    json_output: JsonFlag = False,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
-    ideal), on real engines."""
+    ideal), on real engines. --json prints the results JSON on stdout instead of the tables."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
     from kvloop.clients.demo.model import DTYPE_BYTES
     from kvloop.common.processes import supervisor
@@ -451,9 +480,12 @@ def bench_multiturn(
         warmup_turns=warmup_turns,
     )
     with supervisor().stop_on_signals():
-        result = run_multiturn(config, progress=True)
-    out = json_path or (config.workdir / "multiturn.json")
+        result = run_multiturn(config, progress=not state.json)
+    out = output or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
+    if state.json:
+        _emit_json(result)
+        return
     _print_multiturn(result["summary"])
     console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
 
@@ -592,6 +624,7 @@ def engine(
         float, typer.Option(help="seconds a decode retains finished turns' blocks")
     ] = 480.0,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
+    json_output: JsonFlag = False,
 ) -> None:
     """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
     stop with this command (SIGTERM, SIGINT, SIGHUP, or its death). kvloopd is --daemon /
@@ -669,6 +702,7 @@ def demo(
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
     ] = False,
+    json_output: JsonFlag = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
     agent conversation through it; print each turn's path and TTFT (--json: one JSON line per turn);

@@ -94,10 +94,10 @@ def test_engine_stops_vllm_and_sidecar(sig, tiny_model, daemon, tmp_path):
     with log.open("w") as err:
         engine = subprocess.Popen(
             [
-                *(str(BIN / "kvloop"), "--json", "--daemon", daemon.address, "engine", "--role", "decode"),
+                *(str(BIN / "kvloop"), "--daemon", daemon.address, "engine", "--role", "decode"),
                 *("--model", str(tiny_model), "--worker-id", f"signals-{sig.name.lower()}"),
                 *("--port", str(free_port()), "--nixl-port", str(free_port())),
-                *("--kv-events-port", str(free_port_pair()), "--kv-cache-gib", "1"),
+                *("--kv-events-port", str(free_port_pair()), "--kv-cache-gib", "1", "--json"),
             ],
             cwd=tmp_path,
             env=env,
