@@ -11,10 +11,11 @@ test fixtures) starts them through one `ChildProcesses` (the process-wide `super
   launcher's own `finally` blocks stop what they started, every child still running is stopped on
   the way out, and the command exits with 128 + the signal number;
 - when the launcher dies without cleaning up (SIGKILL, the OOM killer, a crash), two things stop the
-  children: each direct child gets SIGTERM from the kernel (Linux parent-death signal, set between
-  fork and exec when the child is started from the main thread: the signal follows the *thread*
-  that forked), and a small watchdog process (`kvloop.common.reaper`) that sees its stdin pipe
-  from the launcher close stops every listed group, grandchildren included, SIGKILL after the grace.
+  children: each direct child gets SIGTERM from the kernel (Linux parent-death signal, set by
+  `kvloop.common.exec_child` before it execs the command, for children started from the main
+  thread: the signal follows the *thread* that forked), and a small watchdog process
+  (`kvloop.common.reaper`) that sees its stdin pipe from the launcher close stops every listed
+  group, grandchildren included, SIGKILL after the grace period.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvloop.common import reaper
+from kvloop.common import exec_child, reaper
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 DEFAULT_GRACE_S = 20.0  # a vllm serve needs a few seconds to shut its engine core down on 2 cores
@@ -71,19 +73,6 @@ def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) ->
     return True
 
 
-def _child_setup(parent_pid: int, pdeathsig: bool) -> Callable[[], None]:
-    # Runs in the child between fork and exec: no imports, no allocation-heavy work.
-    prctl = _prctl
-
-    def setup() -> None:
-        if pdeathsig and prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-            if os.getppid() != parent_pid:  # the launcher died while forking us
-                os._exit(1)
-
-    return setup
-
-
 class ChildProcesses:
     """The children of this process, each in its own process group (see the module docstring)."""
 
@@ -91,6 +80,7 @@ class ChildProcesses:
         self.grace_s = grace_s
         self._watchdog_enabled = watchdog
         self._children: list[subprocess.Popen] = []  # in start order
+        self._starts: dict[int, int | None] = {}  # pid -> start time (see reaper.Group)
         self._lock = threading.RLock()
         self._watchdog: subprocess.Popen | None = None
         self._watchdog_fd: int | None = None
@@ -114,31 +104,48 @@ class ChildProcesses:
     ) -> subprocess.Popen:
         """Start `args` in a new process group, registered with the watchdog. stdin defaults to
         /dev/null (a background group reading the terminal would be stopped by SIGTTIN)."""
+        command = [os.fspath(a) for a in args]
+        # what Popen would raise: the command execs only later, in the child
+        if os.sep in command[0]:
+            found = os.access(Path(cwd or ".") / command[0], os.X_OK)
+        else:
+            found = (
+                shutil.which(command[0], path=(env if env is not None else os.environ).get("PATH"))
+                is not None
+            )
+        if not found:
+            raise FileNotFoundError(f"{command[0]}: not found or not executable")
+        if _prctl is not None and threading.current_thread() is threading.main_thread():
+            # the parent-death signal follows the thread that forks: only the main thread lives as
+            # long as this process
+            command = [sys.executable, "-I", "-S", exec_child.__file__, str(os.getpid()), *command]
         with self._critical():
             self._forget_finished()
             self._ensure_watchdog()
-            main = threading.current_thread() is threading.main_thread()
             proc = subprocess.Popen(
-                list(args),
+                command,
                 env=env,
                 stdin=stdin,
                 stdout=stdout,
                 stderr=stderr,
                 cwd=cwd,
                 process_group=0,
-                preexec_fn=_child_setup(os.getpid(), pdeathsig=main),
                 **popen_kwargs,
             )
             with self._lock:
                 self._children.append(proc)
-            self._tell_watchdog(f"+{proc.pid}")
+                self._starts[proc.pid] = reaper.start_time(proc.pid)
+                self._tell_watchdog(f"+{proc.pid} {self._starts[proc.pid]}")
         return proc
 
     @property
     def running(self) -> list[subprocess.Popen]:
         """Children whose process group still has live members."""
         with self._lock:
-            return [p for p in self._children if p.poll() is None or reaper.group_members(p.pid)]
+            return [p for p in self._children if self._alive(p)]
+
+    def _alive(self, proc: subprocess.Popen) -> bool:
+        return proc.poll() is None or bool(reaper.group_members(proc.pid, self._starts.get(proc.pid)))
 
     # ---- stopping --------------------------------------------------------------------------
 
@@ -162,7 +169,7 @@ class ChildProcesses:
                     p.poll()
 
             reaper.stop_groups(
-                [p.pid for p in targets if p.poll() is None or reaper.group_members(p.pid)],
+                [(p.pid, self._starts.get(p.pid)) for p in targets if self._alive(p)],
                 self.grace_s if grace_s is None else grace_s,
                 hurry=lambda: self._hurry,
                 poll=reap,
@@ -174,9 +181,9 @@ class ChildProcesses:
 
     def _forget_finished(self) -> None:
         with self._lock:
-            done = [p for p in self._children if p.poll() is not None and not reaper.group_members(p.pid)]
-            for p in done:
+            for p in [p for p in self._children if not self._alive(p)]:
                 self._children.remove(p)
+                self._starts.pop(p.pid, None)
                 self._tell_watchdog(f"-{p.pid}")
 
     # ---- the watchdog ----------------------------------------------------------------------
@@ -199,7 +206,7 @@ class ChildProcesses:
         self._watchdog_fd = write_fd
         with self._lock:
             for p in self._children:  # a restarted watchdog learns the groups still running
-                self._tell_watchdog(f"+{p.pid}")
+                self._tell_watchdog(f"+{p.pid} {self._starts.get(p.pid)}")
 
     def _tell_watchdog(self, line: str) -> None:
         if self._watchdog_fd is None:

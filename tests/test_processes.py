@@ -137,3 +137,57 @@ def test_direct_children_get_a_parent_death_signal():
         for proc in marked_processes(mark):
             os.kill(proc.pid, signal.SIGKILL)
     wait_until(lambda: not marked_processes(mark), 10, "the rest of the tree to be killed")
+
+
+def test_spawn_of_a_missing_command_raises_like_popen():
+    children = ChildProcesses(watchdog=False)
+    with pytest.raises(FileNotFoundError):
+        children.spawn(["kvloop-no-such-command"])
+    with pytest.raises(FileNotFoundError):
+        children.spawn(["./no-such-script"], cwd="/")
+    assert children.running == []
+
+
+def test_spawn_while_grpc_threads_run(daemon):
+    """Children start through a small exec wrapper, not a preexec_fn: forking with a preexec_fn ran
+    gRPC's fork handlers and children aborted before exec (epoll_wait: Bad file descriptor)."""
+    import threading
+
+    from kvloop.clients.client import DirectoryClient
+
+    children = ChildProcesses(grace_s=1, watchdog=False)
+    stop = threading.Event()
+
+    def busy() -> None:
+        with DirectoryClient(daemon.address, timeout=5) as client:
+            while not stop.is_set():
+                client.stats()
+
+    caller = threading.Thread(target=busy)
+    caller.start()
+    try:
+        # with a preexec_fn, 2 of 40 such children aborted here
+        procs = [children.spawn(["sh", "-c", "exit 3"]) for _ in range(40)]
+        assert [p.wait(30) for p in procs] == [3] * 40
+    finally:
+        stop.set()
+        caller.join(10)
+
+
+def test_a_reused_group_number_is_left_alone():
+    """Process ids are reused (pid_max 32768 here): a group known by its leader's start time is not
+    signalled once that number names a process that started at another time."""
+    from kvloop.common import reaper
+
+    children = ChildProcesses(grace_s=1, watchdog=False)
+    proc = children.spawn(["sleep", "600"])
+    try:
+        start = wait_until(lambda: reaper.start_time(proc.pid), 5, "the child's start time")
+        assert reaper.group_members(proc.pid, start) == [proc.pid]
+        other = start + 1  # as if our group had died and the number were reused
+        assert reaper.group_members(proc.pid, other) == []
+        reaper.signal_group(proc.pid, signal.SIGKILL, other)
+        assert proc.poll() is None
+    finally:
+        children.stop(proc)
+    assert proc.returncode == -signal.SIGTERM
