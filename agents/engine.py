@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvloop.common.processes import ChildProcesses, supervisor
 
 CONNECTOR_MODULE = "kvloop.agents.connector.connector"
 
@@ -200,9 +201,10 @@ class Engine:
     """A vLLM server and its sidecar: ``launch()`` starts both, ``ready()`` polls /health,
     ``stop()`` ends both process groups."""
 
-    def __init__(self, config: EngineConfig, log_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, log_dir: Path, children: ChildProcesses | None = None) -> None:
         self.config = config
         self.log_dir = log_dir
+        self.children = children or supervisor()
         self.vllm: subprocess.Popen | None = None
         self.agent: subprocess.Popen | None = None
         self.started_s: float | None = None
@@ -216,22 +218,19 @@ class Engine:
         return self.log_dir / f"{self.config.worker_id}.agent.log"
 
     def launch(self) -> None:
+        """Start vLLM and the sidecar, each in a process group of its own (vLLM's engine core is in
+        vLLM's group), through `self.children`: they stop when this process does."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
-        self.vllm = subprocess.Popen(
-            self.config.vllm_command(),
-            env=self.config.vllm_env(),
-            stdout=self.vllm_log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        if self.config.mode == "kvloop":
-            self.agent = subprocess.Popen(
-                self.config.agent_command(),
-                stdout=self.agent_log.open("w"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        with self.vllm_log.open("w") as log:
+            self.vllm = self.children.spawn(
+                self.config.vllm_command(), env=self.config.vllm_env(), stdout=log, stderr=subprocess.STDOUT
             )
+        if self.config.mode == "kvloop":
+            with self.agent_log.open("w") as log:
+                self.agent = self.children.spawn(
+                    self.config.agent_command(), stdout=log, stderr=subprocess.STDOUT
+                )
 
     def ready(self) -> bool:
         """Poll once: True when the server answers /health; raises if a process died."""
@@ -256,15 +255,5 @@ class Engine:
         return ok
 
     def stop(self, grace_s: float = 20.0) -> None:
-        for proc in (self.agent, self.vllm):
-            if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in (self.agent, self.vllm):
-            if proc is None:
-                continue
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        """SIGTERM both process groups, SIGKILL what is left after `grace_s`."""
+        self.children.stop(self.agent, self.vllm, grace_s=grace_s)

@@ -1,4 +1,7 @@
-"""Shared fixtures: real kvloopd processes on loopback (no gRPC mocks)."""
+"""Shared fixtures: real kvloopd processes on loopback (no gRPC mocks).
+
+Fixtures start processes through kvloop.common.processes (`supervisor().spawn`), like the commands
+do: if pytest dies (SIGTERM, SIGHUP, SIGKILL) nothing it started keeps running."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvloop.common.addresses import free_port
+from kvloop.common.processes import supervisor
 
 KVLOOPD = str(Path(sys.executable).parent / "kvloopd")  # this environment's, whatever PATH says
 
@@ -83,7 +87,7 @@ def start_daemon(
     log_path = tmp / f"kvloopd-{port}.log"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     full_env.update(env or {})
-    process = subprocess.Popen(
+    process = supervisor().spawn(
         [
             KVLOOPD,
             "--listen",
@@ -155,7 +159,7 @@ def otlp_receiver(tmp_path_factory) -> Iterator[OtlpReceiver]:
     """A real OTLP/gRPC receiver process."""
     port = free_port()
     path = tmp_path_factory.mktemp("otlp") / "spans.jsonl"
-    process = subprocess.Popen(
+    process = supervisor().spawn(
         [sys.executable, "-m", "tests.otlp_receiver", str(port), str(path)],
         stdout=subprocess.PIPE,
         text=True,

@@ -94,6 +94,43 @@ async def test_cli_tables_and_json(daemon, populated):
     assert int(stats["retained_runs"]) >= 1 and "m-cli" in stats["models"]
 
 
+async def test_json_before_or_after_the_command(daemon, populated):
+    loop = asyncio.get_running_loop()
+
+    async def run(*args):
+        return await loop.run_in_executor(None, lambda: kvloop(*args, daemon=daemon.address))
+
+    before = await run("--json", "workers", "--model", "m-cli")
+    after = await run("workers", "--model", "m-cli", "--json")
+    assert before.returncode == 0 and after.returncode == 0, before.stderr + after.stderr
+    for result in (before, after):
+        (worker,) = json.loads(result.stdout)
+        assert worker["registration"]["worker_id"] == "dec-cli"
+    assert "retained_runs" in json.loads((await run("stats", "--json")).stdout)
+
+
+def test_every_command_takes_json_and_bench_multiturn_writes_to_output():
+    import typer
+
+    from kvloop.clients.cli.app import app
+
+    def leaves(command, path=()):
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from leaves(sub, (*path, name))
+        if not hasattr(command, "commands"):
+            yield path, command
+
+    commands = dict(leaves(typer.main.get_command(app)))
+    assert {("workers",), ("demo",), ("engine",), ("bench", "multiturn"), ("bench", "directory")} <= set(
+        commands
+    )
+    for path, command in commands.items():
+        options = {opt for param in command.params for opt in param.opts}
+        assert "--json" in options, path
+    multiturn = {opt for param in commands["bench", "multiturn"].params for opt in param.opts}
+    assert {"--output", "-o"} <= multiturn
+
+
 def test_cli_errors_are_messages_not_tracebacks():
     unreachable = kvloop("workers", daemon="127.0.0.1:1")
     assert unreachable.returncode == 1

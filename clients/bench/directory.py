@@ -27,6 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
 from kvloop.common.addresses import free_port
+from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
 
 MODEL = "bench-model"
@@ -63,12 +64,13 @@ def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     kvloopd = str(Path(sys.executable).parent / "kvloopd")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     env["KVLOOP_MAX_ENTRIES"] = "100000000"
-    process = subprocess.Popen(
-        [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
-        stdout=subprocess.DEVNULL,
-        stderr=(workdir / "kvloopd.log").open("w"),
-        env=env,
-    )
+    with (workdir / "kvloopd.log").open("w") as log:
+        process = supervisor().spawn(
+            [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+        )
     with DirectoryClient(listen, timeout=2) as client:
         client.wait_ready(30)
     return process, listen
@@ -165,6 +167,8 @@ async def _ingest(config: BenchConfig, target: str, conn) -> None:
 def _fleet_process(config: BenchConfig, target: str, conn) -> None:
     from kvloop.common.logging import configure_logging
 
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent_pid=parent.pid if parent else None)  # not left running if the bench dies
     configure_logging("warning")
     asyncio.run(_ingest(config, target, conn))
 
@@ -297,8 +301,7 @@ async def _run(config: BenchConfig, progress: Progress | None) -> dict:
         if fleet_proc.is_alive():
             fleet_proc.terminate()
         fleet_proc.join(10)
-        daemon.terminate()
-        daemon.wait(15)
+        supervisor().stop(daemon, grace_s=15)
         shutil.rmtree(workdir, ignore_errors=True)
 
 

@@ -41,6 +41,22 @@ class _State:
 state = _State()
 
 
+def _json_flag(value: bool) -> bool:
+    if value:
+        state.json = True
+    return value
+
+
+# `--json` is accepted before the subcommand (`kvloop --json workers`) and after it (`kvloop workers
+# --json`), and means the same everywhere: print JSON on stdout. Every command takes it.
+JsonFlag = Annotated[
+    bool,
+    typer.Option(
+        "--json", callback=_json_flag, help="print JSON on stdout (same as `kvloop --json COMMAND`)"
+    ),
+]
+
+
 @app.callback()
 def _global(
     daemon: Annotated[str, typer.Option(envvar="KVLOOP_DAEMON", help="kvloopd HOST:PORT")] = default_target(),
@@ -98,7 +114,9 @@ _STATE_STYLE = {"ACTIVE": "green", "RESYNCING": "yellow", "EXPIRED": "red", "DRA
 
 
 @app.command()
-def workers(model: Annotated[str, typer.Option(help="only this model")] = "") -> None:
+def workers(
+    model: Annotated[str, typer.Option(help="only this model")] = "", json_output: JsonFlag = False
+) -> None:
     """List registered workers with lease state, epoch and block counts."""
     found = _call(lambda c: c.list_workers(model))
     if state.json:
@@ -143,6 +161,7 @@ def find(
     block_hash: Annotated[str, typer.Argument(help="block hash, hex")],
     model: Annotated[str, typer.Option(help="model the block belongs to")],
     lora: Annotated[str, typer.Option(help="LoRA name")] = "",
+    json_output: JsonFlag = False,
 ) -> None:
     """Show every location of one block hash (alias: blocks)."""
     digest = _hex_hash(block_hash)
@@ -182,6 +201,7 @@ def lookup(
     local_blocks: Annotated[int, typer.Option(help="leading blocks the caller already has")] = 0,
     requester: Annotated[str, typer.Option(help="asking worker id")] = "",
     lora: Annotated[str, typer.Option(help="LoRA name")] = "",
+    json_output: JsonFlag = False,
 ) -> None:
     """Ask which peer can serve the longest prefix of a prompt, and the decision (never claims)."""
     values = list(hashes or [])
@@ -218,7 +238,7 @@ def lookup(
 
 
 @app.command()
-def stats() -> None:
+def stats(json_output: JsonFlag = False) -> None:
     """Directory-wide counters."""
     answer = _call(lambda c: c.stats())
     if state.json:
@@ -245,7 +265,9 @@ def stats() -> None:
 
 
 @app.command()
-def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> None:
+def watch(
+    model: Annotated[str, typer.Option(help="only this model")] = "", json_output: JsonFlag = False
+) -> None:
     """Stream directory changes until interrupted."""
     try:
         with _client() as client:
@@ -269,6 +291,7 @@ def watch(model: Annotated[str, typer.Option(help="only this model")] = "") -> N
 def drain(
     worker_id: Annotated[str, typer.Argument(help="worker to drain")],
     reason: Annotated[str, typer.Option(help="why")] = "",
+    json_output: JsonFlag = False,
 ) -> None:
     """Stop serving a worker's blocks and tell its agent to drain (admin)."""
     delivered = _call(lambda c: c.drain(worker_id, reason))
@@ -289,9 +312,11 @@ def bench_directory(
     daemon_listen: Annotated[
         str, typer.Option(help="where the benchmark's own kvloopd listens")
     ] = "127.0.0.1:0",
+    json_output: JsonFlag = False,
 ) -> None:
     """Start a kvloopd process and measure ingest, lookup latency/throughput and memory per entry."""
     from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
+    from kvloop.common.processes import supervisor
 
     config = BenchConfig(
         entries=entries,
@@ -302,7 +327,8 @@ def bench_directory(
         batch_hashes=batch_hashes,
         listen=daemon_listen,
     )
-    result = run_directory_bench(config, progress=not state.json)
+    with supervisor().stop_on_signals():
+        result = run_directory_bench(config, progress=not state.json)
     if state.json:
         _emit_json({k: v for k, v in result.items() if k != "table"})
     else:
@@ -326,8 +352,10 @@ def proxy(
     client_ca_file: Annotated[
         Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
     ] = None,
+    json_output: JsonFlag = False,
 ) -> None:
-    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers."""
+    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers (--json: log
+    lines as JSON). Stops on SIGTERM, SIGINT and SIGHUP."""
     import asyncio
     import signal as signals
 
@@ -350,7 +378,7 @@ def proxy(
             ).http_server_context()
         except ValueError as exc:
             _fail(str(exc), code=2)
-    configure_logging("info")
+    configure_logging("info", json_logs=True if state.json else None)
     configure_tracing("kvloop-proxy")
     config = ProxyConfig(
         prefill=prefill,
@@ -361,7 +389,7 @@ def proxy(
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signals.SIGTERM, signals.SIGINT):
+        for sig in (signals.SIGTERM, signals.SIGINT, signals.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         await serve(config, host, port, stop, tls)
 
@@ -408,12 +436,17 @@ def bench_multiturn(
     ] = "float32",
     warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
+    ] = None,
+    json_output: JsonFlag = False,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
-    ideal), on real engines."""
+    ideal), on real engines. --json prints the results JSON on stdout instead of the tables."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
     from kvloop.clients.demo.model import DTYPE_BYTES
+    from kvloop.common.processes import supervisor
 
     if arm is None:
         arm = list(ARMS)
@@ -441,9 +474,13 @@ def bench_multiturn(
         dtype=dtype,
         warmup_turns=warmup_turns,
     )
-    result = run_multiturn(config, progress=True)
-    out = json_path or (config.workdir / "multiturn.json")
+    with supervisor().stop_on_signals():
+        result = run_multiturn(config, progress=not state.json)
+    out = output or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
+    if state.json:
+        _emit_json(result)
+        return
     _print_multiturn(result["summary"])
     console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
 
@@ -582,13 +619,15 @@ def engine(
         float, typer.Option(help="seconds a decode retains finished turns' blocks")
     ] = 480.0,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
+    json_output: JsonFlag = False,
 ) -> None:
-    """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar
-    (both stop on Ctrl-C / SIGTERM). kvloopd is --daemon / KVLOOP_DAEMON."""
-    import signal as signals
+    """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
+    stop with this command (SIGTERM, SIGINT, SIGHUP, or its death). kvloopd is --daemon /
+    KVLOOP_DAEMON. --json prints one JSON object when the engine is ready."""
     import time
 
     from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
+    from kvloop.common.processes import Terminated, supervisor
 
     if role not in ("prefill", "decode"):
         _fail("--role must be prefill or decode", code=2)
@@ -612,26 +651,39 @@ def engine(
         from kvloop.clients.demo.model import kv_bytes_per_block
 
         config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
-    worker = Engine(config, Path(".kvloop-engine-logs") / worker_id)
-    stop = []
-    signals.signal(signals.SIGTERM, lambda *_: stop.append(True))
-    worker.launch()
-    err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
-    try:
-        while not worker.ready():
-            time.sleep(0.5)  # polling /health while vLLM loads
-        err_console.print(
-            f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s"
-        )
-        while not stop:
-            worker.ready()  # raises when vLLM or the sidecar died
-            time.sleep(1)
-    except EngineStartError as exc:
-        _fail(str(exc))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        worker.stop()
+    children = supervisor()
+    worker = Engine(config, Path(".kvloop-engine-logs") / worker_id, children)
+    with children.stop_on_signals():
+        try:
+            worker.launch()
+            err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
+            while not worker.ready():
+                time.sleep(0.5)  # polling /health while vLLM loads
+            err_console.print(
+                f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s"
+            )
+            if state.json:  # one line, for scripts that wait for it
+                ready = {
+                    "worker_id": worker_id,
+                    "role": role,
+                    "url": config.url,
+                    "nixl": f"{host}:{nixl_port}",
+                    "started_s": round(worker.started_s or 0, 1),
+                    "pids": {
+                        "vllm": worker.vllm.pid if worker.vllm else None,
+                        "agent": worker.agent.pid if worker.agent else None,
+                    },
+                }
+                sys.stdout.write(json.dumps(ready) + "\n")
+                sys.stdout.flush()
+            while True:
+                worker.ready()  # raises when vLLM or the sidecar died
+                time.sleep(1)  # until a signal
+        except EngineStartError as exc:
+            _fail(str(exc))
+        except Terminated as exc:
+            err_console.print(f"{exc}: stopping {worker_id}")
+            raise
 
 
 @app.command()
@@ -642,18 +694,25 @@ def demo(
     hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
     layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
     keep_running: Annotated[
-        bool, typer.Option(help="keep everything up after the conversation (Ctrl-C stops)")
+        bool,
+        typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
     ] = False,
+    json_output: JsonFlag = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
-    agent conversation through it; print each turn's path and TTFT; stop everything."""
+    agent conversation through it; print each turn's path and TTFT (--json: one JSON line per turn);
+    stop everything (also on SIGTERM, SIGINT, SIGHUP, or if this command dies)."""
     from kvloop.agents.engine import EngineStartError
     from kvloop.clients.demo.run import run_demo
+    from kvloop.common.processes import supervisor
 
-    try:
-        code = run_demo(workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running)
-    except EngineStartError as exc:
-        _fail(str(exc))
+    with supervisor().stop_on_signals():
+        try:
+            code = run_demo(
+                workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running
+            )
+        except EngineStartError as exc:
+            _fail(str(exc))
     raise typer.Exit(code)
 
 

@@ -14,6 +14,7 @@ from kvloop.clients.console import make_console
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
 from kvloop.clients.demo.model import build_tiny_llama
 from kvloop.clients.demo.stack import Stack, StackConfig
+from kvloop.common.processes import Terminated
 
 
 def run_demo(
@@ -116,11 +117,17 @@ def run_demo(
         )
         console.print(f"Logs: {workdir / 'logs'}")
         if keep_running:
-            console.print(f"Everything keeps running (OpenAI API at {stack.proxy_url}); Ctrl-C stops it.")
+            console.print(
+                f"Everything keeps running (OpenAI API at {stack.proxy_url}); "
+                "Ctrl-C (or SIGTERM, SIGHUP) stops it."
+            )
             while True:
-                time.sleep(3600)
+                time.sleep(3600)  # until a signal: `kvloop demo` runs this inside stop_on_signals
         return 0
-    except KeyboardInterrupt:
+    except Terminated as exc:
+        console.print(f"{exc}: stopping everything")
+        raise
+    except KeyboardInterrupt:  # run without stop_on_signals
         console.print("interrupted: stopping everything")
         return 130
     finally:

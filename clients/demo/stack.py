@@ -17,6 +17,7 @@ from pathlib import Path
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.client import DirectoryClient
 from kvloop.common.addresses import free_port, free_port_pair
+from kvloop.common.processes import ChildProcesses, supervisor
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Stack:
     daemon: subprocess.Popen | None = None
     proxy: subprocess.Popen | None = None
     engines: list[Engine] = field(default_factory=list)
+    # Every process of the stack is started and stopped through this (see kvloop.common.processes).
+    children: ChildProcesses = field(default_factory=supervisor)
 
     @property
     def prefill(self) -> Engine:
@@ -69,19 +72,20 @@ class Stack:
         daemon_port = free_port()
         self.daemon_address = f"127.0.0.1:{daemon_port}"
         progress("kvloopd", "starting")
-        self.daemon = subprocess.Popen(
-            [
-                str(bin_dir / "kvloopd"),
-                "--listen",
-                self.daemon_address,
-                "--metrics-listen",
-                f"127.0.0.1:{free_port()}",
-                "--log-json",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(logs / "kvloopd.log").open("w"),
-            env=self._env("kvloopd"),
-        )
+        with (logs / "kvloopd.log").open("w") as log:
+            self.daemon = self.children.spawn(
+                [
+                    str(bin_dir / "kvloopd"),
+                    "--listen",
+                    self.daemon_address,
+                    "--metrics-listen",
+                    f"127.0.0.1:{free_port()}",
+                    "--log-json",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=self._env("kvloopd"),
+            )
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             client.wait_ready(30)
         progress("kvloopd", f"ready on {self.daemon_address}")
@@ -118,6 +122,7 @@ class Stack:
                         env=engine_env,
                     ),
                     logs,
+                    self.children,
                 )
             )
         for engine in self.engines:
@@ -143,22 +148,23 @@ class Stack:
         proxy_port = free_port()
         self.proxy_url = f"http://127.0.0.1:{proxy_port}"
         progress("proxy", "starting")
-        self.proxy = subprocess.Popen(
-            [
-                str(bin_dir / "kvloop"),
-                "--daemon",
-                self.daemon_address,
-                "proxy",
-                "--listen",
-                f"127.0.0.1:{proxy_port}",
-                "--prefill",
-                self.prefill.config.url,
-                *functools.reduce(operator.iadd, (["--decode", d.config.url] for d in self.decodes), []),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(logs / "proxy.log").open("w"),
-            env=self._env("kvloop-proxy"),
-        )
+        with (logs / "proxy.log").open("w") as log:
+            self.proxy = self.children.spawn(
+                [
+                    str(bin_dir / "kvloop"),
+                    "--daemon",
+                    self.daemon_address,
+                    "proxy",
+                    "--listen",
+                    f"127.0.0.1:{proxy_port}",
+                    "--prefill",
+                    self.prefill.config.url,
+                    *functools.reduce(operator.iadd, (["--decode", d.config.url] for d in self.decodes), []),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=self._env("kvloop-proxy"),
+            )
         _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
         progress("proxy", f"ready at {self.proxy_url}")
 
@@ -174,21 +180,11 @@ class Stack:
         return False
 
     def stop(self) -> None:
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.terminate()
-        for engine in self.engines:
-            engine.stop()
-        if self.proxy is not None:
-            try:
-                self.proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-        if self.daemon is not None and self.daemon.poll() is None:
-            self.daemon.terminate()
-            try:
-                self.daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                self.daemon.kill()
+        """Stop the stack front to back: the proxy, then the engines and their sidecars together, then
+        kvloopd (each process group: SIGTERM, a grace period, SIGKILL)."""
+        self.children.stop(self.proxy, grace_s=10)
+        self.children.stop(*(p for e in self.engines for p in (e.agent, e.vllm)))
+        self.children.stop(self.daemon, grace_s=10)
 
 
 def _otlp_configured() -> bool:

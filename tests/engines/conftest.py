@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvloop.common.addresses import free_port_pair
+from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD, DaemonProcess, free_port, start_daemon
 from tests.support import wait_until
 
@@ -110,7 +111,7 @@ class KvloopStack:
         assert self.agent is None or self.agent.poll() is not None
         log = self.tmp / f"agent-{len(self.agent_logs)}.log"
         self.agent_logs.append(log)
-        self.agent = subprocess.Popen(
+        self.agent = supervisor().spawn(
             [
                 AGENT,
                 "--daemon",

@@ -140,6 +140,10 @@ def _kv_shapes(worker: Any) -> list[list[int]]:
 
 
 def _serve(conn: Any, spec: EngineSpec) -> None:
+    from kvloop.common.processes import die_with_parent
+
+    parent = mp.parent_process()
+    die_with_parent(parent_pid=parent.pid if parent else None)  # not left running if pytest dies
     os.environ.update(
         {
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if spec.multiprocessing else "0",
