@@ -92,6 +92,12 @@ async def test_cli_tables_and_json(daemon, populated):
     assert "cli-handle" in blocks.stdout
     stats = json.loads((await run("--json", "stats")).stdout)
     assert int(stats["retained_runs"]) >= 1 and "m-cli" in stats["models"]
+    # the lookups above asked as requester "" : the cost model shows the pair and its verdicts
+    pairs = json.loads((await run("pairs", "--model", "m-cli", "--json")).stdout)
+    pair = next(p for p in pairs["pairs"] if p["holder_worker_id"] == "dec-cli")
+    assert int(pair["verdicts"]["transfer_faster"]) >= 2
+    shown = await run("pairs")
+    assert shown.returncode == 0 and "dec-cli" in shown.stdout and "transfer_faster" in shown.stdout
 
 
 async def test_json_before_or_after_the_command(daemon, populated):

@@ -265,6 +265,50 @@ def stats(json_output: JsonFlag = False) -> None:
 
 
 @app.command()
+def pairs(
+    model: Annotated[str, typer.Option(help="only this model's workers")] = "",
+    json_output: JsonFlag = False,
+) -> None:
+    """The cost model: per holder -> puller pair its estimate, samples and verdicts (why turns recompute)."""
+    answer = _call(lambda c: c.pairs(model))
+    if state.json:
+        _emit_json(_as_dict(answer))
+        return
+    table = Table(title="transfer estimates (READs timed by NIXL)")
+    for column in (
+        "holder",
+        "puller",
+        "GB/s",
+        "setup ms",
+        "samples",
+        "verdicts",
+        "last transfer",
+        "step wait ms",
+    ):
+        table.add_column(column)
+    for p in answer.pairs:
+        samples = ", ".join(f"{g:.2f}" for g in p.sample_gbytes_per_s[-6:]) or "-"
+        verdicts = ", ".join(f"{k} {v}" for k, v in sorted(p.verdicts.items())) or "-"
+        last = f"{p.last_transfer_s_ago:.1f}s ago" if p.last_transfer_s_ago >= 0 else "never"
+        table.add_row(
+            p.holder_worker_id,
+            p.puller_worker_id,
+            f"{p.transfer_gbytes_per_s:.2f}",
+            f"{p.setup_ms:.2f}",
+            f"{len(p.sample_gbytes_per_s)}: {samples}",
+            verdicts,
+            last,
+            f"{p.mean_wait_ms:.1f}",
+        )
+    console.print(table)
+    for w in answer.pullers:
+        console.print(
+            f"{w.worker_id}: prefill ~{w.prefill_tokens_per_s:,.0f} tokens/s "
+            f"({len(w.sample_tokens_per_s)} prefills measured)"
+        )
+
+
+@app.command()
 def watch(
     model: Annotated[str, typer.Option(help="only this model")] = "", json_output: JsonFlag = False
 ) -> None:
@@ -299,6 +343,51 @@ def drain(
         _emit_json({"worker_id": worker_id, "delivered": delivered})
     else:
         console.print(f"{worker_id}: draining" + ("" if delivered else " (agent not connected)"))
+
+
+@bench_app.command("slow-reads")
+def bench_slow_reads(
+    turns: Annotated[int, typer.Option(min=6, help="turns of the conversation")] = 14,
+    stop_s: Annotated[
+        float, typer.Option(help="seconds the decode is stopped during each stalled turn")
+    ] = 1.0,
+    stall: Annotated[
+        Optional[list[int]],
+        typer.Option(help="turns during which the decode stalls (repeatable) [default: 2 3 4]"),
+    ] = None,
+    workdir: Annotated[Path, typer.Option(help="model, logs")] = Path(".kvloop-bench/slow-reads"),
+    json_output: JsonFlag = False,
+) -> None:
+    """Can a few slow READs switch transfers off? The cost model's regression run on real engines."""
+    from kvloop.clients.bench.slow_reads import SlowReadsConfig, run_slow_reads
+
+    config = SlowReadsConfig(
+        workdir=workdir, turns=turns, stop_s=stop_s, stalled_turns=tuple(stall or (2, 3, 4))
+    )
+    result = run_slow_reads(config, progress=lambda line: err_console.print(line, highlight=False))
+    if state.json:
+        _emit_json(result)
+        return
+    table = Table(title=f"slowed reads: decode stopped {stop_s:.1f}s in turns {list(config.stalled_turns)}")
+    for column in ("turn", "stalled", "path", "reason", "TTFT ms", "estimate"):
+        table.add_column(column)
+    for t in result["turns"]:
+        table.add_row(
+            str(t["turn"]),
+            "yes" if t["stalled"] else "",
+            t["path"],
+            t["reason"],
+            f"{t['ttft_ms']:.0f}",
+            t["detail"],
+        )
+    console.print(table)
+    fooled, resumed = result["recomputed_though_pull_cheaper"], result["transfers_resumed_after_s"]
+    samples = result["pair"]["samples_gbytes_per_s"] if result["pair"] else []
+    console.print(
+        f"continuation turns recomputed although a pull was cheaper: {fooled} (target <= 2); transfers back "
+        f"{resumed} s after the last stall (target < 2 s); NIXL-timed READ samples, GB/s: "
+        + ", ".join(f"{g:.3f}" for g in samples)
+    )
 
 
 @bench_app.command("directory")
