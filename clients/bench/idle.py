@@ -196,6 +196,7 @@ def tpot_ms(url: str, prompt: list[int], tokens: int) -> float:
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        "return_token_ids": True,  # random tokens often decode to no text: count token ids
     }
     request = urllib.request.Request(
         f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -207,8 +208,9 @@ def tpot_ms(url: str, prompt: list[int], tokens: int) -> float:
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                stamps.append(time.perf_counter())
+            now = time.perf_counter()
+            for choice in chunk.get("choices", []):
+                stamps.extend([now] * len(choice.get("token_ids") or ()))
     if len(stamps) < 2:
         raise RuntimeError(f"the decode streamed {len(stamps)} tokens")
     return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
