@@ -10,9 +10,9 @@ CPU is read from ``/proc/<pid>/stat`` (utime + stime of every thread, children i
 live) at the start and the end of an idle window, for each process of each group: the vLLM API server,
 its engine-core process (and any other child), the sidecar, kvloopd. Figures are % of one core.
 
-TPOT: streamed completions on the decode (no KV transfer, no retention: plain requests), the time
-between the first and the last token over the tokens in between; median of the repeats, measured with
-0 retained runs and again, on the same engines, with the largest N.
+TPOT: streamed completions on the decode (no KV transfer, no retention: plain requests), each one's
+time per output token as the decode's vLLM measured it (``vllm:request_time_per_output_token_seconds``);
+median of the repeats, measured with 0 retained runs and again, on the same engines, with the largest N.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class IdleConfig:
     prompt_tokens: int = 256
     decode_tokens: int = 8
     tpot_tokens: int = 64
-    tpot_repeats: int = 5
+    tpot_repeats: int = 7
     mode: str = "kvloop"
     retention_ttl_s: float = 480.0
     seed: int = 17
@@ -186,9 +186,28 @@ def make_run(stack, rnd: random.Random, cfg: IdleConfig) -> dict:
     return answer.get("kv_transfer_params") or {}
 
 
+TPOT_METRIC = "vllm:request_time_per_output_token_seconds"
+
+
+def _tpot_totals(url: str) -> tuple[float, float]:
+    """The decode's own per-request TPOT histogram (sum of seconds, count of requests)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    total = count = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{TPOT_METRIC}_sum":
+                total += sample.value
+            elif sample.name == f"{TPOT_METRIC}_count":
+                count += sample.value
+    return total, count
+
+
 def tpot_ms(url: str, prompt: list[int], tokens: int) -> float:
-    """Stream a plain completion (no KV transfer, so nothing is retained) and return the mean time
-    between tokens after the first."""
+    """Stream a plain completion (no KV transfer, so nothing is retained); its time per output token
+    as the decode measured it (vLLM's request_time_per_output_token, read from its /metrics before
+    and after: the time between streamed HTTP chunks is the API server's batching, not the engine's)."""
     body = {
         "model": MODEL,
         "prompt": prompt,
@@ -201,19 +220,26 @@ def tpot_ms(url: str, prompt: list[int], tokens: int) -> float:
     request = urllib.request.Request(
         f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    stamps: list[float] = []
+    sum0, count0 = _tpot_totals(url)
+    streamed = 0
     with urllib.request.urlopen(request, timeout=300) as response:
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[5:])
-            now = time.perf_counter()
-            for choice in chunk.get("choices", []):
-                stamps.extend([now] * len(choice.get("token_ids") or ()))
-    if len(stamps) < 2:
-        raise RuntimeError(f"the decode streamed {len(stamps)} tokens")
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+            for choice in json.loads(line[5:]).get("choices", []):
+                streamed += len(choice.get("token_ids") or ())
+    if streamed != tokens:
+        raise RuntimeError(f"the decode streamed {streamed} of {tokens} tokens")
+    deadline = time.monotonic() + 10
+    while True:  # the API server records the request's stats as it finishes it
+        sum1, count1 = _tpot_totals(url)
+        if count1 > count0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)  # polling the decode's /metrics
+    if count1 != count0 + 1:
+        raise RuntimeError(f"{TPOT_METRIC} counted {count1 - count0} requests, expected 1")
+    return (sum1 - sum0) * 1e3
 
 
 def measure_tpot(stack, rnd: random.Random, cfg: IdleConfig) -> list[float]:

@@ -322,7 +322,7 @@ def bench_idle(
     ] = None,
     window: Annotated[float, typer.Option(min=1, help="seconds at rest measured per N")] = 20.0,
     tpot_tokens: Annotated[int, typer.Option(min=2, help="tokens per TPOT request")] = 64,
-    tpot_repeats: Annotated[int, typer.Option(min=1, help="TPOT requests per measurement")] = 5,
+    tpot_repeats: Annotated[int, typer.Option(min=1, help="TPOT requests per measurement")] = 7,
     mode: Annotated[str, typer.Option(help="kvloop, builtin or recompute (see `kvloop engine`)")] = "kvloop",
     workdir: Annotated[Path, typer.Option(help="engines' logs and results")] = Path(".kvloop-bench-idle"),
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the results JSON here")] = None,
