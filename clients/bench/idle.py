@@ -158,8 +158,9 @@ def _tokens(rnd: random.Random, n: int) -> list[int]:
     return [rnd.randrange(2, 1000) for _ in range(n)]
 
 
-def make_run(stack, rnd: random.Random, cfg: IdleConfig) -> dict:
-    """One prefill -> decode request, as the proxy sends it; the decode retains the finished run."""
+def make_run(stack, rnd: random.Random, cfg: IdleConfig) -> list[int]:
+    """One prefill -> decode request, as the proxy sends it; the decode retains the finished run.
+    Returns the run's tokens (prompt and answer)."""
     prompt = _tokens(rnd, cfg.prompt_tokens)
     first = _post(
         f"{stack.prefill.config.url}/v1/completions",
@@ -180,10 +181,11 @@ def make_run(stack, rnd: random.Random, cfg: IdleConfig) -> dict:
             "max_tokens": cfg.decode_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
+            "return_token_ids": True,
             "kv_transfer_params": kv,
         },
     )
-    return answer.get("kv_transfer_params") or {}
+    return prompt + list(answer["choices"][0].get("token_ids") or ())
 
 
 TPOT_METRIC = "vllm:request_time_per_output_token_seconds"
@@ -242,6 +244,30 @@ def tpot_ms(url: str, prompt: list[int], tokens: int) -> float:
     return (sum1 - sum0) * 1e3
 
 
+def pull_from_resting_decode(stack, run: list[int], rnd: random.Random) -> dict:
+    """The next turn of a retained run, prefilled while the decode holding it rests: the prefill
+    pulls the run (a one-sided NIXL READ of the resting decode's blocks)."""
+    started = time.perf_counter()
+    answer = _post(
+        f"{stack.prefill.config.url}/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": run + _tokens(rnd, 64),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
+    kv = answer.get("kv_transfer_params") or {}
+    return {
+        "prefill_ms": round((time.perf_counter() - started) * 1e3, 1),
+        "path": kv.get("kvloop_path", ""),
+        "reason": kv.get("kvloop_reason", ""),
+        "pulled_tokens": kv.get("kvloop_pulled_tokens", 0),
+        "prompt_tokens": len(run) + 64,
+    }
+
+
 def measure_tpot(stack, rnd: random.Random, cfg: IdleConfig) -> list[float]:
     url = stack.decodes[0].config.url
     return [round(tpot_ms(url, _tokens(rnd, 64), cfg.tpot_tokens), 3) for _ in range(cfg.tpot_repeats)]
@@ -268,7 +294,8 @@ def run_idle_bench(cfg: IdleConfig, progress: Callable[[str], None] = lambda lin
     rnd = random.Random(cfg.seed)
     windows: list[Window] = []
     tpot: dict[int, list[float]] = {}
-    held = 0
+    runs: list[list[int]] = []
+    pull: dict = {}
     try:
         stack.start(lambda what, state: progress(f"{what}: {state}"))
         # warm both servers with plain requests (nothing retained): first-request setup off the clock
@@ -279,9 +306,8 @@ def run_idle_bench(cfg: IdleConfig, progress: Callable[[str], None] = lambda lin
             )
         measure_tpot(stack, rnd, IdleConfig(workdir=cfg.workdir, tpot_repeats=1))
         for n in sorted(set(cfg.runs)):
-            while held < n:
-                make_run(stack, rnd, cfg)
-                held += 1
+            while len(runs) < n:
+                runs.append(make_run(stack, rnd, cfg))
             if cfg.mode == "kvloop" and n and not stack.wait_retained(n, timeout_s=30):
                 progress(f"warning: the directory does not list {n} retained runs")
             time.sleep(cfg.settle_s)  # let the last request's steps, events and exports finish
@@ -295,6 +321,10 @@ def run_idle_bench(cfg: IdleConfig, progress: Callable[[str], None] = lambda lin
             if n in (min(cfg.runs), max(cfg.runs)) and n not in tpot:
                 tpot[n] = measure_tpot(stack, rnd, cfg)
                 progress(f"{n} retained runs: decode TPOT {statistics.median(tpot[n]):.2f} ms (median)")
+        if runs and cfg.mode == "kvloop":
+            time.sleep(cfg.settle_s)  # the decode at rest again
+            pull = pull_from_resting_decode(stack, runs[0], rnd)
+            progress(f"next turn of a run held by the resting decode: {pull}")
     finally:
         stack.stop()
     return {
@@ -303,6 +333,7 @@ def run_idle_bench(cfg: IdleConfig, progress: Callable[[str], None] = lambda lin
             {**asdict(w), "decode": w.total("decode"), "prefill": w.total("prefill"), "all": w.total()}
             for w in windows
         ],
+        "pull_from_resting_decode": pull,
         "tpot_ms": {
             str(n): {"samples": s, "median": round(statistics.median(s), 3)} for n, s in tpot.items()
         },

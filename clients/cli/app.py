@@ -364,6 +364,12 @@ def bench_idle(
     for n, t in result["tpot_ms"].items():
         samples = ", ".join(f"{s:.2f}" for s in t["samples"])
         console.print(f"decode TPOT with {n} retained runs: median {t['median']:.2f} ms ({samples})")
+    if result["pull_from_resting_decode"]:
+        p = result["pull_from_resting_decode"]
+        console.print(
+            f"next turn of a run the resting decode holds: {p['path']} ({p['reason']}), "
+            f"{p['pulled_tokens']} of {p['prompt_tokens']} tokens pulled, prefill {p['prefill_ms']:.0f} ms"
+        )
     console.print(f"results: {out}")
 
 
