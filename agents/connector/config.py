@@ -50,6 +50,10 @@ class KvloopConfig(BaseModel):
     # Sent with every lookup: fewer transferable tokens are recomputed (the daemon's
     # recompute_threshold_tokens and vLLM's kv_recompute_threshold apply too; the largest wins).
     min_pull_tokens: int = Field(default=64, ge=0)
+    # Let the engine loop sleep while the engine holds retained multi-reader runs and nothing else,
+    # woken when a lease ends (idle.py). False: vLLM's behaviour, an engine step every ~1 ms until
+    # every retained run is released (the whole lease).
+    idle_wait: bool = True
     # Publish retained/released events (decode role).
     publish_events: bool = True
     # Ask the directory (prefill role).

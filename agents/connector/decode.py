@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 class _Retained:
     deadline: float  # perf_counter
     blocks: int
+    multi: bool  # kept until the lease ends (not freed by a READ's notice)
 
 
 class DecodeSide:
@@ -45,7 +46,7 @@ class DecodeSide:
         rid = request.request_id
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
         multi = self.cfg.sharing == "multi"
-        self._retained[rid] = _Retained(deadline=deadline, blocks=n)
+        self._retained[rid] = _Retained(deadline=deadline, blocks=n, multi=multi)
         if multi:
             self.multi_reader_new.add(rid)
         if n <= 0:
@@ -71,6 +72,13 @@ class DecodeSide:
         tm.RETAINED.inc()
         tm.RETAINED_BLOCKS.inc(n)
         tm.log.debug("kvloop.retained", handle=rid, blocks=n, lease_ms=lease_ms, multi=multi)
+
+    def parked_until(self, request_id: str) -> float | None:
+        """The lease end of a retained run the engine need not step for until then (see idle.py):
+        a multi-reader run, whose READ notices only count reads. None for anything else (a
+        single-use run is freed by its READ's notice, which only an engine step picks up)."""
+        run = self._retained.get(request_id)
+        return run.deadline if run is not None and run.multi else None
 
     def released(self, finished_sending: set[str]) -> None:
         now = time.perf_counter()

@@ -3,7 +3,8 @@
 vLLM calls the hooks below; each hands the work to the role it belongs to: :class:`PrefillSide`
 (look up, pull or recompute, record the outcome) or :class:`DecodeSide` (announce and release
 retained runs). Only public KV-connector hooks are overridden here; the overrides of vLLM's
-private methods are all in :mod:`.worker`.
+private methods are in :mod:`.worker` (NIXL worker) and :mod:`.idle` (the engine loop's idle wait,
+installed from here: this half is built in the engine-core process before its loop starts).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
 
+from kvloop.agents.connector import idle
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
@@ -60,6 +62,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
         self.decode = DecodeSide(cfg, self.block_size, self._events.append)
+        if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
+            idle.install()
         self.prefill: PrefillSide | None = None
         kv_bytes = kv_bytes_per_block(kv_cache_config)
         if cfg.daemon and cfg.lookup and self.is_bidirectional_kv_xfer_enabled:
@@ -123,6 +127,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             # this engine holds the finished request's blocks for a reverse pull
             self.decode.announce(request, out, self.decoder_kv_blocks_ttl)
         return delay, out
+
+    def parked_until(self, request_id: str) -> float | None:
+        """For the engine loop's idle wait (idle.py): until when the finished request
+        ``request_id``, whose blocks this connector holds, needs no engine step."""
+        return self.decode.parked_until(request_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

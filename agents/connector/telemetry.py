@@ -166,6 +166,11 @@ SPECS = (
     MetricSpec("released_runs", "counter", "Retained runs released", ("reason",)),
     MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
     MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
+    MetricSpec(
+        "idle_wakeups",
+        "counter",
+        "Times kvloop woke an engine loop that slept while holding retained runs (a lease ended)",
+    ),
 )
 SPEC_BY_KEY = {spec.key: spec for spec in SPECS}
 _METRICS = {spec.key: Metric(spec) for spec in SPECS}
@@ -181,6 +186,7 @@ RETAINED_BLOCKS = _METRICS["retained_blocks"]
 RELEASED = _METRICS["released_runs"]
 READS_SERVED = _METRICS["reads_served"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
+IDLE_WAKEUPS = _METRICS["idle_wakeups"]
 
 # A finished step recorded with child_span() also feeds its latency histogram (a failed step,
 # attribute kvloop.ok false, does not).

@@ -104,6 +104,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._multi_reader: set[str] = set()
         self.kvloop_reads: Counter[str] = Counter()
+        # Engine steps this worker saw (vLLM asks for transfer results once per step, idle or not).
+        self.kvloop_steps = 0
         # Prefill role: local perf_counter deadline of each pending kvloop pull.
         self._pull_deadlines: dict[str, float] = {}
         # Prefill role: NIXL's timing of each finished READ, for the scheduler (take_worker_meta).
@@ -203,6 +205,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         return KvloopWorkerMetadata(reads)
 
     def get_transfer_results(self) -> Any:
+        self.kvloop_steps += 1
         results = super().get_transfer_results()
         for req_id in results.finished_recving or ():
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted

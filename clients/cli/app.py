@@ -430,6 +430,68 @@ def bench_directory(
         console.print(table)
 
 
+@bench_app.command("idle")
+def bench_idle(
+    runs: Annotated[
+        list[int] | None, typer.Option("--runs", help="retained runs held on the decode (repeatable)")
+    ] = None,
+    window: Annotated[float, typer.Option(min=1, help="seconds at rest measured per N")] = 20.0,
+    tpot_tokens: Annotated[int, typer.Option(min=2, help="tokens per TPOT request")] = 64,
+    tpot_repeats: Annotated[int, typer.Option(min=1, help="TPOT requests per measurement")] = 7,
+    mode: Annotated[str, typer.Option(help="kvloop, builtin or recompute (see `kvloop engine`)")] = "kvloop",
+    workdir: Annotated[Path, typer.Option(help="engines' logs and results")] = Path(".kvloop-bench-idle"),
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/idle.json]"),
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """CPU of a served prefill + decode pair at rest while the decode holds N retained runs, per
+    process, and the decode's time per output token with 0 and with the most retained runs."""
+    from kvloop.clients.bench.idle import IdleConfig, run_idle_bench
+
+    if mode not in ("kvloop", "builtin", "recompute"):
+        raise typer.BadParameter(f"{mode!r}: choose kvloop, builtin or recompute", param_hint="--mode")
+    config = IdleConfig(
+        workdir=workdir.resolve(),
+        runs=tuple(runs or (0, 10, 100)),
+        window_s=window,
+        tpot_tokens=tpot_tokens,
+        tpot_repeats=tpot_repeats,
+        mode=mode,
+    )
+    result = run_idle_bench(config, progress=lambda line: err_console.print(f"[dim]{line}[/dim]"))
+    out = output or (config.workdir / "idle.json")
+    out.write_text(json.dumps(result, indent=2))
+    if state.json:
+        _emit_json(result)
+        return
+    groups = list(result["windows"][0]["cpu_percent"]) if result["windows"] else []
+    table = Table(title=f"kvloop bench idle ({mode}): % of one core at rest, {window:.0f} s per row")
+    table.add_column("retained runs", justify="right")
+    for g in groups:
+        table.add_column(g, justify="right")
+    for column in ("decode", "prefill", "all"):
+        table.add_column(column, justify="right")
+    for w in result["windows"]:
+        table.add_row(
+            str(w["runs"]),
+            *(f"{w['cpu_percent'].get(g, 0.0):.1f}" for g in groups),
+            *(f"{w[c]:.1f}" for c in ("decode", "prefill", "all")),
+        )
+    console.print(table)
+    for n, t in result["tpot_ms"].items():
+        samples = ", ".join(f"{s:.2f}" for s in t["samples"])
+        console.print(f"decode TPOT with {n} retained runs: median {t['median']:.2f} ms ({samples})")
+    if result["pull_from_resting_decode"]:
+        p = result["pull_from_resting_decode"]
+        console.print(
+            f"next turn of a run the resting decode holds: {p['path']} ({p['reason']}), "
+            f"{p['pulled_tokens']} of {p['prompt_tokens']} tokens pulled, prefill {p['prefill_ms']:.0f} ms"
+        )
+    console.print(f"results: {out}")
+
+
 @app.command()
 def proxy(
     prefill: Annotated[list[str], typer.Option(help="prefill vLLM server base URL (repeatable)")],

@@ -135,6 +135,16 @@ def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[f
     return out.tolist()
 
 
+def _connector_state(worker: Any) -> dict[str, Any]:
+    """The kvloop connector's worker half, read where it runs (through collective_rpc, so also in a
+    multiprocess engine's worker process): engine steps it saw, leases it holds (vLLM's
+    ``_reqs_to_send``: request id -> lease end, perf_counter) and READs it counted."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group().connector_worker  # type: ignore[attr-defined]
+    return {"steps": w.kvloop_steps, "leases": dict(w._reqs_to_send), "reads": dict(w.kvloop_reads)}
+
+
 def _kv_shapes(worker: Any) -> list[list[int]]:
     return [list(c.shape) for c in worker.model_runner.kv_caches]
 
@@ -309,6 +319,8 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                         },
                     )
                 )
+            elif cmd == "connector_state":
+                conn.send(("ok", llm.collective_rpc(_connector_state)[0]))
             elif cmd == "sleep":  # let the engine idle without stepping
                 time.sleep(args)
                 conn.send(("ok", None))

@@ -116,3 +116,64 @@ def test_outcome_fields_name_the_proto_enums():
         32,
     )
     assert set(PATH_NAMES) == {"transfer", "recompute", "local", "miss", "expired", "failed"}
+
+
+class _Request:
+    def __init__(self, finished: bool) -> None:
+        self.finished = finished
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+class _Connector:
+    def __init__(self, push: bool = False) -> None:
+        self.push = push
+
+    def has_pending_push_work(self) -> bool:
+        return self.push
+
+
+class _Scheduler:
+    """The parts of vLLM's Scheduler the idle wait reads."""
+
+    def __init__(self, requests: dict, unfinished: bool = False, finished_ids=(), push: bool = False):
+        self.requests = requests
+        self.unfinished = unfinished
+        self.finished_req_ids = set(finished_ids)
+        self.connector = _Connector(push)
+        self.ec_connector = None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+
+def test_the_engine_rests_only_while_it_holds_nothing_but_parked_runs():
+    from kvloop.agents.connector.idle import earliest_lease_end
+
+    parked = {"a": 105.0, "b": 103.0}.get  # request id -> lease end; others are not parked
+    held = {"a": _Request(True), "b": _Request(True)}
+    assert earliest_lease_end(_Scheduler(held), parked, now=100.0) == 103.0
+    assert earliest_lease_end(_Scheduler(held), parked, now=103.0) is None  # b's lease ended: step
+    assert earliest_lease_end(_Scheduler(held, unfinished=True), parked, now=100.0) is None
+    assert earliest_lease_end(_Scheduler(held, finished_ids={"a"}), parked, now=100.0) is None
+    assert earliest_lease_end(_Scheduler(held, push=True), parked, now=100.0) is None
+    single_use = {**held, "c": _Request(True)}  # not parked: freed by its READ's notice
+    assert earliest_lease_end(_Scheduler(single_use), parked, now=100.0) is None
+    running = {**held, "a": _Request(False)}
+    assert earliest_lease_end(_Scheduler(running), parked, now=100.0) is None
+
+
+def test_lease_timer_wakes_once_at_the_last_time_given():
+    import time
+
+    from kvloop.agents.connector.idle import LeaseTimer
+    from tests.support import wait_until
+
+    woken: list[float] = []
+    timer = LeaseTimer(lambda: woken.append(time.perf_counter()))
+    at = time.perf_counter() + 0.3
+    timer.wake_at(at + 5)
+    timer.wake_at(at)  # the loop re-arms with the current earliest lease end
+    wait_until(lambda: woken, 5, "the lease timer's wake-up", interval=0.01)
+    assert woken[0] >= at and len(woken) == 1
