@@ -160,4 +160,4 @@ def install() -> None:
         return run_busy_loop(self)
 
     run_busy_loop_with_idle_wait._kvloop_idle = True  # type: ignore[attr-defined]
-    EngineCoreProc.run_busy_loop = run_busy_loop_with_idle_wait  # type: ignore[method-assign]
+    EngineCoreProc.run_busy_loop = run_busy_loop_with_idle_wait
