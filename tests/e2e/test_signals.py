@@ -2,7 +2,7 @@
 engine-core processes, two sidecars, the proxy) and `kvloop engine` (one `vllm serve` + sidecar). After
 the signal, no process the launcher started may be left (found through /proc by an environment mark
 every descendant inherits). Every signal, and SIGKILL of the launcher, is checked on a cheap tree in
-tests/test_processes.py; here SIGTERM (demo), SIGHUP and SIGKILL (engine)."""
+tests/test_processes.py; here SIGTERM and SIGHUP (demo), SIGTERM, SIGINT, SIGHUP and SIGKILL (engine)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def kill_leftovers(mark: str) -> None:
             os.kill(proc.pid, signal.SIGKILL)
 
 
-def test_demo_keep_running_stops_everything_on_sigterm(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_demo_keep_running_stops_everything_on(sig, tmp_path):
     env, mark = marked_env()
     log = tmp_path / "demo.stderr"
     with log.open("w") as err:
@@ -80,14 +81,16 @@ def test_demo_keep_running_stops_everything_on_sigterm(tmp_path):
         assert len(groups) == 2 and all(len(members) >= 2 for members in groups.values()), procs
         names = " ".join(p.cmdline for p in procs)
         assert "kvloopd" in names and names.count("kvloop-agent") == 2 and " proxy " in names
-        demo.send_signal(signal.SIGTERM)
-        assert_all_gone(demo, mark, 128 + signal.SIGTERM, log)
-        assert "SIGTERM: stopping everything" in log.read_text()
+        demo.send_signal(sig)
+        assert_all_gone(demo, mark, 128 + sig, log)
+        assert f"{sig.name}: stopping everything" in log.read_text()
     finally:
         kill_leftovers(mark)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL], ids=lambda s: s.name
+)
 def test_engine_stops_vllm_and_sidecar(sig, tiny_model, daemon, tmp_path):
     env, mark = marked_env()
     log = tmp_path / "engine.stderr"
