@@ -297,7 +297,8 @@ class PrefillSide:
         rid = request.request_id
         lookup = self._lookups.pop(rid, None)
         if lookup is not None:  # aborted while its lookup ran: give back what the answer claimed
-            lookup.future.add_done_callback(self._release_unused)
+            # (off the engine loop: a done future runs its callback here and now)
+            lookup.future.add_done_callback(lambda future: self._pool.submit(self._release_unused, future))
         if rid in self._pulls:
             self._end_pull(rid, ok=False)
         self._report_prefill(request)
