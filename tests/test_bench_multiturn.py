@@ -131,6 +131,19 @@ vllm:num_requests_running{engine="0"} 3.0
     assert set(engine_totals("").values()) == {0.0}
 
 
+def test_decode_tpot_is_read_from_the_decode_engine():
+    from kvloop.clients.bench.multiturn import DECODE_SERIES, _transfer_columns
+
+    page = """# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.06
+vllm:request_time_per_output_token_seconds_count{engine="0",model_name="m"} 4.0
+"""
+    decode = engine_totals(page, DECODE_SERIES)
+    assert decode == {"decode_tpot_s": 0.06, "decode_requests": 4.0}
+    prefill = dict.fromkeys(("bytes", "xfer_s", "reads", "queue_s", "prefill_s", "e2e_s", "requests"), 0.0)
+    assert _transfer_columns(prefill | decode)["decode_tpot_ms_mean"] == 15.0
+
+
 def timed(arm: str, repeat: int, turn: int, ttft: float, prompt_tokens: int = 100) -> TurnSample:
     return TurnSample(arm, "plain", 1, 0, turn, prompt_tokens, ttft, 0, "recompute", "", repeat)
 

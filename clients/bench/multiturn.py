@@ -100,6 +100,12 @@ ENGINE_SERIES = {
     "vllm:e2e_request_latency_seconds_sum": "e2e_s",
     "vllm:e2e_request_latency_seconds_count": "requests",
 }
+# Read from each arm's decode engine: its time per output token (vLLM's own per-request figure), to
+# compare a decode that retains runs and serves READs (kvloop, builtin) with one that does not.
+DECODE_SERIES = {
+    "vllm:request_time_per_output_token_seconds_sum": "decode_tpot_s",
+    "vllm:request_time_per_output_token_seconds_count": "decode_requests",
+}
 
 
 @dataclass
@@ -145,13 +151,13 @@ def next_turn_messages(session: Session, answer: str, turn: int, workload: str, 
         del session.messages[2]
 
 
-def engine_totals(exposition: str) -> dict[str, float]:
-    """The ENGINE_SERIES sums and counts in a vLLM /metrics page, summed over its engines."""
-    totals = dict.fromkeys(ENGINE_SERIES.values(), 0.0)
+def engine_totals(exposition: str, series: dict[str, str] = ENGINE_SERIES) -> dict[str, float]:
+    """The `series` sums and counts in a vLLM /metrics page, summed over its engines."""
+    totals = dict.fromkeys(series.values(), 0.0)
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
-            if sample.name in ENGINE_SERIES:
-                totals[ENGINE_SERIES[sample.name]] += sample.value
+            if sample.name in series:
+                totals[series[sample.name]] += sample.value
     return totals
 
 
@@ -212,9 +218,15 @@ class ArmClient:
         self.computed.clear()
 
     def engine_totals(self) -> dict[str, float]:
-        return engine_totals(
-            urllib.request.urlopen(f"{self.prefill_url}/metrics", timeout=30).read().decode()
-        )
+        """ENGINE_SERIES of this arm's prefill engine and DECODE_SERIES of its decode engine."""
+
+        def page(url: str) -> str:
+            return urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+
+        totals = engine_totals(page(self.prefill_url))
+        if self.decode_url != self.prefill_url:  # the local arm's one engine is both
+            totals.update(engine_totals(page(self.decode_url), DECODE_SERIES))
+        return totals
 
     def sources(self, session: Session) -> list[list[int]]:
         """What a pull for this session may legitimately have read from."""
@@ -561,6 +573,8 @@ def _transfer_columns(totals: dict[str, float] | None) -> dict:
                 for phase in ("queue", "prefill", "e2e")
             }
         )
+    if totals.get("decode_requests"):
+        columns["decode_tpot_ms_mean"] = round(totals["decode_tpot_s"] * 1e3 / totals["decode_requests"], 2)
     return columns
 
 

@@ -710,6 +710,7 @@ def _print_multiturn(summary: dict) -> None:
         "of which READ",
         "prefill compute",
         "outside the engine",
+        "decode TPOT",
     ):
         table.add_column(column)
     for row in summary["rows"]:
@@ -724,6 +725,7 @@ def _print_multiturn(summary: dict) -> None:
                 _blank(row.get("nixl_read_ms_mean")),
                 f"{row['engine_prefill_ms_mean']:.0f}",
                 f"{ttft - row['engine_e2e_ms_mean']:.0f}",
+                _blank(row.get("decode_tpot_ms_mean")),
             )
     console.print(table)
     table = Table(title="paired per-turn ratios (same turn, same prompt)")
