@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 @dataclass
 class _Retained:
     deadline: float  # perf_counter
-    blocks: int
     multi: bool  # kept until the lease ends (not freed by a READ's notice)
 
 
@@ -46,7 +45,7 @@ class DecodeSide:
         rid = request.request_id
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
         multi = self.cfg.sharing == "multi"
-        self._retained[rid] = _Retained(deadline=deadline, blocks=n, multi=multi)
+        self._retained[rid] = _Retained(deadline=deadline, multi=multi)
         if multi:
             self.multi_reader_new.add(rid)
         if n <= 0:

@@ -22,6 +22,7 @@ from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, Look
 from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
 from kvloop.agents.connector.metadata import ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
+from kvloop.common.outcomes import path_name
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
 
@@ -161,7 +162,7 @@ class PrefillSide:
             outcome.matched_tokens = answer.matched_blocks * self.block_size
             if answer.holder is not None:
                 outcome.holder, outcome.holder_http = answer.holder.worker_id, answer.holder.http_endpoint
-        tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": outcome.fields()["path"]})
+        tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
         if answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
             count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
             if count:

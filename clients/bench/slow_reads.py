@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -131,6 +132,7 @@ def summarize(
     # the cheaper path: what the cost model must not do after a few slow READs.
     fooled = [r.turn for r in after_stalls if r.reason == "recompute_faster" and transferred_later]
     pair = next((p for p in pairs.pairs if p.puller_worker_id == "prefill-0"), None)
+    continuations = [r.ttft_ms for r in after_stalls if r.turn not in config.stalled_turns]
     return {
         "turns": [r.as_dict() | {"stalled": r.turn in config.stalled_turns} for r in results],
         "stalled_turns": list(config.stalled_turns),
@@ -152,15 +154,5 @@ def summarize(
             "verdicts": dict(pair.verdicts),
             "mean_wait_ms": pair.mean_wait_ms,
         },
-        "continuation_ttft_p50_ms": _median(
-            [r.ttft_ms for r in after_stalls if r.turn not in config.stalled_turns]
-        ),
+        "continuation_ttft_p50_ms": statistics.median(continuations) if continuations else None,
     }
-
-
-def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
