@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
 from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
-from kvloop.daemon.index.store import DirectoryStore
+from kvloop.daemon.index.store import BlockIndex
 from kvloop.v1 import directory_pb2 as pb
 
 
@@ -166,6 +166,16 @@ _UNSERVABLE = {
     "peer_unavailable": pb.DECISION_REASON_PEER_UNAVAILABLE,
     "incompatible_layout": pb.DECISION_REASON_INCOMPATIBLE_LAYOUT,
 }
+
+
+def _same_holding(a: PrefixMatch, b: PrefixMatch) -> bool:
+    if a.best is None or b.best is None:
+        return a.best is b.best
+    return (a.best.worker.worker_id, a.best.handle, a.best.matched_blocks) == (
+        b.best.worker.worker_id,
+        b.best.handle,
+        b.best.matched_blocks,
+    )
 
 
 def path_of(decision: int, reason: int) -> int:
@@ -296,21 +306,30 @@ class Policy:
     def config_for(self, model: str) -> PolicyConfig:
         return self.per_model.get(model, self.default)
 
-    def answer(self, store: DirectoryStore, query: LookupQuery, now: float) -> Answer:
+    async def answer(self, store: BlockIndex, query: LookupQuery, now: float) -> Answer:
         """The one function that decides a turn's path."""
         lookup = {
             "margin_s": query.lease_margin_s,
             "accept": lambda spec: layout_mismatch(KvLayout.of(spec), query.layout) is None,
         }
-        match = store.lookup(
+        match = await store.lookup(
             query.namespace, query.hashes, query.local_blocks, query.requester, now, claim=False, **lookup
         )
         verdict = self.decide(query, match, now)
         if verdict.decision == pb.DECISION_TRANSFER and query.claim and match.best and match.best.single_use:
-            # Claim only what is handed out; the same query again, now claiming (no await between).
-            match = store.lookup(
+            # Claim only what is handed out: the same query again, now claiming in one store step.
+            # Another puller may have claimed the run in between; then judge what is left.
+            claimed = await store.lookup(
                 query.namespace, query.hashes, query.local_blocks, query.requester, now, claim=True, **lookup
             )
+            if not _same_holding(claimed, match):
+                verdict = self.decide(query, claimed, now)
+                best = claimed.best
+                if verdict.decision != pb.DECISION_TRANSFER and best is not None and best.single_use:
+                    await store.release_claim(
+                        query.namespace, best.worker.worker_id, best.handle, query.requester
+                    )
+            match = claimed
         matched = match.best.matched_blocks if match.best else 0
         pulled = matched if verdict.decision == pb.DECISION_TRANSFER else 0
         return Answer(

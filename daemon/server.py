@@ -17,6 +17,7 @@ from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.index import MemoryStore
+from kvloop.daemon.index.instrumented import InstrumentedStore
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import Policy
 from kvloop.daemon.service import DirectoryService
@@ -47,7 +48,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     counters = DaemonCounters()
     interceptors = [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    store = MemoryStore(settings.index_config())
+    store = InstrumentedStore(MemoryStore(settings.index_config()))
     service = DirectoryService(
         store,
         Policy(settings.policy, settings.models),
@@ -110,7 +111,10 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     async def reaper() -> None:
         while True:
             await asyncio.sleep(settings.reap_interval_s)
-            service.reap()
+            try:
+                await service.reap()
+            except Exception:  # a store hiccup (a Redis failover) must not end reaping for good
+                log.exception("reaping failed; retrying next interval")
 
     reaping = asyncio.create_task(reaper())
     try:

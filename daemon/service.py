@@ -4,8 +4,8 @@ Authentication and per-role authorization run before any handler (:mod:`.auth`);
 stream's state machine is :mod:`.session`; proto <-> domain conversion and input validation are
 :mod:`.convert`; the path decision is ``Policy.answer`` (:mod:`.policy`); counters are
 :mod:`.metrics`. Every handler runs on one asyncio loop and never awaits between reading and
-changing the index, so each message is applied atomically (a single-use claim cannot be handed
-out twice).
+changing the index inside one store call, and the store makes each call atomic (a single-use claim
+cannot be handed out twice, on one replica or several).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 yield item
         finally:
             reader.cancel()
-            session.closed()
+            await session.closed()
 
     # ---- Lookup ------------------------------------------------------------------------------
 
@@ -92,12 +92,12 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 f"role {grant.role.value!r} may not claim retained runs (claim needs prefill)",
             )
         started = time.perf_counter()
-        model_spec = self.store.model_spec(request.model) if request.model else None
+        model_spec = await self.store.model_spec(request.model) if request.model else None
         try:
             query = convert.lookup_query(request, model_spec, self.max_hashes)
         except (BadInput, Refused) as exc:
             await self._refuse(context, "Lookup", exc)
-        answer = self.policy.answer(self.store, query, time.monotonic())
+        answer = await self.policy.answer(self.store, query, self.store.clock())
         response = convert.lookup_response(answer, query.block_size, request.pack_block_ids)
         elapsed = time.perf_counter() - started
         response.lookup_us = int(elapsed * 1e6)
@@ -137,7 +137,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "model, holder_worker_id and retention_handle must be set"
             )
-        released = self.store.release_claim(
+        released = await self.store.release_claim(
             Namespace(request.model, request.lora_name),
             request.holder_worker_id,
             request.retention_handle,
@@ -162,7 +162,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         return pb.ListWorkersResponse(
             workers=[
                 convert.worker_info(view, cost.prefill_tokens_per_s(view.spec.worker_id))
-                for view in self.store.workers(time.monotonic(), request.model)
+                for view in await self.store.workers(self.store.clock(), request.model)
             ]
         )
 
@@ -171,7 +171,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     ) -> pb.ListPairsResponse:
         response = self.policy.pairs()
         if request.model:
-            keep = {w.spec.worker_id for w in self.store.workers(time.monotonic(), request.model)}
+            keep = {w.spec.worker_id for w in await self.store.workers(self.store.clock(), request.model)}
             pairs = [p for p in response.pairs if p.holder_worker_id in keep or p.puller_worker_id in keep]
             pullers = [p for p in response.pullers if p.worker_id in keep]
             response = pb.ListPairsResponse(pairs=pairs, pullers=pullers)
@@ -184,26 +184,27 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             self.counters.rejected_message("FindBlock", "missing_field")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model and block_hash must be set")
         namespace = Namespace(request.model, request.lora_name)
-        found = self.store.find(namespace, request.block_hash, time.monotonic())
+        found = await self.store.find(namespace, request.block_hash, self.store.clock())
         return pb.FindBlockResponse(locations=[convert.block_location(loc) for loc in found])
 
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
         counters = self.counters
+        counts = await self.store.counts()
         return pb.GetStatsResponse(
-            workers=len(self.store.workers(time.monotonic())),
-            entries=self.store.entry_count(),
-            retained_runs=self.store.retained_run_count(),
-            events_ingested=self.store.events_ingested,
+            workers=len(await self.store.workers(self.store.clock())),
+            entries=counts.entries,
+            retained_runs=counts.retained_runs,
+            events_ingested=counts.events_ingested,
             lookups=counters.lookups,
             decisions=counters.decisions,
             resyncs=counters.resyncs,
-            evictions=self.store.evictions,
+            evictions=counts.evictions,
             rejected_messages=counters.rejected,
             max_entries=self.store.config.max_entries,
             uptime_seconds=time.monotonic() - self._started,
-            models=self.store.models(),
+            models=await self.store.models(),
         )
 
     async def Watch(
@@ -224,14 +225,14 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     async def DrainWorker(
         self, request: pb.DrainWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.DrainWorkerResponse:
-        if not self.store.set_draining(request.worker_id):
+        if not await self.store.set_draining(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
         session = self.sessions.live.get(request.worker_id)
         if session is not None:
             session.send(
                 pb.ConnectResponse(drain=pb.DrainRequest(reason=request.reason or "drained by admin"))
             )
-        spec = self.store.worker_spec(request.worker_id)
+        spec = await self.store.worker_spec(request.worker_id)
         self.changes.publish(
             Change("drain", request.worker_id, spec.model if spec else "", 0, request.reason)
         )
@@ -245,8 +246,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     # ---- maintenance -------------------------------------------------------------------------
 
-    def reap(self) -> None:
-        for change in self.store.reap(time.monotonic()):
+    async def reap(self) -> None:
+        for change in await self.store.reap(self.store.clock()):
             if change.kind == "expired":
                 metrics.EXPIRED_RUNS.inc()
             else:
@@ -254,10 +255,11 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                     "directory change", kind=change.kind, worker_id=change.worker_id, detail=change.detail
                 )
             self.changes.publish(change)
-        metrics.ENTRIES.set(self.store.entry_count())
-        self.counters.evictions(self.store.evictions)
+        counts = await self.store.counts()
+        metrics.ENTRIES.set(counts.entries)
+        self.counters.evictions(counts.evictions)
         states: dict[str, int] = {s.name.lower(): 0 for s in LeaseState}
-        for view in self.store.workers(time.monotonic()):
+        for view in await self.store.workers(self.store.clock()):
             states[view.state.name.lower()] += 1
         for state, count in states.items():
             metrics.WORKERS.labels(state).set(count)

@@ -2,15 +2,15 @@
 
 A stream is ``register`` first, then ``batch``es with per-worker sequence numbers, ``heartbeat``s
 and ``snapshot_begin`` ... ``snapshot_end`` resyncs. :meth:`AgentSession.handle` applies one
-message atomically (no await between reading and changing the store); its replies go to the
-session's outbox, which the Connect handler streams back. The one place a block event enters the
-index is :meth:`AgentSession._batch` -> ``DirectoryStore.apply``.
+message in turn (a stream's messages never overlap); its replies go to the session's outbox, which
+the Connect handler streams back. The one place a block event enters the index is
+:meth:`AgentSession._batch` -> ``DirectoryStore.apply``, which the store fences by the worker's
+(epoch, sequence): a replayed batch is a no-op, a skipped one is refused, whichever replica applies it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,7 +20,7 @@ import structlog
 from kvloop.common.security import TokenGrant
 from kvloop.daemon import metrics
 from kvloop.daemon.convert import BadInput, Refused, events_from_batch, spec_from_registration
-from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, WorkerSpec
+from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, Fence, WorkerSpec
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import CostModel
 from kvloop.daemon.watch import ChangeFeed
@@ -60,12 +60,12 @@ class AgentSession:
     def send(self, response: pb.ConnectResponse) -> None:
         self.outbox.put_nowait(response)
 
-    def handle(self, request: pb.ConnectRequest) -> None:
+    async def handle(self, request: pb.ConnectRequest) -> None:
         kind = request.WhichOneof("message")
-        now = time.monotonic()
         store = self.ctx.store
+        now = store.clock()
         if kind == "register":
-            self._register(request.register, now)
+            await self._register(request.register, now)
             return
         spec = self.spec
         if spec is None:
@@ -78,12 +78,12 @@ class AgentSession:
                 grpc.StatusCode.ABORTED, "this stream was superseded by a newer one for the same worker"
             )
         if kind == "heartbeat":
-            store.heartbeat(spec.worker_id, now)
+            await store.heartbeat(spec.worker_id, now)
             self.send(pb.ConnectResponse(heartbeat=pb.HeartbeatAck(sent_at_us=request.heartbeat.sent_at_us)))
         elif kind == "batch":
-            self._batch(request.batch, spec, now)
+            await self._batch(request.batch, spec, now)
         elif kind == "snapshot_begin":
-            store.begin_snapshot(spec.worker_id, now)
+            await store.begin_snapshot(spec.worker_id, now)
             self.in_snapshot = True
             self.ctx.counters.resync("snapshot")
             self.ctx.changes.publish(Change("resync", spec.worker_id, spec.model, 0, "snapshot started"))
@@ -91,7 +91,7 @@ class AgentSession:
             if not self.in_snapshot:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "snapshot_end without snapshot_begin")
             sequence = request.snapshot_end.sequence
-            store.end_snapshot(spec.worker_id, sequence, now)
+            await store.end_snapshot(spec.worker_id, sequence, now)
             self.in_snapshot = self.awaiting_resync = False
             self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=sequence)))
             self.ctx.changes.publish(Change("resync", spec.worker_id, spec.model, 0, "snapshot applied"))
@@ -99,7 +99,7 @@ class AgentSession:
         else:
             raise BadInput("empty", "ConnectRequest carries no message")
 
-    def _register(self, reg: pb.WorkerRegistration, now: float) -> None:
+    async def _register(self, reg: pb.WorkerRegistration, now: float) -> None:
         if self.spec is not None:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "this stream is already registered")
         spec = spec_from_registration(reg)
@@ -110,7 +110,7 @@ class AgentSession:
                 f"this token may only publish for worker {grant.worker_id!r}, not {spec.worker_id!r}",
             )
         try:
-            last, resync = self.ctx.store.register(spec, reg.last_sequence, now)
+            last, resync = await self.ctx.store.register(spec, reg.last_sequence, now)
         except DirectoryError as exc:
             raise Refused(_STATUS[exc.code], str(exc)) from None
         self.spec = spec
@@ -141,26 +141,33 @@ class AgentSession:
             peer=self.peer,
         )
 
-    def _batch(self, batch: pb.EventBatch, spec: WorkerSpec, now: float) -> None:
-        store = self.ctx.store
-        if not self.in_snapshot:
-            last = store.last_sequence(spec.worker_id)
-            if self.awaiting_resync:
-                metrics.BATCHES.labels("ignored_awaiting_resync").inc()
-                return
-            if batch.sequence <= last:
-                metrics.BATCHES.labels("duplicate").inc()
-                self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=last)))
-                return
-            if batch.sequence != last + 1:
-                self._request_resync(spec, last + 1, batch.sequence)
-                return
+    async def _batch(self, batch: pb.EventBatch, spec: WorkerSpec, now: float) -> None:
+        if not self.in_snapshot and self.awaiting_resync:
+            metrics.BATCHES.labels("ignored_awaiting_resync").inc()
+            return
         events, telemetry, counts = events_from_batch(batch, spec, self.ctx.max_hashes)
+        # One store call decides and applies: the fence (epoch, next sequence) is checked where the
+        # state lives, so two replicas (or a replay after a reconnect) never apply a batch twice.
+        applied = await self.ctx.store.apply(
+            spec.worker_id, spec.epoch, 0 if self.in_snapshot else batch.sequence, events, now
+        )
+        if applied.fence is Fence.DUPLICATE:
+            metrics.BATCHES.labels("duplicate").inc()
+            self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=applied.last_sequence)))
+            return
+        if applied.fence is Fence.GAP:
+            await self._request_resync(spec, applied.last_sequence + 1, batch.sequence)
+            return
+        if applied.fence is not Fence.APPLIED:
+            raise Refused(
+                grpc.StatusCode.ABORTED,
+                f"worker {spec.worker_id!r} epoch {spec.epoch} is no longer registered "
+                f"({applied.fence.value}): re-register",
+            )
         for event in telemetry:
             self._telemetry(event, spec)
         for kind, n in counts.items():
             metrics.EVENTS_INGESTED.labels(kind).inc(n)
-        store.apply(spec.worker_id, 0 if self.in_snapshot else batch.sequence, events, now)
         metrics.BATCHES.labels("applied").inc()
         if not self.in_snapshot:
             self.send(pb.ConnectResponse(ack=pb.BatchAck(sequence=batch.sequence)))
@@ -171,8 +178,8 @@ class AgentSession:
                     Change(type(event).__name__.lower(), spec.worker_id, spec.model, blocks)
                 )
 
-    def _request_resync(self, spec: WorkerSpec, expected: int, received: int) -> None:
-        self.ctx.store.mark_resyncing(spec.worker_id)
+    async def _request_resync(self, spec: WorkerSpec, expected: int, received: int) -> None:
+        await self.ctx.store.mark_resyncing(spec.worker_id)
         self.awaiting_resync = True
         self.ctx.counters.resync("sequence_gap")
         metrics.BATCHES.labels("gap").inc()
@@ -202,7 +209,7 @@ class AgentSession:
         """Apply the agent's messages until the stream ends or one is refused."""
         try:
             async for request in requests:
-                self.handle(request)
+                await self.handle(request)
             self.outbox.put_nowait(None)
         except BadInput as exc:
             self.ctx.counters.rejected_message("Connect", exc.reason)
@@ -224,13 +231,13 @@ class AgentSession:
             log.exception("agent stream failed", peer=self.peer)
             self.outbox.put_nowait(Refused(grpc.StatusCode.INTERNAL, "internal error handling agent stream"))
 
-    def closed(self) -> None:
+    async def closed(self) -> None:
         """The stream ended: the worker stays registered until its lease lapses."""
         spec = self.spec
         if spec is None or self.ctx.live.get(spec.worker_id) is not self:
             return
         del self.ctx.live[spec.worker_id]
-        self.ctx.store.disconnect(spec.worker_id, spec.epoch, time.monotonic())
+        await self.ctx.store.disconnect(spec.worker_id, spec.epoch, self.ctx.store.clock())
         metrics.CONNECTED_AGENTS.set(len(self.ctx.live))
         self.ctx.changes.publish(Change("disconnected", spec.worker_id, spec.model))
         log.info("agent disconnected", worker_id=spec.worker_id, peer=self.peer)

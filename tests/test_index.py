@@ -1,17 +1,18 @@
-"""The in-memory index against a plain model, plus its lease, epoch, expiry and bound rules."""
+"""The directory's behaviour, the same on every backend: lookups against a plain model, plus the
+lease, epoch, fence, expiry and bound rules (`store_factory` runs each test on each backend)."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvloop.daemon.index import (
     Cleared,
     DirectoryError,
+    Fence,
     IndexConfig,
     LeaseState,
-    MemoryStore,
     Namespace,
     Released,
     Removed,
@@ -19,9 +20,25 @@ from kvloop.daemon.index import (
     Stored,
     WorkerSpec,
 )
+from tests.store_backends import BACKENDS, open_store
 from tests.support import conversation
 
 NS = Namespace("m")
+
+
+@pytest.fixture(params=BACKENDS)
+async def make_store(request):
+    """Builds empty stores of one backend (closed after the test)."""
+    made = []
+
+    async def make(config: IndexConfig | None = None):
+        store = await open_store(request.param, config or IndexConfig(), request)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.close()
 
 
 def spec(worker_id: str, epoch: int = 1, model: str = "m", block_size: int = 16) -> WorkerSpec:
@@ -44,14 +61,14 @@ def retain(hashes, handle, ms=60_000, single_use=False, groups=1):
     return Retained(hashes, ids, groups, handle, ms, single_use)
 
 
-def test_longest_prefix_picks_longest_holder_and_its_block_ids():
-    store = MemoryStore()
-    store.register(spec("a"), 0, 0.0)
-    store.register(spec("b"), 0, 0.0)
+async def test_longest_prefix_picks_longest_holder_and_its_block_ids(make_store):
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
+    await store.register(spec("b"), 0, 0.0)
     prompt = conversation("c", 40)
-    store.apply("a", 1, [retain(prompt[:10], "ha")], 0.0)
-    store.apply("b", 1, [retain(prompt[:25] + conversation("other", 5), "hb", groups=2)], 0.0)
-    match = store.lookup(NS, prompt, 0, "p", 1.0, claim=False)
+    await store.apply("a", 1, 1, [retain(prompt[:10], "ha")], 0.0)
+    await store.apply("b", 1, 1, [retain(prompt[:25] + conversation("other", 5), "hb", groups=2)], 0.0)
+    match = await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)
     assert match.best is not None and match.best.worker.worker_id == "b"
     assert match.best.matched_blocks == 25
     # group-major ids, truncated per group to the matched blocks
@@ -59,112 +76,175 @@ def test_longest_prefix_picks_longest_holder_and_its_block_ids():
     assert match.best.handle == "hb"
 
 
-def test_local_prefix_and_requester_are_respected():
-    store = MemoryStore()
-    store.register(spec("a"), 0, 0.0)
+async def test_local_prefix_and_requester_are_respected(make_store):
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
     prompt = conversation("c", 8)
-    store.apply("a", 1, [retain(prompt[:4], "h")], 0.0)
-    assert store.lookup(NS, prompt, 4, "p", 0.0, False).best is None
-    assert store.lookup(NS, prompt, 2, "p", 0.0, False).best.matched_blocks == 4
-    assert store.lookup(NS, prompt, 0, "a", 0.0, False).best is None  # never yourself
+    await store.apply("a", 1, 1, [retain(prompt[:4], "h")], 0.0)
+    assert (await store.lookup(NS, prompt, 4, "p", 0.0, False)).best is None
+    assert (await store.lookup(NS, prompt, 2, "p", 0.0, False)).best.matched_blocks == 4
+    assert (await store.lookup(NS, prompt, 0, "a", 0.0, False)).best is None  # never yourself
 
 
-def test_expiry_margin_and_reaping():
-    store = MemoryStore(IndexConfig(expiry_margin_s=2.0, lease_s=100))
-    store.register(spec("a"), 0, 0.0)
+async def test_expiry_margin_and_reaping(make_store):
+    store = await make_store(IndexConfig(expiry_margin_s=2.0, lease_s=100))
+    await store.register(spec("a"), 0, 0.0)
     prompt = conversation("c", 4)
-    store.apply("a", 1, [retain(prompt, "h", ms=5_000)], 0.0)
-    assert store.lookup(NS, prompt, 0, "p", 2.9, False).best is not None
-    match = store.lookup(NS, prompt, 0, "p", 3.1, False)  # 1.9 s left < 2 s margin
+    await store.apply("a", 1, 1, [retain(prompt, "h", ms=5_000)], 0.0)
+    assert (await store.lookup(NS, prompt, 0, "p", 2.9, False)).best is not None
+    match = await store.lookup(NS, prompt, 0, "p", 3.1, False)  # 1.9 s left < 2 s margin
     assert match.best is None and match.unservable_reason == "expired"
-    changes = store.reap(5.0)
+    changes = await store.reap(5.0)
     assert [c.kind for c in changes] == ["expired"]
-    assert store.entry_count() == 0
-    assert store.lookup(NS, prompt, 0, "p", 5.0, False).unservable_reason is None
+    assert (await store.counts()).entries == 0
+    assert (await store.lookup(NS, prompt, 0, "p", 5.0, False)).unservable_reason is None
 
 
-def test_worker_lease_lapse_stops_serving_then_drops():
-    store = MemoryStore(IndexConfig(lease_s=1.0, drop_after_s=3.0))
-    store.register(spec("a"), 0, 0.0)
+async def test_worker_lease_lapse_stops_serving_then_drops(make_store):
+    store = await make_store(IndexConfig(lease_s=1.0, drop_after_s=3.0))
+    await store.register(spec("a"), 0, 0.0)
     prompt = conversation("c", 4)
-    store.apply("a", 1, [retain(prompt, "h")], 0.0)
-    assert store.lookup(NS, prompt, 0, "p", 0.9, False).best is not None
-    assert store.lookup(NS, prompt, 0, "p", 1.5, False).unservable_reason == "peer_unavailable"
-    assert [c.kind for c in store.reap(1.5)] == ["lease"]
-    assert store.workers(1.5)[0].state == LeaseState.EXPIRED
-    store.heartbeat("a", 1.6)  # a late heartbeat revives it
-    assert store.lookup(NS, prompt, 0, "p", 1.7, False).best is not None
-    assert [c.kind for c in store.reap(5.0)] == ["lease", "dropped"]
-    assert store.workers(5.0) == [] and store.entry_count() == 0
+    await store.apply("a", 1, 1, [retain(prompt, "h")], 0.0)
+    assert (await store.lookup(NS, prompt, 0, "p", 0.9, False)).best is not None
+    assert (await store.lookup(NS, prompt, 0, "p", 1.5, False)).unservable_reason == "peer_unavailable"
+    assert [c.kind for c in await store.reap(1.5)] == ["lease"]
+    assert (await store.workers(1.5))[0].state == LeaseState.EXPIRED
+    await store.heartbeat("a", 1.6)  # a late heartbeat revives it
+    assert (await store.lookup(NS, prompt, 0, "p", 1.7, False)).best is not None
+    assert [c.kind for c in await store.reap(5.0)] == ["lease", "dropped"]
+    assert await store.workers(5.0) == [] and (await store.counts()).entries == 0
 
 
-def test_new_epoch_replaces_state_atomically_and_live_duplicate_is_refused():
-    store = MemoryStore(IndexConfig(lease_s=5))
-    store.register(spec("a", epoch=1), 0, 0.0)
+async def test_new_epoch_replaces_state_atomically_and_live_duplicate_is_refused(make_store):
+    store = await make_store(IndexConfig(lease_s=5))
+    await store.register(spec("a", epoch=1), 0, 0.0)
     prompt = conversation("c", 4)
-    store.apply("a", 1, [retain(prompt, "h")], 0.0)
+    await store.apply("a", 1, 1, [retain(prompt, "h")], 0.0)
     with pytest.raises(DirectoryError) as refused:
-        store.register(spec("a", epoch=2), 0, 1.0)  # first stream still alive
+        await store.register(spec("a", epoch=2), 0, 1.0)  # first stream still alive
     assert refused.value.code == "ALREADY_EXISTS"
-    store.disconnect("a", 1, 1.0)
-    assert store.register(spec("a", epoch=2), 0, 1.0) == (0, False)
-    assert store.lookup(NS, prompt, 0, "p", 1.0, False).best is None
-    assert store.entry_count() == 0
+    await store.disconnect("a", 1, 1.0)
+    assert await store.register(spec("a", epoch=2), 0, 1.0) == (0, False)
+    assert (await store.lookup(NS, prompt, 0, "p", 1.0, False)).best is None
+    assert (await store.counts()).entries == 0
 
 
-def test_same_epoch_reconnect_keeps_state_and_daemon_restart_needs_resync():
-    store = MemoryStore()
-    store.register(spec("a", epoch=7), 0, 0.0)
-    store.apply("a", 1, [retain(conversation("c", 2), "h")], 0.0)
-    store.disconnect("a", 7, 0.5)
-    assert store.register(spec("a", epoch=7), 1, 0.6) == (1, False)
-    fresh = MemoryStore()
-    assert fresh.register(spec("a", epoch=7), 5, 0.0) == (0, True)
+async def test_same_epoch_reconnect_keeps_state_and_daemon_restart_needs_resync(make_store):
+    store = await make_store()
+    await store.register(spec("a", epoch=7), 0, 0.0)
+    await store.apply("a", 7, 1, [retain(conversation("c", 2), "h")], 0.0)
+    await store.disconnect("a", 7, 0.5)
+    assert await store.register(spec("a", epoch=7), 1, 0.6) == (1, False)
+    fresh = await make_store()
+    assert await fresh.register(spec("a", epoch=7), 5, 0.0) == (0, True)
 
 
-def test_incompatible_block_size_for_model_is_refused():
-    store = MemoryStore()
-    store.register(spec("a"), 0, 0.0)
+async def test_incompatible_block_size_for_model_is_refused(make_store):
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
     with pytest.raises(DirectoryError, match="block_size=16") as refused:
-        store.register(spec("b", block_size=32), 0, 0.0)
+        await store.register(spec("b", block_size=32), 0, 0.0)
     assert refused.value.code == "FAILED_PRECONDITION"
 
 
-def test_single_use_claim_is_handed_out_once():
-    store = MemoryStore()
-    store.register(spec("a"), 0, 0.0)
+async def test_single_use_claim_is_handed_out_once(make_store):
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
     prompt = conversation("c", 4)
-    store.apply("a", 1, [retain(prompt, "h", single_use=True)], 0.0)
-    assert store.lookup(NS, prompt, 0, "p", 0.0, claim=False).best is not None  # peeking does not claim
-    assert store.lookup(NS, prompt, 0, "p", 0.0, claim=True).best is not None
-    second = store.lookup(NS, prompt, 0, "p", 0.0, claim=True)
+    await store.apply("a", 1, 1, [retain(prompt, "h", single_use=True)], 0.0)
+    assert (
+        await store.lookup(NS, prompt, 0, "p", 0.0, claim=False)
+    ).best is not None  # peeking does not claim
+    assert (await store.lookup(NS, prompt, 0, "p", 0.0, claim=True)).best is not None
+    second = await store.lookup(NS, prompt, 0, "p", 0.0, claim=True)
     assert second.best is None and second.unservable_reason == "claimed"
 
 
-def test_memory_bound_evicts_oldest_runs():
-    store = MemoryStore(IndexConfig(max_entries=100))
-    store.register(spec("a"), 0, 0.0)
+async def test_memory_bound_evicts_oldest_runs(make_store):
+    store = await make_store(IndexConfig(max_entries=100))
+    await store.register(spec("a"), 0, 0.0)
     for i in range(5):
-        store.apply("a", i + 1, [retain(conversation(f"c{i}", 30), f"h{i}")], 0.0)
-    assert store.entry_count() <= 100
-    assert store.evictions >= 2
-    assert store.lookup(NS, conversation("c0", 30), 0, "p", 0.0, False).best is None
-    assert store.lookup(NS, conversation("c4", 30), 0, "p", 0.0, False).best.matched_blocks == 30
+        await store.apply("a", 1, i + 1, [retain(conversation(f"c{i}", 30), f"h{i}")], 0.0)
+    assert (await store.counts()).entries <= 100
+    assert (await store.counts()).evictions >= 2
+    assert (await store.lookup(NS, conversation("c0", 30), 0, "p", 0.0, False)).best is None
+    assert (await store.lookup(NS, conversation("c4", 30), 0, "p", 0.0, False)).best.matched_blocks == 30
 
 
-def test_stored_removed_cleared_and_released():
-    store = MemoryStore()
-    store.register(spec("a"), 0, 0.0)
+async def test_stored_removed_cleared_and_released(make_store):
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
     prompt = conversation("c", 6)
-    store.apply("a", 1, [Stored(prompt), retain(prompt[:3], "h")], 0.0)
-    assert store.entry_count() == 9
-    assert {loc.kind for loc in store.find(NS, prompt[0], 0.0)} == {"stored", "retained"}
-    store.apply("a", 2, [Removed(prompt[3:])], 0.0)
-    assert store.entry_count() == 6
-    store.apply("a", 3, [Released("h")], 0.0)
-    assert store.entry_count() == 3 and store.lookup(NS, prompt, 0, "p", 0.0, False).best is None
-    store.apply("a", 4, [Cleared()], 0.0)
-    assert store.entry_count() == 0
+    await store.apply("a", 1, 1, [Stored(prompt), retain(prompt[:3], "h")], 0.0)
+    assert (await store.counts()).entries == 9
+    assert {loc.kind for loc in await store.find(NS, prompt[0], 0.0)} == {"stored", "retained"}
+    await store.apply("a", 1, 2, [Removed(prompt[3:])], 0.0)
+    assert (await store.counts()).entries == 6
+    await store.apply("a", 1, 3, [Released("h")], 0.0)
+    assert (await store.counts()).entries == 3 and (
+        await store.lookup(NS, prompt, 0, "p", 0.0, False)
+    ).best is None
+    await store.apply("a", 1, 4, [Cleared()], 0.0)
+    assert (await store.counts()).entries == 0
+
+
+async def test_a_batch_is_fenced_by_epoch_and_sequence(make_store):
+    store = await make_store()
+    await store.register(spec("a", epoch=3), 0, 0.0)
+    first = conversation("c", 4)
+    applied = await store.apply("a", 3, 1, [retain(first, "h1")], 0.0)
+    assert (applied.fence, applied.last_sequence, applied.touched) == (Fence.APPLIED, 1, 4)
+    replay = await store.apply("a", 3, 1, [retain(conversation("x", 4), "hx")], 0.0)
+    assert (replay.fence, replay.last_sequence) == (Fence.DUPLICATE, 1)
+    gap = await store.apply("a", 3, 3, [retain(conversation("y", 4), "hy")], 0.0)
+    assert (gap.fence, gap.last_sequence) == (Fence.GAP, 1)
+    stale = await store.apply("a", 2, 2, [retain(conversation("z", 4), "hz")], 0.0)
+    assert stale.fence == Fence.STALE_EPOCH
+    assert (await store.apply("nobody", 1, 1, [], 0.0)).fence == Fence.UNKNOWN_WORKER
+    assert (await store.counts()).entries == 4  # only the first batch landed
+    assert await store.last_sequence("a") == 1
+    snapshot = await store.apply("a", 3, 0, [retain(conversation("s", 2), "hs")], 0.0)
+    assert snapshot.fence == Fence.APPLIED and snapshot.last_sequence == 1  # sequence 0: unfenced
+
+
+async def test_claim_release_and_runs_tail_and_find(make_store):
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
+    prompt = conversation("c", 3)
+    run = Retained(prompt, [7, 8, 9, 17, 18, 19], 2, "h", 60_000, True, "", 1, [5, 6], [10, 20])
+    await store.apply("a", 1, 1, [run], 0.0)
+    claimed = (await store.lookup(NS, prompt, 0, "p", 0.0, claim=True)).best
+    assert claimed is not None and claimed.single_use
+    assert list(claimed.tail_token_ids) == [5, 6] and list(claimed.tail_block_ids) == [10, 20]
+    assert claimed.expires_in_ms == 60_000 and claimed.num_groups == 2
+    assert await store.release_claim(NS, "a", "h", "other") is False  # only the claimant
+    assert await store.release_claim(NS, "a", "h", "p") is True
+    assert await store.release_claim(NS, "a", "h", "p") is False
+    partial = (await store.lookup(NS, prompt[:2] + conversation("z", 1), 0, "p", 1.0, claim=False)).best
+    assert partial is not None and list(partial.block_ids) == [7, 8, 17, 18] and not partial.tail_token_ids
+    (where,) = await store.find(NS, prompt[1], 1.0)
+    assert (where.worker_id, where.kind, where.position, where.block_ids) == ("a", "retained", 1, [8, 18])
+    assert where.servable and where.tier == 1 and where.handle == "h"
+    assert await store.find(Namespace("m", "lora"), prompt[1], 1.0) == []
+
+
+async def test_registry_views(make_store):
+    store = await make_store(IndexConfig(lease_s=5))
+    await store.register(spec("a"), 0, 0.0)
+    await store.register(spec("b", model="n"), 0, 0.0)
+    await store.apply("a", 1, 1, [Stored(conversation("s", 3)), retain(conversation("c", 2), "h")], 0.0)
+    assert await store.models() == ["m", "n"]
+    assert (await store.model_spec("n")).worker_id == "b"
+    assert await store.model_spec("x") is None
+    assert (await store.worker_spec("a")).kv_bytes_per_block == 1024
+    (a,) = await store.workers(1.0, "m")
+    assert (a.stored_blocks, a.retained_blocks, a.retained_runs, a.last_applied_sequence) == (3, 2, 1, 1)
+    assert a.state == LeaseState.ACTIVE and a.connected and a.events_ingested == 5
+    assert await store.set_draining("a") and not await store.set_draining("zz")
+    assert (await store.workers(1.0, "m"))[0].state == LeaseState.DRAINING
+    assert (await store.lookup(NS, conversation("c", 2), 0, "p", 1.0, False)).unservable_reason == (
+        "peer_unavailable"
+    )
 
 
 # ---- property test against a plain model ---------------------------------------------------
@@ -191,7 +271,7 @@ run_strategy = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ops=st.lists(
         st.one_of(
@@ -204,10 +284,10 @@ run_strategy = st.tuples(
     length=st.integers(1, 12),
     local=st.integers(0, 12),
 )
-def test_lookup_matches_plain_model(ops, trunk, length, local):
-    store = MemoryStore()
+async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local):
+    store = await make_store()
     for w in ("w1", "w2", "w3"):
-        store.register(spec(w), 0, 0.0)
+        await store.register(spec(w), 0, 0.0)
     model: dict[tuple[str, str], list[bytes]] = {}
     seq = {"w1": 0, "w2": 0, "w3": 0}
     for op, args in ops:
@@ -222,13 +302,13 @@ def test_lookup_matches_plain_model(ops, trunk, length, local):
             event = Released(f"h{handle}")
             model.pop((worker, f"h{handle}"), None)
         seq[worker] += 1
-        store.apply(worker, seq[worker], [event], 0.0)
+        await store.apply(worker, 1, seq[worker], [event], 0.0)
     prompt = TRUNKS[trunk][:length]
     local = min(local, length)
-    match = store.lookup(NS, prompt, local, "p", 0.0, claim=False)
+    match = await store.lookup(NS, prompt, local, "p", 0.0, claim=False)
     expected = model_longest(model, prompt, local)
     assert (match.best.matched_blocks if match.best else 0) == expected
     if match.best:
         held = model[(match.best.worker.worker_id, match.best.handle)]
         assert held[:expected] == prompt[:expected]
-    assert store.entry_count() == sum(len(set(h)) for h in model.values())
+    assert (await store.counts()).entries == sum(len(set(h)) for h in model.values())

@@ -1,6 +1,6 @@
 """The block directory: domain types, the storage interface and the in-memory index."""
 
-from kvloop.daemon.index.memory import IndexConfig, MemoryStore
+from kvloop.daemon.index.memory import MemoryStore
 from kvloop.daemon.index.model import (
     Change,
     Cleared,
@@ -17,14 +17,26 @@ from kvloop.daemon.index.model import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.index.store import DirectoryError, DirectoryStore
+from kvloop.daemon.index.store import (
+    Applied,
+    BlockIndex,
+    DirectoryError,
+    DirectoryStore,
+    Fence,
+    IndexConfig,
+    StoreCounts,
+    WorkerRegistry,
+)
 
 __all__ = [
+    "Applied",
+    "BlockIndex",
     "Change",
     "Cleared",
     "DirectoryError",
     "DirectoryStore",
     "Event",
+    "Fence",
     "Holding",
     "IndexConfig",
     "LeaseState",
@@ -35,7 +47,9 @@ __all__ = [
     "Released",
     "Removed",
     "Retained",
+    "StoreCounts",
     "Stored",
+    "WorkerRegistry",
     "WorkerSpec",
     "WorkerView",
 ]

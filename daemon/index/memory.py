@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from kvloop.daemon.index.model import (
     Change,
@@ -37,17 +37,7 @@ from kvloop.daemon.index.model import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.index.store import DirectoryError
-
-
-@dataclass(frozen=True, slots=True)
-class IndexConfig:
-    lease_s: float = 10.0
-    # A worker whose lease lapsed (or whose stream closed) is dropped after this long.
-    drop_after_s: float = 60.0
-    # Never hand out a retained run whose lease ends sooner than this.
-    expiry_margin_s: float = 2.0
-    max_entries: int = 4_000_000
+from kvloop.daemon.index.store import Applied, DirectoryError, Fence, IndexConfig, StoreCounts
 
 
 class _Run:
@@ -173,7 +163,11 @@ def _values(entry: int | list[int]) -> Iterable[int]:
 
 
 class MemoryStore:
-    """The DirectoryStore of a single kvloopd process (soft state rebuilt from agents)."""
+    """The DirectoryStore of a single kvloopd process (soft state rebuilt from agents).
+
+    Its coroutines never await, so each call is atomic on the event loop."""
+
+    name = "memory"
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
@@ -187,10 +181,26 @@ class MemoryStore:
         self._entries = 0
         self.evictions = 0
         self.events_ingested = 0
+        self.expired_runs = 0
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+    async def close(self) -> None:
+        pass
+
+    async def counts(self) -> StoreCounts:
+        return StoreCounts(
+            entries=self._entries,
+            retained_runs=len(self._runs),
+            events_ingested=self.events_ingested,
+            evictions=self.evictions,
+            expired_runs=self.expired_runs,
+        )
 
     # ---- registration and leases -------------------------------------------------------------
 
-    def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+    async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
         self._check_model_compatible(spec)
         worker = self._workers.get(spec.worker_id)
         if worker is not None and worker.connected and now - worker.last_seen <= self.config.lease_s:
@@ -239,34 +249,34 @@ class MemoryStore:
                 )
             return
 
-    def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
+    async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
         worker = self._workers.get(worker_id)
         if worker is not None and worker.spec.epoch == epoch:
             worker.connected = False
             worker.last_seen = now
 
-    def heartbeat(self, worker_id: str, now: float) -> None:
+    async def heartbeat(self, worker_id: str, now: float) -> None:
         worker = self._workers[worker_id]
         worker.last_seen = now
         if worker.state == LeaseState.EXPIRED:
             worker.state = LeaseState.ACTIVE
 
-    def last_sequence(self, worker_id: str) -> int:
+    async def last_sequence(self, worker_id: str) -> int:
         return self._workers[worker_id].last_sequence
 
-    def worker_spec(self, worker_id: str) -> WorkerSpec | None:
+    async def worker_spec(self, worker_id: str) -> WorkerSpec | None:
         worker = self._workers.get(worker_id)
         return worker.spec if worker else None
 
-    def model_spec(self, model: str) -> WorkerSpec | None:
+    async def model_spec(self, model: str) -> WorkerSpec | None:
         """Any registered worker of the model (they agree on block size and hash layout)."""
         return next((w.spec for w in self._workers.values() if w.spec.model == model), None)
 
-    def mark_resyncing(self, worker_id: str) -> None:
+    async def mark_resyncing(self, worker_id: str) -> None:
         worker = self._workers[worker_id]
         worker.state = LeaseState.RESYNCING
 
-    def set_draining(self, worker_id: str) -> bool:
+    async def set_draining(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
@@ -282,21 +292,32 @@ class MemoryStore:
 
     # ---- events ------------------------------------------------------------------------------
 
-    def begin_snapshot(self, worker_id: str, now: float) -> None:
+    async def begin_snapshot(self, worker_id: str, now: float) -> None:
         worker = self._workers[worker_id]
         self._purge(worker)
         worker.state = LeaseState.RESYNCING
         worker.resyncs += 1
         worker.last_seen = now
 
-    def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
+    async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
         worker = self._workers[worker_id]
         worker.last_sequence = sequence
         worker.state = LeaseState.ACTIVE
         worker.last_seen = now
 
-    def apply(self, worker_id: str, sequence: int, events: Sequence[Event], now: float) -> int:
-        worker = self._workers[worker_id]
+    async def apply(
+        self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
+    ) -> Applied:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return Applied(Fence.UNKNOWN_WORKER, 0)
+        if worker.spec.epoch != epoch:
+            return Applied(Fence.STALE_EPOCH, worker.last_sequence)
+        if sequence:
+            if sequence <= worker.last_sequence:
+                return Applied(Fence.DUPLICATE, worker.last_sequence)
+            if sequence != worker.last_sequence + 1:
+                return Applied(Fence.GAP, worker.last_sequence)
         touched = 0
         for event in events:
             kind = type(event)
@@ -319,7 +340,7 @@ class MemoryStore:
         self.events_ingested += touched
         if self._entries > self.config.max_entries:
             self._evict()
-        return touched
+        return Applied(Fence.APPLIED, worker.last_sequence, touched)
 
     def _index(self, namespace: Namespace) -> _NamespaceIndex:
         index = self._namespaces.get(namespace)
@@ -432,7 +453,7 @@ class MemoryStore:
             and worker.spec.worker_id != requester
         )
 
-    def lookup(
+    async def lookup(
         self,
         namespace: Namespace,
         hashes: Sequence[bytes],
@@ -524,7 +545,7 @@ class MemoryStore:
             return "incompatible_layout"
         return "peer_unavailable"
 
-    def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+    async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         """Give a single-use run back to every puller; only its claimant may. Idempotent."""
         worker = self._workers.get(holder)
         run = worker.runs.get(handle) if worker is not None else None
@@ -549,7 +570,7 @@ class MemoryStore:
             ),
         )
 
-    def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
+    async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
         ns = self._namespaces.get(namespace)
         if ns is None:
             return []
@@ -576,7 +597,7 @@ class MemoryStore:
             found.append(Location(worker.spec.worker_id, "stored", -1, [], "", 0, False, 0))
         return found
 
-    def workers(self, now: float, model: str = "") -> list[WorkerView]:
+    async def workers(self, now: float, model: str = "") -> list[WorkerView]:
         views = []
         for worker in self._workers.values():
             if model and worker.spec.model != model:
@@ -600,18 +621,12 @@ class MemoryStore:
             )
         return views
 
-    def models(self) -> list[str]:
+    async def models(self) -> list[str]:
         return sorted({w.spec.model for w in self._workers.values()})
-
-    def retained_run_count(self) -> int:
-        return len(self._runs)
-
-    def entry_count(self) -> int:
-        return self._entries
 
     # ---- maintenance -------------------------------------------------------------------------
 
-    def reap(self, now: float) -> list[Change]:
+    async def reap(self, now: float) -> list[Change]:
         changes: list[Change] = []
         heap = self._expiry_heap
         while heap and heap[0][0] <= now:
@@ -619,6 +634,7 @@ class MemoryStore:
             run = self._runs.get(rid)
             if run is not None:
                 blocks = self._drop_run(run)
+                self.expired_runs += 1
                 changes.append(
                     Change(
                         "expired",

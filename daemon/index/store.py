@@ -1,17 +1,26 @@
-"""The storage interface the service layer talks to.
+"""The storage interfaces the service layer talks to.
 
-The in-memory index implements it today; a replicated backend (Valkey, etcd + oplog) can implement
-the same calls without touching the gRPC service. All times are monotonic seconds supplied by the
-caller, so stores stay deterministic under test.
+Two halves, both asynchronous so a networked backend fits behind them:
+
+* :class:`WorkerRegistry`: who publishes (registration, leases, epochs, sequences, drain, reaping);
+* :class:`BlockIndex`: what they hold (applying event batches, longest-prefix lookup, find,
+  single-use claims, expiry and counts).
+
+A backend implements both over one shared state (:class:`DirectoryStore`): the in-memory index
+(:mod:`.memory`) and Redis (:mod:`.redis`). Metrics and tracing wrap any backend
+(:mod:`.instrumented`) rather than living inside one.
+
+Times are seconds on the store's own clock (:meth:`WorkerRegistry.clock`), supplied by the caller
+so stores stay deterministic under test: the in-memory store uses the process's monotonic clock;
+a store shared by several processes needs one they all agree on (wall time).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from kvloop.daemon.index.memory import IndexConfig
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
 
 from kvloop.daemon.index.model import (
     Change,
@@ -24,6 +33,16 @@ from kvloop.daemon.index.model import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class IndexConfig:
+    lease_s: float = 10.0
+    # A worker whose lease lapsed (or whose stream closed) is dropped after this long.
+    drop_after_s: float = 60.0
+    # Never hand out a retained run whose lease ends sooner than this.
+    expiry_margin_s: float = 2.0
+    max_entries: int = 4_000_000
+
+
 class DirectoryError(Exception):
     """A request the directory refuses; `code` names the gRPC status the service maps it to."""
 
@@ -32,39 +51,78 @@ class DirectoryError(Exception):
         self.code = code
 
 
-class DirectoryStore(Protocol):
-    config: IndexConfig
-    evictions: int  # entries evicted by the memory bound so far
-    events_ingested: int  # block events applied so far
+class Fence(Enum):
+    """What :meth:`BlockIndex.apply` did with a batch, judged against the worker's (epoch, sequence)."""
 
-    def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # sequence already applied: a replay, a no-op
+    GAP = "gap"  # sequence skips ahead: nothing applied, the agent must resync
+    STALE_EPOCH = "stale_epoch"  # the worker re-registered under another epoch since
+    UNKNOWN_WORKER = "unknown_worker"
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    fence: Fence
+    last_sequence: int  # the worker's last applied sequence after this call
+    touched: int = 0  # block entries touched
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCounts:
+    entries: int  # block entries (hash x holder)
+    retained_runs: int
+    events_ingested: int  # block events applied so far
+    evictions: int  # entries evicted by the memory bound so far
+    expired_runs: int  # retained runs dropped at lease end so far
+
+
+class WorkerRegistry(Protocol):
+    config: IndexConfig
+
+    def clock(self) -> float:
+        """Now, in the seconds every call of this store takes."""
+
+    async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
         """Register or re-register a worker. Returns (last applied sequence, resync required).
 
-        A new epoch atomically drops the worker's previous state.
-        """
+        A new epoch atomically drops the worker's previous state."""
 
-    def disconnect(self, worker_id: str, epoch: int, now: float) -> None: ...
+    async def disconnect(self, worker_id: str, epoch: int, now: float) -> None: ...
 
-    def heartbeat(self, worker_id: str, now: float) -> None: ...
+    async def heartbeat(self, worker_id: str, now: float) -> None: ...
 
-    def apply(self, worker_id: str, sequence: int, events: Sequence[Event], now: float) -> int:
-        """Apply one validated batch; returns block entries touched."""
+    async def last_sequence(self, worker_id: str) -> int: ...
 
-    def begin_snapshot(self, worker_id: str, now: float) -> None: ...
+    async def model_spec(self, model: str) -> WorkerSpec | None: ...
 
-    def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None: ...
+    async def worker_spec(self, worker_id: str) -> WorkerSpec | None: ...
 
-    def last_sequence(self, worker_id: str) -> int: ...
+    async def mark_resyncing(self, worker_id: str) -> None: ...
 
-    def model_spec(self, model: str) -> WorkerSpec | None: ...
+    async def set_draining(self, worker_id: str) -> bool: ...
 
-    def worker_spec(self, worker_id: str) -> WorkerSpec | None: ...
+    async def workers(self, now: float, model: str = "") -> list[WorkerView]: ...
 
-    def mark_resyncing(self, worker_id: str) -> None: ...
+    async def models(self) -> list[str]: ...
 
-    def set_draining(self, worker_id: str) -> bool: ...
+    async def reap(self, now: float) -> list[Change]:
+        """Expire retained runs and worker leases, drop long-dead workers; returns what changed."""
 
-    def lookup(
+
+class BlockIndex(Protocol):
+    async def apply(
+        self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
+    ) -> Applied:
+        """Apply one validated batch if ``sequence`` is the worker's next one under ``epoch``.
+
+        ``sequence`` 0 applies unconditionally (a snapshot's batches); a replayed batch is a no-op."""
+
+    async def begin_snapshot(self, worker_id: str, now: float) -> None: ...
+
+    async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None: ...
+
+    async def lookup(
         self,
         namespace: Namespace,
         hashes: Sequence[bytes],
@@ -75,20 +133,24 @@ class DirectoryStore(Protocol):
         *,
         margin_s: float = 0.0,
         accept: Callable[[WorkerSpec], bool] | None = None,
-    ) -> PrefixMatch: ...
+    ) -> PrefixMatch:
+        """The longest prefix one servable run holds beyond ``local_blocks``.
 
-    def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+        A run is servable when its lease outlives ``max(expiry_margin_s, margin_s)``, it is not
+        claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
+        check) takes its worker. With ``claim`` a single-use best run is claimed in the same step."""
+
+    async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         """Give back a single-use run claimed by ``requester``; False when it holds no such claim."""
 
-    def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]: ...
+    async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]: ...
 
-    def workers(self, now: float, model: str = "") -> list[WorkerView]: ...
+    async def counts(self) -> StoreCounts: ...
 
-    def reap(self, now: float) -> list[Change]:
-        """Expire leases and retained runs, drop long-dead workers; returns what changed."""
 
-    def entry_count(self) -> int: ...
+class DirectoryStore(WorkerRegistry, BlockIndex, Protocol):
+    """One backend: both halves over one state."""
 
-    def retained_run_count(self) -> int: ...
+    name: str  # "memory", "redis": the label metrics and spans carry
 
-    def models(self) -> list[str]: ...
+    async def close(self) -> None: ...

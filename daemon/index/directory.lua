@@ -1,0 +1,503 @@
+#!lua name=kvloop_directory
+--[[
+kvloop's block directory on Redis (>= 7.0): every call that reads and changes the directory is one
+function, so it is atomic, replicated and persisted with the data (unlike EVALSHA's script cache).
+
+Keys of one model share the hash tag of `base` ("kvl:{<model tag>}:"), so one call touches one slot.
+Per model:  base.."w:"..W       hash  one worker: epoch, seq, state, seen, spec, layout, counters
+            base.."alive:"..W   string its epoch while a stream is attached, PX = lease
+            base.."workers"     set   worker ids
+            base.."wr:"..W      hash  retention handle -> run key (the worker's runs: no SCAN to clear)
+            base.."wns:"..W     set   namespaces the worker stored blocks in
+            base.."exp"         zset  run key by deadline;  base.."age": run key by creation order
+            base.."stats"       hash  entries, runs, events, evictions, expired;  base.."next": run ids
+Per namespace P = base..<lora hex>..":":
+            P.."ret"            hash  block hash -> run id, or "id,id,..." when runs share the block
+            P.."sto"            hash  block hash -> worker ids ("\n"-separated) holding it in prefix cache
+            P.."ws:"..W         set   the worker's stored block hashes
+            P.."run:"..id       hash  w, h (handle), hs (hashes, concatenated), hl (hash length), n,
+                                      ids (uint32 LE, group-major), g, dl (deadline), su, cl (claimant),
+                                      tier, tt / tb (partly filled last block), p (namespace)
+States: 1 active, 2 resyncing, 3 expired, 4 draining (kvloop.v1.LeaseState).
+--]]
+
+local ACTIVE, RESYNCING, EXPIRED = '1', '2', '3'
+
+local function split(value, sep)
+  local out = {}
+  if not value then return out end
+  local start = 1
+  while true do
+    local i = string.find(value, sep, start, true)
+    if not i then
+      out[#out + 1] = string.sub(value, start)
+      return out
+    end
+    out[#out + 1] = string.sub(value, start, i - 1)
+    start = i + #sep
+  end
+end
+
+-- Remove `member` from the separated list in hash field `field`; true when it was there.
+local function discard(key, field, member, sep)
+  local current = redis.call('HGET', key, field)
+  if not current then return false end
+  if current == member then
+    redis.call('HDEL', key, field)
+    return true
+  end
+  local items, kept, found = split(current, sep), {}, false
+  for _, item in ipairs(items) do
+    if item == member and not found then found = true else kept[#kept + 1] = item end
+  end
+  if not found then return false end
+  redis.call('HSET', key, field, table.concat(kept, sep))
+  return true
+end
+
+local function stat(base, field, by)
+  if by ~= 0 then redis.call('HINCRBY', base .. 'stats', field, by) end
+end
+
+local function drop_run(base, runkey)
+  local run = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'p')
+  if not run[1] then return 0 end
+  local w, handle, hs, hl, n, p = run[1], run[2], run[3], tonumber(run[4]), tonumber(run[5]), run[6]
+  local rid = string.match(runkey, '(%d+)$')
+  local ret, removed = p .. 'ret', 0
+  for i = 0, n - 1 do
+    if discard(ret, string.sub(hs, i * hl + 1, (i + 1) * hl), rid, ',') then removed = removed + 1 end
+  end
+  if redis.call('HGET', base .. 'wr:' .. w, handle) == runkey then redis.call('HDEL', base .. 'wr:' .. w, handle) end
+  redis.call('HINCRBY', base .. 'w:' .. w, 'rblocks', -n)
+  redis.call('ZREM', base .. 'exp', runkey)
+  redis.call('ZREM', base .. 'age', runkey)
+  redis.call('DEL', runkey)
+  stat(base, 'entries', -removed)
+  stat(base, 'runs', -1)
+  return n
+end
+
+local function purge(base, w)
+  local touched = 0
+  local runs = redis.call('HVALS', base .. 'wr:' .. w)
+  for _, runkey in ipairs(runs) do touched = touched + drop_run(base, runkey) end
+  local removed = 0
+  for _, p in ipairs(redis.call('SMEMBERS', base .. 'wns:' .. w)) do
+    local ws, sto = p .. 'ws:' .. w, p .. 'sto'
+    for _, h in ipairs(redis.call('SMEMBERS', ws)) do
+      if discard(sto, h, w, '\n') then removed = removed + 1 end
+    end
+    redis.call('DEL', ws)
+  end
+  redis.call('DEL', base .. 'wns:' .. w, base .. 'wr:' .. w)
+  if redis.call('EXISTS', base .. 'w:' .. w) == 1 then
+    redis.call('HSET', base .. 'w:' .. w, 'rblocks', 0, 'sblocks', 0)
+  end
+  stat(base, 'entries', -removed)
+  return touched + removed
+end
+
+local function drop_worker(base, w)
+  purge(base, w)
+  redis.call('DEL', base .. 'w:' .. w, base .. 'alive:' .. w)
+  redis.call('SREM', base .. 'workers', w)
+end
+
+-- register(keys: worker) base, w, epoch, last_sequence, now, lease_s, lease_ms, spec, layout
+local function register(keys, args)
+  local base, w, epoch, last_sequence = args[1], args[2], args[3], tonumber(args[4])
+  local now, lease_s, lease_ms, spec, layout = tonumber(args[5]), tonumber(args[6]), args[7], args[8], args[9]
+  local wkey, alive = keys[1], base .. 'alive:' .. w
+  for _, other in ipairs(redis.call('SMEMBERS', base .. 'workers')) do
+    if other ~= w then
+      local theirs = redis.call('HMGET', base .. 'w:' .. other, 'layout')[1]
+      if theirs and theirs ~= layout then return {'incompatible', other, theirs} end
+      if theirs then break end
+    end
+  end
+  local cur = redis.call('HMGET', wkey, 'epoch', 'seq', 'state', 'seen')
+  if cur[1] then
+    local idle = now - tonumber(cur[4])
+    if redis.call('EXISTS', alive) == 1 and idle <= lease_s then
+      return {'busy', cur[1], tostring(idle)}
+    end
+    if cur[1] == epoch then
+      redis.call('HSET', wkey, 'spec', spec, 'layout', layout, 'seen', args[5])
+      redis.call('SET', alive, epoch, 'PX', lease_ms)
+      local seq = tonumber(cur[2])
+      if last_sequence < seq then
+        purge(base, w)
+        redis.call('HSET', wkey, 'state', RESYNCING)
+        return {'ok', 0, 1}
+      end
+      local state = cur[3]
+      if state ~= RESYNCING then redis.call('HSET', wkey, 'state', ACTIVE) end
+      return {'ok', seq, state == RESYNCING and 1 or 0}
+    end
+    drop_worker(base, w)
+  end
+  local state = last_sequence > 0 and RESYNCING or ACTIVE
+  redis.call('HSET', wkey, 'epoch', epoch, 'seq', 0, 'state', state, 'seen', args[5], 'spec', spec,
+    'layout', layout, 'resyncs', 0, 'events', 0, 'rblocks', 0, 'sblocks', 0)
+  redis.call('SADD', base .. 'workers', w)
+  redis.call('SET', alive, epoch, 'PX', lease_ms)
+  return {'ok', 0, last_sequence > 0 and 1 or 0}
+end
+
+-- disconnect(keys: worker) base, w, epoch, now
+local function disconnect(keys, args)
+  if redis.call('HGET', keys[1], 'epoch') == args[3] then
+    redis.call('DEL', args[1] .. 'alive:' .. args[2])
+    redis.call('HSET', keys[1], 'seen', args[4])
+  end
+  return 1
+end
+
+-- heartbeat(keys: worker) base, w, now, lease_ms
+local function heartbeat(keys, args)
+  local cur = redis.call('HMGET', keys[1], 'epoch', 'state')
+  if not cur[1] then return 0 end
+  redis.call('HSET', keys[1], 'seen', args[3])
+  if cur[2] == EXPIRED then redis.call('HSET', keys[1], 'state', ACTIVE) end
+  redis.call('SET', args[1] .. 'alive:' .. args[2], cur[1], 'PX', args[4])
+  return 1
+end
+
+-- snapshot(keys: worker) base, w, "begin"|"end", now, sequence
+local function snapshot(keys, args)
+  if redis.call('EXISTS', keys[1]) == 0 then return 0 end
+  if args[3] == 'begin' then
+    purge(args[1], args[2])
+    redis.call('HSET', keys[1], 'state', RESYNCING, 'seen', args[4])
+    redis.call('HINCRBY', keys[1], 'resyncs', 1)
+  else
+    redis.call('HSET', keys[1], 'seq', args[5], 'state', ACTIVE, 'seen', args[4])
+  end
+  return 1
+end
+
+local function evict(base, max_entries)
+  local target = math.floor(max_entries * 0.95)
+  local evicted = 0
+  local entries = tonumber(redis.call('HGET', base .. 'stats', 'entries') or '0')
+  while entries > target do
+    local oldest = redis.call('ZRANGE', base .. 'age', 0, 0)[1]
+    if not oldest then break end
+    drop_run(base, oldest)
+    evicted = evicted + 1
+    entries = tonumber(redis.call('HGET', base .. 'stats', 'entries'))
+  end
+  if entries > target then
+    for _, w in ipairs(redis.call('SMEMBERS', base .. 'workers')) do
+      for _, p in ipairs(redis.call('SMEMBERS', base .. 'wns:' .. w)) do
+        while entries > target do
+          local h = redis.call('SPOP', p .. 'ws:' .. w)
+          if not h then break end
+          if discard(p .. 'sto', h, w, '\n') then
+            entries = entries - 1
+            evicted = evicted + 1
+            stat(base, 'entries', -1)
+            redis.call('HINCRBY', base .. 'w:' .. w, 'sblocks', -1)
+          end
+        end
+      end
+    end
+  end
+  stat(base, 'evictions', evicted)
+end
+
+-- apply(keys: worker) base, w, epoch, sequence, now, lease_ms, max_entries, then events:
+--   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks
+--   'S' p hl hashes | 'D' p hl hashes | 'L' handle | 'C'
+local function apply(keys, args)
+  local base, w, epoch, sequence, now = args[1], args[2], args[3], tonumber(args[4]), tonumber(args[5])
+  local wkey = keys[1]
+  local cur = redis.call('HMGET', wkey, 'epoch', 'seq')
+  if not cur[1] then return {'unknown_worker', 0, 0} end
+  local last = tonumber(cur[2])
+  if cur[1] ~= epoch then return {'stale_epoch', last, 0} end
+  if sequence > 0 then
+    if sequence <= last then return {'duplicate', last, 0} end
+    if sequence ~= last + 1 then return {'gap', last, 0} end
+  end
+  local touched, added, i, n_args = 0, 0, 8, #args
+  local retained_blocks, stored_blocks, runs = 0, 0, 0
+  while i <= n_args do
+    local kind = args[i]
+    if kind == 'R' then
+      local p, hl, hs, handle = args[i + 1], tonumber(args[i + 2]), args[i + 3], args[i + 6]
+      local n = #hs / hl
+      local wr = base .. 'wr:' .. w
+      local previous = redis.call('HGET', wr, handle)
+      if previous then touched = touched + drop_run(base, previous) end
+      local rid = tostring(redis.call('INCR', base .. 'next'))
+      local runkey = p .. 'run:' .. rid
+      local ret = p .. 'ret'
+      for j = 0, n - 1 do
+        local h = string.sub(hs, j * hl + 1, (j + 1) * hl)
+        if redis.call('HSETNX', ret, h, rid) == 0 then
+          redis.call('HSET', ret, h, redis.call('HGET', ret, h) .. ',' .. rid)
+        end
+      end
+      added = added + n
+      local deadline = now + tonumber(args[i + 7]) / 1000
+      redis.call('HSET', runkey, 'w', w, 'h', handle, 'hs', hs, 'hl', hl, 'n', n, 'ids', args[i + 4],
+        'g', args[i + 5], 'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10],
+        'tb', args[i + 11], 'p', p)
+      redis.call('HSET', wr, handle, runkey)
+      redis.call('ZADD', base .. 'exp', deadline, runkey)
+      redis.call('ZADD', base .. 'age', tonumber(rid), runkey)
+      retained_blocks = retained_blocks + n
+      runs = runs + 1
+      touched = touched + n
+      i = i + 12
+    elseif kind == 'S' or kind == 'D' then
+      local p, hl, hs = args[i + 1], tonumber(args[i + 2]), args[i + 3]
+      local ws, sto, n = p .. 'ws:' .. w, p .. 'sto', #hs / hl
+      if kind == 'S' then
+        redis.call('SADD', base .. 'wns:' .. w, p)
+        for j = 0, n - 1 do
+          local h = string.sub(hs, j * hl + 1, (j + 1) * hl)
+          if redis.call('SADD', ws, h) == 1 then
+            if redis.call('HSETNX', sto, h, w) == 0 then
+              redis.call('HSET', sto, h, redis.call('HGET', sto, h) .. '\n' .. w)
+            end
+            added = added + 1
+            stored_blocks = stored_blocks + 1
+          end
+        end
+        touched = touched + n
+      else
+        local removed = 0
+        for j = 0, n - 1 do
+          local h = string.sub(hs, j * hl + 1, (j + 1) * hl)
+          if redis.call('SREM', ws, h) == 1 and discard(sto, h, w, '\n') then removed = removed + 1 end
+        end
+        added = added - removed
+        stored_blocks = stored_blocks - removed
+        touched = touched + removed
+      end
+      i = i + 4
+    elseif kind == 'L' then
+      local runkey = redis.call('HGET', base .. 'wr:' .. w, args[i + 1])
+      if runkey then touched = touched + drop_run(base, runkey) end
+      i = i + 2
+    elseif kind == 'C' then
+      touched = touched + purge(base, w)
+      retained_blocks, stored_blocks = 0, 0
+      i = i + 1
+    else
+      return redis.error_reply('kvloop: unknown event kind ' .. tostring(kind))
+    end
+  end
+  if sequence > 0 then
+    redis.call('HSET', wkey, 'seq', sequence)
+    last = sequence
+  end
+  redis.call('HSET', wkey, 'seen', args[5])
+  redis.call('HINCRBY', wkey, 'events', touched)
+  if retained_blocks ~= 0 then redis.call('HINCRBY', wkey, 'rblocks', retained_blocks) end
+  if stored_blocks ~= 0 then redis.call('HINCRBY', wkey, 'sblocks', stored_blocks) end
+  stat(base, 'entries', added)
+  stat(base, 'runs', runs)
+  stat(base, 'events', touched)
+  if tonumber(redis.call('HGET', base .. 'stats', 'entries') or '0') > tonumber(args[7]) then
+    evict(base, tonumber(args[7]))
+  end
+  return {'applied', last, touched}
+end
+
+-- lookup(keys: P.."ret") base, p, hashes, hl, local_blocks, requester, now, floor, lease_s, claim,
+--   excluded worker ids ("\n"-separated)
+-- The runs holding block i of a prompt also hold blocks 0..i-1 (chained hashes, runs start at block
+-- 0), so "some servable run holds block i" is monotone in i: a binary search finds the longest prefix.
+local function lookup(keys, args)
+  local base, p, hs, hl = args[1], args[2], args[3], tonumber(args[4])
+  local local_blocks, requester, now = tonumber(args[5]), args[6], tonumber(args[7])
+  local floor, lease_s, claim = tonumber(args[8]), tonumber(args[9]), args[10] == '1'
+  local excluded = {}
+  for _, w in ipairs(split(args[11] ~= '' and args[11] or nil, '\n')) do excluded[w] = true end
+  local ret = keys[1]
+  local n = #hs / hl
+  if local_blocks >= n then return {'none', ''} end
+  local runs, verdicts, live = {}, {}, {}
+
+  local function hash_at(i) return string.sub(hs, i * hl + 1, (i + 1) * hl) end
+  local function run(rid)
+    local r = runs[rid]
+    if r == nil then
+      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'hs')
+      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), hs = f[5]}
+      runs[rid] = r
+    end
+    return r
+  end
+  local function worker_live(w)
+    local v = live[w]
+    if v == nil then
+      local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen')
+      v = f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s
+        and redis.call('EXISTS', base .. 'alive:' .. w) == 1
+      live[w] = v
+    end
+    return v
+  end
+  local function servable(rid, ignore_exclusion)
+    local v = verdicts[rid]
+    if v == nil or ignore_exclusion then
+      local r = run(rid)
+      v = r.w ~= nil and r.dl > floor and not r.cl and r.w ~= requester and worker_live(r.w)
+      if not ignore_exclusion then
+        v = v and not excluded[r.w]
+        verdicts[rid] = v
+      end
+    end
+    return v
+  end
+  local function any_servable(i)
+    local entry = redis.call('HGET', ret, hash_at(i))
+    if not entry then return false end
+    for _, rid in ipairs(split(entry, ',')) do
+      if servable(rid) then return true end
+    end
+    return false
+  end
+
+  if not any_servable(local_blocks) then
+    local entry = redis.call('HGET', ret, hash_at(local_blocks))
+    if not entry then return {'none', ''} end
+    local held = split(entry, ',')
+    for _, rid in ipairs(held) do if run(rid).cl then return {'none', 'claimed'} end end
+    for _, rid in ipairs(held) do if run(rid).dl <= floor then return {'none', 'expired'} end end
+    for _, rid in ipairs(held) do
+      if excluded[run(rid).w] and servable(rid, true) then return {'none', 'incompatible_layout'} end
+    end
+    return {'none', 'peer_unavailable'}
+  end
+  local lo, hi = local_blocks, n - 1
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if any_servable(mid) then lo = mid else hi = mid - 1 end
+  end
+  local matched, at = lo + 1, hash_at(lo)
+  local candidates = {}
+  for _, rid in ipairs(split(redis.call('HGET', ret, at), ',')) do
+    local r = run(rid)
+    if servable(rid) and r.n >= matched and string.sub(r.hs, lo * hl + 1, (lo + 1) * hl) == at then
+      candidates[#candidates + 1] = rid
+    end
+  end
+  if #candidates == 0 then return {'none', ''} end
+  table.sort(candidates, function(a, b) return runs[a].dl > runs[b].dl end)
+  local out = {'found', matched}
+  for k = 1, math.min(#candidates, 8) do
+    local rid = candidates[k]
+    local runkey = p .. 'run:' .. rid
+    local f = redis.call('HMGET', runkey, 'h', 'ids', 'g', 'su', 'tt', 'tb')
+    local r, groups = runs[rid], tonumber(f[3])
+    if k == 1 and claim and f[4] == '1' then redis.call('HSET', runkey, 'cl', requester) end
+    local ids = f[2]
+    if matched < r.n then
+      local parts = {}
+      for g = 0, groups - 1 do
+        parts[#parts + 1] = string.sub(ids, g * r.n * 4 + 1, g * r.n * 4 + matched * 4)
+      end
+      ids = table.concat(parts)
+    end
+    local whole = matched == r.n
+    local epoch = redis.call('HGET', base .. 'w:' .. r.w, 'epoch')
+    out[#out + 1] = {r.w, epoch, f[1], math.max(0, math.floor((r.dl - now) * 1000)), ids, groups, f[4],
+      whole and f[5] or '', whole and f[6] or ''}
+  end
+  return out
+end
+
+-- release(keys: P..something) base, p, holder, handle, requester
+local function release(keys, args)
+  local base, p, holder, handle, requester = args[1], args[2], args[3], args[4], args[5]
+  local runkey = redis.call('HGET', base .. 'wr:' .. holder, handle)
+  if not runkey or redis.call('HGET', runkey, 'p') ~= p then return 0 end
+  if redis.call('HGET', runkey, 'cl') ~= requester then return 0 end
+  redis.call('HDEL', runkey, 'cl')
+  return 1
+end
+
+-- find(keys: P.."ret") base, p, hash, now, floor, lease_s
+local function find(keys, args)
+  local base, p, h, now, floor, lease_s = args[1], args[2], args[3], tonumber(args[4]), tonumber(args[5]),
+    tonumber(args[6])
+  local out = {}
+  for _, rid in ipairs(split(redis.call('HGET', p .. 'ret', h), ',')) do
+    local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'h', 'hs', 'hl', 'n', 'ids', 'g', 'dl', 'cl', 'tier')
+    local hl, n = tonumber(f[4]), tonumber(f[5])
+    local position = 0
+    for i = 0, n - 1 do
+      if string.sub(f[3], i * hl + 1, (i + 1) * hl) == h then position = i break end
+    end
+    local ids = {}
+    for g = 0, tonumber(f[7]) - 1 do
+      ids[#ids + 1] = string.sub(f[6], (g * n + position) * 4 + 1, (g * n + position) * 4 + 4)
+    end
+    local dl = tonumber(f[8])
+    local w = redis.call('HMGET', base .. 'w:' .. f[1], 'state', 'seen')
+    local servable = dl > floor and not f[9] and w[1] == ACTIVE and (now - tonumber(w[2])) <= lease_s
+      and redis.call('EXISTS', base .. 'alive:' .. f[1]) == 1
+    out[#out + 1] = {'retained', f[1], position, table.concat(ids), f[2], math.max(0, math.floor((dl - now) * 1000)),
+      servable and 1 or 0, tonumber(f[10])}
+  end
+  for _, w in ipairs(split(redis.call('HGET', p .. 'sto', h), '\n')) do
+    out[#out + 1] = {'stored', w}
+  end
+  return out
+end
+
+-- reap(keys: base.."exp") base, now, lease_s, drop_after_s
+local function reap(keys, args)
+  local base, now, lease_s, drop_after = args[1], tonumber(args[2]), tonumber(args[3]), tonumber(args[4])
+  local changes = {}
+  for _, runkey in ipairs(redis.call('ZRANGEBYSCORE', base .. 'exp', '-inf', args[2])) do
+    local f = redis.call('HMGET', runkey, 'w', 'h')
+    local blocks = drop_run(base, runkey)
+    if f[1] then
+      stat(base, 'expired', 1)
+      changes[#changes + 1] = {'expired', f[1], blocks, 'retention ' .. f[2] .. ' lease ended'}
+    end
+  end
+  for _, w in ipairs(redis.call('SMEMBERS', base .. 'workers')) do
+    local wkey = base .. 'w:' .. w
+    local f = redis.call('HMGET', wkey, 'state', 'seen', 'rblocks', 'sblocks')
+    local idle = now - tonumber(f[2])
+    local state = f[1]
+    if state == ACTIVE and idle > lease_s then
+      state = EXPIRED
+      redis.call('HSET', wkey, 'state', EXPIRED)
+      changes[#changes + 1] = {'lease', w, 0, string.format('no message for %.1fs: blocks no longer served', idle)}
+    end
+    local connected = redis.call('EXISTS', base .. 'alive:' .. w) == 1
+    if (not connected or state == EXPIRED) and idle > drop_after then
+      local blocks = tonumber(f[3]) + tonumber(f[4])
+      drop_worker(base, w)
+      changes[#changes + 1] = {'dropped', w, blocks, string.format('silent for %.1fs: entries dropped', idle)}
+    end
+  end
+  return changes
+end
+
+-- set_state(keys: worker) state ("resyncing" marks, "draining" drains); 0 when no such worker
+local function set_state(keys, args)
+  if redis.call('EXISTS', keys[1]) == 0 then return 0 end
+  redis.call('HSET', keys[1], 'state', args[1])
+  return 1
+end
+
+redis.register_function('kvl_register', register)
+redis.register_function('kvl_disconnect', disconnect)
+redis.register_function('kvl_heartbeat', heartbeat)
+redis.register_function('kvl_snapshot', snapshot)
+redis.register_function('kvl_apply', apply)
+redis.register_function{function_name = 'kvl_lookup', callback = lookup, flags = {}}
+redis.register_function('kvl_release', release)
+redis.register_function{function_name = 'kvl_find', callback = find, flags = {'no-writes'}}
+redis.register_function('kvl_reap', reap)
+redis.register_function('kvl_set_state', set_state)

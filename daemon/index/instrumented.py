@@ -1,0 +1,172 @@
+"""Metrics and tracing around any DirectoryStore backend (the backends themselves carry neither).
+
+Every call is timed into ``kvloop_store_call_seconds{backend, op}``; the calls a request waits on
+(lookup, claims, find, registration) also get a span ``kvloop.store.<op>`` with the attribute
+``kvloop.store.backend``. Ingest (apply, heartbeat) is timed but not traced: one span per event
+batch would cost more than the batch on the in-memory store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from opentelemetry import trace
+from prometheus_client import Histogram
+
+from kvloop.daemon.index.model import Change, Event, Location, Namespace, PrefixMatch, WorkerSpec, WorkerView
+from kvloop.daemon.index.store import Applied, DirectoryStore, IndexConfig, StoreCounts
+
+STORE_CALL = Histogram(
+    "kvloop_store_call_seconds",
+    "Time of one directory-store call, by backend and operation",
+    ["backend", "op"],
+    buckets=(5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 250e-3),
+)
+
+tracer = trace.get_tracer("kvloop.daemon.store")
+
+
+class InstrumentedStore:
+    """A DirectoryStore that times (and for request-path calls traces) every call of ``inner``."""
+
+    def __init__(self, inner: DirectoryStore) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.config: IndexConfig = inner.config
+        self._timers = {
+            op: STORE_CALL.labels(inner.name, op)
+            for op in (
+                "register",
+                "disconnect",
+                "heartbeat",
+                "last_sequence",
+                "model_spec",
+                "worker_spec",
+                "mark_resyncing",
+                "set_draining",
+                "workers",
+                "models",
+                "reap",
+                "apply",
+                "begin_snapshot",
+                "end_snapshot",
+                "lookup",
+                "release_claim",
+                "find",
+                "counts",
+            )
+        }
+        self._attributes = {"kvloop.store.backend": inner.name}
+
+    def clock(self) -> float:
+        return self.inner.clock()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    # ---- worker registry ---------------------------------------------------------------------
+
+    async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+        with tracer.start_as_current_span("kvloop.store.register", attributes=self._attributes):
+            with self._timers["register"].time():
+                return await self.inner.register(spec, last_sequence, now)
+
+    async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
+        with self._timers["disconnect"].time():
+            await self.inner.disconnect(worker_id, epoch, now)
+
+    async def heartbeat(self, worker_id: str, now: float) -> None:
+        with self._timers["heartbeat"].time():
+            await self.inner.heartbeat(worker_id, now)
+
+    async def last_sequence(self, worker_id: str) -> int:
+        with self._timers["last_sequence"].time():
+            return await self.inner.last_sequence(worker_id)
+
+    async def model_spec(self, model: str) -> WorkerSpec | None:
+        with self._timers["model_spec"].time():
+            return await self.inner.model_spec(model)
+
+    async def worker_spec(self, worker_id: str) -> WorkerSpec | None:
+        with self._timers["worker_spec"].time():
+            return await self.inner.worker_spec(worker_id)
+
+    async def mark_resyncing(self, worker_id: str) -> None:
+        with self._timers["mark_resyncing"].time():
+            await self.inner.mark_resyncing(worker_id)
+
+    async def set_draining(self, worker_id: str) -> bool:
+        with tracer.start_as_current_span("kvloop.store.set_draining", attributes=self._attributes):
+            with self._timers["set_draining"].time():
+                return await self.inner.set_draining(worker_id)
+
+    async def workers(self, now: float, model: str = "") -> list[WorkerView]:
+        with self._timers["workers"].time():
+            return await self.inner.workers(now, model)
+
+    async def models(self) -> list[str]:
+        with self._timers["models"].time():
+            return await self.inner.models()
+
+    async def reap(self, now: float) -> list[Change]:
+        with self._timers["reap"].time():
+            return await self.inner.reap(now)
+
+    # ---- block index -------------------------------------------------------------------------
+
+    async def apply(
+        self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
+    ) -> Applied:
+        with self._timers["apply"].time():
+            return await self.inner.apply(worker_id, epoch, sequence, events, now)
+
+    async def begin_snapshot(self, worker_id: str, now: float) -> None:
+        with self._timers["begin_snapshot"].time():
+            await self.inner.begin_snapshot(worker_id, now)
+
+    async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
+        with self._timers["end_snapshot"].time():
+            await self.inner.end_snapshot(worker_id, sequence, now)
+
+    async def lookup(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[bytes],
+        local_blocks: int,
+        requester: str,
+        now: float,
+        claim: bool,
+        *,
+        margin_s: float = 0.0,
+        accept: Callable[[WorkerSpec], bool] | None = None,
+    ) -> PrefixMatch:
+        started = time.perf_counter()
+        with tracer.start_as_current_span("kvloop.store.lookup", attributes=self._attributes) as span:
+            match = await self.inner.lookup(
+                namespace, hashes, local_blocks, requester, now, claim, margin_s=margin_s, accept=accept
+            )
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "kvloop.store.claim": claim,
+                        "kvloop.store.prompt_blocks": len(hashes),
+                        "kvloop.store.matched_blocks": match.best.matched_blocks if match.best else 0,
+                    }
+                )
+        self._timers["lookup"].observe(time.perf_counter() - started)
+        return match
+
+    async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+        with tracer.start_as_current_span("kvloop.store.release_claim", attributes=self._attributes):
+            with self._timers["release_claim"].time():
+                return await self.inner.release_claim(namespace, holder, handle, requester)
+
+    async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
+        with tracer.start_as_current_span("kvloop.store.find", attributes=self._attributes):
+            with self._timers["find"].time():
+                return await self.inner.find(namespace, block_hash, now)
+
+    async def counts(self) -> StoreCounts:
+        with self._timers["counts"].time():
+            return await self.inner.counts()

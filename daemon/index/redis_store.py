@@ -1,0 +1,502 @@
+"""The block directory on Redis (>= 7.0, or Valkey): several kvloopd processes can share it.
+
+Every call that reads and changes the directory is one Redis Function of ``directory.lua`` (loaded
+with FUNCTION LOAD REPLACE at start), so it is atomic however many replicas call it, and it is
+replicated and persisted with the data. The layout is described there. What stays in this process
+is only a cache of worker specs keyed by (worker, epoch), which never change under one epoch.
+
+Times are wall-clock seconds (``time.time``): replicas on different hosts must agree on them
+(NTP), where the in-memory store can use its own monotonic clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+
+from kvloop.daemon.index.model import (
+    Change,
+    Cleared,
+    Event,
+    Holding,
+    LeaseState,
+    Location,
+    Namespace,
+    PrefixMatch,
+    Released,
+    Removed,
+    Retained,
+    Stored,
+    WorkerSpec,
+    WorkerView,
+)
+from kvloop.daemon.index.store import Applied, DirectoryError, Fence, IndexConfig, StoreCounts
+
+log = structlog.get_logger("kvloop.daemon")
+
+LIBRARY = resources.files("kvloop.daemon.index").joinpath("directory.lua").read_text()
+_PREFIX = "kvl"
+_MODELS = f"{_PREFIX}:models"  # hash: model -> its key base (the only key outside a model's slot)
+_LITTLE = sys.byteorder == "little"
+
+
+def _u32(values: Sequence[int]) -> bytes:
+    packed = array("I", values)
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _ids(raw: bytes) -> array:
+    out = array("I")
+    out.frombytes(raw)
+    if not _LITTLE:
+        out.byteswap()
+    return out
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _spec_json(spec: WorkerSpec) -> str:
+    return json.dumps(asdict(spec), separators=(",", ":"))
+
+
+def _spec_from_json(raw: bytes | str) -> WorkerSpec:
+    fields = json.loads(raw)
+    fields["parallel"] = tuple(fields["parallel"])
+    return WorkerSpec(**fields)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class RedisStore:
+    """The DirectoryStore on a Redis server shared by any number of kvloopd replicas."""
+
+    name = "redis"
+
+    def __init__(self, client: aioredis.Redis, config: IndexConfig | None = None) -> None:
+        self.config = config or IndexConfig()
+        self._r = client
+        self._specs: dict[tuple[str, str], WorkerSpec] = {}  # (worker, epoch) -> spec
+        self._model_specs: dict[str, tuple[float, WorkerSpec]] = {}  # model -> (fetched at, spec)
+        self._model_of: dict[str, str] = {}  # worker -> model (a worker id keeps its model)
+        self._lease_ms = str(max(1, int(self.config.lease_s * 1000)))
+
+    @classmethod
+    async def connect(cls, url: str, config: IndexConfig | None = None, **options: Any) -> RedisStore:
+        """Connect (``redis://``, ``rediss://`` for TLS, ``unix://``) and load the function library.
+
+        ``options`` go to redis-py (username, password, ssl_ca_certs...), so credentials need not be in
+        the URL; neither is ever logged."""
+        client = aioredis.Redis.from_url(url, **options)
+        try:
+            await client.function_load(LIBRARY, replace=True)
+        except Exception:
+            await client.aclose()
+            raise
+        log.info("directory store on redis", url=redacted(url))
+        return cls(client, config)
+
+    def clock(self) -> float:
+        return time.time()
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def flush(self) -> None:
+        """Drop every key of this store's database (tests, benchmarks)."""
+        await self._r.flushdb()
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _base(model: str) -> str:
+        # The hash tag keeps every key of a model in one slot: a worker's fence and lease are read
+        # by the same call that changes or looks up its blocks, in any of the model's LoRAs.
+        return f"{_PREFIX}:{{{hashlib.sha1(model.encode()).hexdigest()[:16]}}}:"
+
+    @classmethod
+    def _namespace(cls, namespace: Namespace) -> tuple[str, str]:
+        base = cls._base(namespace.model)
+        return base, f"{base}{namespace.lora_name.encode().hex()}:"
+
+    async def _fcall(self, function: str, keys: Sequence[str], *args: Any) -> Any:
+        return await self._r.fcall(function, len(keys), *keys, *args)
+
+    async def _worker_base(self, worker_id: str) -> str | None:
+        model = self._model_of.get(worker_id)
+        if model is None:
+            spec = await self.worker_spec(worker_id)
+            return self._base(spec.model) if spec is not None else None
+        return self._base(model)
+
+    async def _spec_of(self, base: str, worker_id: str, epoch: str) -> WorkerSpec:
+        spec = self._specs.get((worker_id, epoch))
+        if spec is None:
+            raw = await self._r.hget(f"{base}w:{worker_id}", "spec")
+            if raw is None:
+                raise DirectoryError("NOT_FOUND", f"worker {worker_id!r} is not registered")
+            spec = self._specs[(worker_id, epoch)] = _spec_from_json(raw)
+        return spec
+
+    # ---- worker registry ---------------------------------------------------------------------
+
+    async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+        base = self._base(spec.model)
+        layout = f"{spec.block_size}|{spec.hash_algorithm}|{spec.hash_length}"
+        await self._r.hset(_MODELS, spec.model, base)
+        reply = await self._fcall(
+            "kvl_register",
+            [f"{base}w:{spec.worker_id}"],
+            base,
+            spec.worker_id,
+            str(spec.epoch),
+            last_sequence,
+            repr(now),
+            repr(self.config.lease_s),
+            self._lease_ms,
+            _spec_json(spec),
+            layout,
+        )
+        status = _text(reply[0])
+        if status == "incompatible":
+            other, theirs = _text(reply[1]), _text(reply[2]).split("|")
+            mine = (spec.block_size, spec.hash_algorithm, spec.hash_length)
+            raise DirectoryError(
+                "FAILED_PRECONDITION",
+                f"model {spec.model!r} is served with block_size={theirs[0]}, hash_algorithm="
+                f"{theirs[1]!r}, hash_length={theirs[2]} (worker {other!r}); worker "
+                f"{spec.worker_id!r} registered block_size={mine[0]}, hash_algorithm={mine[1]!r}, "
+                f"hash_length={mine[2]}: their block hashes would never match",
+            )
+        if status == "busy":
+            raise DirectoryError(
+                "ALREADY_EXISTS",
+                f"worker {spec.worker_id!r} is connected (epoch {_text(reply[1])}, last seen "
+                f"{float(reply[2]):.1f}s ago); another agent may take over only after its lease "
+                f"({self.config.lease_s:.0f}s) lapses",
+            )
+        self._specs[(spec.worker_id, str(spec.epoch))] = spec
+        self._model_of[spec.worker_id] = spec.model
+        return int(reply[1]), bool(reply[2])
+
+    async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
+        base = await self._worker_base(worker_id)
+        if base is not None:
+            await self._fcall(
+                "kvl_disconnect", [f"{base}w:{worker_id}"], base, worker_id, str(epoch), repr(now)
+            )
+
+    async def heartbeat(self, worker_id: str, now: float) -> None:
+        base = await self._worker_base(worker_id)
+        if base is not None:
+            await self._fcall(
+                "kvl_heartbeat", [f"{base}w:{worker_id}"], base, worker_id, repr(now), self._lease_ms
+            )
+
+    async def last_sequence(self, worker_id: str) -> int:
+        base = await self._worker_base(worker_id)
+        raw = await self._r.hget(f"{base}w:{worker_id}", "seq") if base else None
+        return int(raw or 0)
+
+    async def worker_spec(self, worker_id: str) -> WorkerSpec | None:
+        model = self._model_of.get(worker_id)
+        bases = [self._base(model)] if model is not None else list((await self._bases()).values())
+        for base in bases:
+            raw = await self._r.hget(f"{base}w:{worker_id}", "spec")
+            if raw is not None:
+                spec = _spec_from_json(raw)
+                self._model_of[worker_id] = spec.model
+                return spec
+        return None
+
+    async def model_spec(self, model: str) -> WorkerSpec | None:
+        # Asked on every Lookup; a model's block layout holds while any of its workers is registered
+        # (register refuses another), so a second-old answer is as good as a fresh one.
+        cached = self._model_specs.get(model)
+        now = time.monotonic()
+        if cached is not None and now - cached[0] < 1.0:
+            return cached[1]
+        base = self._base(model)
+        worker: Any = await self._r.srandmember(f"{base}workers")
+        raw = await self._r.hget(f"{base}w:{_text(worker)}", "spec") if worker is not None else None
+        if raw is None:
+            self._model_specs.pop(model, None)
+            return None
+        spec = _spec_from_json(raw)
+        self._model_specs[model] = (now, spec)
+        return spec
+
+    async def _set_state(self, worker_id: str, state: LeaseState) -> bool:
+        base = await self._worker_base(worker_id)
+        if base is None:
+            return False
+        return bool(await self._fcall("kvl_set_state", [f"{base}w:{worker_id}"], int(state)))
+
+    async def mark_resyncing(self, worker_id: str) -> None:
+        await self._set_state(worker_id, LeaseState.RESYNCING)
+
+    async def set_draining(self, worker_id: str) -> bool:
+        return await self._set_state(worker_id, LeaseState.DRAINING)
+
+    async def _bases(self) -> dict[str, str]:
+        return {_text(m): _text(b) for m, b in (await self._r.hgetall(_MODELS)).items()}
+
+    async def workers(self, now: float, model: str = "") -> list[WorkerView]:
+        bases = await self._bases()
+        views = []
+        for name, base in sorted(bases.items()):
+            if model and name != model:
+                continue
+            ids = sorted(_text(w) for w in await self._r.smembers(f"{base}workers"))
+            async with self._r.pipeline(transaction=False) as pipe:
+                for w in ids:
+                    pipe.hgetall(f"{base}w:{w}")
+                    pipe.exists(f"{base}alive:{w}")
+                replies = await pipe.execute()
+            for i in range(len(ids)):
+                fields = {_text(k): v for k, v in replies[2 * i].items()}
+                if not fields:
+                    continue
+                connected = bool(replies[2 * i + 1])
+                seen = float(fields["seen"])
+                state = LeaseState(int(fields["state"]))
+                if state == LeaseState.ACTIVE and not (connected and now - seen <= self.config.lease_s):
+                    state = LeaseState.EXPIRED
+                views.append(
+                    WorkerView(
+                        spec=_spec_from_json(fields["spec"]),
+                        state=state,
+                        connected=connected,
+                        last_applied_sequence=int(fields["seq"]),
+                        stored_blocks=int(fields["sblocks"]),
+                        retained_blocks=int(fields["rblocks"]),
+                        retained_runs=await self._r.hlen(f"{base}wr:{ids[i]}"),
+                        last_seen_s_ago=max(0.0, now - seen),
+                        events_ingested=int(fields["events"]),
+                        resyncs=int(fields["resyncs"]),
+                    )
+                )
+        return views
+
+    async def models(self) -> list[str]:
+        bases = await self._bases()
+        return sorted([m for m, base in bases.items() if await self._r.scard(f"{base}workers")])
+
+    async def reap(self, now: float) -> list[Change]:
+        changes: list[Change] = []
+        for model, base in sorted((await self._bases()).items()):
+            reply = await self._fcall(
+                "kvl_reap",
+                [f"{base}exp"],
+                base,
+                repr(now),
+                repr(self.config.lease_s),
+                repr(self.config.drop_after_s),
+            )
+            changes.extend(Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d in reply)
+        return changes
+
+    # ---- block index -------------------------------------------------------------------------
+
+    async def apply(
+        self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
+    ) -> Applied:
+        spec = self._specs.get((worker_id, str(epoch))) or await self.worker_spec(worker_id)
+        if spec is None:
+            return Applied(Fence.UNKNOWN_WORKER, 0)
+        base = self._base(spec.model)
+        args: list[Any] = [
+            base,
+            worker_id,
+            str(epoch),
+            sequence,
+            repr(now),
+            self._lease_ms,
+            self.config.max_entries,
+        ]
+        model = spec.model
+        for event in events:
+            kind = type(event)
+            if kind is Retained:
+                assert isinstance(event, Retained)
+                args += [
+                    "R",
+                    self._namespace(Namespace(model, event.lora_name))[1],
+                    len(event.hashes[0]) if event.hashes else 32,
+                    b"".join(event.hashes),
+                    _u32(event.block_ids),
+                    event.num_groups,
+                    event.handle,
+                    event.expires_in_ms,
+                    int(event.single_use),
+                    event.tier,
+                    _u32(event.tail_token_ids),
+                    _u32(event.tail_block_ids),
+                ]
+            elif kind is Stored or kind is Removed:
+                assert isinstance(event, (Stored, Removed))
+                args += [
+                    "S" if kind is Stored else "D",
+                    self._namespace(Namespace(model, event.lora_name))[1],
+                    len(event.hashes[0]) if event.hashes else 32,
+                    b"".join(event.hashes),
+                ]
+            elif kind is Released:
+                assert isinstance(event, Released)
+                args += ["L", event.handle]
+            elif kind is Cleared:
+                args.append("C")
+        status, last, touched = await self._fcall("kvl_apply", [f"{base}w:{worker_id}"], *args)
+        return Applied(Fence(_text(status)), int(last), int(touched))
+
+    async def _snapshot(self, worker_id: str, step: str, now: float, sequence: int = 0) -> None:
+        base = await self._worker_base(worker_id)
+        if base is None:
+            raise KeyError(worker_id)
+        await self._fcall(
+            "kvl_snapshot", [f"{base}w:{worker_id}"], base, worker_id, step, repr(now), sequence
+        )
+
+    async def begin_snapshot(self, worker_id: str, now: float) -> None:
+        await self._snapshot(worker_id, "begin", now)
+
+    async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
+        await self._snapshot(worker_id, "end", now, sequence)
+
+    async def lookup(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[bytes],
+        local_blocks: int,
+        requester: str,
+        now: float,
+        claim: bool,
+        *,
+        margin_s: float = 0.0,
+        accept: Callable[[WorkerSpec], bool] | None = None,
+    ) -> PrefixMatch:
+        if local_blocks >= len(hashes):
+            return PrefixMatch(None, [])
+        base, prefix = self._namespace(namespace)
+        floor = now + max(self.config.expiry_margin_s, margin_s)
+        packed = b"".join(hashes)
+        width = len(hashes[0])
+        excluded: list[str] = []
+        # The layout check is the caller's code: the function picks a holder, and one this puller
+        # cannot read is excluded and the search repeated (rare: most fleets share one layout).
+        while True:
+            reply = await self._fcall(
+                "kvl_lookup",
+                [f"{prefix}ret"],
+                base,
+                prefix,
+                packed,
+                width,
+                local_blocks,
+                requester,
+                repr(now),
+                repr(floor),
+                repr(self.config.lease_s),
+                int(claim),
+                "\n".join(excluded),
+            )
+            if _text(reply[0]) == "none":
+                reason = _text(reply[1])
+                return PrefixMatch(None, [], reason or None)
+            matched = int(reply[1])
+            holdings = [await self._holding(base, matched, entry) for entry in reply[2:]]
+            best = holdings[0]
+            if accept is None or accept(best.worker):
+                others = [h for h in holdings[1:] if accept is None or accept(h.worker)]
+                return PrefixMatch(best, others)
+            if claim and best.single_use:
+                await self.release_claim(namespace, best.worker.worker_id, best.handle, requester)
+            excluded.append(best.worker.worker_id)
+
+    async def _holding(self, base: str, matched: int, entry: list) -> Holding:
+        worker, epoch, handle, expires_ms, ids, groups, single_use, tail_tokens, tail_blocks = entry
+        return Holding(
+            worker=await self._spec_of(base, _text(worker), _text(epoch)),
+            matched_blocks=matched,
+            handle=_text(handle),
+            expires_in_ms=int(expires_ms),
+            block_ids=_ids(ids),
+            num_groups=int(groups),
+            single_use=_text(single_use) == "1",
+            tail_token_ids=_ids(tail_tokens),
+            tail_block_ids=_ids(tail_blocks),
+        )
+
+    async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+        base, prefix = self._namespace(namespace)
+        return bool(
+            await self._fcall("kvl_release", [f"{base}wr:{holder}"], base, prefix, holder, handle, requester)
+        )
+
+    async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
+        base, prefix = self._namespace(namespace)
+        reply = await self._fcall(
+            "kvl_find",
+            [f"{prefix}ret"],
+            base,
+            prefix,
+            block_hash,
+            repr(now),
+            repr(now + self.config.expiry_margin_s),
+            repr(self.config.lease_s),
+        )
+        found = []
+        for entry in reply:
+            if _text(entry[0]) == "stored":
+                found.append(Location(_text(entry[1]), "stored", -1, [], "", 0, False, 0))
+                continue
+            _, worker, position, ids, handle, expires_ms, servable, tier = entry
+            found.append(
+                Location(
+                    worker_id=_text(worker),
+                    kind="retained",
+                    position=int(position),
+                    block_ids=list(_ids(ids)),
+                    handle=_text(handle),
+                    expires_in_ms=int(expires_ms),
+                    servable=bool(servable),
+                    tier=int(tier),
+                )
+            )
+        return found
+
+    async def counts(self) -> StoreCounts:
+        totals = {"entries": 0, "runs": 0, "events": 0, "evictions": 0, "expired": 0}
+        for base in (await self._bases()).values():
+            for field, value in (await self._r.hgetall(f"{base}stats")).items():
+                if _text(field) in totals:
+                    totals[_text(field)] += int(value)
+        return StoreCounts(
+            entries=totals["entries"],
+            retained_runs=totals["runs"],
+            events_ingested=totals["events"],
+            evictions=totals["evictions"],
+            expired_runs=totals["expired"],
+        )
