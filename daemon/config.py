@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -20,6 +20,52 @@ from kvloop.daemon.index import IndexConfig
 from kvloop.daemon.policy import PolicyConfig
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvloop/kvloopd.toml")
+
+
+class StoreSettings(BaseModel):
+    """Where the directory lives: this process's memory (the default), or a Redis (>= 7.0, or Valkey)
+    that any number of kvloopd replicas share. ``[store]`` in TOML, KVLOOP_STORE__* in the environment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # "memory", or redis://[user:password@]host:port/db, rediss://... (TLS), unix:///path?db=0
+    url: str = "memory"
+    # ACL user and password; kept out of the URL so they stay out of process listings.
+    username: str | None = None
+    password: SecretStr | None = None
+    # TLS (rediss://): the CA that signs the server's certificate, and a client certificate if the
+    # server asks for one.
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"store url must be 'memory' or redis://, rediss://, unix://, got {value!r}")
+        return value
+
+    @field_serializer("url")
+    def _redacted(self, value: str) -> str:
+        from kvloop.daemon.index.redis_store import redacted
+
+        return redacted(value)
+
+    def redis_options(self) -> dict[str, Any]:
+        """redis-py connection options beyond the URL."""
+        options: dict[str, Any] = {}
+        if self.username:
+            options["username"] = self.username
+        if self.password is not None:
+            options["password"] = self.password.get_secret_value()
+        if self.tls_ca_file:
+            options["ssl_ca_certs"] = str(self.tls_ca_file)
+        if self.tls_cert_file:
+            options["ssl_certfile"] = str(self.tls_cert_file)
+        if self.tls_key_file:
+            options["ssl_keyfile"] = str(self.tls_key_file)
+        return options
 
 
 class DaemonSettings(BaseSettings):
@@ -44,6 +90,7 @@ class DaemonSettings(BaseSettings):
     max_hashes_per_message: int = Field(262_144, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
 
+    store: StoreSettings = StoreSettings()
     policy: PolicyConfig = PolicyConfig()
     # Per-model policy overrides: [models."Qwen/Qwen3-32B"] recompute_threshold_tokens = 256
     models: dict[str, PolicyConfig] = {}

@@ -38,6 +38,13 @@ def run(
     span_file: Annotated[
         Optional[str], typer.Option(help="also write spans as JSON lines to this file")
     ] = None,
+    store: Annotated[
+        Optional[str],
+        typer.Option(
+            help="where the directory lives: 'memory' (default) or redis://HOST:PORT/DB, rediss:// for TLS "
+            "(env KVLOOP_STORE__URL; user and password better in [store] of the config)"
+        ),
+    ] = None,
     check_config: Annotated[
         bool, typer.Option("--check-config", help="validate the configuration, print it and exit")
     ] = False,
@@ -52,6 +59,7 @@ def run(
             log_level=log_level,
             log_json=log_json,
             span_file=span_file,
+            store={"url": store} if store is not None else None,
         )
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         typer.echo(f"kvloopd: invalid configuration:\n{exc}", err=True)

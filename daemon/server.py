@@ -16,7 +16,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
-from kvloop.daemon.index import MemoryStore
+from kvloop.daemon.index import DirectoryStore, MemoryStore
 from kvloop.daemon.index.instrumented import InstrumentedStore
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import Policy
@@ -30,6 +30,22 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Directory"].full_name
 
 class DaemonStartError(RuntimeError):
     pass
+
+
+async def open_store(settings: DaemonSettings) -> DirectoryStore:
+    """The configured backend: in memory unless ``[store] url`` names a Redis."""
+    if settings.store.url == "memory":
+        return MemoryStore(settings.index_config())
+    from redis.exceptions import RedisError
+
+    from kvloop.daemon.index.redis_store import RedisStore, redacted
+
+    try:
+        return await RedisStore.connect(
+            settings.store.url, settings.index_config(), **settings.store.redis_options()
+        )
+    except (RedisError, OSError) as exc:
+        raise DaemonStartError(f"cannot use the store at {redacted(settings.store.url)}: {exc}") from None
 
 
 async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> None:
@@ -48,7 +64,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     counters = DaemonCounters()
     interceptors = [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    store = InstrumentedStore(MemoryStore(settings.index_config()))
+    store = InstrumentedStore(await open_store(settings))
     service = DirectoryService(
         store,
         Policy(settings.policy, settings.models),
@@ -101,6 +117,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         tls=settings.tls is not None,
         auth=bool(settings.tokens),
         lease_s=settings.lease_s,
+        store=store.name,
     )
 
     stop = stop or asyncio.Event()
@@ -127,5 +144,6 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         await server.stop(settings.shutdown_grace_s)
         if metrics_server is not None:
             metrics_server.shutdown()
+        await store.close()
         shutdown_tracing()
         log.info("kvloopd stopped")

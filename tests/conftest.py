@@ -85,6 +85,8 @@ def start_daemon(
     **wait_kwargs,
 ) -> DaemonProcess:
     port, metrics_port = port or free_port(), free_port()
+    if os.environ.get("KVLOOP_TEST_STORE"):  # run the daemon suites on a shared store: redis://...
+        args = ("--store", os.environ["KVLOOP_TEST_STORE"], *args)
     log_path = tmp / f"kvloopd-{port}.log"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     full_env.update(env or {})

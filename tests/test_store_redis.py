@@ -1,0 +1,70 @@
+"""kvloopd on a shared Redis store, as real processes: replicas share one directory, an ACL user's
+password never reaches a log, a bad store refuses to start with a precise message."""
+
+from __future__ import annotations
+
+import redis
+
+from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.v1 import directory_pb2 as pb
+from tests.conftest import KVLOOPD
+from tests.support import conversation, retained, running_agent
+
+SECRET = "s3cr3t-pa55word-for-kvloop"
+
+
+async def test_two_replicas_share_one_directory_and_the_password_stays_out_of_logs(
+    redis_url, daemon_factory, tmp_path
+):
+    admin = redis.Redis.from_url(redis_url)
+    admin.flushdb()
+    admin.acl_setuser("kvloopd", enabled=True, passwords=[f"+{SECRET}"], keys=["*"], commands=["+@all"])
+    config = tmp_path / "kvloopd.toml"
+    config.write_text(f'[store]\nurl = "{redis_url}"\nusername = "kvloopd"\npassword = "{SECRET}"\n')
+    a = daemon_factory("--config", str(config), "--log-level", "debug")
+    b = daemon_factory("--config", str(config), "--log-level", "debug")
+    model, prompt = "m-shared", conversation("shared", 48)
+    try:
+        async with AsyncDirectoryClient(a.address) as on_a, AsyncDirectoryClient(b.address) as on_b:
+            async with running_agent(on_a, "dec-shared", model, retained(prompt[:32], "h1", single_use=True)):
+                # the worker streams to replica A; replica B answers from the same directory
+                answer = await on_b.lookup(model, prompt, requester="pre", claim=True, block_size=16)
+                assert answer.decision == pb.DECISION_TRANSFER and answer.matched_blocks == 32
+                assert answer.holder.worker_id == "dec-shared" and answer.holder.retention_handle == "h1"
+                # the claim made through B holds on A: a single-use run is handed out once
+                again = await on_a.lookup(model, prompt, requester="pre2", claim=True, block_size=16)
+                assert again.decision == pb.DECISION_RECOMPUTE
+                assert again.reason == pb.DECISION_REASON_CLAIMED
+                workers = await on_b.list_workers(model)
+                assert [w.registration.worker_id for w in workers] == ["dec-shared"]
+                assert (await on_b.stats()).entries == 32
+    finally:
+        admin.acl_deluser("kvloopd")
+    for daemon in (a, b):
+        daemon.stop()
+        assert SECRET not in daemon.log()
+        assert '"store": "redis"' in daemon.log() or "store=redis" in daemon.log()
+
+
+def test_an_unreachable_or_refusing_store_stops_startup_with_a_message(redis_url, tmp_path):
+    import subprocess
+
+    denied = subprocess.run(
+        [
+            KVLOOPD,
+            "--store",
+            redis_url.replace("redis://", f"redis://nobody:{SECRET}@"),
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert denied.returncode == 1, denied.stderr
+    assert "cannot use the store at redis://nobody:***@127.0.0.1" in denied.stderr
+    assert SECRET not in denied.stderr + denied.stdout
+    bad = subprocess.run([KVLOOPD, "--store", "mysql://x", "--check-config"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "store url must be 'memory' or redis://" in bad.stderr
