@@ -401,9 +401,18 @@ def bench_directory(
     daemon_listen: Annotated[
         str, typer.Option(help="where the benchmark's own kvloopd listens")
     ] = "127.0.0.1:0",
+    stores: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--store",
+            help="store to measure, repeatable: memory (default), redis (a throwaway redis-server "
+            "from PATH) or a redis:// URL (its database is flushed)",
+        ),
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Start a kvloopd process and measure ingest, lookup latency/throughput and memory per entry."""
+    """Start a kvloopd process per store and measure ingest, lookup latency/throughput and memory per
+    entry."""
     from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
     from kvloop.common.processes import supervisor
 
@@ -415,19 +424,26 @@ def bench_directory(
         concurrency=concurrency,
         batch_hashes=batch_hashes,
         listen=daemon_listen,
+        stores=tuple(stores or ["memory"]),
     )
     with supervisor().stop_on_signals():
-        result = run_directory_bench(config, progress=not state.json)
+        try:
+            result = run_directory_bench(config, progress=not state.json)
+        except (ValueError, FileNotFoundError) as exc:
+            _fail(str(exc))
     if state.json:
-        _emit_json({k: v for k, v in result.items() if k != "table"})
+        _emit_json(
+            {"stores": {n: {k: v for k, v in r.items() if k != "table"} for n, r in result["stores"].items()}}
+        )
     else:
-        table = Table(title="kvloop bench directory", show_header=True)
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        table.add_column("target", justify="right")
-        for name, value, target in result["table"]:
-            table.add_row(name, value, target)
-        console.print(table)
+        for store, figures in result["stores"].items():
+            table = Table(title=f"kvloop bench directory: {store} store", show_header=True)
+            table.add_column("figure")
+            table.add_column("value", justify="right")
+            table.add_column("target", justify="right")
+            for name, value, target in figures["table"]:
+                table.add_row(name, value, target)
+            console.print(table)
 
 
 @bench_app.command("idle")

@@ -55,6 +55,54 @@ local function discard(key, field, member, sep)
   return true
 end
 
+-- The n hashes of `hs` (each hl bytes) in chunks small enough for one redis.call's arguments.
+local CHUNK = 2000
+local function chunks(hs, hl)
+  local n, out = #hs / hl, {}
+  for first = 0, n - 1, CHUNK do
+    local part = {}
+    for j = first, math.min(n, first + CHUNK) - 1 do part[#part + 1] = string.sub(hs, j * hl + 1, (j + 1) * hl) end
+    out[#out + 1] = part
+  end
+  return out
+end
+
+-- Add `member` to the separated lists of every hash in `hs` (one HMGET and one HSET per chunk: a
+-- block is usually new, and per-block calls would dominate ingest).
+local function add_all(key, hs, hl, member, sep)
+  for _, part in ipairs(chunks(hs, hl)) do
+    local current = redis.call('HMGET', key, unpack(part))
+    local fresh = {}
+    for j, h in ipairs(part) do
+      if current[j] then
+        redis.call('HSET', key, h, current[j] .. sep .. member)
+      else
+        fresh[#fresh + 1] = h
+        fresh[#fresh + 1] = member
+      end
+    end
+    if #fresh > 0 then redis.call('HSET', key, unpack(fresh)) end
+  end
+end
+
+-- Remove `member` from the lists of every hash in `hs`; returns how many held it.
+local function discard_all(key, hs, hl, member, sep)
+  local removed = 0
+  for _, part in ipairs(chunks(hs, hl)) do
+    local current = redis.call('HMGET', key, unpack(part))
+    local gone = {}
+    for j, h in ipairs(part) do
+      if current[j] == member then
+        gone[#gone + 1] = h
+      elseif current[j] and discard(key, h, member, sep) then
+        removed = removed + 1
+      end
+    end
+    if #gone > 0 then removed = removed + redis.call('HDEL', key, unpack(gone)) end
+  end
+  return removed
+end
+
 local function stat(base, field, by)
   if by ~= 0 then redis.call('HINCRBY', base .. 'stats', field, by) end
 end
@@ -64,10 +112,7 @@ local function drop_run(base, runkey)
   if not run[1] then return 0 end
   local w, handle, hs, hl, n, p = run[1], run[2], run[3], tonumber(run[4]), tonumber(run[5]), run[6]
   local rid = string.match(runkey, '(%d+)$')
-  local ret, removed = p .. 'ret', 0
-  for i = 0, n - 1 do
-    if discard(ret, string.sub(hs, i * hl + 1, (i + 1) * hl), rid, ',') then removed = removed + 1 end
-  end
+  local removed = discard_all(p .. 'ret', hs, hl, rid, ',')
   if redis.call('HGET', base .. 'wr:' .. w, handle) == runkey then redis.call('HDEL', base .. 'wr:' .. w, handle) end
   redis.call('HINCRBY', base .. 'w:' .. w, 'rblocks', -n)
   redis.call('ZREM', base .. 'exp', runkey)
@@ -233,13 +278,7 @@ local function apply(keys, args)
       if previous then touched = touched + drop_run(base, previous) end
       local rid = tostring(redis.call('INCR', base .. 'next'))
       local runkey = p .. 'run:' .. rid
-      local ret = p .. 'ret'
-      for j = 0, n - 1 do
-        local h = string.sub(hs, j * hl + 1, (j + 1) * hl)
-        if redis.call('HSETNX', ret, h, rid) == 0 then
-          redis.call('HSET', ret, h, redis.call('HGET', ret, h) .. ',' .. rid)
-        end
-      end
+      add_all(p .. 'ret', hs, hl, rid, ',')
       added = added + n
       local deadline = now + tonumber(args[i + 7]) / 1000
       redis.call('HSET', runkey, 'w', w, 'h', handle, 'hs', hs, 'hl', hl, 'n', n, 'ids', args[i + 4],
@@ -327,8 +366,8 @@ local function lookup(keys, args)
   local function run(rid)
     local r = runs[rid]
     if r == nil then
-      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'hs')
-      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), hs = f[5]}
+      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n')
+      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4])}
       runs[rid] = r
     end
     return r
@@ -380,11 +419,12 @@ local function lookup(keys, args)
     local mid = math.floor((lo + hi + 1) / 2)
     if any_servable(mid) then lo = mid else hi = mid - 1 end
   end
-  local matched, at = lo + 1, hash_at(lo)
+  -- A run holding the prompt's block `lo` holds it at position `lo`: the hash covers the whole prefix.
+  local matched = lo + 1
   local candidates = {}
-  for _, rid in ipairs(split(redis.call('HGET', ret, at), ',')) do
+  for _, rid in ipairs(split(redis.call('HGET', ret, hash_at(lo)), ',')) do
     local r = run(rid)
-    if servable(rid) and r.n >= matched and string.sub(r.hs, lo * hl + 1, (lo + 1) * hl) == at then
+    if servable(rid) and r.n >= matched then
       candidates[#candidates + 1] = rid
     end
   end
