@@ -18,9 +18,11 @@ from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.index import DirectoryStore, MemoryStore
 from kvloop.daemon.index.instrumented import InstrumentedStore
+from kvloop.daemon.index.redis_store import RedisStore
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import Policy
 from kvloop.daemon.service import DirectoryService
+from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
 
@@ -38,7 +40,7 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
         return MemoryStore(settings.index_config())
     from redis.exceptions import RedisError
 
-    from kvloop.daemon.index.redis_store import RedisStore, redacted
+    from kvloop.daemon.index.redis_store import redacted
 
     try:
         return await RedisStore.connect(
@@ -64,13 +66,17 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     counters = DaemonCounters()
     interceptors = [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    store = InstrumentedStore(await open_store(settings))
+    backend = await open_store(settings)
+    relay = backend.change_relay() if isinstance(backend, RedisStore) else None
+    changes = ChangeFeed(relay=relay)
+    store = InstrumentedStore(backend)
     service = DirectoryService(
         store,
         Policy(settings.policy, settings.models),
         heartbeat_interval_s=settings.heartbeat_interval_s,
         max_hashes=settings.max_hashes_per_message,
         counters=counters,
+        changes=changes,
     )
     pb_grpc.add_DirectoryServicer_to_server(service, server)
     health = health_aio.HealthServicer()
@@ -134,11 +140,13 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
                 log.exception("reaping failed; retrying next interval")
 
     reaping = asyncio.create_task(reaper())
+    relaying = asyncio.create_task(changes.relay())
     try:
         await stop.wait()
     finally:
         log.info("kvloopd shutting down", grace_s=settings.shutdown_grace_s)
         reaping.cancel()
+        relaying.cancel()
         await health.enter_graceful_shutdown()
         service.close_streams()
         await server.stop(settings.shutdown_grace_s)

@@ -43,12 +43,13 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         heartbeat_interval_s: float,
         max_hashes: int,
         counters: DaemonCounters | None = None,
+        changes: ChangeFeed | None = None,
     ) -> None:
         self.store = store
         self.policy = policy
         self.max_hashes = max_hashes
         self.counters = counters or DaemonCounters()
-        self.changes = ChangeFeed()
+        self.changes = changes or ChangeFeed()
         self.sessions = SessionContext(
             store, policy.cost, self.counters, self.changes, heartbeat_interval_s, max_hashes
         )

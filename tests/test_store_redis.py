@@ -3,6 +3,8 @@ password never reaches a log, a bad store refuses to start with a precise messag
 
 from __future__ import annotations
 
+import asyncio
+
 import redis
 
 from kvloop.clients.client import AsyncDirectoryClient
@@ -68,3 +70,34 @@ def test_an_unreachable_or_refusing_store_stops_startup_with_a_message(redis_url
     assert SECRET not in denied.stderr + denied.stdout
     bad = subprocess.run([KVLOOPD, "--store", "mysql://x", "--check-config"], capture_output=True, text=True)
     assert bad.returncode == 2 and "store url must be 'memory' or redis://" in bad.stderr
+
+
+async def test_watch_on_one_replica_sees_changes_made_through_another(redis_url, daemon_factory):
+    a = daemon_factory("--store", redis_url)
+    b = daemon_factory("--store", redis_url)
+    async with AsyncDirectoryClient(a.address) as on_a, AsyncDirectoryClient(b.address) as on_b:
+        seen: asyncio.Queue[pb.WatchResponse] = asyncio.Queue()
+
+        async def watch() -> None:
+            async for change in on_b.watch("m-watch"):
+                seen.put_nowait(change)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            # B's Watch may start a moment after the stream opens: each try is a new worker on A
+            for attempt in range(20):
+                worker = f"dec-watch-{attempt}"
+                async with running_agent(on_a, worker, "m-watch", retained(conversation("w", 4), "h")):
+                    try:
+                        change = await asyncio.wait_for(seen.get(), 1.0)
+                    except TimeoutError:
+                        continue
+                    kinds = {change.kind}
+                    while not {"registered", "retained"} <= kinds:
+                        kinds.add((await asyncio.wait_for(seen.get(), 5.0)).kind)
+                    assert change.worker_id == worker and change.model == "m-watch"
+                    break
+            else:
+                raise AssertionError("replica B's Watch never saw a change made through replica A")
+        finally:
+            watcher.cancel()

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -120,6 +120,9 @@ class RedisStore:
 
     def clock(self) -> float:
         return time.time()
+
+    def change_relay(self) -> RedisChangeRelay:
+        return RedisChangeRelay(self._r)
 
     async def close(self) -> None:
         await self._r.aclose()
@@ -500,3 +503,22 @@ class RedisStore:
             evictions=totals["evictions"],
             expired_runs=totals["expired"],
         )
+
+
+class RedisChangeRelay:
+    """Directory changes between kvloopd replicas, over Redis pub/sub (Watch on any replica)."""
+
+    channel = f"{_PREFIX}:changes"
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self._r = client
+
+    async def send(self, payload: bytes) -> None:
+        await self._r.publish(self.channel, payload)
+
+    async def messages(self) -> AsyncIterator[bytes]:
+        async with self._r.pubsub(ignore_subscribe_messages=True) as pubsub:
+            await pubsub.subscribe(self.channel)
+            async for message in pubsub.listen():
+                if message["type"] == "message":
+                    yield message["data"]
