@@ -22,6 +22,7 @@ from kvloop.daemon.index.redis_store import RedisStore
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import Policy
 from kvloop.daemon.service import DirectoryService
+from kvloop.daemon.unavailable import StoreUnavailableInterceptor
 from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -64,9 +65,13 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
     counters = DaemonCounters()
-    interceptors = [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
-    server = grpc.aio.server(options=options, interceptors=interceptors)
     backend = await open_store(settings)
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if settings.tokens:
+        interceptors.append(AuthInterceptor(settings.tokens, counters.rejected_message))
+    if not isinstance(backend, MemoryStore):  # only a networked store can be away
+        interceptors.append(StoreUnavailableInterceptor())
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     relay = backend.change_relay() if isinstance(backend, RedisStore) else None
     changes = ChangeFeed(relay=relay)
     store = InstrumentedStore(backend)

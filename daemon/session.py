@@ -20,7 +20,7 @@ import structlog
 from kvloop.common.security import TokenGrant
 from kvloop.daemon import metrics
 from kvloop.daemon.convert import BadInput, Refused, events_from_batch, spec_from_registration
-from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, Fence, WorkerSpec
+from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, Fence, StoreUnavailable, WorkerSpec
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import CostModel
 from kvloop.daemon.watch import ChangeFeed
@@ -225,6 +225,9 @@ class AgentSession:
             self.ctx.counters.rejected_message("Connect", exc.code.name.lower())
             log.warning("agent refused", peer=self.peer, code=exc.code.name, error=str(exc))
             self.outbox.put_nowait(exc)
+        except StoreUnavailable as exc:  # the agent reconnects (to this or another replica) and resumes
+            log.warning("directory store unavailable", peer=self.peer, error=str(exc))
+            self.outbox.put_nowait(Refused(grpc.StatusCode.UNAVAILABLE, str(exc)))
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug must cost one stream, never the daemon

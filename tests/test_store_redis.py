@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
 import redis
 
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.client import AsyncDirectoryClient, KvloopError
+from kvloop.common.addresses import free_port
+from kvloop.daemon.index.redis_local import local_redis
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import KVLOOPD
 from tests.support import conversation, retained, running_agent
@@ -101,3 +105,25 @@ async def test_watch_on_one_replica_sees_changes_made_through_another(redis_url,
                 raise AssertionError("replica B's Watch never saw a change made through replica A")
         finally:
             watcher.cancel()
+
+
+async def test_a_store_that_goes_away_answers_unavailable_and_comes_back_with_its_functions(
+    daemon_factory, tmp_path
+):
+    port = free_port()
+    with local_redis(tmp_path, port=port) as url:
+        daemon = daemon_factory("--store", url)
+        async with AsyncDirectoryClient(daemon.address) as client:
+            assert (await client.lookup("m-away", conversation("x", 4))).reason == pb.DECISION_REASON_MISS
+    with pytest.raises(KvloopError) as away:  # the server is gone: a precise status, not UNKNOWN
+        async with AsyncDirectoryClient(daemon.address) as client:
+            await client.lookup("m-away", conversation("x", 4))
+    assert away.value.code == grpc.StatusCode.UNAVAILABLE and "directory store (redis)" in str(away.value)
+    # a new, empty server on the same address: kvloopd loads its function library again by itself
+    with local_redis(tmp_path, port=port):
+        async with AsyncDirectoryClient(daemon.address) as client:
+            prompt = conversation("back", 8)
+            async with running_agent(client, "dec-back", "m-away", retained(prompt, "h")):
+                answer = await client.lookup("m-away", prompt, requester="pre", block_size=16)
+    assert answer.decision == pb.DECISION_TRANSFER and answer.matched_blocks == 8
+    assert "loading them again" in daemon.log()

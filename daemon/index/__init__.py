@@ -25,6 +25,7 @@ from kvloop.daemon.index.store import (
     Fence,
     IndexConfig,
     StoreCounts,
+    StoreUnavailable,
     WorkerRegistry,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "Removed",
     "Retained",
     "StoreCounts",
+    "StoreUnavailable",
     "Stored",
     "WorkerRegistry",
     "WorkerSpec",

@@ -34,9 +34,9 @@ def _answers_ping(port: int) -> bool:
 
 
 @contextmanager
-def local_redis(workdir: Path, timeout_s: float = 10.0) -> Iterator[str]:
-    """Start ``redis-server`` on a free loopback port; yields its ``redis://`` URL."""
-    port = free_port()
+def local_redis(workdir: Path, timeout_s: float = 10.0, port: int | None = None) -> Iterator[str]:
+    """Start ``redis-server`` on a loopback port (a free one by default); yields its ``redis://`` URL."""
+    port = port or free_port()
     log_path = workdir / f"redis-{port}.log"
     process = supervisor().spawn(
         [

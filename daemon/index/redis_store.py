@@ -11,6 +11,7 @@ Times are wall-clock seconds (``time.time``): replicas on different hosts must a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -23,6 +24,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvloop.daemon.index.model import (
     Change,
@@ -40,7 +44,14 @@ from kvloop.daemon.index.model import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.index.store import Applied, DirectoryError, Fence, IndexConfig, StoreCounts
+from kvloop.daemon.index.store import (
+    Applied,
+    DirectoryError,
+    Fence,
+    IndexConfig,
+    StoreCounts,
+    StoreUnavailable,
+)
 
 log = structlog.get_logger("kvloop.daemon")
 
@@ -88,6 +99,19 @@ def redacted(url: str) -> str:
         return url
     netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _reachable(method: Callable) -> Callable:
+    """Redis unreachable -> StoreUnavailable (the service answers UNAVAILABLE, never UNKNOWN)."""
+
+    @functools.wraps(method)
+    async def call(self: RedisStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await method(self, *args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StoreUnavailable(f"the directory store (redis) is unreachable: {exc}") from None
+
+    return call
 
 
 class RedisStore:
@@ -145,7 +169,15 @@ class RedisStore:
         return base, f"{base}{namespace.lora_name.encode().hex()}:"
 
     async def _fcall(self, function: str, keys: Sequence[str], *args: Any) -> Any:
-        return await self._r.fcall(function, len(keys), *keys, *args)
+        try:
+            return await self._r.fcall(function, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if "function not found" not in str(exc).lower():
+                raise
+            # The server restarted empty or failed over to a replica without the library: load it.
+            log.warning("redis lost the directory functions; loading them again")
+            await self._r.function_load(LIBRARY, replace=True)
+            return await self._r.fcall(function, len(keys), *keys, *args)
 
     async def _worker_base(self, worker_id: str) -> str | None:
         model = self._model_of.get(worker_id)
@@ -165,6 +197,7 @@ class RedisStore:
 
     # ---- worker registry ---------------------------------------------------------------------
 
+    @_reachable
     async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
         base = self._base(spec.model)
         layout = f"{spec.block_size}|{spec.hash_algorithm}|{spec.hash_length}"
@@ -204,6 +237,7 @@ class RedisStore:
         self._model_of[spec.worker_id] = spec.model
         return int(reply[1]), bool(reply[2])
 
+    @_reachable
     async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
         base = await self._worker_base(worker_id)
         if base is not None:
@@ -211,6 +245,7 @@ class RedisStore:
                 "kvl_disconnect", [f"{base}w:{worker_id}"], base, worker_id, str(epoch), repr(now)
             )
 
+    @_reachable
     async def heartbeat(self, worker_id: str, now: float) -> None:
         base = await self._worker_base(worker_id)
         if base is not None:
@@ -218,11 +253,13 @@ class RedisStore:
                 "kvl_heartbeat", [f"{base}w:{worker_id}"], base, worker_id, repr(now), self._lease_ms
             )
 
+    @_reachable
     async def last_sequence(self, worker_id: str) -> int:
         base = await self._worker_base(worker_id)
         raw = await self._r.hget(f"{base}w:{worker_id}", "seq") if base else None
         return int(raw or 0)
 
+    @_reachable
     async def worker_spec(self, worker_id: str) -> WorkerSpec | None:
         model = self._model_of.get(worker_id)
         bases = [self._base(model)] if model is not None else list((await self._bases()).values())
@@ -234,6 +271,7 @@ class RedisStore:
                 return spec
         return None
 
+    @_reachable
     async def model_spec(self, model: str) -> WorkerSpec | None:
         # Asked on every Lookup; a model's block layout holds while any of its workers is registered
         # (register refuses another), so a second-old answer is as good as a fresh one.
@@ -257,15 +295,18 @@ class RedisStore:
             return False
         return bool(await self._fcall("kvl_set_state", [f"{base}w:{worker_id}"], int(state)))
 
+    @_reachable
     async def mark_resyncing(self, worker_id: str) -> None:
         await self._set_state(worker_id, LeaseState.RESYNCING)
 
+    @_reachable
     async def set_draining(self, worker_id: str) -> bool:
         return await self._set_state(worker_id, LeaseState.DRAINING)
 
     async def _bases(self) -> dict[str, str]:
         return {_text(m): _text(b) for m, b in (await self._r.hgetall(_MODELS)).items()}
 
+    @_reachable
     async def workers(self, now: float, model: str = "") -> list[WorkerView]:
         bases = await self._bases()
         views = []
@@ -303,10 +344,12 @@ class RedisStore:
                 )
         return views
 
+    @_reachable
     async def models(self) -> list[str]:
         bases = await self._bases()
         return sorted([m for m, base in bases.items() if await self._r.scard(f"{base}workers")])
 
+    @_reachable
     async def reap(self, now: float) -> list[Change]:
         changes: list[Change] = []
         for model, base in sorted((await self._bases()).items()):
@@ -323,6 +366,7 @@ class RedisStore:
 
     # ---- block index -------------------------------------------------------------------------
 
+    @_reachable
     async def apply(
         self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
     ) -> Applied:
@@ -382,12 +426,15 @@ class RedisStore:
             "kvl_snapshot", [f"{base}w:{worker_id}"], base, worker_id, step, repr(now), sequence
         )
 
+    @_reachable
     async def begin_snapshot(self, worker_id: str, now: float) -> None:
         await self._snapshot(worker_id, "begin", now)
 
+    @_reachable
     async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
         await self._snapshot(worker_id, "end", now, sequence)
 
+    @_reachable
     async def lookup(
         self,
         namespace: Namespace,
@@ -452,12 +499,14 @@ class RedisStore:
             tail_block_ids=_ids(tail_blocks),
         )
 
+    @_reachable
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         base, prefix = self._namespace(namespace)
         return bool(
             await self._fcall("kvl_release", [f"{base}wr:{holder}"], base, prefix, holder, handle, requester)
         )
 
+    @_reachable
     async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
         base, prefix = self._namespace(namespace)
         reply = await self._fcall(
@@ -490,6 +539,7 @@ class RedisStore:
             )
         return found
 
+    @_reachable
     async def counts(self) -> StoreCounts:
         totals = {"entries": 0, "runs": 0, "events": 0, "evictions": 0, "expired": 0}
         for base in (await self._bases()).values():

@@ -51,6 +51,13 @@ class DirectoryError(Exception):
         self.code = code
 
 
+class StoreUnavailable(DirectoryError):
+    """The store could not be reached (a networked backend's connection failed or timed out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("UNAVAILABLE", message)
+
+
 class Fence(Enum):
     """What :meth:`BlockIndex.apply` did with a batch, judged against the worker's (epoch, sequence)."""
 
