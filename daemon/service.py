@@ -54,6 +54,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             store, policy.cost, self.counters, self.changes, heartbeat_interval_s, max_hashes
         )
         self._started = time.monotonic()
+        self.changes.on_remote = self._remote_change
 
     async def _refuse(self, context: grpc.aio.ServicerContext, rpc: str, exc: Exception) -> None:
         if isinstance(exc, BadInput):
@@ -244,6 +245,14 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             delivered=session is not None,
         )
         return pb.DrainWorkerResponse(delivered=session is not None)
+
+    def _remote_change(self, change: Change) -> None:
+        """Another replica drained a worker whose agent streams to this one: tell the agent."""
+        session = self.sessions.live.get(change.worker_id) if change.kind == "drain" else None
+        if session is not None:
+            session.send(
+                pb.ConnectResponse(drain=pb.DrainRequest(reason=change.detail or "drained by admin"))
+            )
 
     # ---- maintenance -------------------------------------------------------------------------
 

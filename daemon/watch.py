@@ -6,7 +6,7 @@ import asyncio
 import json
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import structlog
@@ -39,6 +39,8 @@ class ChangeFeed:
         self._origin = uuid.uuid4().hex
         self._outgoing: deque[Change] = deque(maxlen=queue_size)
         self._pending: asyncio.Event | None = None
+        # Called with each change another replica made (a drain for an agent streaming to this one).
+        self.on_remote: Callable[[Change], None] | None = None
 
     def __bool__(self) -> bool:
         """True while anyone may be subscribed (callers skip building changes otherwise)."""
@@ -94,10 +96,13 @@ class ChangeFeed:
             try:
                 async for payload in relay.messages():
                     message = json.loads(payload)
-                    if message["o"] == self._origin or not self._queues:
+                    if message["o"] == self._origin:
                         continue
                     for kind, worker_id, model, blocks, detail in message["c"]:
-                        self._deliver(Change(kind, worker_id, model, blocks, detail))
+                        change = Change(kind, worker_id, model, blocks, detail)
+                        if self.on_remote is not None:
+                            self.on_remote(change)
+                        self._deliver(change)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

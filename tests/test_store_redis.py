@@ -4,6 +4,7 @@ password never reaches a log, a bad store refuses to start with a precise messag
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -17,6 +18,13 @@ from tests.conftest import KVLOOPD
 from tests.support import conversation, retained, running_agent
 
 SECRET = "s3cr3t-pa55word-for-kvloop"
+
+
+async def wait_for_async(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)  # polling a condition, not synchronising on time
 
 
 async def test_two_replicas_share_one_directory_and_the_password_stays_out_of_logs(
@@ -76,7 +84,7 @@ def test_an_unreachable_or_refusing_store_stops_startup_with_a_message(redis_url
     assert bad.returncode == 2 and "store url must be 'memory' or redis://" in bad.stderr
 
 
-async def test_watch_on_one_replica_sees_changes_made_through_another(redis_url, daemon_factory):
+async def test_watch_and_drain_work_on_a_replica_the_agent_is_not_attached_to(redis_url, daemon_factory):
     a = daemon_factory("--store", redis_url)
     b = daemon_factory("--store", redis_url)
     async with AsyncDirectoryClient(a.address) as on_a, AsyncDirectoryClient(b.address) as on_b:
@@ -91,7 +99,9 @@ async def test_watch_on_one_replica_sees_changes_made_through_another(redis_url,
             # B's Watch may start a moment after the stream opens: each try is a new worker on A
             for attempt in range(20):
                 worker = f"dec-watch-{attempt}"
-                async with running_agent(on_a, worker, "m-watch", retained(conversation("w", 4), "h")):
+                async with running_agent(
+                    on_a, worker, "m-watch", retained(conversation("w", 4), "h")
+                ) as link:
                     try:
                         change = await asyncio.wait_for(seen.get(), 1.0)
                     except TimeoutError:
@@ -100,6 +110,9 @@ async def test_watch_on_one_replica_sees_changes_made_through_another(redis_url,
                     while not {"registered", "retained"} <= kinds:
                         kinds.add((await asyncio.wait_for(seen.get(), 5.0)).kind)
                     assert change.worker_id == worker and change.model == "m-watch"
+                    # drained through B, the agent streaming to A is told
+                    await on_b.drain(worker, "maintenance via replica b")
+                    await wait_for_async(lambda: link.drain_reason == "maintenance via replica b")
                     break
             else:
                 raise AssertionError("replica B's Watch never saw a change made through replica A")
