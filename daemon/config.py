@@ -30,6 +30,11 @@ class StoreSettings(BaseModel):
 
     # "memory", or redis://[user:password@]host:port/db, rediss://... (TLS), unix:///path?db=0
     url: str = "memory"
+    # Redis Sentinel (HOST:PORT of each): kvloopd follows the primary they elect, and takes the
+    # directory's epoch from their quorum-agreed config epoch. ``url`` then names only the database
+    # (redis:///0, rediss:///0 for TLS to the primary).
+    sentinels: list[HostPort] = []
+    sentinel_master: str = "kvloop"
     # ACL user and password; kept out of the URL so they stay out of process listings.
     username: str | None = None
     password: SecretStr | None = None

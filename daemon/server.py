@@ -16,7 +16,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
-from kvloop.daemon.index import DirectoryStore, MemoryStore
+from kvloop.daemon.index import DirectoryStore, MemoryStore, StoreUnavailable
 from kvloop.daemon.index.instrumented import InstrumentedStore
 from kvloop.daemon.index.redis_store import RedisStore
 from kvloop.daemon.metrics import DaemonCounters
@@ -44,6 +44,14 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
     from kvloop.daemon.index.redis_store import redacted
 
     try:
+        if settings.store.sentinels:
+            return await RedisStore.connect_sentinel(
+                settings.store.sentinels,
+                settings.store.sentinel_master,
+                settings.store.url,
+                settings.index_config(),
+                **settings.store.redis_options(),
+            )
         return await RedisStore.connect(
             settings.store.url, settings.index_config(), **settings.store.redis_options()
         )
@@ -141,7 +149,9 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
             await asyncio.sleep(settings.reap_interval_s)
             try:
                 await service.reap()
-            except Exception:  # a store hiccup (a Redis failover) must not end reaping for good
+            except StoreUnavailable as exc:  # a failover in progress: reap again next interval
+                log.warning("reaping skipped", error=str(exc))
+            except Exception:  # a bug must not end reaping for good
                 log.exception("reaping failed; retrying next interval")
 
     reaping = asyncio.create_task(reaper())

@@ -248,11 +248,17 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     def _remote_change(self, change: Change) -> None:
         """Another replica drained a worker whose agent streams to this one: tell the agent."""
+        if change.kind == "failover":
+            self._resync_all(change.detail)
         session = self.sessions.live.get(change.worker_id) if change.kind == "drain" else None
         if session is not None:
             session.send(
                 pb.ConnectResponse(drain=pb.DrainRequest(reason=change.detail or "drained by admin"))
             )
+
+    def _resync_all(self, reason: str) -> None:
+        for session in list(self.sessions.live.values()):
+            session.resync_after_failover(reason)
 
     # ---- maintenance -------------------------------------------------------------------------
 
@@ -260,6 +266,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         for change in await self.store.reap(self.store.clock()):
             if change.kind == "expired":
                 metrics.EXPIRED_RUNS.inc()
+            elif change.kind == "failover":
+                log.warning("directory store failed over", detail=change.detail)
+                self._resync_all(change.detail)
             else:
                 log.info(
                     "directory change", kind=change.kind, worker_id=change.worker_id, detail=change.detail

@@ -30,7 +30,7 @@ log = structlog.get_logger("kvloop.daemon")
 
 _STATUS = {
     name: getattr(grpc.StatusCode, name)
-    for name in ("ALREADY_EXISTS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "NOT_FOUND")
+    for name in ("ALREADY_EXISTS", "FAILED_PRECONDITION", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE")
 }
 
 
@@ -196,6 +196,15 @@ class AgentSession:
             )
         )
 
+    def resync_after_failover(self, reason: str) -> None:
+        """The store failed over and may have lost this worker's latest writes: ask for its whole state
+        (the store already stopped serving it)."""
+        if self.spec is None:
+            return
+        self.awaiting_resync = True
+        self.ctx.counters.resync("store_failover")
+        self.send(pb.ConnectResponse(resync=pb.ResyncRequest(reason=reason)))
+
     def _telemetry(self, event: pb.BlockEvent, spec: WorkerSpec) -> None:
         if event.HasField("transfer"):
             t = event.transfer
@@ -240,7 +249,10 @@ class AgentSession:
         if spec is None or self.ctx.live.get(spec.worker_id) is not self:
             return
         del self.ctx.live[spec.worker_id]
-        await self.ctx.store.disconnect(spec.worker_id, spec.epoch, self.ctx.store.clock())
+        try:
+            await self.ctx.store.disconnect(spec.worker_id, spec.epoch, self.ctx.store.clock())
+        except StoreUnavailable:  # its liveness key lapses by itself; its own agent may take over
+            log.warning("disconnect not recorded: directory store unavailable", worker_id=spec.worker_id)
         metrics.CONNECTED_AGENTS.set(len(self.ctx.live))
         self.ctx.changes.publish(Change("disconnected", spec.worker_id, spec.model))
         log.info("agent disconnected", worker_id=spec.worker_id, peer=self.peer)

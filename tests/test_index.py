@@ -123,6 +123,8 @@ async def test_new_epoch_replaces_state_atomically_and_live_duplicate_is_refused
     with pytest.raises(DirectoryError) as refused:
         await store.register(spec("a", epoch=2), 0, 1.0)  # first stream still alive
     assert refused.value.code == "ALREADY_EXISTS"
+    # its own agent reconnecting (same epoch) before the old stream was noticed closed takes over
+    assert await store.register(spec("a", epoch=1), 1, 1.0) == (1, False)
     await store.disconnect("a", 1, 1.0)
     assert await store.register(spec("a", epoch=2), 0, 1.0) == (0, False)
     assert (await store.lookup(NS, prompt, 0, "p", 1.0, False)).best is None

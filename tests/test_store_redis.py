@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -12,10 +13,10 @@ import redis
 
 from kvloop.clients.client import AsyncDirectoryClient, KvloopError
 from kvloop.common.addresses import free_port
-from kvloop.daemon.index.redis_local import local_redis
+from kvloop.daemon.index.redis_local import local_redis, local_sentinel
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import KVLOOPD
-from tests.support import conversation, retained, running_agent
+from tests.support import conversation, retained, running_agent, wait_until
 
 SECRET = "s3cr3t-pa55word-for-kvloop"
 
@@ -140,3 +141,50 @@ async def test_a_store_that_goes_away_answers_unavailable_and_comes_back_with_it
                 answer = await client.lookup("m-away", prompt, requester="pre", block_size=16)
     assert answer.decision == pb.DECISION_TRANSFER and answer.matched_blocks == 8
     assert "loading them again" in daemon.log()
+
+
+async def test_sentinel_failover_fences_the_old_state_until_agents_have_re_pushed_it(
+    daemon_factory, tmp_path
+):
+    primary_port, replica_port = free_port(), free_port()
+    with ExitStack() as stack, ExitStack() as primary:
+        primary.enter_context(local_redis(tmp_path, port=primary_port))
+        replica = stack.enter_context(
+            local_redis(tmp_path, port=replica_port, extra=["--replicaof", "127.0.0.1", str(primary_port)])
+        )
+        sentinel = stack.enter_context(local_sentinel(tmp_path, primary_port))
+        replica_client = redis.Redis.from_url(replica)
+        wait_until(
+            lambda: replica_client.info("replication")["master_link_status"] == "up", what="replica sync"
+        )
+        config = tmp_path / "kvloopd.toml"
+        config.write_text(
+            f'[store]\nurl = "redis:///0"\nsentinels = ["{sentinel}"]\nsentinel_master = "kvloop"\n'
+        )
+        daemon = daemon_factory("--config", str(config), "--log-level", "debug")
+        model, prompt = "m-failover", conversation("failover", 16)
+        async with AsyncDirectoryClient(daemon.address) as client:
+            held = [retained(prompt, "h")]
+            async with running_agent(client, "dec-fo", model, *held, snapshot=lambda: held) as link:
+                before = await client.lookup(model, prompt, requester="pre", block_size=16)
+                assert before.decision == pb.DECISION_TRANSFER
+                # the primary dies; Sentinel promotes the replica under a new config epoch
+                primary.close()
+                wait_until(
+                    lambda: "every worker must resync" in daemon.log(),
+                    timeout=30,
+                    what="kvloopd to see the failover",
+                )
+                # the agent re-pushes its state and the run is served again, from the new primary
+                await wait_for_async(lambda: link.snapshots_sent >= 1, timeout=20)
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        after = await client.lookup(model, prompt, requester="pre", block_size=16)
+                        if after.decision == pb.DECISION_TRANSFER:
+                            break
+                    except KvloopError as exc:  # UNAVAILABLE while the client finds the new primary
+                        assert exc.code == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline, "transfers did not resume after the failover"
+                    await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
+        assert redis.Redis.from_url(replica).info("replication")["role"] == "master"

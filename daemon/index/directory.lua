@@ -164,7 +164,8 @@ local function register(keys, args)
   local cur = redis.call('HMGET', wkey, 'epoch', 'seq', 'state', 'seen')
   if cur[1] then
     local idle = now - tonumber(cur[4])
-    if redis.call('EXISTS', alive) == 1 and idle <= lease_s then
+    -- a live worker may be taken over only by its own agent (same epoch: a reconnect)
+    if cur[1] ~= epoch and redis.call('EXISTS', alive) == 1 and idle <= lease_s then
       return {'busy', cur[1], tostring(idle)}
     end
     if cur[1] == epoch then
@@ -531,6 +532,27 @@ local function set_state(keys, args)
   return 1
 end
 
+-- epoch(keys: epoch key) sentinel epoch, then every model's base. Records the epoch; when it grew
+-- past the recorded one (a failover), marks every worker resyncing and returns the old epoch (0 when
+-- none was recorded although workers are: that record itself may be what the failover lost); -1 when
+-- nothing changed or the store is new.
+local function epoch(keys, args)
+  local now = tonumber(args[1])
+  local recorded = redis.call('GET', keys[1])
+  if recorded and tonumber(recorded) >= now then return -1 end
+  redis.call('SET', keys[1], args[1])
+  local marked = 0
+  for i = 2, #args do
+    for _, w in ipairs(redis.call('SMEMBERS', args[i] .. 'workers')) do
+      redis.call('HSET', args[i] .. 'w:' .. w, 'state', RESYNCING)
+      marked = marked + 1
+    end
+  end
+  if not recorded and marked == 0 then return -1 end
+  return tonumber(recorded or '0')
+end
+
+redis.register_function('kvl_epoch', epoch)
 redis.register_function('kvl_register', register)
 redis.register_function('kvl_disconnect', disconnect)
 redis.register_function('kvl_heartbeat', heartbeat)

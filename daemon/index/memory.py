@@ -203,7 +203,14 @@ class MemoryStore:
     async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
         self._check_model_compatible(spec)
         worker = self._workers.get(spec.worker_id)
-        if worker is not None and worker.connected and now - worker.last_seen <= self.config.lease_s:
+        # A live worker may be taken over only by its own agent (same epoch: a reconnect whose old
+        # stream has not been noticed as closed yet); another agent waits for the lease to lapse.
+        if (
+            worker is not None
+            and worker.spec.epoch != spec.epoch
+            and worker.connected
+            and now - worker.last_seen <= self.config.lease_s
+        ):
             raise DirectoryError(
                 "ALREADY_EXISTS",
                 f"worker {spec.worker_id!r} is connected (epoch {worker.spec.epoch}, last seen "

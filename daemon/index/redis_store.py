@@ -25,7 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvloop.daemon.index.model import (
@@ -58,6 +58,7 @@ log = structlog.get_logger("kvloop.daemon")
 LIBRARY = resources.files("kvloop.daemon.index").joinpath("directory.lua").read_text()
 _PREFIX = "kvl"
 _MODELS = f"{_PREFIX}:models"  # hash: model -> its key base (the only key outside a model's slot)
+_EPOCH = f"{_PREFIX}:epoch"  # the Sentinel config epoch the data was last reconciled under
 _LITTLE = sys.byteorder == "little"
 
 
@@ -108,7 +109,7 @@ def _reachable(method: Callable) -> Callable:
     async def call(self: RedisStore, *args: Any, **kwargs: Any) -> Any:
         try:
             return await method(self, *args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError) as exc:
             raise StoreUnavailable(f"the directory store (redis) is unreachable: {exc}") from None
 
     return call
@@ -126,6 +127,7 @@ class RedisStore:
         self._model_specs: dict[str, tuple[float, WorkerSpec]] = {}  # model -> (fetched at, spec)
         self._model_of: dict[str, str] = {}  # worker -> model (a worker id keeps its model)
         self._lease_ms = str(max(1, int(self.config.lease_s * 1000)))
+        self._sentinel: tuple[Any, str] | None = None
 
     @classmethod
     async def connect(cls, url: str, config: IndexConfig | None = None, **options: Any) -> RedisStore:
@@ -141,6 +143,54 @@ class RedisStore:
             raise
         log.info("directory store on redis", url=redacted(url))
         return cls(client, config)
+
+    @classmethod
+    async def connect_sentinel(
+        cls,
+        sentinels: Sequence[str],
+        master: str,
+        url: str = "redis:///0",
+        config: IndexConfig | None = None,
+        **options: Any,
+    ) -> RedisStore:
+        """Connect to the primary that ``sentinels`` elect for ``master``, following failovers.
+
+        ``url`` gives the database and TLS (rediss:///0); its host is ignored."""
+        from urllib.parse import urlsplit
+
+        from redis.asyncio.sentinel import Sentinel
+
+        parts = urlsplit(url)
+        db = int(parts.path.strip("/") or 0) if parts.scheme in ("redis", "rediss") else 0
+        if parts.scheme == "rediss":
+            options["ssl"] = True
+        addresses = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in sentinels)]
+        sentinel = Sentinel(addresses, socket_timeout=2.0, **options)
+        client = sentinel.master_for(master, db=db, socket_timeout=2.0)
+        try:
+            await client.function_load(LIBRARY, replace=True)
+        except Exception:
+            await client.aclose()
+            raise
+        log.info("directory store on redis via sentinel", sentinels=list(sentinels), master=master, db=db)
+        store = cls(client, config)
+        store._sentinel = (sentinel, master)
+        await store._check_epoch()  # record the epoch before this replica writes anything
+        return store
+
+    async def directory_epoch(self) -> int | None:
+        """Sentinel's config epoch of the primary (it grows with each failover a quorum agreed on),
+        the highest any reachable sentinel reports; None without Sentinel or when none answers."""
+        if self._sentinel is None:
+            return None
+        sentinel, master = self._sentinel
+        epochs = []
+        for node in sentinel.sentinels:
+            try:
+                epochs.append(int((await node.sentinel_master(master))["config-epoch"]))
+            except Exception:  # a sentinel that is down or does not know the master: ask the others
+                continue
+        return max(epochs) if epochs else None
 
     def clock(self) -> float:
         return time.time()
@@ -349,9 +399,25 @@ class RedisStore:
         bases = await self._bases()
         return sorted([m for m, base in bases.items() if await self._r.scard(f"{base}workers")])
 
+    async def _check_epoch(self) -> list[Change]:
+        """After a failover the new primary may lack writes the old one acknowledged (replication is
+        asynchronous): a freed run could look retained. So when Sentinel's epoch moves past the one
+        recorded with the data, every worker is marked resyncing (not served) until its agent has
+        re-pushed its state; exactly one replica wins the compare-and-set and reports the change."""
+        epoch = await self.directory_epoch()
+        if epoch is None:
+            return []
+        bases = await self._bases()
+        previous = await self._fcall("kvl_epoch", [_EPOCH], epoch, *bases.values())
+        log.debug("directory epoch checked", epoch=epoch, previous=previous)
+        if previous is None or int(previous) < 0:
+            return []
+        log.warning("redis failover: every worker must resync", epoch=epoch, previous_epoch=int(previous))
+        return [Change("failover", "", "", 0, f"directory epoch {int(previous)} -> {epoch}: resync required")]
+
     @_reachable
     async def reap(self, now: float) -> list[Change]:
-        changes: list[Change] = []
+        changes: list[Change] = await self._check_epoch()
         for model, base in sorted((await self._bases()).items()):
             reply = await self._fcall(
                 "kvl_reap",
