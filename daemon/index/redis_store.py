@@ -7,6 +7,13 @@ is only a cache of worker specs keyed by (worker, epoch), which never change und
 
 Times are wall-clock seconds (``time.time``): replicas on different hosts must agree on them
 (NTP), where the in-memory store can use its own monotonic clock.
+
+Where it differs from the in-memory store, by design:
+* keys are hash-tagged per model, not per (model, LoRA): a worker's fence and liveness are read by
+  the same function that changes or looks up its blocks, and one worker serves several LoRAs of its
+  model; so a model is one slot (one shard in a Cluster), and ``max_entries`` bounds each model;
+* ``connected`` is a liveness key with a PX expiry of one lease, refreshed by every message, so a
+  replica that dies with streams attached does not leave their workers "connected" for good.
 """
 
 from __future__ import annotations
