@@ -397,12 +397,13 @@ class RedisStore:
                 for w in ids:
                     pipe.hgetall(f"{base}w:{w}")
                     pipe.exists(f"{base}alive:{w}")
+                    pipe.hlen(f"{base}wr:{w}")
                 replies = await pipe.execute()
             for i in range(len(ids)):
-                fields = {_text(k): v for k, v in replies[2 * i].items()}
+                fields = {_text(k): v for k, v in replies[3 * i].items()}
                 if not fields:
                     continue
-                connected = bool(replies[2 * i + 1])
+                connected = bool(replies[3 * i + 1])
                 seen = float(fields["seen"])
                 state = LeaseState(int(fields["state"]))
                 if state == LeaseState.ACTIVE and not (connected and now - seen <= self.config.lease_s):
@@ -415,7 +416,7 @@ class RedisStore:
                         last_applied_sequence=int(fields["seq"]),
                         stored_blocks=int(fields["sblocks"]),
                         retained_blocks=int(fields["rblocks"]),
-                        retained_runs=await self._r.hlen(f"{base}wr:{ids[i]}"),
+                        retained_runs=int(replies[3 * i + 2]),
                         last_seen_s_ago=max(0.0, now - seen),
                         events_ingested=int(fields["events"]),
                         resyncs=int(fields["resyncs"]),
