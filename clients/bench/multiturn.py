@@ -19,16 +19,21 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.demo.model import WORDS, build_tiny_llama
 from kvloop.common.tokens import agreeing_prefix_length
+
+if TYPE_CHECKING:
+    from kvloop.clients.demo.stack import Stack
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
 WORKLOADS = ("plain", "shared_prefix", "edited")
@@ -105,7 +110,24 @@ ENGINE_SERIES = {
 DECODE_SERIES = {
     "vllm:request_time_per_output_token_seconds_sum": "decode_tpot_s",
     "vllm:request_time_per_output_token_seconds_count": "decode_requests",
+    # tokens per engine step: a decode's mean batch, which TPOT grows with on a CPU
+    "vllm:iteration_tokens_total_sum": "decode_step_tokens",
+    "vllm:iteration_tokens_total_count": "decode_steps",
 }
+
+
+CPU_ROLES = ("prefill", "decode", "sidecars", "kvloopd")
+
+
+def stack_processes(stack: Stack) -> list[tuple[str, subprocess.Popen]]:
+    """(role, process) of every process of a stack the benchmark counts CPU time of."""
+    processes = [("kvloopd", stack.daemon)] if stack.daemon else []
+    for role, engine in [("prefill", stack.prefill)] + [("decode", d) for d in stack.decodes]:
+        if engine.vllm is not None:
+            processes.append((role, engine.vllm))
+        if engine.agent is not None:
+            processes.append(("sidecars", engine.agent))
+    return processes
 
 
 @dataclass
@@ -201,8 +223,15 @@ class TurnOutcome:
 class ArmClient:
     """Prefill -> decode orchestration for one arm (the builtin arm caches reverse handles)."""
 
-    def __init__(self, arm: str, prefill_url: str, decode_url: str) -> None:
+    def __init__(
+        self,
+        arm: str,
+        prefill_url: str,
+        decode_url: str,
+        processes: list[tuple[str, subprocess.Popen]] | None = None,
+    ) -> None:
         self.arm = arm
+        self.processes = processes or []
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.handles: dict[int, dict] = {}
@@ -218,7 +247,8 @@ class ArmClient:
         self.computed.clear()
 
     def engine_totals(self) -> dict[str, float]:
-        """ENGINE_SERIES of this arm's prefill engine and DECODE_SERIES of its decode engine."""
+        """ENGINE_SERIES of this arm's prefill engine, DECODE_SERIES of its decode engine and the CPU
+        seconds of the arm's processes."""
 
         def page(url: str) -> str:
             return urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
@@ -226,6 +256,24 @@ class ArmClient:
         totals = engine_totals(page(self.prefill_url))
         if self.decode_url != self.prefill_url:  # the local arm's one engine is both
             totals.update(engine_totals(page(self.decode_url), DECODE_SERIES))
+        totals.update({f"cpu_{role}_s": seconds for role, seconds in self.cpu_seconds().items()})
+        return totals
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each process of this arm's stack has used so far: on a host with
+        few cores, what one process spends (a sidecar ingesting events, kvloopd answering) the decode
+        cannot; read per workload, these show where a TPOT difference goes."""
+        import psutil  # the bench extra's; the CLI imports this module without it
+
+        totals = dict.fromkeys(CPU_ROLES, 0.0)
+        for role, proc in self.processes:
+            try:
+                top = psutil.Process(proc.pid)
+                for p in [top, *top.children(recursive=True)]:
+                    times = p.cpu_times()
+                    totals[role] += times.user + times.system
+            except psutil.Error:  # gone: counts nothing from now on
+                continue
         return totals
 
     def sources(self, session: Session) -> list[list[int]]:
@@ -575,6 +623,11 @@ def _transfer_columns(totals: dict[str, float] | None) -> dict:
         )
     if totals.get("decode_requests"):
         columns["decode_tpot_ms_mean"] = round(totals["decode_tpot_s"] * 1e3 / totals["decode_requests"], 2)
+    cpu = {role: totals.get(f"cpu_{role}_s") for role in CPU_ROLES}
+    if any(cpu.values()):
+        columns["cpu_s"] = {role: round(seconds or 0.0, 2) for role, seconds in cpu.items()}
+    if totals.get("decode_steps"):
+        columns["decode_batch_mean"] = round(totals["decode_step_tokens"] / totals["decode_steps"], 2)
     return columns
 
 
@@ -708,7 +761,12 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             for arm, stack in stacks.items():
                 stack.start(lambda what, state, arm=arm: say(f"{arm}: {what} {state}"))
             clients = {
-                arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "")
+                arm: ArmClient(
+                    arm,
+                    s.prefill.config.url,
+                    s.decodes[0].config.url if s.decodes else "",
+                    stack_processes(s),
+                )
                 for arm, s in stacks.items()
             }
             turns_in_all = (

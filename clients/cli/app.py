@@ -11,7 +11,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
-from kvloop.clients.bench.multiturn import ARMS, WORKLOADS
+from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
@@ -728,6 +728,26 @@ def _print_multiturn(summary: dict) -> None:
                 _blank(row.get("decode_tpot_ms_mean")),
             )
     console.print(table)
+    decode_rows = [row for row in summary["rows"] if "decode_tpot_ms_mean" in row]
+    if decode_rows:
+        table = Table(
+            title="the decode side: time per output token, mean batch (tokens per engine step) and CPU "
+            "seconds each process used in the measured turns"
+        )
+        cpu_columns = [f"CPU s {role}" for role in CPU_ROLES]
+        for column in ("workload", "sessions", "arm", "decode TPOT ms", "decode batch", *cpu_columns):
+            table.add_column(column)
+        for row in decode_rows:
+            cpu = row.get("cpu_s", {})
+            table.add_row(
+                row["workload"],
+                str(row["concurrency"]),
+                row["arm"],
+                _blank(row.get("decode_tpot_ms_mean")),
+                _blank(row.get("decode_batch_mean")),
+                *(_blank(cpu.get(role)) for role in CPU_ROLES),
+            )
+        console.print(table)
     table = Table(title="paired per-turn ratios (same turn, same prompt)")
     for column in ("workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
         table.add_column(column)
