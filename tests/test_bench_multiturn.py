@@ -290,3 +290,18 @@ def test_plots_draw_a_panel_per_workload_and_sessions(tmp_path: Path):
         height, width, _ = matplotlib.image.imread(path).shape
         assert width > 1.5 * height  # 4 groups: 3 panels by 2 (a single panel is 5.5 x 4.2)
     assert plot([s for s in samples if s.turn == 1], [], tmp_path / "none") == []  # no continuation turns
+
+
+def test_decode_tpot_is_paired_per_turn_on_every_turn_it_was_measured():
+    samples = []
+    for turn in (1, 2, 3):
+        for arm, tpot in (("kvloop", 21.0), ("recompute", 20.0)):
+            sample = timed(arm, 0, turn, 100.0)
+            sample.decode_tpot_ms = tpot if turn != 3 or arm == "kvloop" else None
+            samples.append(sample)
+    summary = summarize(samples, BS)
+    (pair,) = summary["paired_decode_tpot"]
+    # turn 3's recompute answer was not timed: two pairs, the first turn included
+    assert (pair["ratio"], pair["turns"], pair["median"]) == ("kvloop/recompute", 2, 1.05)
+    rows = {r["arm"]: r for r in summary["rows"]}
+    assert rows["kvloop"]["decode_tpot_p50_ms"] == 21.0

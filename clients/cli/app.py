@@ -749,11 +749,14 @@ def _print_multiturn(summary: dict) -> None:
             )
         console.print(table)
     table = Table(title="paired per-turn ratios (same turn, same prompt)")
-    for column in ("workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
+    for column in ("of", "workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
         table.add_column(column)
-    for pair in summary["paired"]:
+    paired = [("TTFT", p) for p in summary["paired"]]
+    paired += [("decode TPOT", p) for p in summary.get("paired_decode_tpot", [])]
+    for measure, pair in paired:
         low, high = pair["median_ci95"]
         table.add_row(
+            measure,
             pair["workload"],
             str(pair["concurrency"]),
             pair["ratio"],
