@@ -97,8 +97,9 @@ class TracedDirectoryClient(DirectoryClient):
 
     def _open(self, options: list) -> grpc.Channel:
         from opentelemetry.instrumentation.grpc import client_interceptor
+        from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
 
-        return grpc.intercept_channel(super()._open(options), client_interceptor())
+        return intercept_channel(super()._open(options), client_interceptor())
 
 
 class DirectoryLookups:
