@@ -7,7 +7,8 @@ registered workers every ``interval_s`` and hands each new holder (a decode or b
 same model) to ``warm`` - the worker's vLLM handshake machinery, which runs it in vLLM's own
 handshake thread and keeps the connection for later READs.
 
-ListWorkers is polled rather than Watched: a prefill's token may list workers but not Watch.
+ListWorkers is polled rather than Watched (a prefill's token may list workers but not Watch), with
+the sampled flag off, so the polls start no traces at kvloopd.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.directory import TracedDirectoryClient
 from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.common.tracing import not_sampled
 from kvloop.v1 import directory_pb2 as pb
 
 HOLDER_ROLES = (pb.WORKER_ROLE_DECODE, pb.WORKER_ROLE_BOTH)
@@ -100,10 +103,11 @@ class PeerWarmer:
         return new
 
     def _run(self) -> None:
-        with DirectoryClient(self.daemon, timeout=5.0) as client:
+        with TracedDirectoryClient(self.daemon, timeout=5.0) as client:
             while True:
                 try:
-                    self.poll_once(client)
+                    with not_sampled():
+                        self.poll_once(client)
                 except KvloopError as e:
                     tm.log.debug("kvloop.warm_peers_list_failed", error=str(e))
                 if self._stop.wait(self.interval_s):  # the poll period; stop() wakes it at once
