@@ -38,7 +38,9 @@ def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
     assert len({t["trace_id"] for t in turns}) == len(turns)
     for turn in turns:
         check_turn_trace(spans, turn["trace_id"], pulled=turn["path"] == "transfer")
-    # the demo's directory polls (ListWorkers from warm peers) leave no traces
+    # the prefill opened its NIXL connection to the decode before any turn read from it, and its
+    # directory polls for peers (ListWorkers) left no traces
+    assert "kvloop.peer_warmed" in (workdir / "logs" / "prefill-0.vllm.log").read_text()
     assert not any(s["name"].endswith("/ListWorkers") for s in spans)
     shown = subprocess.run(
         [str(BIN / "kvloop"), "trace", "--spans", str(workdir / "spans.jsonl"), "--last", "1"],
