@@ -892,6 +892,52 @@ def demo(
     raise typer.Exit(code)
 
 
+@app.command("trace")
+def trace_cmd(
+    spans: Annotated[Path, typer.Option("--spans", help="span file (JSON lines) to read")] = Path(
+        ".kvloop-demo/spans.jsonl"
+    ),
+    listen: Annotated[
+        Optional[str],
+        typer.Option(help="instead, receive spans over OTLP/gRPC on HOST:PORT and print turns as they end"),
+    ] = None,
+    last: Annotated[
+        Optional[int], typer.Option(min=1, help="only the last N turns (--listen: stop after N)")
+    ] = None,
+    trace_id: Annotated[Optional[str], typer.Option(help="the trace with this id (or id prefix)")] = None,
+    save: Annotated[Optional[Path], typer.Option(help="--listen: also append the spans to this file")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Show turns as waterfalls: proxy -> prefill -> kvloopd Lookup (decision, estimates) -> NIXL READ
+    (bytes) -> decode, one time axis per trace (the demo writes .kvloop-demo/spans.jsonl)."""
+    from kvloop.clients.cli import trace as tr
+
+    out = make_console(stderr=False)
+    if listen:
+        try:
+            tr.listen(
+                listen,
+                out,
+                state.json,
+                last,
+                trace_id,
+                notice=lambda text: err_console.print(f"[dim]{text}[/dim]", highlight=False),
+                spans_out=save,
+            )
+        except (ValueError, OSError) as exc:
+            _fail(str(exc), code=2)
+        except KeyboardInterrupt:
+            pass
+        return
+    try:
+        traces = tr.select(tr.group_traces(tr.read_span_file(spans)), trace_id=trace_id, last=last)
+    except tr.SpanFileError as exc:
+        _fail(str(exc))
+    if not traces:
+        _fail(f"no trace {trace_id!r} in {spans}" if trace_id else f"no turn's trace in {spans}")
+    tr.show(traces, out, state.json)
+
+
 def main() -> None:
     app(prog_name="kvloop")
 
