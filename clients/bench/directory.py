@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,16 +58,21 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+def _start_daemon(
+    listen: str, workdir: Path, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A kvloopd of the bench's own (`extra_args`: more flags, e.g. a store option; `extra_env`:
+    KVLOOP_* settings), ready to answer."""
     host, _, port = listen.rpartition(":")
     if port == "0":
         listen = f"{host}:{free_port()}"
     kvloopd = str(Path(sys.executable).parent / "kvloopd")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     env["KVLOOP_MAX_ENTRIES"] = "100000000"
+    env.update(extra_env or {})
     with (workdir / "kvloopd.log").open("w") as log:
         process = supervisor().spawn(
-            [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
+            [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json", *extra_args],
             stdout=subprocess.DEVNULL,
             stderr=log,
             env=env,
