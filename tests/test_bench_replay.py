@@ -1,0 +1,182 @@
+"""`kvloop bench replay`: traces through a real kvloopd (started by the command) and a simulated fleet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytest.importorskip("vllm")  # the replay hashes blocks with vLLM's own helpers
+
+from kvloop.clients.bench.replay import parse_sweep  # noqa: E402
+from kvloop.clients.bench.replay_gen import SyntheticConfig, generate  # noqa: E402
+from kvloop.clients.cli.app import app  # noqa: E402
+
+BS = 16  # vLLM block size in these tests; a 512-token trace block is 32 vLLM blocks
+
+
+def replay(*args: str) -> dict:
+    result = CliRunner().invoke(app, ["--json", "bench", "replay", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_synthetic_trace_through_a_real_daemon(tmp_path):
+    out = tmp_path / "trace.jsonl"
+    report = replay("--synthetic", "300", "--decodes", "2", "--prefills", "2", "--write-trace", str(out))
+    assert report["requests"] == 300 == len(out.read_text().splitlines())
+    total = report["local_share"] + report["pulled_share"] + report["recomputed_share"]
+    assert total == pytest.approx(1.0, abs=1e-12)
+    assert report["local_tokens"] + report["pulled_tokens"] + report["recomputed_tokens"] == report["prompt_tokens"]
+    # Sessions resend their history: some of it comes back from the decodes, decided by kvloopd.
+    assert report["pulled_share"] > 0.01 and report["paths"]["transfer"] > 0
+    assert report["reasons"]["transfer_faster"] == report["paths"]["transfer"]
+    cont = report["ttft"]["continuation"]
+    assert cont["requests"] > 0 and cont["with_kvloop_ms"]["mean"] < cont["without_kvloop_ms"]["mean"]
+    assert report["daemon"]["lookup_ms"]["p50"] > 0 and report["daemon"]["event_lag_ms"]["p50"] > 0
+    assert report["daemon"]["rss_mib"]["peak"] > 10
+    assert sum(w["requests"] for w in report["over_time"]) == 300
+    # The written trace replays to the same figures (seeded generator, deterministic replay).
+    again = replay("--trace", str(out), "--decodes", "2", "--prefills", "2")
+    assert again["pulled_tokens"] == report["pulled_tokens"]
+    assert again["local_tokens"] == report["local_tokens"]
+
+
+def test_no_repeated_prefix_pulls_nothing(tmp_path):
+    trace = write(
+        tmp_path / "unique.jsonl",
+        [
+            {"timestamp": i * 1000, "input_length": 1500, "output_length": 50, "hash_ids": [3 * i, 3 * i + 1, 3 * i + 2]}
+            for i in range(40)
+        ],
+    )
+    report = replay("--trace", str(trace))
+    assert report["pulled_share"] == 0 and report["local_share"] == 0
+    assert report["recomputed_share"] == pytest.approx(1.0)
+    assert report["paths"] == {"miss": 40}
+    assert report["missed_pull_tokens"] == {}
+    assert report["ttft"]["continuation"]["requests"] == 0
+
+
+def _session(lease_gap_s: float) -> list[dict]:
+    """Turn 1: 1,024 tokens (2 trace blocks), 100 answered; turn 2 resends them + 924 new; turn 3
+    comes after `lease_gap_s`. Another session's turn in between makes noise on another prefix."""
+    return [
+        {"timestamp": 0, "input_length": 1024, "output_length": 100, "hash_ids": [1, 2], "session_id": "a"},
+        {"timestamp": 5_000, "input_length": 700, "output_length": 10, "hash_ids": [90, 91], "session_id": "b"},
+        {"timestamp": 10_000, "input_length": 2048, "output_length": 30, "hash_ids": [1, 2, 3, 4], "session_id": "a"},
+        {
+            "timestamp": 10_000 + lease_gap_s * 1000,
+            "input_length": 2600,
+            "output_length": 30,
+            "hash_ids": [1, 2, 3, 4, 5, 6],
+            "session_id": "a",
+        },
+    ]
+
+
+def test_crafted_session_pulls_exactly_what_the_decode_holds(tmp_path):
+    trace = write(tmp_path / "session.jsonl", _session(lease_gap_s=200))
+    # No prefix cache on the prefill: turn 2 pulls all the decode holds of turn 1: the prompt and
+    # the answer's complete blocks, (1024 + 100 - 1) // 16 = 70 blocks; the rest is recomputed.
+    # Turn 3 comes after the 60 s lease: turn 2 had held (2048 + 30 - 1) // 16 = 129 blocks of it
+    # (turn 3 resends turn 2's answer), all expired.
+    report = replay("--trace", str(trace), "--prefill-cache-blocks", "0", "--lease", "60", "--decodes", "2")
+    assert report["pulled_tokens"] == 70 * BS
+    assert report["paths"] == {"miss": 3, "transfer": 1}
+    assert report["missed_pull_tokens"] == {"expired": 129 * BS}
+    # With the lease outliving the gap, turn 3 pulls those 129 blocks.
+    long = replay("--trace", str(trace), "--prefill-cache-blocks", "0", "--lease", "480", "--decodes", "2")
+    assert long["pulled_tokens"] == 70 * BS + 129 * BS
+    assert long["missed_pull_tokens"] == {}
+    # A prefix cache on the single prefill serves each earlier prompt locally; turn 2 pulls turn 1's
+    # answer (6 blocks), turn 3's one answer block is below the 64-token minimum pull.
+    cached = replay("--trace", str(trace), "--prefills", "1", "--lease", "480")
+    assert cached["local_tokens"] == 64 * BS + 128 * BS
+    assert cached["pulled_tokens"] == 6 * BS
+    assert cached["missed_pull_tokens"] == {"below_threshold": 1 * BS}
+
+
+def test_eviction_is_named(tmp_path):
+    trace = write(tmp_path / "session.jsonl", _session(lease_gap_s=30))
+    # One decode with room for one short turn: session b's run evicts session a's first turn (70
+    # blocks, missed by turns 2 and 3), and turn 2's 130 blocks never fit.
+    report = replay(
+        "--trace", str(trace), "--prefill-cache-blocks", "0", "--decodes", "1", "--retention-blocks", "80"
+    )
+    assert report["pulled_tokens"] == 0
+    assert report["missed_pull_tokens"] == {"evicted": 2 * 70 * BS}
+    assert report["decodes"]["replay-decode-0"]["evicted_runs"] == 1
+    assert report["decodes"]["replay-decode-0"]["not_retained_too_large"] == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not JSON"),
+        ('{"timestamp": 1, "input_length": -3, "output_length": 1, "hash_ids": []}', "'input_length' must be"),
+        ('{"timestamp": 1, "input_length": 2048, "output_length": 1, "hash_ids": [1]}', "cannot cover"),
+        ('{"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": ["x"]}', "list of integers"),
+    ],
+)
+def test_bad_trace_lines_give_a_clear_error(tmp_path, line, message):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n' + line + "\n")
+    result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(trace)])
+    assert result.exit_code == 2
+    assert f"{trace}:2: " in result.stderr and message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_cli_refuses_bad_options(tmp_path):
+    for args, message in (
+        ([], "exactly one of --trace FILE and --synthetic N"),
+        (["--synthetic", "5", "--sweep", "lease=5,bogus=3"], "unknown sweep key 'bogus'"),
+        (["--synthetic", "5", "--routing", "nearest"], "--routing 'nearest'"),
+        (["--synthetic", "5", "--multiturn-results", str(tmp_path / "none.json")], "not a `kvloop bench multiturn`"),
+    ):
+        result = CliRunner().invoke(app, ["bench", "replay", *args])
+        assert result.exit_code == 2 and message in result.stderr, (args, result.output)
+
+
+def test_sweep_keys_and_values():
+    assert parse_sweep(["lease=60,300,memory=1000,2000"]) == {"lease": [60, 300], "memory": [1000, 2000]}
+    assert parse_sweep(["lease=60", "memory=5"]) == {"lease": [60], "memory": [5]}
+    with pytest.raises(ValueError, match="given twice"):
+        parse_sweep(["lease=1,lease=2"])
+    with pytest.raises(ValueError, match="not a number"):
+        parse_sweep(["lease=soon"])
+
+
+def test_sweep_writes_a_plot(tmp_path):
+    png = tmp_path / "sweep.png"
+    result = replay("--synthetic", "120", "--decodes", "2", "--sweep", "lease=20,480", "--plot", str(png))
+    assert [p["lease"] for p in result["points"]] == [20, 480]
+    # A longer lease keeps more runs to pull from.
+    assert result["points"][1]["pulled_share"] >= result["points"][0]["pulled_share"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generator_is_seeded_and_shares_prefixes():
+    a = list(generate(SyntheticConfig(requests=200, seed=3)))
+    assert a == list(generate(SyntheticConfig(requests=200, seed=3)))
+    assert a != list(generate(SyntheticConfig(requests=200, seed=4)))
+    assert [r["timestamp"] for r in a] == sorted(r["timestamp"] for r in a)
+    for r in a:
+        assert len(r["hash_ids"]) == -(-r["input_length"] // 512)
+    # Sessions with one system prompt share its leading blocks; a session's turns extend each other.
+    firsts = {r["hash_ids"][0] for r in a}
+    assert len(firsts) < len({r["session_id"] for r in a})
+    by_session: dict[str, list[dict]] = {}
+    for r in a:
+        by_session.setdefault(r["session_id"], []).append(r)
+    turns = next(t for t in by_session.values() if len(t) >= 2)
+    full = turns[0]["input_length"] // 512
+    assert turns[1]["hash_ids"][:full] == turns[0]["hash_ids"][:full]
