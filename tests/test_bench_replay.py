@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 pytest.importorskip("vllm")  # the replay hashes blocks with vLLM's own helpers
 
-from kvloop.clients.bench.replay import parse_sweep  # noqa: E402
-from kvloop.clients.bench.replay_gen import SyntheticConfig, generate  # noqa: E402
-from kvloop.clients.cli.app import app  # noqa: E402
+from kvloop.clients.bench.replay import parse_sweep
+from kvloop.clients.bench.replay_gen import SyntheticConfig, generate
+from kvloop.clients.cli.app import app
 
 BS = 16  # vLLM block size in these tests; a 512-token trace block is 32 vLLM blocks
 
@@ -34,7 +34,10 @@ def test_synthetic_trace_through_a_real_daemon(tmp_path):
     assert report["requests"] == 300 == len(out.read_text().splitlines())
     total = report["local_share"] + report["pulled_share"] + report["recomputed_share"]
     assert total == pytest.approx(1.0, abs=1e-12)
-    assert report["local_tokens"] + report["pulled_tokens"] + report["recomputed_tokens"] == report["prompt_tokens"]
+    assert (
+        report["local_tokens"] + report["pulled_tokens"] + report["recomputed_tokens"]
+        == report["prompt_tokens"]
+    )
     # Sessions resend their history: some of it comes back from the decodes, decided by kvloopd.
     assert report["pulled_share"] > 0.01 and report["paths"]["transfer"] > 0
     assert report["reasons"]["transfer_faster"] == report["paths"]["transfer"]
@@ -53,7 +56,12 @@ def test_no_repeated_prefix_pulls_nothing(tmp_path):
     trace = write(
         tmp_path / "unique.jsonl",
         [
-            {"timestamp": i * 1000, "input_length": 1500, "output_length": 50, "hash_ids": [3 * i, 3 * i + 1, 3 * i + 2]}
+            {
+                "timestamp": i * 1000,
+                "input_length": 1500,
+                "output_length": 50,
+                "hash_ids": [3 * i, 3 * i + 1, 3 * i + 2],
+            }
             for i in range(40)
         ],
     )
@@ -70,8 +78,20 @@ def _session(lease_gap_s: float) -> list[dict]:
     comes after `lease_gap_s`. Another session's turn in between makes noise on another prefix."""
     return [
         {"timestamp": 0, "input_length": 1024, "output_length": 100, "hash_ids": [1, 2], "session_id": "a"},
-        {"timestamp": 5_000, "input_length": 700, "output_length": 10, "hash_ids": [90, 91], "session_id": "b"},
-        {"timestamp": 10_000, "input_length": 2048, "output_length": 30, "hash_ids": [1, 2, 3, 4], "session_id": "a"},
+        {
+            "timestamp": 5_000,
+            "input_length": 700,
+            "output_length": 10,
+            "hash_ids": [90, 91],
+            "session_id": "b",
+        },
+        {
+            "timestamp": 10_000,
+            "input_length": 2048,
+            "output_length": 30,
+            "hash_ids": [1, 2, 3, 4],
+            "session_id": "a",
+        },
         {
             "timestamp": 10_000 + lease_gap_s * 1000,
             "input_length": 2600,
@@ -121,14 +141,19 @@ def test_eviction_is_named(tmp_path):
     ("line", "message"),
     [
         ("{not json", "not JSON"),
-        ('{"timestamp": 1, "input_length": -3, "output_length": 1, "hash_ids": []}', "'input_length' must be"),
+        (
+            '{"timestamp": 1, "input_length": -3, "output_length": 1, "hash_ids": []}',
+            "'input_length' must be",
+        ),
         ('{"timestamp": 1, "input_length": 2048, "output_length": 1, "hash_ids": [1]}', "cannot cover"),
         ('{"timestamp": 1, "input_length": 20, "output_length": 1, "hash_ids": ["x"]}', "list of integers"),
     ],
 )
 def test_bad_trace_lines_give_a_clear_error(tmp_path, line, message):
     trace = tmp_path / "bad.jsonl"
-    trace.write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n' + line + "\n")
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n' + line + "\n"
+    )
     result = CliRunner().invoke(app, ["bench", "replay", "--trace", str(trace)])
     assert result.exit_code == 2
     assert f"{trace}:2: " in result.stderr and message in result.stderr
@@ -140,7 +165,10 @@ def test_cli_refuses_bad_options(tmp_path):
         ([], "exactly one of --trace FILE and --synthetic N"),
         (["--synthetic", "5", "--sweep", "lease=5,bogus=3"], "unknown sweep key 'bogus'"),
         (["--synthetic", "5", "--routing", "nearest"], "--routing 'nearest'"),
-        (["--synthetic", "5", "--multiturn-results", str(tmp_path / "none.json")], "not a `kvloop bench multiturn`"),
+        (
+            ["--synthetic", "5", "--multiturn-results", str(tmp_path / "none.json")],
+            "not a `kvloop bench multiturn`",
+        ),
     ):
         result = CliRunner().invoke(app, ["bench", "replay", *args])
         assert result.exit_code == 2 and message in result.stderr, (args, result.output)

@@ -72,7 +72,9 @@ def replay(
         try:
 
             async def go():
-                async with AsyncDirectoryClient(target, timeout=60, max_message_bytes=64 * 1024 * 1024) as client:
+                async with AsyncDirectoryClient(
+                    target, timeout=60, max_message_bytes=64 * 1024 * 1024
+                ) as client:
                     return await Fleet(config.fleet, client, target, daemon.pid, progress).run(requests)
 
             result = asyncio.run(go())
@@ -134,7 +136,11 @@ def sweep(
             **{SWEEP_KEYS[k]: (v if k == "lease" else int(v)) for k, v in setting.items()},
         )
         label = ", ".join(f"{k}={v:g}" for k, v in setting.items())
-        report = replay(requests, replace(config, fleet=fleet), trace, lambda done, label=label: progress(label, done))
+
+        def point_progress(done: int, label: str = label) -> None:
+            progress(label, done)
+
+        report = replay(requests, replace(config, fleet=fleet), trace, point_progress)
         cont = report["ttft"]["continuation"]
         points.append(
             {
@@ -175,8 +181,12 @@ def plot_sweep(points: list[dict[str, Any]], keys: list[str], png: Path) -> Path
         axes[0].plot(xs, [p["pulled_share"] for p in ps], marker="o", label=label)
         axes[1].plot(xs, [p["continuation_ttft_saving_share"] or 0.0 for p in ps], marker="o", label=label)
     unit = {"lease": "lease (s)", "memory": "retention memory per decode (blocks)"}.get(x_key, x_key)
-    axes[0].set(xlabel=unit, ylabel="share of prompt tokens pulled", title="prompt tokens served by reverse pull")
-    axes[1].set(xlabel=unit, ylabel="1 - TTFT with / without (mean)", title="continuation TTFT saved (cost model)")
+    axes[0].set(
+        xlabel=unit, ylabel="share of prompt tokens pulled", title="prompt tokens served by reverse pull"
+    )
+    axes[1].set(
+        xlabel=unit, ylabel="1 - TTFT with / without (mean)", title="continuation TTFT saved (cost model)"
+    )
     for ax in axes:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

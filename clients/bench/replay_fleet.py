@@ -179,7 +179,9 @@ class Fleet:
         for i in range(config.prefills):
             worker = f"replay-prefill-{i}"
             mirror = WorkerMirror(32)
-            link = DirectoryLink(client, _registration(worker, pb.WORKER_ROLE_PREFILL, bs, kv_bytes_per_block), mirror.snapshot)
+            link = DirectoryLink(
+                client, _registration(worker, pb.WORKER_ROLE_PREFILL, bs, kv_bytes_per_block), mirror.snapshot
+            )
             lookups = DirectoryLookups(target, constraints(worker), timeout_ms=config.lookup_timeout_ms)
             self.prefills.append(_Prefill(worker, mirror, link, lookups))
         self._by_id = {d.worker_id: d for d in self.decodes}
@@ -190,19 +192,21 @@ class Fleet:
         self._gone: dict[bytes, str] = {}
         self._lags: list[float] = []
         self._lag_tasks: set[asyncio.Task] = set()
-        self._events: list[tuple[float, int, str, object]] = []
+        self._events: list[tuple[float, int, str, _Decode, TraceRequest | _Run]] = []
         self._seq = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-lookup")
 
     def _decode(self, worker: str, kv_bytes_per_block: int) -> _Decode:
         mirror = WorkerMirror(32)
-        registration = _registration(worker, pb.WORKER_ROLE_DECODE, self.config.block_size, kv_bytes_per_block)
+        registration = _registration(
+            worker, pb.WORKER_ROLE_DECODE, self.config.block_size, kv_bytes_per_block
+        )
         return _Decode(worker, mirror, DirectoryLink(self.client, registration, mirror.snapshot))
 
     # ---- the replay loop ------------------------------------------------------------------------
 
     async def run(self, requests: list[TraceRequest]) -> FleetResult:
-        links = [w.link for w in (*self.decodes, *self.prefills)]
+        links = [d.link for d in self.decodes] + [p.link for p in self.prefills]
         runners = [asyncio.create_task(link.run()) for link in links]
         try:
             await asyncio.wait_for(asyncio.gather(*(link.connected.wait() for link in links)), 30)
@@ -262,24 +266,21 @@ class Fleet:
             behind_ms_max=behind_max,
         )
 
-    def _schedule(self, t_ms: float, kind: str, payload: object) -> None:
-        heapq.heappush(self._events, (t_ms, next(self._seq), kind, payload))
+    def _schedule(self, t_ms: float, kind: str, decode: _Decode, what: TraceRequest | _Run) -> None:
+        heapq.heappush(self._events, (t_ms, next(self._seq), kind, decode, what))
 
     async def _advance(self, until_ms: float) -> None:
         """Apply every fleet event (turn ends, withdrawals, lease ends) due by ``until_ms``."""
         while self._events and self._events[0][0] <= until_ms:
-            t_ms, _, kind, payload = heapq.heappop(self._events)
-            if kind == "finish":
-                decode, request = payload  # type: ignore[misc]
+            t_ms, _, kind, decode, what = heapq.heappop(self._events)
+            if isinstance(what, TraceRequest):  # the turn ended
                 decode.active -= 1
-                self._retain(decode, request, t_ms)
+                self._retain(decode, what, t_ms)
             elif kind == "withdraw":
-                decode, run = payload  # type: ignore[misc]
-                if run.servable:
-                    self._unserve(decode, run, "expired")
-            elif kind == "expire":
-                decode, run = payload  # type: ignore[misc]
-                self._free(decode, run)
+                if what.servable:
+                    self._unserve(decode, what, "expired")
+            else:  # the lease ended
+                self._free(decode, what)
 
     async def _settle(self) -> None:
         await asyncio.gather(*(d.link.wait_acked(timeout=60) for d in self.decodes))
@@ -290,8 +291,10 @@ class Fleet:
 
     async def _arrive(self, r: TraceRequest) -> RequestRecord:
         cfg, bs = self.config, self.config.block_size
-        prefill = self.prefills[next(self._rr) % len(self.prefills)] if cfg.routing != "random" else (
-            self.rnd.choice(self.prefills)
+        prefill = (
+            self.prefills[next(self._rr) % len(self.prefills)]
+            if cfg.routing != "random"
+            else (self.rnd.choice(self.prefills))
         )
         local = 0
         for h in r.hashes:
@@ -307,7 +310,9 @@ class Fleet:
         lookup_ms = 0.0
         if r.hashes:
             # What a lookup may depend on has reached the daemon (module docstring).
-            await asyncio.gather(*(d.link.wait_acked(timeout=60) for d in self.decodes if d.link.acked < d.link.sequence))
+            await asyncio.gather(
+                *(d.link.wait_acked(timeout=60) for d in self.decodes if d.link.acked < d.link.sequence)
+            )
             loop = asyncio.get_running_loop()
             t = time.perf_counter()
             answer = await loop.run_in_executor(self._executor, prefill.lookups.lookup, r.hashes, local)
@@ -354,7 +359,7 @@ class Fleet:
         decode.active += 1
         # The turn ends after its prefill and its answer; the cost of the prefill is the report's
         # business, so only decoding places the end here.
-        self._schedule(r.timestamp_ms + r.output_length * cfg.decode_ms_per_token, "finish", (decode, r))
+        self._schedule(r.timestamp_ms + r.output_length * cfg.decode_ms_per_token, "finish", decode, r)
         return record
 
     def _route_decode(self, holder: str) -> _Decode:
@@ -440,10 +445,10 @@ class Fleet:
             for h in dict.fromkeys(hashes):
                 self._held[h] += 1
                 self._gone.pop(h, None)
-            self._schedule(t_ms + servable_for * 1000, "withdraw", (decode, run))
+            self._schedule(t_ms + servable_for * 1000, "withdraw", decode, run)
         else:
             run.servable = False
-        self._schedule(t_ms + cfg.lease_s * 1000, "expire", (decode, run))
+        self._schedule(t_ms + cfg.lease_s * 1000, "expire", decode, run)
 
     def _unserve(self, decode: _Decode, run: _Run, why: str) -> None:
         run.servable = False

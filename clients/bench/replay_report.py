@@ -15,9 +15,12 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvloop.clients.bench.replay_fleet import FleetConfig, FleetResult, RequestRecord
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 class CostModelError(ValueError):
@@ -101,7 +104,13 @@ def _dist(values: list[float]) -> dict[str, float] | None:
     def q(p: float) -> float:
         return round(ordered[min(len(ordered) - 1, int(p * len(ordered)))], 3)
 
-    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": q(1.0), "mean": round(statistics.fmean(values), 3)}
+    return {
+        "p50": q(0.5),
+        "p90": q(0.9),
+        "p99": q(0.99),
+        "max": q(1.0),
+        "mean": round(statistics.fmean(values), 3),
+    }
 
 
 def shares(records: list[RequestRecord]) -> dict[str, float]:
@@ -117,7 +126,11 @@ def _ttft(records: list[RequestRecord], cost: CostModel) -> dict[str, Any]:
     def block(rs: list[RequestRecord]) -> dict[str, Any]:
         without = [cost.without_kvloop_ms(r) for r in rs]
         with_ = [cost.with_kvloop_ms(r) for r in rs]
-        out: dict[str, Any] = {"requests": len(rs), "without_kvloop_ms": _dist(without), "with_kvloop_ms": _dist(with_)}
+        out: dict[str, Any] = {
+            "requests": len(rs),
+            "without_kvloop_ms": _dist(without),
+            "with_kvloop_ms": _dist(with_),
+        }
         if rs:
             out["saving_share_of_mean"] = round(1 - sum(with_) / sum(without), 4) if sum(without) else 0.0
             out["saving_ms_p50"] = _dist([a - b for a, b in zip(without, with_, strict=True)])["p50"]  # type: ignore[index]
@@ -212,7 +225,7 @@ def _over_time(result: FleetResult, buckets: int) -> list[dict[str, Any]]:
     return out
 
 
-def print_report(console, result: dict[str, Any]) -> None:  # noqa: ANN001 (a rich Console)
+def print_report(console: Console, result: dict[str, Any]) -> None:
     """The human view of a report (or of a sweep) on a rich console."""
     from rich.table import Table
 
@@ -243,7 +256,12 @@ def print_report(console, result: dict[str, Any]) -> None:  # noqa: ANN001 (a ri
         + ")"
     )
     table = Table(title="prompt tokens")
-    for column in ("local prefix cache", "reverse pull", "recomputed", "missed pulls (a decode had held them)"):
+    for column in (
+        "local prefix cache",
+        "reverse pull",
+        "recomputed",
+        "missed pulls (a decode had held them)",
+    ):
         table.add_column(column, justify="right")
     missed = ", ".join(f"{k} {v:,}" for k, v in r["missed_pull_tokens"].items()) or "none"
     table.add_row(

@@ -92,7 +92,7 @@ class VllmBlockHasher:
             if sub is None:
                 sub, p = [], parent
                 for j in range(n):
-                    p = bytes(self._hash_block(self._hash_fn, p, (hid, j)))
+                    p = bytes(self._hash_block(self._hash_fn, p, (hid, j)))  # type: ignore[arg-type]
                     sub.append(p)
                 self._trace_cache[key] = sub
             out.extend(sub)
@@ -242,7 +242,9 @@ def read_chat(path: Path, hasher: VllmBlockHasher, tokenizer: str) -> list[Trace
             explicit = _int(obj, "output_length", where, 0)
         cap = body.get("max_completion_tokens", body.get("max_tokens"))
         cap = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
-        rows.append((where, timestamp, str(session) if session is not None else None, messages, explicit, cap))
+        rows.append(
+            (where, timestamp, str(session) if session is not None else None, messages, explicit, cap)
+        )
     if any(r[1] is None for r in rows) and not all(r[1] is None for r in rows):
         first = next(r for r in rows if r[1] is None)
         raise TraceError(f"{first[0]}: a timestamp is missing (give every request one, or none)")

@@ -496,14 +496,16 @@ def bench_idle(
 @bench_app.command("replay")
 def bench_replay(
     trace: Annotated[
-        Optional[Path], typer.Option(help="request log: Mooncake trace JSONL or OpenAI-style chat requests JSONL")
+        Optional[Path],
+        typer.Option(help="request log: Mooncake trace JSONL or OpenAI-style chat requests JSONL"),
     ] = None,
     synthetic: Annotated[
         Optional[int], typer.Option(min=1, help="replay a seeded synthetic trace of N requests instead")
     ] = None,
     trace_format: Annotated[str, typer.Option("--format", help="auto, mooncake or chat")] = "auto",
     tokenizer: Annotated[
-        Optional[str], typer.Option(help="chat logs: local tokenizer (directory) whose chat template renders them")
+        Optional[str],
+        typer.Option(help="chat logs: local tokenizer (directory) whose chat template renders them"),
     ] = None,
     trace_block_size: Annotated[int, typer.Option(min=1, help="Mooncake trace: tokens per hash_id")] = 512,
     limit: Annotated[Optional[int], typer.Option(min=1, help="replay only the first N requests")] = None,
@@ -517,7 +519,9 @@ def bench_replay(
     retention_blocks: Annotated[
         int, typer.Option(min=0, help="decode KV memory set aside for retained turns, blocks per decode")
     ] = 50_000,
-    lease: Annotated[float, typer.Option(min=0, help="retention lease, s (vLLM decoder_kv_blocks_ttl)")] = 480.0,
+    lease: Annotated[
+        float, typer.Option(min=0, help="retention lease, s (vLLM decoder_kv_blocks_ttl)")
+    ] = 480.0,
     expiry_margin: Annotated[
         float, typer.Option(min=0, help="puller's lease margin, s (kvloop_expiry_margin_s)")
     ] = 6.0,
@@ -531,21 +535,30 @@ def bench_replay(
     kv_bytes_per_token: Annotated[
         int, typer.Option(min=1, help="KV bytes per token of the model (all layers, K and V)")
     ] = 131_072,
-    decode_ms_per_token: Annotated[float, typer.Option(min=0, help="decode time per output token, ms")] = 20.0,
+    decode_ms_per_token: Annotated[
+        float, typer.Option(min=0, help="decode time per output token, ms")
+    ] = 20.0,
     speedup: Annotated[
         float, typer.Option(min=0, help="trace time x this = wall time; 0: as fast as possible")
     ] = 0.0,
-    max_wall_s: Annotated[Optional[float], typer.Option(min=0, help="stop replaying after this many s")] = None,
+    max_wall_s: Annotated[
+        Optional[float], typer.Option(min=0, help="stop replaying after this many s")
+    ] = None,
     prefill_tokens_per_s: Annotated[float, typer.Option(help="cost model: prefill throughput")] = 8000.0,
-    link_gbps: Annotated[float, typer.Option(help="cost model: link Gbit/s between decode and prefill")] = 100.0,
+    link_gbps: Annotated[
+        float, typer.Option(help="cost model: link Gbit/s between decode and prefill")
+    ] = 100.0,
     setup_ms: Annotated[float, typer.Option(help="cost model: fixed cost of one pull, ms")] = 2.0,
     multiturn_results: Annotated[
-        Optional[Path], typer.Option(help="cost model fitted to a `kvloop bench multiturn --json` output instead")
+        Optional[Path],
+        typer.Option(help="cost model fitted to a `kvloop bench multiturn --json` output instead"),
     ] = None,
     sweep: Annotated[
         Optional[list[str]],
-        typer.Option(help="repeat over settings, e.g. lease=60,240,480,memory=10000,50000 (keys: lease, "
-        "memory, prefill_cache, decodes, prefills)"),
+        typer.Option(
+            help="repeat over settings, e.g. lease=60,240,480,memory=10000,50000 (keys: lease, "
+            "memory, prefill_cache, decodes, prefills)"
+        ),
     ] = None,
     plot: Annotated[Path, typer.Option(help="--sweep: PNG of the saving against the settings")] = Path(
         "replay-sweep.png"
@@ -554,7 +567,9 @@ def bench_replay(
     daemon_arg: Annotated[
         Optional[list[str]], typer.Option(help="extra kvloopd flag (repeatable), e.g. a store option")
     ] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="also write the report JSON here")] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="also write the report JSON here")
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """What reverse transfer would save on a request log: replays it through a real kvloopd with a
@@ -587,7 +602,11 @@ def bench_replay(
             gen = SyntheticConfig(requests=synthetic, seed=seed)
             path = write_trace or Path(tempfile.mkstemp(prefix="kvloop-replay-", suffix=".jsonl")[1])
             write_jsonl(path, generate(gen))
-            info = {"source": "synthetic", "generator": describe(gen), "written_to": str(write_trace) if write_trace else None}
+            info = {
+                "source": "synthetic",
+                "generator": describe(gen),
+                "written_to": str(write_trace) if write_trace else None,
+            }
             requests = read_trace(path, block_size, "mooncake", None, gen.block_size, limit)
             if write_trace is None:
                 path.unlink()
