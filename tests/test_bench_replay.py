@@ -208,3 +208,71 @@ def test_generator_is_seeded_and_shares_prefixes():
     turns = next(t for t in by_session.values() if len(t) >= 2)
     full = turns[0]["input_length"] // 512
     assert turns[1]["hash_ids"][:full] == turns[0]["hash_ids"][:full]
+
+
+def test_paced_replay_takes_the_trace_time_and_pulls_the_same(tmp_path):
+    trace = write(tmp_path / "session.jsonl", _session(lease_gap_s=30))
+    args = ("--trace", str(trace), "--prefill-cache-blocks", "0")
+    fast = replay(*args)
+    paced = replay(*args, "--speedup", "100")  # 40 s of trace in 0.4 s
+    assert paced["replay"]["wall_s"] >= 0.39 > fast["replay"]["wall_s"]
+    assert paced["pulled_tokens"] == fast["pulled_tokens"] == 70 * BS + 129 * BS
+
+
+def test_chat_log_tokenized_and_hashed_like_vllm(tmp_path):
+    from transformers import AutoTokenizer
+
+    from kvloop.clients.demo.model import WORDS, build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "model", hidden_size=64, layers=1, heads=2, intermediate_size=64)
+    system = {"role": "system", "content": " ".join(WORDS[i % len(WORDS)] for i in range(300))}
+    user1 = {"role": "user", "content": "first task " + " ".join(WORDS[:20])}
+    answer = {"role": "assistant", "content": " ".join(WORDS[5:45])}
+    user2 = {"role": "user", "content": "tool output " + " ".join(WORDS[10:90])}
+    log = write(
+        tmp_path / "chat.jsonl",
+        [
+            {"session_id": "c", "request": {"model": "m", "messages": [system, user1], "max_tokens": 64}},
+            {"session_id": "c", "request": {"model": "m", "messages": [system, user1, answer, user2]}},
+        ],
+    )
+    report = replay("--trace", str(log), "--tokenizer", str(model), "--prefill-cache-blocks", "0")
+    tok = AutoTokenizer.from_pretrained(model)
+
+    def tokens(messages: list[dict]) -> list[int]:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok.encode(text, add_special_tokens=False)
+
+    first, second = tokens([system, user1]), tokens([system, user1, answer, user2])
+    assert len(first) > 300
+    full = len(first) // BS * BS
+    assert second[:full] == first[:full]  # the second turn resends the first over its full blocks
+    # The decode held the first prompt and its answer (the answer's tokens and end of turn, as the
+    # second turn renders them), less the last sampled token; the second turn pulls its full blocks.
+    held = len(first) + len(tok.encode(answer["content"], add_special_tokens=False)) + 1 - 1
+    assert report["prompt_tokens"] == len(first) + len(second)
+    assert report["pulled_tokens"] == held // BS * BS
+    assert report["paths"] == {"miss": 1, "transfer": 1}
+
+
+def test_cost_model_fitted_to_a_multiturn_run(tmp_path):
+    from kvloop.clients.bench.replay_report import CostModel
+
+    samples = [
+        {"arm": "recompute", "prompt_tokens": 1000, "ttft_ms": 300.0, "cached_tokens": 0},
+        {"arm": "recompute", "prompt_tokens": 2000, "ttft_ms": 550.0, "cached_tokens": 0},
+        {"arm": "kvloop", "prompt_tokens": 1100, "ttft_ms": 90.0, "cached_tokens": 1000, "pull_ms": 12.0},
+        {"arm": "kvloop", "prompt_tokens": 2100, "ttft_ms": 95.0, "cached_tokens": 2000, "pull_ms": 22.0},
+        {"arm": "kvloop", "prompt_tokens": 200, "ttft_ms": 80.0, "cached_tokens": 0, "pull_ms": None},
+    ]
+    path = tmp_path / "multiturn.json"
+    path.write_text(json.dumps({"samples": samples}))
+    model = CostModel.from_multiturn(path)
+    assert model.prefill_tokens_per_s == pytest.approx(4000)
+    assert model.overhead_ms == pytest.approx(50)
+    assert model.transfer_ms_per_token == pytest.approx(0.01)
+    assert model.setup_ms == pytest.approx(2)
+    # The daemon decides with the same figures: 0.01 ms per 128 KiB token is 13.1 GB/s.
+    env = model.daemon_env(131_072)
+    assert float(env["KVLOOP_POLICY__DEFAULT_TRANSFER_GBYTES_PER_S"]) == pytest.approx(13.1072)
+    assert float(env["KVLOOP_POLICY__DEFAULT_PREFILL_TOKENS_PER_S"]) == pytest.approx(4000)

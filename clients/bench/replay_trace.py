@@ -216,10 +216,10 @@ def load_tokenizer(name: str) -> Callable[[list[dict[str, Any]]], list[int]]:
         raise TraceError(f"tokenizer {name!r} has no chat template to render the messages with")
 
     def render(messages: list[dict[str, Any]]) -> list[int]:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        # As vLLM's chat endpoint does: render the template to text, tokenize without adding
+        # special tokens (the template has them).
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     render.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
     return render
