@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvloop.agents.sidecar.link import DirectoryLink
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, DirectoryClient
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
@@ -78,7 +78,15 @@ def _start_daemon(
             env=env,
         )
     with DirectoryClient(listen, timeout=2) as client:
-        client.wait_ready(30)
+        for attempt in range(30):
+            try:
+                client.wait_ready(1)
+                break
+            except DaemonUnavailable:
+                if process.poll() is not None:  # refused its flags or config: say so now
+                    raise RuntimeError(f"kvloopd exited with status {process.returncode}") from None
+                if attempt == 29:
+                    raise
     return process, listen
 
 
