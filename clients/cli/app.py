@@ -542,8 +542,8 @@ def bench_replay(
         float, typer.Option(min=0, help="trace time x this = wall time; 0: as fast as possible")
     ] = 0.0,
     max_wall_s: Annotated[
-        Optional[float], typer.Option(min=0, help="stop replaying after this many s")
-    ] = None,
+        float, typer.Option(min=0, help="stop replaying after this many s (the report says truncated)")
+    ] = 3600.0,
     prefill_tokens_per_s: Annotated[float, typer.Option(help="cost model: prefill throughput")] = 8000.0,
     link_gbps: Annotated[
         float, typer.Option(help="cost model: link Gbit/s between decode and prefill")
