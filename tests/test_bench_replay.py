@@ -276,3 +276,19 @@ def test_cost_model_fitted_to_a_multiturn_run(tmp_path):
     env = model.daemon_env(131_072)
     assert float(env["KVLOOP_POLICY__DEFAULT_TRANSFER_GBYTES_PER_S"]) == pytest.approx(13.1072)
     assert float(env["KVLOOP_POLICY__DEFAULT_PREFILL_TOKENS_PER_S"]) == pytest.approx(4000)
+
+
+@pytest.mark.parametrize("downtime", ["60", "5"])
+def test_a_crashed_holder_is_named(tmp_path, downtime):
+    # decode-0 holds session a (turns 1 and 2) and crashes half-way through the trace (20 s). Turn 3
+    # (40 s) finds it still down (kvloopd: peer_unavailable) or back with an empty cache (a miss):
+    # either way the 129 blocks it held are missed because their holder went away.
+    trace = write(tmp_path / "session.jsonl", _session(lease_gap_s=30))
+    report = replay(
+        "--trace", str(trace), "--prefill-cache-blocks", "0", "--decodes", "2",
+        "--decode-failures", "1", "--failure-downtime", downtime,
+    )  # fmt: skip
+    assert report["pulled_tokens"] == 70 * BS
+    assert report["missed_pull_tokens"] == {"peer_unavailable": 129 * BS}
+    assert report["decodes"]["replay-decode-0"]["failures"] == 1
+    assert report["reasons"].get("peer_unavailable", 0) == (1 if downtime == "60" else 0)

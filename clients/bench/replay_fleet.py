@@ -75,6 +75,10 @@ class FleetConfig:
     max_wall_s: float | None = None
     lookup_timeout_ms: float = 1000.0
     seed: int = 1
+    # Decode crashes spread evenly over the trace (decodes in turn): the worker's stream closes, its
+    # runs and running turns are lost, it rejoins with a new epoch after the downtime (trace s).
+    decode_failures: int = 0
+    failure_downtime_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -116,6 +120,11 @@ class _Decode:
     extra: int = 0
     runs: OrderedDict[str, _Run] = field(default_factory=OrderedDict)  # oldest first
     active: int = 0
+    inflight: set[int] = field(default_factory=set)  # request indexes decoding here
+    down: bool = False
+    runner: asyncio.Task | None = None
+    lag_tasks: set[asyncio.Task] = field(default_factory=set)  # acks awaited on this stream
+    failures: int = 0
     next_block_id: int = 0
     retained_runs: int = 0
     evicted_runs: int = 0
@@ -163,7 +172,7 @@ class Fleet:
         self.progress = progress
         self.rnd = random.Random(config.seed)
         bs = config.block_size
-        kv_bytes_per_block = config.kv_bytes_per_token * bs
+        kv_bytes_per_block = self._kv_bytes_per_block = config.kv_bytes_per_token * bs
         self.decodes = [self._decode(f"replay-decode-{i}", kv_bytes_per_block) for i in range(config.decodes)]
         constraints = lambda worker: PullerConstraints(  # noqa: E731
             model=MODEL,
@@ -191,8 +200,7 @@ class Fleet:
         self._held: dict[bytes, int] = defaultdict(int)
         self._gone: dict[bytes, str] = {}
         self._lags: list[float] = []
-        self._lag_tasks: set[asyncio.Task] = set()
-        self._events: list[tuple[float, int, str, _Decode, TraceRequest | _Run]] = []
+        self._events: list[tuple[float, int, str, _Decode, TraceRequest | _Run | None]] = []
         self._seq = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-lookup")
 
@@ -207,16 +215,19 @@ class Fleet:
 
     async def run(self, requests: list[TraceRequest]) -> FleetResult:
         links = [d.link for d in self.decodes] + [p.link for p in self.prefills]
-        runners = [asyncio.create_task(link.run()) for link in links]
+        prefill_runners = [asyncio.create_task(p.link.run()) for p in self.prefills]
+        for d in self.decodes:
+            d.runner = asyncio.create_task(d.link.run())
         try:
             await asyncio.wait_for(asyncio.gather(*(link.connected.wait() for link in links)), 30)
+            self._schedule_failures(requests)
             return await self._replay(requests)
         finally:
-            for task in self._lag_tasks:
+            runners = [*prefill_runners, *(d.runner for d in self.decodes if d.runner is not None)]
+            lags = [t for d in self.decodes for t in d.lag_tasks]
+            for task in [*lags, *runners]:
                 task.cancel()
-            for runner in runners:
-                runner.cancel()
-            await asyncio.gather(*runners, *self._lag_tasks, return_exceptions=True)
+            await asyncio.gather(*runners, *lags, return_exceptions=True)
             for p in self.prefills:
                 p.lookups.close()
             self._executor.shutdown(wait=False)
@@ -253,6 +264,7 @@ class Fleet:
                 "evicted_runs": d.evicted_runs,
                 "not_retained_too_large": d.not_retained,
                 "blocks_in_use_at_end": d.used,
+                "failures": d.failures,
             }
             for d in self.decodes
         }
@@ -266,7 +278,7 @@ class Fleet:
             behind_ms_max=behind_max,
         )
 
-    def _schedule(self, t_ms: float, kind: str, decode: _Decode, what: TraceRequest | _Run) -> None:
+    def _schedule(self, t_ms: float, kind: str, decode: _Decode, what: TraceRequest | _Run | None) -> None:
         heapq.heappush(self._events, (t_ms, next(self._seq), kind, decode, what))
 
     async def _advance(self, until_ms: float) -> None:
@@ -274,18 +286,79 @@ class Fleet:
         while self._events and self._events[0][0] <= until_ms:
             t_ms, _, kind, decode, what = heapq.heappop(self._events)
             if isinstance(what, TraceRequest):  # the turn ended
-                decode.active -= 1
-                self._retain(decode, what, t_ms)
-            elif kind == "withdraw":
-                if what.servable:
+                if what.index in decode.inflight:  # else lost in a crash
+                    decode.inflight.discard(what.index)
+                    decode.active -= 1
+                    self._retain(decode, what, t_ms)
+            elif isinstance(what, _Run):
+                if kind == "withdraw" and what.servable:
                     self._unserve(decode, what, "expired")
-            else:  # the lease ended
-                self._free(decode, what)
+                elif kind == "expire":
+                    self._free(decode, what)
+            elif kind == "crash":
+                await self._crash(decode)
+            else:
+                await self._restart(decode)
+
+    def _schedule_failures(self, requests: list[TraceRequest]) -> None:
+        n = self.config.decode_failures
+        if not n or not requests:
+            return
+        t0, t1 = requests[0].timestamp_ms, requests[-1].timestamp_ms
+        for k in range(n):
+            decode = self.decodes[k % len(self.decodes)]
+            at = t0 + (k + 1) * (t1 - t0) / (n + 1)
+            self._schedule(at, "crash", decode, None)
+            self._schedule(at + self.config.failure_downtime_s * 1000, "restart", decode, None)
+
+    async def _crash(self, decode: _Decode) -> None:
+        """The worker and its sidecar die: the stream closes (kvloopd stops serving its runs), its
+        runs and the turns it was decoding are lost."""
+        if decode.down or len([d for d in self.decodes if not d.down]) == 1:
+            return  # keep one decode up to take the turns
+        decode.down = True
+        decode.failures += 1
+        stopped = [*decode.lag_tasks, *([decode.runner] if decode.runner is not None else [])]
+        for task in stopped:
+            task.cancel()
+        await asyncio.gather(*stopped, return_exceptions=True)
+        # What a lookup may depend on: kvloopd has seen the stream close.
+        for _ in range(1000):
+            workers = await self.client.list_workers(MODEL)
+            if not any(w.registration.worker_id == decode.worker_id and w.connected for w in workers):
+                break
+            await asyncio.sleep(0.005)
+        for run in list(decode.runs.values()):
+            if run.servable:
+                self._forget(run, "peer_unavailable")
+                run.servable = False
+            run.freed = True
+        decode.runs.clear()
+        decode.refs.clear()
+        decode.extra = 0
+        decode.active = 0
+        decode.inflight.clear()
+
+    async def _restart(self, decode: _Decode) -> None:
+        """Back with an empty cache and a new epoch: kvloopd drops what it knew of the old one."""
+        if not decode.down:
+            return
+        decode.mirror = WorkerMirror(32)
+        registration = _registration(
+            decode.worker_id,
+            pb.WORKER_ROLE_DECODE,
+            self.config.block_size,
+            self._kv_bytes_per_block,
+        )
+        decode.link = DirectoryLink(self.client, registration, decode.mirror.snapshot)
+        decode.runner = asyncio.create_task(decode.link.run())
+        await asyncio.wait_for(decode.link.connected.wait(), 30)
+        decode.down = False
 
     async def _settle(self) -> None:
-        await asyncio.gather(*(d.link.wait_acked(timeout=60) for d in self.decodes))
+        await asyncio.gather(*(d.link.wait_acked(timeout=60) for d in self.decodes if not d.down))
         await asyncio.gather(*(p.link.wait_acked(timeout=60) for p in self.prefills))
-        await asyncio.gather(*self._lag_tasks, return_exceptions=True)
+        await asyncio.gather(*(t for d in self.decodes for t in d.lag_tasks), return_exceptions=True)
 
     # ---- a request ------------------------------------------------------------------------------
 
@@ -311,7 +384,11 @@ class Fleet:
         if r.hashes:
             # What a lookup may depend on has reached the daemon (module docstring).
             await asyncio.gather(
-                *(d.link.wait_acked(timeout=60) for d in self.decodes if d.link.acked < d.link.sequence)
+                *(
+                    d.link.wait_acked(timeout=60)
+                    for d in self.decodes
+                    if not d.down and d.link.acked < d.link.sequence
+                )
             )
             loop = asyncio.get_running_loop()
             t = time.perf_counter()
@@ -357,6 +434,7 @@ class Fleet:
         decode = self._route_decode(record.holder)
         record.decode = decode.worker_id
         decode.active += 1
+        decode.inflight.add(r.index)
         # The turn ends after its prefill and its answer; the cost of the prefill is the report's
         # business, so only decoding places the end here.
         self._schedule(r.timestamp_ms + r.output_length * cfg.decode_ms_per_token, "finish", decode, r)
@@ -364,14 +442,15 @@ class Fleet:
 
     def _route_decode(self, holder: str) -> _Decode:
         routing = self.config.routing
+        up = [d for d in self.decodes if not d.down]
         if routing == "round_robin":
-            return self.decodes[next(self._rr_decode) % len(self.decodes)]
+            return up[next(self._rr_decode) % len(up)]
         if routing == "random":
-            return self.rnd.choice(self.decodes)
+            return self.rnd.choice(up)
         # kvloop's proxy: the decode holding the conversation's blocks, else the least loaded.
-        if holder in self._by_id:
+        if holder in self._by_id and not self._by_id[holder].down:
             return self._by_id[holder]
-        return min(self.decodes, key=lambda d: (d.active, d.used))
+        return min(up, key=lambda d: (d.active, d.used))
 
     def _cache_prompt(self, prefill: _Prefill, hashes: list[bytes]) -> None:
         capacity = self.config.prefill_cache_blocks
@@ -457,6 +536,10 @@ class Fleet:
         )
         if event is not None:
             self._publish(decode, [event])
+        self._forget(run, why)
+
+    def _forget(self, run: _Run, why: str) -> None:
+        """Ground truth: the run no longer serves its blocks; a block nobody serves is gone for `why`."""
         for h in dict.fromkeys(run.hashes):
             left = self._held[h] - 1
             if left:
@@ -488,8 +571,8 @@ class Fleet:
             self._lags.append((time.perf_counter() - sent) * 1000)
 
         task = asyncio.get_running_loop().create_task(lag())
-        self._lag_tasks.add(task)
-        task.add_done_callback(self._lag_tasks.discard)
+        decode.lag_tasks.add(task)
+        task.add_done_callback(decode.lag_tasks.discard)
 
 
 def _registration(worker: str, role: int, block_size: int, kv_bytes_per_block: int) -> pb.WorkerRegistration:

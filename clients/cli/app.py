@@ -538,6 +538,10 @@ def bench_replay(
     decode_ms_per_token: Annotated[
         float, typer.Option(min=0, help="decode time per output token, ms")
     ] = 20.0,
+    decode_failures: Annotated[
+        int, typer.Option(min=0, help="decode crashes spread over the trace (runs lost, new epoch)")
+    ] = 0,
+    failure_downtime: Annotated[float, typer.Option(min=0, help="s a crashed decode stays down")] = 60.0,
     speedup: Annotated[
         float, typer.Option(min=0, help="trace time x this = wall time; 0: as fast as possible")
     ] = 0.0,
@@ -632,6 +636,8 @@ def bench_replay(
         decode_ms_per_token=decode_ms_per_token,
         speedup=speedup,
         max_wall_s=max_wall_s,
+        decode_failures=decode_failures,
+        failure_downtime_s=failure_downtime,
         seed=seed,
     )
     config = rp.ReplayConfig(fleet=fleet, cost=cost, buckets=buckets, daemon_args=tuple(daemon_arg or ()))
