@@ -73,7 +73,9 @@ class FleetConfig:
     # Trace time x speedup = wall time; 0: as fast as possible.
     speedup: float = 0.0
     max_wall_s: float | None = None
-    lookup_timeout_ms: float = 1000.0
+    # The connector's deadline is 20 ms; the replay's default is generous so that a loaded host
+    # does not turn into `directory_unavailable` misses that would not happen on a serving host.
+    lookup_timeout_ms: float = 10_000.0
     seed: int = 1
     # Decode crashes spread evenly over the trace (decodes in turn): the worker's stream closes, its
     # runs and running turns are lost, it rejoins with a new epoch after the downtime (trace s).

@@ -538,6 +538,12 @@ def bench_replay(
     decode_ms_per_token: Annotated[
         float, typer.Option(min=0, help="decode time per output token, ms")
     ] = 20.0,
+    lookup_timeout_ms: Annotated[
+        float,
+        typer.Option(
+            min=1, help="deadline of each Lookup (the connector's: 20; a miss is directory_unavailable)"
+        ),
+    ] = 10_000.0,
     decode_failures: Annotated[
         int, typer.Option(min=0, help="decode crashes spread over the trace (runs lost, new epoch)")
     ] = 0,
@@ -636,6 +642,7 @@ def bench_replay(
         decode_ms_per_token=decode_ms_per_token,
         speedup=speedup,
         max_wall_s=max_wall_s,
+        lookup_timeout_ms=lookup_timeout_ms,
         decode_failures=decode_failures,
         failure_downtime_s=failure_downtime,
         seed=seed,
