@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -204,30 +204,31 @@ def _chat_body(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def load_tokenizer(name: str) -> Callable[[list[dict[str, Any]]], list[int]]:
+class ChatTokenizer:
     """A local tokenizer (path or cached name) rendering messages with its chat template."""
-    from transformers import AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
-        raise TraceError(f"cannot load tokenizer {name!r}: {str(exc).splitlines()[0]}") from None
-    if not getattr(tokenizer, "chat_template", None):
-        raise TraceError(f"tokenizer {name!r} has no chat template to render the messages with")
+    def __init__(self, name: str) -> None:
+        from transformers import AutoTokenizer
 
-    def render(messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+            raise TraceError(f"cannot load tokenizer {name!r}: {str(exc).splitlines()[0]}") from None
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise TraceError(f"tokenizer {name!r} has no chat template to render the messages with")
+
+    def render(self, messages: list[dict[str, Any]]) -> list[int]:
         # As vLLM's chat endpoint does: render the template to text, tokenize without adding
         # special tokens (the template has them).
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(str(text))
 
-    render.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
-    return render
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def read_chat(path: Path, hasher: VllmBlockHasher, tokenizer: str) -> list[TraceRequest]:
-    render = load_tokenizer(tokenizer)
-    encode: Callable[[str], list[int]] = render.encode  # type: ignore[attr-defined]
+    chat = ChatTokenizer(tokenizer)
     rows: list[tuple[str, float | None, str | None, list[dict], int | None, int | None]] = []
     for number, obj in _lines(path):
         where = f"{path}:{number}"
@@ -252,7 +253,7 @@ def read_chat(path: Path, hasher: VllmBlockHasher, tokenizer: str) -> list[Trace
     by_session: dict[str, int] = {}  # session -> index of its latest request in `out`
     for i, (where, timestamp, session, messages, explicit, cap) in enumerate(rows):
         try:
-            tokens = render(messages)
+            tokens = chat.render(messages)
         except Exception as exc:  # a template error names the message it choked on
             raise TraceError(f"{where}: the chat template failed: {str(exc).splitlines()[0]}") from None
         request = TraceRequest(
@@ -273,7 +274,7 @@ def read_chat(path: Path, hasher: VllmBlockHasher, tokenizer: str) -> list[Trace
                 None,
             )
             if answer is not None and isinstance(answer.get("content"), str):
-                prev.output_length = len(encode(answer["content"])) + 1  # and its end-of-turn token
+                prev.output_length = len(chat.encode(answer["content"])) + 1  # and its end-of-turn token
         if session is not None:
             by_session[session] = len(out)
         out.append(request)

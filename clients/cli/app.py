@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -610,7 +611,11 @@ def bench_replay(
     try:
         if synthetic is not None:
             gen = SyntheticConfig(requests=synthetic, seed=seed)
-            path = write_trace or Path(tempfile.mkstemp(prefix="kvloop-replay-", suffix=".jsonl")[1])
+            path = write_trace
+            if path is None:
+                fd, name = tempfile.mkstemp(prefix="kvloop-replay-", suffix=".jsonl")
+                os.close(fd)
+                path = Path(name)
             write_jsonl(path, generate(gen))
             info = {
                 "source": "synthetic",
