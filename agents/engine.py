@@ -131,9 +131,8 @@ class EngineConfig:
         ]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
-        otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        )
+        env = {**os.environ, **self.env}
+        otlp = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if otlp:
             # vLLM's own request spans, joined to the proxy's trace through the traceparent header.
             cmd += ["--otlp-traces-endpoint", otlp]

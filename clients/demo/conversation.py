@@ -29,6 +29,7 @@ class TurnResult:
     answer: str
     decode_server: str
     detail: str = ""  # the directory's why, with its cost estimates
+    trace_id: str = ""  # the turn's W3C trace id (the proxy's span), for `kvloop trace --trace-id`
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,6 +91,7 @@ def chat_turn(
         answer="".join(pieces),
         decode_server=headers.get("x-kvloop-decode", ""),
         detail=headers.get("x-kvloop-detail", ""),
+        trace_id=headers.get("x-kvloop-trace-id", ""),
     )
 
 

@@ -117,7 +117,7 @@ class EngineSpec:
     # multiprocess layout (scheduler and worker in different processes).
     executor: str = "uni"
     multiprocessing: bool = False
-    # Also export the engine's spans to this OTLP/gRPC receiver (a real one, see tests/otlp_receiver.py).
+    # Also export the engine's spans to this OTLP/gRPC receiver (a real one: kvloop.common.otlp_receiver).
     otlp_endpoint: str = ""
 
 
