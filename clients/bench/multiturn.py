@@ -682,7 +682,7 @@ def _transfer_columns(totals: dict[str, float] | None) -> dict:
     if not totals:
         return {}
     reads, requests = int(totals["reads"]), int(totals["requests"])
-    columns = {
+    columns: dict[str, object] = {
         "nixl_reads": reads,
         "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
         "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None,
