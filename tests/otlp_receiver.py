@@ -13,6 +13,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 def _value(v):
     kind = v.WhichOneof("value")
+    if kind == "array_value":  # e.g. kvloop.group_bytes
+        return [_value(x) for x in v.array_value.values]
     return getattr(v, kind) if kind else None
 
 

@@ -36,10 +36,17 @@ if TYPE_CHECKING:
 
 def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     """Bytes one logical block occupies over all layers of all KV-cache groups on this worker."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    return total
+    return sum(group_bytes_per_block(kv_cache_config))
+
+
+def group_windows(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Each KV-cache group's sliding window in tokens (0: full attention), in vLLM's group order."""
+    return [int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in kv_cache_config.transfer_groups]
+
+
+def group_bytes_per_block(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Bytes one block of each KV-cache group occupies over the group's layers on this worker."""
+    return [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.transfer_groups]
 
 
 def kv_dtype_name(kv_cache_config: KVCacheConfig) -> str:
@@ -82,7 +89,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 cfg.daemon, constraints, timeout_ms=cfg.lookup_timeout_ms, backoff_s=cfg.lookup_backoff_s
             )
             self.prefill = PrefillSide(
-                cfg, directory, self.block_size, kv_bytes, self.transfer_tp_size, self._events.append
+                cfg,
+                directory,
+                self.block_size,
+                kv_bytes,
+                self.transfer_tp_size,
+                self._events.append,
+                group_windows(kv_cache_config),
+                group_bytes_per_block(kv_cache_config),
             )
         tm.log.info(
             "kvloop.scheduler_init",
@@ -125,7 +139,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             and self.is_bidirectional_kv_xfer_enabled
         ):
             # this engine holds the finished request's blocks for a reverse pull
-            self.decode.announce(request, out, self.decoder_kv_blocks_ttl)
+            self.decode.announce(
+                request, out, self.decoder_kv_blocks_ttl, max((len(g) for g in block_ids), default=0)
+            )
         return delay, out
 
     def parked_until(self, request_id: str) -> float | None:

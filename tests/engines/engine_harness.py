@@ -135,6 +135,42 @@ def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[f
     return out.tolist()
 
 
+def _kv_group_maxdiff(worker: Any, a_groups: list[list[int]], b_groups: list[list[int]]) -> list[list[float]]:
+    """Per KV-cache group, the largest difference per block pair over that group's layers only (a
+    block id means nothing in another group's layers), in bf16 steps at the values' magnitude (at
+    least 1.0: near zero an absolute step of 2**-7 counts as one). ``kv_caches`` is indexed by layer
+    (vLLM's bind_kv_cache)."""
+    import torch
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    caches = worker.model_runner.kv_caches
+    groups = worker.model_runner.kv_cache_config.kv_cache_groups
+    out = []
+    for group, a_ids, b_ids in zip(groups, a_groups, b_groups, strict=True):
+        diff = torch.zeros(len(a_ids), dtype=torch.float32)
+        a = torch.tensor(a_ids, dtype=torch.long)
+        b = torch.tensor(b_ids, dtype=torch.long)
+        for name in group.layer_names:
+            c = caches[extract_layer_index(name)]
+            x, y = c[a].float(), c[b].float()
+            step = torch.exp2(torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.ones(1)))) - 7)
+            d = ((x - y).abs() / step).reshape(len(a_ids), -1).amax(dim=1)
+            diff = torch.maximum(diff, d)
+        out.append(diff.tolist())
+    return out
+
+
+def _kv_groups(worker: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": type(g.kv_cache_spec).__name__,
+            "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None) or 0,
+            "layers": list(g.layer_names),
+        }
+        for g in worker.model_runner.kv_cache_config.kv_cache_groups
+    ]
+
+
 def _connector_state(worker: Any) -> dict[str, Any]:
     """The kvloop connector's worker half, read where it runs (through collective_rpc, so also in a
     multiprocess engine's worker process): engine steps it saw, leases it holds (vLLM's
@@ -289,6 +325,10 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                     )
                     hashes.append(bytes(parent))
                 conn.send(("ok", hashes))
+            elif cmd == "kv_diff_groups":
+                conn.send(("ok", llm.collective_rpc(_kv_group_maxdiff, args=(args["a"], args["b"]))[0]))
+            elif cmd == "kv_groups":
+                conn.send(("ok", llm.collective_rpc(_kv_groups)[0]))
             elif cmd == "kv_diff":
                 conn.send(("ok", llm.collective_rpc(_kv_block_maxdiff, args=(args["a"], args["b"]))[0]))
             elif cmd == "spans":
