@@ -47,6 +47,9 @@ class EngineConfig:
     max_model_len: int = 16384
     max_num_batched_tokens: int = 16384
     kv_bytes_per_block: int = 0
+    # Sliding window per KV-cache group (0: full attention), for the agent's registration; empty: unknown.
+    kv_group_windows: list[int] = field(default_factory=list)
+    tensor_parallel_size: int = 1
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -131,6 +134,8 @@ class EngineConfig:
         ]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if self.tensor_parallel_size != 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
             "OTEL_EXPORTER_OTLP_ENDPOINT"
         )
@@ -184,6 +189,10 @@ class EngineConfig:
             str(self.kv_bytes_per_block),
             "--kv-dtype",
             self.dtype,
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--kv-group-windows",
+            ",".join(str(w) for w in self.kv_group_windows),
             "--kv-events",
             f"tcp://127.0.0.1:{self.kv_events_port}",
             "--kv-events-replay",

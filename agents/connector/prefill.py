@@ -244,7 +244,8 @@ class PrefillSide:
         end = -(-end_tokens // bs)
         local = num_computed_tokens // bs
         if len(holder.block_ids) != len(self.group_windows):
-            return f"the holder has {len(holder.block_ids)} KV-cache groups, this engine {len(self.group_windows)}"
+            theirs, mine = len(holder.block_ids), len(self.group_windows)
+            return f"the holder has {theirs} KV-cache groups, this engine {mine}"
         out: list[list[int]] = []
         for g, (ids, window) in enumerate(zip(holder.block_ids, self.group_windows, strict=True)):
             by_position = list(ids[:matched_blocks]) + ([holder.tail_block_ids[g]] if tail else [])
@@ -280,7 +281,11 @@ class PrefillSide:
         sample from)."""
         tail = holder.tail_token_ids
         start = matched_blocks * self.block_size
-        if not tail or len(holder.tail_block_ids) != len(holder.block_ids) or NULL_BLOCK in holder.tail_block_ids:
+        if (
+            not tail
+            or len(holder.tail_block_ids) != len(holder.block_ids)
+            or NULL_BLOCK in holder.tail_block_ids
+        ):
             return 0
         prompt = request.prompt_token_ids or []
         limit = min(len(tail), request.num_prompt_tokens - 1 - start)

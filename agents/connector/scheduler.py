@@ -41,7 +41,9 @@ def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
 
 def group_windows(kv_cache_config: KVCacheConfig) -> list[int]:
     """Each KV-cache group's sliding window in tokens (0: full attention), in vLLM's group order."""
-    return [int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in kv_cache_config.transfer_groups]
+    return [
+        int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in kv_cache_config.transfer_groups
+    ]
 
 
 def group_bytes_per_block(kv_cache_config: KVCacheConfig) -> list[int]:
@@ -84,6 +86,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 tensor_parallel_size=self.transfer_tp_size,
                 kv_dtype=kv_dtype_name(kv_cache_config),
                 kv_bytes_per_block=kv_bytes,
+                kv_group_windows=tuple(group_windows(kv_cache_config)),
             )
             directory = DirectoryLookups(
                 cfg.daemon, constraints, timeout_ms=cfg.lookup_timeout_ms, backoff_s=cfg.lookup_backoff_s

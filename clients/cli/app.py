@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -801,9 +802,10 @@ def engine(
         prefix_caching=prefix_caching,
     )
     if Path(model).is_dir():
-        from kvloop.clients.demo.model import kv_bytes_per_block
+        from kvloop.clients.demo.model import kv_bytes_per_block, kv_group_windows
 
         config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
+        config.kv_group_windows = kv_group_windows(Path(model))
     children = supervisor()
     worker = Engine(config, Path(".kvloop-engine-logs") / worker_id, children)
     with children.stop_on_signals():
@@ -839,6 +841,11 @@ def engine(
             raise
 
 
+class DemoModel(StrEnum):
+    llama = "llama"
+    hybrid = "hybrid"
+
+
 @app.command()
 def demo(
     turns: Annotated[int, typer.Option(min=2, help="conversation turns")] = 6,
@@ -846,6 +853,10 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="model, logs and spans go here")] = Path(".kvloop-demo"),
     hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
     layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
+    model: Annotated[
+        DemoModel,
+        typer.Option(help="llama, or hybrid: a Gemma-3-like model, sliding-window + full attention layers"),
+    ] = DemoModel.llama,
     keep_running: Annotated[
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
@@ -862,7 +873,14 @@ def demo(
     with supervisor().stop_on_signals():
         try:
             code = run_demo(
-                workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running
+                workdir.resolve(),
+                turns,
+                max_tokens,
+                state.json,
+                hidden_size,
+                layers,
+                keep_running,
+                model.value,
             )
         except EngineStartError as exc:
             _fail(str(exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvloop.clients.demo.model import random_text
 
@@ -29,9 +29,19 @@ class TurnResult:
     answer: str
     decode_server: str
     detail: str = ""  # the directory's why, with its cost estimates
+    # Bytes pulled per KV-cache group (a hybrid model's sliding-window group moves only its window).
+    bytes_per_group: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _header_ints(headers, name: str) -> list[int]:
+    try:
+        values = json.loads(headers.get(name, "[]"))
+    except ValueError:
+        return []
+    return [int(v) for v in values] if isinstance(values, list) else []
 
 
 def _header_int(headers, name: str) -> int:
@@ -90,6 +100,7 @@ def chat_turn(
         answer="".join(pieces),
         decode_server=headers.get("x-kvloop-decode", ""),
         detail=headers.get("x-kvloop-detail", ""),
+        bytes_per_group=_header_ints(headers, "x-kvloop-group-bytes"),
     )
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 WORDS = [
     "kv",
@@ -87,7 +89,7 @@ def _save_tokenizer(out: Path, vocab_size: int, seed: int, chat_template: str = 
     fast.save_pretrained(out)
 
 
-def _build(out: Path, spec: dict, make_model) -> Path:
+def _build(out: Path, spec: dict[str, Any], make_model: Callable[[], Any]) -> Path:
     """Reuse ``out`` when it was built from ``spec``; else tokenizer + ``make_model()`` saved there."""
     import torch
 
@@ -117,7 +119,7 @@ def build_tiny_llama(
     """Write a model directory vLLM can serve; returns it. Reuses an existing build."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    spec = {
+    spec: dict[str, object] = {
         "hidden_size": hidden_size,
         "layers": layers,
         "heads": heads,
@@ -164,7 +166,7 @@ def build_tiny_hybrid(
     page size: one sliding-window, one full attention)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    spec = {
+    spec: dict[str, object] = {
         "arch": "gemma3",
         "hidden_size": hidden_size,
         "layers": layers,
@@ -210,6 +212,20 @@ def kv_bytes_per_block(model_dir: Path, block_size: int, dtype_bytes: int = 2) -
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
+
+
+def kv_group_windows(model_dir: Path) -> list[int]:
+    """Each KV-cache group's sliding window (0: full attention) as vLLM 0.32's hybrid allocator forms
+    them from the model's config.json: with sliding-window and full-attention layers in equal numbers,
+    the sliding-window group first (checked by tests/engines/test_hybrid.py)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    window = config.get("sliding_window") or 0
+    kinds = set(config.get("layer_types") or [])
+    if window and kinds == {"sliding_attention", "full_attention"}:
+        return [window, 0]
+    if window and kinds <= {"sliding_attention"} and config.get("use_sliding_window", True):
+        return [window]
+    return [0]
 
 
 def random_text(words: int, seed: int) -> str:

@@ -339,7 +339,9 @@ class EngineSlot:
     def get(self, key: str, model_dir: Path, model: str, kv_bytes_per_block: int) -> EnginePair:
         if self.key != key or self.pair is None:
             self.close()
-            self.pair = start_pair(model_dir, self.tmp_path_factory, self.otlp_endpoint, model, kv_bytes_per_block)
+            self.pair = start_pair(
+                model_dir, self.tmp_path_factory, self.otlp_endpoint, model, kv_bytes_per_block
+            )
             self.key = key
         return self.pair
 

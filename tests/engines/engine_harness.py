@@ -153,7 +153,9 @@ def _kv_group_maxdiff(worker: Any, a_groups: list[list[int]], b_groups: list[lis
         for name in group.layer_names:
             c = caches[extract_layer_index(name)]
             x, y = c[a].float(), c[b].float()
-            step = torch.exp2(torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.ones(1)))) - 7)
+            step = torch.exp2(
+                torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.ones(1)))) - 7
+            )
             d = ((x - y).abs() / step).reshape(len(a_ids), -1).amax(dim=1)
             diff = torch.maximum(diff, d)
         out.append(diff.tolist())
