@@ -157,18 +157,21 @@ def test_conversation_pulls_both_groups_exactly(hybrid):
         d = decode_turn(hybrid, prompt, out["kv_transfer_params"], 100)
 
 
-def test_edit_inside_the_window_pulls_the_agreeing_prefix(hybrid):
-    """The prompt departs from the run in its last block: the holder still keeps the window before
-    the departure, so the agreeing blocks are pulled, in both groups."""
+def test_edit_in_the_last_block_pulls_the_agreeing_prefix(hybrid):
+    """The prompt departs from the run inside its partly filled last block (as a re-rendered answer
+    does): the holder keeps the window before the departure, so every complete block and the
+    agreeing start of the last one are pulled, in both groups."""
     rnd = random.Random(23)
     prompt = rand_tokens(rnd, 1000)
     d = first_turn(hybrid, prompt, 30)
     history = prompt + d["token_ids"]
-    cut = (len(history) // BS - 1) * BS + 5  # inside the last complete block
+    complete = (len(history) - 1) // BS  # the last sampled token has no KV on the decode
+    assert (len(history) - 1) % BS > 2
+    cut = complete * BS + 2
     edited = history[:cut] + rand_tokens(rnd, 120)
     _out, span = prefill_and_check(hybrid, edited)
     assert span["kvloop.path"] == "transfer", span
-    assert span["kvloop.pulled_tokens"] == (cut // BS) * BS
+    assert span["kvloop.pulled_tokens"] == cut
 
 
 def test_edit_before_the_window_recomputes(hybrid):

@@ -116,7 +116,7 @@ def _holder(run_blocks: int, kept: int) -> HolderInfo:
         1,
         "",
         "h",
-        (tuple(sliding), tuple(range(run_blocks))),
+        (tuple(sliding), tuple(1000 + p for p in range(run_blocks))),
         60_000,
         False,
         1,
@@ -136,7 +136,7 @@ def test_sliding_window_group_reads_what_vllm_allocates(end_tokens, local_blocks
     matched, tail = end_tokens // BS, end_tokens % BS
     holder = _holder(41, WINDOW // BS + 1)
     if tail:
-        holder = HolderInfo(**{**holder.__dict__, "tail_block_ids": (500 + matched, matched)})
+        holder = HolderInfo(**{**holder.__dict__, "tail_block_ids": (500 + matched, 1000 + matched)})
     groups = side._remote_groups(holder, matched, tail, local_blocks * BS)
     if isinstance(groups, str):  # the holder keeps only its run's last window
         assert any(p < 41 - (WINDOW // BS + 1) for p in allocated_here), groups
@@ -145,7 +145,7 @@ def test_sliding_window_group_reads_what_vllm_allocates(end_tokens, local_blocks
     # vLLM end-trims each remote list to the blocks allocated here: the sliding list must cover them
     assert [b - 500 for b in sliding[-len(allocated_here) :]] == allocated_here if allocated_here else True
     assert len(sliding) == len(allocated_here)
-    assert full == list(range(matched)) + ([matched] if tail else [])
+    assert full == [1000 + p for p in range(end)]
     pulled = end_tokens - local_blocks * BS
     assert side.group_bytes(pulled, local_blocks * BS) == [
         100 * len(allocated_here),
