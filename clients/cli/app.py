@@ -12,7 +12,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
-from kvloop.clients.bench.multiturn import ARMS, WORKLOADS
+from kvloop.clients.bench.multiturn import ARMS, DEFAULT_WORKLOADS, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
@@ -561,7 +561,8 @@ def bench_multiturn(
     sessions_turns: Annotated[int, typer.Option("--turns", min=2, help="turns per session")] = 10,
     concurrency: Annotated[list[int] | None, typer.Option(help="concurrent sessions (repeatable)")] = None,
     workload: Annotated[
-        list[str] | None, typer.Option(help="plain, shared_prefix, edited (repeatable)")
+        list[str] | None,
+        typer.Option(help="plain, shared_prefix, edited, reasoning (repeatable; default: all but reasoning)"),
     ] = None,
     arm: Annotated[
         list[str] | None,
@@ -603,7 +604,7 @@ def bench_multiturn(
     if arm is None:
         arm = list(ARMS)
     if workload is None:
-        workload = list(WORKLOADS)
+        workload = list(DEFAULT_WORKLOADS)
     if concurrency is None:
         concurrency = [1, 4, 8]
     if dtype not in DTYPE_BYTES:

@@ -67,6 +67,17 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
 )
 
+# As Qwen3's template does, an earlier assistant turn is rendered without its thinking: only what
+# follows the last "</think>". The next prompt then departs from what the decode generated (and
+# retained) where the thinking began, well before the end of the retained run.
+REASONING_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: "
+    "{% if m['role'] == 'assistant' and '</think>' in m['content'] %}"
+    "{{ m['content'].split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
 
 def _save_tokenizer(out: Path, vocab_size: int, seed: int, chat_template: str = CHAT_TEMPLATE) -> None:
     """A byte-level BPE tokenizer trained on a made-up corpus of WORDS, saved to ``out``."""
