@@ -65,6 +65,7 @@ class KvloopStack:
     side_channel_port: int
     model: str = MODEL
     kv_bytes_per_block: int = KV_BYTES_PER_BLOCK
+    decode_tp: int = 1
     daemon: DaemonProcess | None = None
     daemon_env: dict[str, str] = field(default_factory=dict)
     agent: subprocess.Popen | None = None
@@ -132,6 +133,8 @@ class KvloopStack:
                 str(BS),
                 "--kv-bytes-per-block",
                 str(self.kv_bytes_per_block),
+                "--tensor-parallel-size",
+                str(self.decode_tp),
                 "--kv-events",
                 f"tcp://127.0.0.1:{self.ev_port}",
                 "--kv-events-replay",
@@ -243,6 +246,7 @@ def start_pair(
     otlp_endpoint: str,
     model: str = MODEL,
     kv_bytes_per_block: int = KV_BYTES_PER_BLOCK,
+    decode_tp: int = 1,
 ) -> EnginePair:
     """kvloopd, a decode engine with its kvloop-agent and a prefill engine, all serving ``model_dir``."""
     from engine_harness import EngineHandle, EngineSpec
@@ -251,7 +255,13 @@ def start_pair(
     os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
     ev_port = free_port_pair()  # the replay endpoint is ev_port + 1
     kvloop = KvloopStack(
-        tmp_path_factory.mktemp("kvloop"), free_port(), ev_port, free_port(), model, kv_bytes_per_block
+        tmp_path_factory.mktemp("kvloop"),
+        free_port(),
+        ev_port,
+        free_port(),
+        model,
+        kv_bytes_per_block,
+        decode_tp,
     )
     kvloop.start_daemon()
     common = {
@@ -270,6 +280,9 @@ def start_pair(
             kv_events_endpoint=f"tcp://*:{ev_port}",
             kv_events_replay_endpoint=f"tcp://*:{ev_port + 1}",
             otlp_endpoint=otlp_endpoint,
+            tensor_parallel_size=decode_tp,
+            executor="mp" if decode_tp > 1 else "uni",
+            multiprocessing=decode_tp > 1,
         )
     )
     prefill = EngineHandle(
@@ -336,11 +349,13 @@ class EngineSlot:
         self.key: str | None = None
         self.pair: EnginePair | None = None
 
-    def get(self, key: str, model_dir: Path, model: str, kv_bytes_per_block: int) -> EnginePair:
+    def get(
+        self, key: str, model_dir: Path, model: str, kv_bytes_per_block: int, decode_tp: int = 1
+    ) -> EnginePair:
         if self.key != key or self.pair is None:
             self.close()
             self.pair = start_pair(
-                model_dir, self.tmp_path_factory, self.otlp_endpoint, model, kv_bytes_per_block
+                model_dir, self.tmp_path_factory, self.otlp_endpoint, model, kv_bytes_per_block, decode_tp
             )
             self.key = key
         return self.pair
@@ -353,7 +368,7 @@ class EngineSlot:
 
 # Modules whose engine pair serves another model than the tiny Llama: they run after every other
 # engine test, so the session switches pairs once.
-OTHER_MODEL_MODULES = ("test_hybrid.py",)
+OTHER_MODEL_MODULES = ("test_hybrid.py", "test_tp.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -117,6 +117,9 @@ class EngineSpec:
     # multiprocess layout (scheduler and worker in different processes).
     executor: str = "uni"
     multiprocessing: bool = False
+    # TP > 1 on the CPU build: the "mp" executor, one worker process per rank, each bound to its own
+    # core (VLLM_CPU_OMP_THREADS_BIND; without it vLLM wants one NUMA node per rank).
+    tensor_parallel_size: int = 1
     # Also export the engine's spans to this OTLP/gRPC receiver (a real one, see tests/otlp_receiver.py).
     otlp_endpoint: str = ""
 
@@ -206,6 +209,11 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
         }
     )
+    if spec.tensor_parallel_size > 1:
+        cores = os.cpu_count() or 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(r % cores) for r in range(spec.tensor_parallel_size)
+        )
     if spec.multiprocessing:  # collective_rpc with a function across processes (test-only)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
@@ -259,6 +267,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             max_model_len=16384,
             max_num_batched_tokens=16384,
             distributed_executor_backend=spec.executor,
+            tensor_parallel_size=spec.tensor_parallel_size,
             prefix_caching_hash_algo="sha256_cbor",
             enable_prefix_caching=True,
             seed=0,
