@@ -124,7 +124,8 @@ class EngineConfig:
             "--prefix-caching-hash-algo",
             "sha256_cbor",
             "--distributed-executor-backend",
-            "uni",
+            # TP > 1 needs a worker process per rank
+            "uni" if self.tensor_parallel_size == 1 else "mp",
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
             "--kv-transfer-config",
@@ -162,6 +163,11 @@ class EngineConfig:
                 "OTEL_SERVICE_NAME": f"vllm-{self.role}",
             }
         )
+        if self.tensor_parallel_size > 1:
+            # vLLM's CPU workers want a NUMA node per rank unless told which cores to bind.
+            cores = os.cpu_count() or 1
+            binding = "|".join(str(rank % cores) for rank in range(self.tensor_parallel_size))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
         env.update(self.env)
         return env
 

@@ -858,6 +858,9 @@ def demo(
         DemoModel,
         typer.Option(help="llama, or hybrid: a Gemma-3-like model, sliding-window + full attention layers"),
     ] = DemoModel.llama,
+    decode_tp: Annotated[
+        int, typer.Option(min=1, help="tensor-parallel size of the decode (a worker process per rank)")
+    ] = 1,
     keep_running: Annotated[
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
@@ -882,6 +885,7 @@ def demo(
                 layers,
                 keep_running,
                 model.value,
+                decode_tp,
             )
         except EngineStartError as exc:
             _fail(str(exc))

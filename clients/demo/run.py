@@ -26,6 +26,7 @@ def run_demo(
     layers: int,
     keep_running: bool = False,
     model: str = "llama",
+    decode_tp: int = 1,
 ) -> int:
     console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +46,7 @@ def run_demo(
         f"building a random-weight {kind} (hidden {hidden_size}, {layers} layers) in {workdir / model}",
     )
     model_dir = MODEL_BUILDERS[model](workdir / model, hidden_size=hidden_size, layers=layers)
-    stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file))
+    stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file, decode_tp=decode_tp))
     results = []
     try:
         stack.start(progress)

@@ -36,6 +36,7 @@ class StackConfig:
     start_timeout_s: float = 240.0
     # The benchmark talks to the engines directly; a proxy would only take CPU from them.
     with_proxy: bool = True
+    decode_tp: int = 1  # tensor-parallel size of the decode servers
 
 
 @dataclass
@@ -115,7 +116,8 @@ class Stack:
                         dtype=cfg.dtype,
                         kv_cache_gib=cfg.kv_cache_gib,
                         retention_ttl_s=cfg.retention_ttl_s,
-                        kv_bytes_per_block=bytes_per_block,
+                        kv_bytes_per_block=bytes_per_block // (cfg.decode_tp if role == "decode" else 1),
+                        tensor_parallel_size=cfg.decode_tp if role == "decode" else 1,
                         kv_group_windows=kv_group_windows(cfg.model_dir),
                         agent_health_port=free_port(),
                         prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,

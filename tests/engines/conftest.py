@@ -283,7 +283,8 @@ def start_pair(
             tensor_parallel_size=decode_tp,
             executor="mp" if decode_tp > 1 else "uni",
             multiprocessing=decode_tp > 1,
-        )
+        ),
+        timeout_s=600.0 if decode_tp > 1 else 300.0,  # a process per rank: slow to start on 2 cores
     )
     prefill = EngineHandle(
         EngineSpec(

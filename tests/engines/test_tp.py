@@ -37,7 +37,7 @@ def test_tp1_prefill_pulls_from_tp2_decode(tp_pair):
     prompt = rand_tokens(rnd, 1000)
     p = tp_pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt="cold-tp")
     d = tp_pair.decode.generate(prompt, 64, p["kv_transfer_params"])
-    hashes = tp_pair.decode.call("block_hashes", prompt)
+    hashes = tp_pair.prefill.call("block_hashes", prompt)  # a multiprocess engine hashes in its core
     run = Run(d["kv_transfer_params"]["remote_request_id"], hashes, time.monotonic())
     tp_pair.kvloop.wait_for_run(run)
     tp_pair.prefill.call("spans")
