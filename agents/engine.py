@@ -137,9 +137,8 @@ class EngineConfig:
             cmd.append("--no-enable-prefix-caching")
         if self.tensor_parallel_size != 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-        otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_ENDPOINT"
-        )
+        env = {**os.environ, **self.env}
+        otlp = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if otlp:
             # vLLM's own request spans, joined to the proxy's trace through the traceparent header.
             cmd += ["--otlp-traces-endpoint", otlp]

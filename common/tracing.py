@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import atexit
 import os
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from opentelemetry import trace
@@ -23,26 +23,45 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+from kvloop.common.otlp_receiver import SpanFile, record_from_sdk
 
 _configured: TracerProvider | None = None
 
 
 class JsonLinesSpanExporter(SpanExporter):
-    """Appends finished spans as OTLP-shaped JSON lines to a file (for machines with no collector)."""
+    """Appends finished spans to a JSON-lines file, one record per span in the format the embedded
+    OTLP receiver writes (see :mod:`kvloop.common.otlp_receiver`), for machines with no collector."""
 
     def __init__(self, path: Path) -> None:
-        self._path = path
-        self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = SpanFile(path)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = [span.to_json(indent=None) for span in spans]
-        with self._lock, self._path.open("a") as out:
-            out.write("\n".join(lines) + "\n")
+        self._file.write([record_from_sdk(span) for span in spans])
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
         return None
+
+
+def trace_id_hex(span: trace.Span | None = None) -> str:
+    """The W3C trace id of ``span`` (default: the current one) as 32 hex digits; "" when none."""
+    ctx = (span or trace.get_current_span()).get_span_context()
+    return f"{ctx.trace_id:032x}" if ctx.is_valid else ""
+
+
+@contextmanager
+def not_sampled() -> Iterator[None]:
+    """Calls made in this block (through a traced client) carry a trace context whose sampled flag
+    is off, so the servers' parent-based samplers record no span for them: for background polls
+    that would otherwise start a trace each at kvloopd."""
+    ids = RandomIdGenerator()
+    context = trace.SpanContext(
+        ids.generate_trace_id(), ids.generate_span_id(), is_remote=False, trace_flags=trace.TraceFlags(0)
+    )
+    with trace.use_span(trace.NonRecordingSpan(context)):
+        yield
 
 
 def tracing_requested(span_file: str | None = None) -> bool:

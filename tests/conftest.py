@@ -160,7 +160,7 @@ def otlp_receiver(tmp_path_factory) -> Iterator[OtlpReceiver]:
     port = free_port()
     path = tmp_path_factory.mktemp("otlp") / "spans.jsonl"
     process = supervisor().spawn(
-        [sys.executable, "-m", "tests.otlp_receiver", str(port), str(path)],
+        [sys.executable, "-m", "kvloop.common.otlp_receiver", str(port), str(path)],
         stdout=subprocess.PIPE,
         text=True,
         cwd=Path(__file__).parent.parent,

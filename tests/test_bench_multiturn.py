@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 from kvloop.clients.bench.multiturn import (
@@ -24,6 +26,7 @@ from kvloop.clients.bench.multiturn import (
     summarize,
     wrong_pulled_blocks,
 )
+from tests.support import wait_until
 
 BS = 4
 
@@ -138,11 +141,36 @@ def test_decode_tpot_is_read_from_the_decode_engine():
     page = """# TYPE vllm:request_time_per_output_token_seconds histogram
 vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.06
 vllm:request_time_per_output_token_seconds_count{engine="0",model_name="m"} 4.0
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 30.0
+vllm:iteration_tokens_total_count{engine="0",model_name="m"} 12.0
 """
     decode = engine_totals(page, DECODE_SERIES)
-    assert decode == {"decode_tpot_s": 0.06, "decode_requests": 4.0}
+    assert decode == {
+        "decode_tpot_s": 0.06,
+        "decode_requests": 4.0,
+        "decode_step_tokens": 30.0,
+        "decode_steps": 12.0,
+    }
     prefill = dict.fromkeys(("bytes", "xfer_s", "reads", "queue_s", "prefill_s", "e2e_s", "requests"), 0.0)
-    assert _transfer_columns(prefill | decode)["decode_tpot_ms_mean"] == 15.0
+    columns = _transfer_columns(prefill | decode)
+    assert columns["decode_tpot_ms_mean"] == 15.0
+    assert columns["decode_batch_mean"] == 2.5
+
+
+def test_cpu_seconds_are_counted_per_role_and_a_gone_process_counts_nothing():
+    from kvloop.clients.bench.multiturn import ArmClient
+
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    busy += "import sys; sys.stdin.read()"
+    with subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE) as p:
+        client = ArmClient("kvloop", "", "", [("decode", p), ("sidecars", done)])
+        wait_until(lambda: client.cpu_seconds()["decode"] >= 0.3, timeout=30, what="the child's CPU time")
+        cpu = client.cpu_seconds()
+        assert cpu["sidecars"] == 0.0 and cpu["prefill"] == 0.0 and cpu["kvloopd"] == 0.0
+        p.stdin.close()
 
 
 def timed(arm: str, repeat: int, turn: int, ttft: float, prompt_tokens: int = 100) -> TurnSample:
@@ -263,6 +291,21 @@ def test_plots_draw_a_panel_per_workload_and_sessions(tmp_path: Path):
         height, width, _ = matplotlib.image.imread(path).shape
         assert width > 1.5 * height  # 4 groups: 3 panels by 2 (a single panel is 5.5 x 4.2)
     assert plot([s for s in samples if s.turn == 1], [], tmp_path / "none") == []  # no continuation turns
+
+
+def test_decode_tpot_is_paired_per_turn_on_every_turn_it_was_measured():
+    samples = []
+    for turn in (1, 2, 3):
+        for arm, tpot in (("kvloop", 21.0), ("recompute", 20.0)):
+            sample = timed(arm, 0, turn, 100.0)
+            sample.decode_tpot_ms = tpot if turn != 3 or arm == "kvloop" else None
+            samples.append(sample)
+    summary = summarize(samples, BS)
+    (pair,) = summary["paired_decode_tpot"]
+    # turn 3's recompute answer was not timed: two pairs, the first turn included
+    assert (pair["ratio"], pair["turns"], pair["median"]) == ("kvloop/recompute", 2, 1.05)
+    rows = {r["arm"]: r for r in summary["rows"]}
+    assert rows["kvloop"]["decode_tpot_p50_ms"] == 21.0
 
 
 def test_reasoning_workload_drops_earlier_thinking_from_the_next_prompt():

@@ -58,6 +58,10 @@ class KvloopConfig(BaseModel):
     publish_events: bool = True
     # Ask the directory (prefill role).
     lookup: bool = True
+    # Prefill role: how often the worker asks kvloopd for new holders and opens its NIXL connection
+    # to each before any turn reads from it (the handshake, 30-200 ms, otherwise lands in a user's
+    # first pulled turn). 0 turns it off.
+    warm_peers_s: float = Field(default=2.0, ge=0)
     # NIXL progress-thread delay in microseconds (NIXL's Python API hard-codes 0 = busy spin).
     # None leaves NIXL alone.
     nixl_progress_delay_us: int | None = Field(default=1000, ge=0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from kvloop.agents.connector import telemetry as tm
 from kvloop.clients.client import DirectoryClient, KvloopError, holder_block_ids
 from kvloop.v1 import directory_pb2 as pb
@@ -90,22 +92,40 @@ def answer_from_proto(resp: pb.LookupResponse) -> LookupAnswer:
     return LookupAnswer(resp.path, resp.reason, int(resp.matched_blocks), holder, resp.detail)
 
 
+class TracedDirectoryClient(DirectoryClient):
+    """A client whose calls carry the caller's W3C trace context (OpenTelemetry's gRPC client
+    interceptor, which also records a client span): kvloopd's Lookup span then joins the turn's trace."""
+
+    def _open(self, options: list) -> grpc.Channel:
+        from opentelemetry.instrumentation.grpc import client_interceptor
+        from opentelemetry.instrumentation.grpc.grpcext import intercept_channel
+
+        return intercept_channel(super()._open(options), client_interceptor())
+
+
 class DirectoryLookups:
     """kvloopd's ``Lookup`` through the shared typed client, with a short deadline.
 
     Hashes go packed and block ids come back packed (no per-hash objects on either side). TLS and
     the bearer token come from the client's defaults (``KVLOOP_TOKEN``). Any error (deadline,
     unavailable, bad answer) returns None, and after a failure lookups are skipped for
-    ``backoff_s`` so a dead daemon costs one timeout, not one per request.
+    ``backoff_s`` so a dead daemon costs one timeout, not one per request. With ``traced`` each call
+    carries the current trace context (the caller makes the turn's span current).
     """
 
     def __init__(
-        self, target: str, constraints: PullerConstraints, timeout_ms: float = 20.0, backoff_s: float = 2.0
+        self,
+        target: str,
+        constraints: PullerConstraints,
+        timeout_ms: float = 20.0,
+        backoff_s: float = 2.0,
+        traced: bool = False,
     ) -> None:
         self.target = target
         self.constraints = constraints
         self.backoff_s = backoff_s
-        self._client = DirectoryClient(target, timeout=timeout_ms / 1000.0)
+        client_class = TracedDirectoryClient if traced else DirectoryClient
+        self._client = client_class(target, timeout=timeout_ms / 1000.0)
         self._down_until = 0.0
 
     def lookup(

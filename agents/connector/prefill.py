@@ -16,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import NULL_BLOCK
@@ -61,6 +63,8 @@ class _Pull:
 class _Lookup:
     future: Future[LookupAnswer | None]
     started: float
+    span: Span  # the turn's kvloop.prefill span, opened when the lookup was sent
+    lookup_span: Span  # current while the RPC runs: kvloopd's Lookup span becomes its grandchild
 
 
 class PrefillSide:
@@ -125,20 +129,46 @@ class PrefillSide:
         else:
             lookup = self._lookups.get(request.request_id)
             if lookup is None:
-                future = self._pool.submit(self.directory.lookup, hashes, num_computed_tokens // bs, lora)
-                lookup = self._lookups[request.request_id] = _Lookup(future, time.perf_counter())
+                started = time.perf_counter()
+                span = self._start_span(request, started)
+                lookup_span = tm.tracer.start_span(
+                    "kvloop.lookup", context=trace.set_span_in_context(span), start_time=tm.wall_ns(started)
+                )
+                future = self._pool.submit(
+                    self._lookup_in_span, lookup_span, hashes, num_computed_tokens // bs, lora
+                )
+                lookup = self._lookups[request.request_id] = _Lookup(future, started, span, lookup_span)
                 if self.cfg.lookup_wait_ms:
                     wait([future], timeout=self.cfg.lookup_wait_ms / 1000)
             if not lookup.future.done():
                 return None, False  # ask again next step; never block the engine loop longer
             del self._lookups[request.request_id]
-            started = lookup.started
             try:
                 answer = lookup.future.result()
             except Exception:  # must never break the engine loop
                 answer = None
+            params[_DECIDED] = True
+            return self._apply(
+                request, params, num_computed_tokens, answer, lookup.started, vllm_match, lookup
+            )
         params[_DECIDED] = True
         return self._apply(request, params, num_computed_tokens, answer, started, vllm_match)
+
+    def _start_span(self, request: Request, started: float) -> Span:
+        """The turn's kvloop.prefill span, a child of the caller's trace context (the proxy's)."""
+        return tm.tracer.start_span(
+            "kvloop.prefill",
+            context=tm.request_context(request),
+            start_time=tm.wall_ns(started),
+            attributes={"kvloop.request_id": request.request_id},
+        )
+
+    def _lookup_in_span(
+        self, lookup_span: Span, hashes: list[bytes], local_blocks: int, lora: str
+    ) -> LookupAnswer | None:
+        # Runs in the lookup pool: the span is made current here, where the gRPC call reads it.
+        with trace.use_span(lookup_span, end_on_exit=False):
+            return self.directory.lookup(hashes, local_blocks, lora)
 
     def _apply(
         self,
@@ -148,16 +178,12 @@ class PrefillSide:
         answer: LookupAnswer | None,
         started: float,
         vllm_match: VllmMatch,
+        lookup: _Lookup | None = None,
     ) -> tuple[int | None, bool]:
         answered = time.perf_counter()
         for k in HANDLE_KEYS:  # never act on a handle kvloop did not choose
             params.pop(k, None)
-        span = tm.tracer.start_span(
-            "kvloop.prefill",
-            context=tm.request_context(request),
-            start_time=tm.wall_ns(started),
-            attributes={"kvloop.request_id": request.request_id},
-        )
+        span = lookup.span if lookup is not None else self._start_span(request, started)
         outcome = Outcome(
             pb.TURN_PATH_RECOMPUTE,
             pb.DECISION_REASON_DIRECTORY_UNAVAILABLE,
@@ -169,7 +195,11 @@ class PrefillSide:
             outcome.matched_tokens = answer.matched_blocks * self.block_size
             if answer.holder is not None:
                 outcome.holder, outcome.holder_http = answer.holder.worker_id, answer.holder.http_endpoint
-        tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
+        if lookup is not None:
+            lookup.lookup_span.set_attribute("kvloop.path", path_name(outcome.path))
+            lookup.lookup_span.end(end_time=tm.wall_ns(answered))
+        else:
+            tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
         if answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
             detail_before = outcome.detail
             count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
@@ -360,6 +390,9 @@ class PrefillSide:
         if lookup is not None:  # aborted while its lookup ran: give back what the answer claimed
             # (off the engine loop: a done future runs its callback here and now)
             lookup.future.add_done_callback(lambda future: self._pool.submit(self._release_unused, future))
+            for span in (lookup.lookup_span, lookup.span):
+                span.set_attribute("kvloop.aborted", True)
+                span.end()
         if rid in self._pulls:
             self._end_pull(rid, ok=False)
         self._report_prefill(request)

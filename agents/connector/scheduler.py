@@ -64,7 +64,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         # Spans leave this (engine-core) process over OTLP (OTEL_* env) or to KVLOOP_SPAN_FILE.
-        configure_tracing(os.environ.get("OTEL_SERVICE_NAME", f"vllm-{engine_id}"))
+        traced = configure_tracing(os.environ.get("OTEL_SERVICE_NAME", f"vllm-{engine_id}"))
         self.cfg = cfg
         self.worker_id = cfg.worker_id or engine_id
         if cfg.retention_ttl_s is not None:
@@ -89,7 +89,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 kv_group_windows=tuple(group_windows(kv_cache_config)),
             )
             directory = DirectoryLookups(
-                cfg.daemon, constraints, timeout_ms=cfg.lookup_timeout_ms, backoff_s=cfg.lookup_backoff_s
+                cfg.daemon,
+                constraints,
+                timeout_ms=cfg.lookup_timeout_ms,
+                backoff_s=cfg.lookup_backoff_s,
+                traced=traced,
             )
             self.prefill = PrefillSide(
                 cfg,

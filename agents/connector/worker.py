@@ -9,6 +9,9 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
   notice; for runs the scheduler marked multi-reader the notice is counted and the blocks stay
   until the lease (``decoder_kv_blocks_ttl``) ends, so several prefills can read them.
   Freed runs then go through vLLM's normal ``finished_sending`` path;
+* warm peers (prefill role, ``kvloop_warm_peers_s``): NIXL connections to holders are opened when
+  kvloopd first lists them (:mod:`.peers`), through vLLM's own handshake machinery
+  (``_ensure_handshake``), so no user turn pays the handshake;
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
@@ -29,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
+from kvloop.agents.connector.peers import Peer, PeerWarmer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,6 +114,46 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._pull_deadlines: dict[str, float] = {}
         # Prefill role: NIXL's timing of each finished READ, for the scheduler (take_worker_meta).
         self._read_timings: dict[str, ReadTiming] = {}
+        self._warmer: PeerWarmer | None = None
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        # A handshake sends this engine's registered memory: start warming peers once it is registered.
+        cfg = self.cfg
+        if cfg.daemon and cfg.lookup and cfg.warm_peers_s and self._bidirectional_kv_xfer_enabled:
+            self._warmer = PeerWarmer(
+                cfg.daemon,
+                cfg.worker_id or self.engine_id,
+                self.engine_id,
+                cfg.model,
+                self._warm_peer,
+                cfg.warm_peers_s,
+            ).start()
+
+    def _warm_peer(self, peer: Peer) -> None:
+        """Open the NIXL connection to ``peer`` in vLLM's handshake thread (as a first READ would)."""
+        started = time.perf_counter()
+        future = self._ensure_handshake(peer.engine_id, peer.host, peer.port, peer.tp_size)
+        if future is None:
+            return  # already connected (a READ got there first)
+
+        def done(f: Any) -> None:
+            ms = round((time.perf_counter() - started) * 1e3, 1)
+            if f.exception() is None:
+                tm.log.info(
+                    "kvloop.peer_warmed", peer=peer.worker_id, engine_id=peer.engine_id, handshake_ms=ms
+                )
+                return
+            tm.log.warning("kvloop.warm_peer_failed", peer=peer.worker_id, error=repr(f.exception()))
+            if self._warmer is not None:
+                self._warmer.warmed.discard(peer.engine_id)  # try again next poll
+
+        future.add_done_callback(done)
+
+    def shutdown(self) -> None:
+        if self._warmer is not None:
+            self._warmer.stop()
+        super().shutdown()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         if isinstance(metadata, KvloopConnectorMetadata):

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvloop.agents.sidecar.link import DirectoryLink
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, DirectoryClient
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
@@ -57,22 +58,35 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _start_daemon(listen: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+def _start_daemon(
+    listen: str, workdir: Path, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen, str]:
+    """A kvloopd of the bench's own (`extra_args`: more flags, e.g. a store option; `extra_env`:
+    KVLOOP_* settings), ready to answer."""
     host, _, port = listen.rpartition(":")
     if port == "0":
         listen = f"{host}:{free_port()}"
     kvloopd = str(Path(sys.executable).parent / "kvloopd")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
     env["KVLOOP_MAX_ENTRIES"] = "100000000"
+    env.update(extra_env or {})
     with (workdir / "kvloopd.log").open("w") as log:
         process = supervisor().spawn(
-            [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json"],
+            [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json", *extra_args],
             stdout=subprocess.DEVNULL,
             stderr=log,
             env=env,
         )
     with DirectoryClient(listen, timeout=2) as client:
-        client.wait_ready(30)
+        for attempt in range(30):
+            try:
+                client.wait_ready(1)
+                break
+            except DaemonUnavailable:
+                if process.poll() is not None:  # refused its flags or config: say so now
+                    raise RuntimeError(f"kvloopd exited with status {process.returncode}") from None
+                if attempt == 29:
+                    raise
     return process, listen
 
 

@@ -19,16 +19,21 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.common.tokens import agreeing_prefix_length
+
+if TYPE_CHECKING:
+    from kvloop.clients.demo.stack import Stack
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
 # reasoning: every answer is the model's thinking plus a short visible answer, and the chat template
@@ -42,6 +47,9 @@ FLOOR_ARM = "local"
 MODEL = "kvloop-tiny"
 # Paired per-turn ratios reported (numerator arm, denominator arm): same prompt, adjacent in time.
 PAIRED_RATIOS = (("kvloop", "builtin"), ("kvloop", "local"), ("builtin", "local"))
+# The decode's time per output token, same turn in two arms: a decode that retains runs and serves
+# READs (kvloop) against one that does neither (recompute).
+PAIRED_TPOT_RATIOS = (("kvloop", "recompute"), ("builtin", "recompute"))
 
 
 @dataclass
@@ -91,6 +99,8 @@ class TurnSample:
     # kvloop arm: the connector's own timings (directory lookup; lookup answer -> READ complete).
     lookup_ms: float | None = None
     pull_ms: float | None = None
+    # The decode's time per output token as the client saw the tokens stream (first -> last token).
+    decode_tpot_ms: float | None = None
 
 
 # Read from each arm's prefill engine (vLLM's Prometheus metrics), the same source in every arm:
@@ -112,7 +122,24 @@ ENGINE_SERIES = {
 DECODE_SERIES = {
     "vllm:request_time_per_output_token_seconds_sum": "decode_tpot_s",
     "vllm:request_time_per_output_token_seconds_count": "decode_requests",
+    # tokens per engine step: a decode's mean batch, which TPOT grows with on a CPU
+    "vllm:iteration_tokens_total_sum": "decode_step_tokens",
+    "vllm:iteration_tokens_total_count": "decode_steps",
 }
+
+
+CPU_ROLES = ("prefill", "decode", "sidecars", "kvloopd")
+
+
+def stack_processes(stack: Stack) -> list[tuple[str, subprocess.Popen]]:
+    """(role, process) of every process of a stack the benchmark counts CPU time of."""
+    processes = [("kvloopd", stack.daemon)] if stack.daemon else []
+    for role, engine in [("prefill", stack.prefill)] + [("decode", d) for d in stack.decodes]:
+        if engine.vllm is not None:
+            processes.append((role, engine.vllm))
+        if engine.agent is not None:
+            processes.append(("sidecars", engine.agent))
+    return processes
 
 
 @dataclass
@@ -187,6 +214,46 @@ def wrong_pulled_blocks(held: list[list[int]], prompt: list[int], pulled_tokens:
     return -(-pulled_tokens // block_size) - common // block_size
 
 
+@dataclass
+class StreamedAnswer:
+    content: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    tpot_ms: float | None  # (last token - first token) / (tokens - 1); None below two tokens
+
+
+def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
+    """A streamed chat completion: its answer, and its time per output token from the arrival of each
+    chunk's tokens (vLLM sends one chunk per engine step, with that step's token ids)."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    content: list[str] = []
+    token_ids: list[int] = []
+    prompt_ids: list[int] = []
+    first = last = 0.0
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[5:])
+            prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            for choice in chunk.get("choices") or []:
+                content.append((choice.get("delta") or {}).get("content") or "")
+                ids = choice.get("token_ids") or []
+                if ids:
+                    first = first or now
+                    last = now
+                    token_ids += ids
+    # the first chunk's token is the first token: the steps after it are what TPOT measures
+    tpot = (last - first) * 1e3 / (len(token_ids) - 1) if len(token_ids) > 1 else None
+    return StreamedAnswer("".join(content), token_ids, prompt_ids, tpot)
+
+
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -207,13 +274,21 @@ class TurnOutcome:
     prompt_ids: list[int]
     lookup_ms: float | None = None
     pull_ms: float | None = None
+    decode_tpot_ms: float | None = None
 
 
 class ArmClient:
     """Prefill -> decode orchestration for one arm (the builtin arm caches reverse handles)."""
 
-    def __init__(self, arm: str, prefill_url: str, decode_url: str) -> None:
+    def __init__(
+        self,
+        arm: str,
+        prefill_url: str,
+        decode_url: str,
+        processes: list[tuple[str, subprocess.Popen]] | None = None,
+    ) -> None:
         self.arm = arm
+        self.processes = processes or []
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.handles: dict[int, dict] = {}
@@ -229,7 +304,8 @@ class ArmClient:
         self.computed.clear()
 
     def engine_totals(self) -> dict[str, float]:
-        """ENGINE_SERIES of this arm's prefill engine and DECODE_SERIES of its decode engine."""
+        """ENGINE_SERIES of this arm's prefill engine, DECODE_SERIES of its decode engine and the CPU
+        seconds of the arm's processes."""
 
         def page(url: str) -> str:
             return urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
@@ -237,6 +313,24 @@ class ArmClient:
         totals = engine_totals(page(self.prefill_url))
         if self.decode_url != self.prefill_url:  # the local arm's one engine is both
             totals.update(engine_totals(page(self.decode_url), DECODE_SERIES))
+        totals.update({f"cpu_{role}_s": seconds for role, seconds in self.cpu_seconds().items()})
+        return totals
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system) each process of this arm's stack has used so far: on a host with
+        few cores, what one process spends (a sidecar ingesting events, kvloopd answering) the decode
+        cannot; read per workload, these show where a TPOT difference goes."""
+        import psutil  # the bench extra's; the CLI imports this module without it
+
+        totals = dict.fromkeys(CPU_ROLES, 0.0)
+        for role, proc in self.processes:
+            try:
+                top = psutil.Process(proc.pid)
+                for p in [top, *top.children(recursive=True)]:
+                    times = p.cpu_times()
+                    totals[role] += times.user + times.system
+            except psutil.Error:  # gone: counts nothing from now on
+                continue
         return totals
 
     def sources(self, session: Session) -> list[list[int]]:
@@ -263,16 +357,23 @@ class ArmClient:
         prompt_tokens = (pre.get("usage") or {}).get("prompt_tokens", 0)
         params = pre.get("kv_transfer_params") or {}
         path = params.get("kvloop_path") or ("transfer" if cached else "recompute")
-        dec = _post(
-            f"{self.decode_url}/v1/chat/completions",
-            {**body, "max_tokens": max_tokens, "kv_transfer_params": params},
-        )
-        choice = dec["choices"][0]
-        answer = choice["message"]["content"] or ""
-        if self.arm == "builtin" and dec.get("kv_transfer_params"):
-            self.handles[session.seed] = dec["kv_transfer_params"]
+        decode_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": params}
         prompt_ids = list(pre.get("prompt_token_ids") or [])
-        computed = list(dec.get("prompt_token_ids") or prompt_ids) + list(choice.get("token_ids") or [])[:-1]
+        tpot = None
+        if self.arm == "builtin":
+            # vLLM returns the decode's retention handle only in a whole (not streamed) response
+            dec = _post(f"{self.decode_url}/v1/chat/completions", decode_body)
+            choice = dec["choices"][0]
+            answer = choice["message"]["content"] or ""
+            if dec.get("kv_transfer_params"):
+                self.handles[session.seed] = dec["kv_transfer_params"]
+            decode_prompt = list(dec.get("prompt_token_ids") or prompt_ids)
+            answer_ids = list(choice.get("token_ids") or [])
+        else:
+            streamed = _stream_chat(f"{self.decode_url}/v1/chat/completions", decode_body)
+            answer, answer_ids, tpot = streamed.content, streamed.token_ids, streamed.tpot_ms
+            decode_prompt = streamed.prompt_token_ids or prompt_ids
+        computed = decode_prompt + answer_ids[:-1]
         return TurnOutcome(
             ttft,
             prompt_tokens,
@@ -283,6 +384,7 @@ class ArmClient:
             prompt_ids,
             params.get("kvloop_lookup_ms"),
             params.get("kvloop_pull_ms"),
+            tpot,
         )
 
     def _local_turn(self, session: Session) -> TurnOutcome:
@@ -381,6 +483,7 @@ def run_workload(
                         wrong,
                         r.lookup_ms,
                         r.pull_ms,
+                        r.decode_tpot_ms,
                     )
                 )
                 client.latest[session.seed] = r.computed_ids
@@ -464,6 +567,9 @@ def summarize(
                 else None,
                 "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
                 "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
+                "decode_tpot_p50_ms": _median_or_none(
+                    [x.decode_tpot_ms for x in all_turns[(workload, concurrency, arm)] if x.decode_tpot_ms]
+                ),
                 **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
                 **_connector_columns(group),
             }
@@ -472,6 +578,8 @@ def summarize(
         "rows": rows,
         "by_context": _by_context(continuations),
         "paired": _paired(continuations),
+        # every turn, the first included: the decode generates an answer on each
+        "paired_decode_tpot": _paired(samples, "decode_tpot_ms", PAIRED_TPOT_RATIOS),
         "shared_prefix_new_conversations": _new_conversations(samples),
     }
 
@@ -519,18 +627,31 @@ def median_ci95(values: list[float], resamples: int = 2000, seed: int = 0) -> tu
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def _paired(continuations: list[TurnSample]) -> list[dict]:
-    """Per-turn ratios between two arms on the same turn (same prompt, run within seconds of each other):
-    their median and interquartile range are far less noisy than a ratio of two runs' p50s, and the
-    median's confidence interval says whether a target such as "<= 1.05x" is met or only not excluded."""
-    ttft = {(s.workload, s.concurrency, s.repeat, s.session, s.turn, s.arm): s.ttft_ms for s in continuations}
+def _median_or_none(values: list[float]) -> float | None:
+    return round(statistics.median(values), 2) if values else None
+
+
+def _paired(
+    samples: list[TurnSample],
+    metric: str = "ttft_ms",
+    pairs: tuple[tuple[str, str], ...] = PAIRED_RATIOS,
+) -> list[dict]:
+    """Per-turn ratios of `metric` between two arms on the same turn (same prompt, run within seconds of
+    each other): their median and interquartile range are far less noisy than a ratio of two runs'
+    p50s, and the median's confidence interval says whether a target such as "<= 1.05x" is met or
+    only not excluded."""
+    values = {
+        (s.workload, s.concurrency, s.repeat, s.session, s.turn, s.arm): getattr(s, metric)
+        for s in samples
+        if getattr(s, metric)
+    }
     out = []
-    for workload, concurrency in sorted({(s.workload, s.concurrency) for s in continuations}):
-        for top, bottom in PAIRED_RATIOS:
+    for workload, concurrency in sorted({(s.workload, s.concurrency) for s in samples}):
+        for top, bottom in pairs:
             ratios = [
-                ttft[(*key[:5], top)] / value
-                for key, value in ttft.items()
-                if key[:2] == (workload, concurrency) and key[5] == bottom and (*key[:5], top) in ttft
+                values[(*key[:5], top)] / value
+                for key, value in values.items()
+                if key[:2] == (workload, concurrency) and key[5] == bottom and (*key[:5], top) in values
             ]
             if ratios:
                 q1, median, q3 = quartiles(ratios)
@@ -573,7 +694,7 @@ def _transfer_columns(totals: dict[str, float] | None) -> dict:
     if not totals:
         return {}
     reads, requests = int(totals["reads"]), int(totals["requests"])
-    columns = {
+    columns: dict[str, object] = {
         "nixl_reads": reads,
         "bytes_moved_mib": round(totals["bytes"] / 2**20, 1),
         "nixl_read_ms_mean": round(totals["xfer_s"] * 1e3 / reads, 2) if reads else None,
@@ -587,6 +708,11 @@ def _transfer_columns(totals: dict[str, float] | None) -> dict:
         )
     if totals.get("decode_requests"):
         columns["decode_tpot_ms_mean"] = round(totals["decode_tpot_s"] * 1e3 / totals["decode_requests"], 2)
+    cpu = {role: totals.get(f"cpu_{role}_s") for role in CPU_ROLES}
+    if any(cpu.values()):
+        columns["cpu_s"] = {role: round(seconds or 0.0, 2) for role, seconds in cpu.items()}
+    if totals.get("decode_steps"):
+        columns["decode_batch_mean"] = round(totals["decode_step_tokens"] / totals["decode_steps"], 2)
     return columns
 
 
@@ -725,7 +851,12 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             for arm, stack in stacks.items():
                 stack.start(lambda what, state, arm=arm: say(f"{arm}: {what} {state}"))
             clients = {
-                arm: ArmClient(arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "")
+                arm: ArmClient(
+                    arm,
+                    s.prefill.config.url,
+                    s.decodes[0].config.url if s.decodes else "",
+                    stack_processes(s),
+                )
                 for arm, s in stacks.items()
             }
             turns_in_all = (

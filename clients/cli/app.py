@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -12,7 +14,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
-from kvloop.clients.bench.multiturn import ARMS, DEFAULT_WORKLOADS, WORKLOADS
+from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, DEFAULT_WORKLOADS, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
@@ -493,6 +495,202 @@ def bench_idle(
     console.print(f"results: {out}")
 
 
+@bench_app.command("replay")
+def bench_replay(
+    trace: Annotated[
+        Optional[Path],
+        typer.Option(help="request log: Mooncake trace JSONL or OpenAI-style chat requests JSONL"),
+    ] = None,
+    synthetic: Annotated[
+        Optional[int], typer.Option(min=1, help="replay a seeded synthetic trace of N requests instead")
+    ] = None,
+    trace_format: Annotated[str, typer.Option("--format", help="auto, mooncake or chat")] = "auto",
+    tokenizer: Annotated[
+        Optional[str],
+        typer.Option(help="chat logs: local tokenizer (directory) whose chat template renders them"),
+    ] = None,
+    trace_block_size: Annotated[int, typer.Option(min=1, help="Mooncake trace: tokens per hash_id")] = 512,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="replay only the first N requests")] = None,
+    seed: Annotated[int, typer.Option(help="synthetic trace and random routing seed")] = 1,
+    write_trace: Annotated[
+        Optional[Path], typer.Option(help="--synthetic: also write the generated trace here (JSONL)")
+    ] = None,
+    prefills: Annotated[int, typer.Option(min=1, help="prefill workers")] = 2,
+    decodes: Annotated[int, typer.Option(min=1, help="decode workers")] = 4,
+    block_size: Annotated[int, typer.Option(min=1, help="vLLM block size (tokens)")] = 16,
+    retention_blocks: Annotated[
+        int, typer.Option(min=0, help="decode KV memory set aside for retained turns, blocks per decode")
+    ] = 50_000,
+    lease: Annotated[
+        float, typer.Option(min=0, help="retention lease, s (vLLM decoder_kv_blocks_ttl)")
+    ] = 480.0,
+    expiry_margin: Annotated[
+        float, typer.Option(min=0, help="puller's lease margin, s (kvloop_expiry_margin_s)")
+    ] = 6.0,
+    prefill_cache_blocks: Annotated[
+        int, typer.Option(min=0, help="prefill prefix-cache capacity, blocks per prefill (0: off)")
+    ] = 20_000,
+    routing: Annotated[
+        str, typer.Option(help="kvloop (decode = holder, else least loaded), round_robin or random")
+    ] = "kvloop",
+    min_pull_tokens: Annotated[int, typer.Option(min=0, help="kvloop_min_pull_tokens")] = 64,
+    kv_bytes_per_token: Annotated[
+        int, typer.Option(min=1, help="KV bytes per token of the model (all layers, K and V)")
+    ] = 131_072,
+    decode_ms_per_token: Annotated[
+        float, typer.Option(min=0, help="decode time per output token, ms")
+    ] = 20.0,
+    lookup_timeout_ms: Annotated[
+        float,
+        typer.Option(
+            min=1, help="deadline of each Lookup (the connector's: 20; a miss is directory_unavailable)"
+        ),
+    ] = 10_000.0,
+    decode_failures: Annotated[
+        int, typer.Option(min=0, help="decode crashes spread over the trace (runs lost, new epoch)")
+    ] = 0,
+    failure_downtime: Annotated[float, typer.Option(min=0, help="s a crashed decode stays down")] = 60.0,
+    speedup: Annotated[
+        float, typer.Option(min=0, help="trace time x this = wall time; 0: as fast as possible")
+    ] = 0.0,
+    max_wall_s: Annotated[
+        float, typer.Option(min=0, help="stop replaying after this many s (the report says truncated)")
+    ] = 3600.0,
+    prefill_tokens_per_s: Annotated[float, typer.Option(help="cost model: prefill throughput")] = 8000.0,
+    link_gbps: Annotated[
+        float, typer.Option(help="cost model: link Gbit/s between decode and prefill")
+    ] = 100.0,
+    setup_ms: Annotated[float, typer.Option(help="cost model: fixed cost of one pull, ms")] = 2.0,
+    multiturn_results: Annotated[
+        Optional[Path],
+        typer.Option(help="cost model fitted to a `kvloop bench multiturn --json` output instead"),
+    ] = None,
+    sweep: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="repeat over settings, e.g. lease=60,240,480,memory=10000,50000 (keys: lease, "
+            "memory, prefill_cache, decodes, prefills)"
+        ),
+    ] = None,
+    plot: Annotated[Path, typer.Option(help="--sweep: PNG of the saving against the settings")] = Path(
+        "replay-sweep.png"
+    ),
+    buckets: Annotated[int, typer.Option(min=1, help="windows of the over-time report")] = 10,
+    daemon_arg: Annotated[
+        Optional[list[str]], typer.Option(help="extra kvloopd flag (repeatable), e.g. a store option")
+    ] = None,
+    output: Annotated[
+        Optional[Path], typer.Option("--output", "-o", help="also write the report JSON here")
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """What reverse transfer would save on a request log: replays it through a real kvloopd with a
+    simulated prefill/decode fleet; token shares, missed pulls, estimated continuation TTFT."""
+    from kvloop.clients.bench import replay as rp
+    from kvloop.clients.bench.replay_fleet import ROUTINGS, FleetConfig
+    from kvloop.clients.bench.replay_gen import SyntheticConfig, describe, generate
+    from kvloop.clients.bench.replay_report import CostModel, CostModelError, print_report
+    from kvloop.clients.bench.replay_trace import TraceError, read_trace, write_jsonl
+    from kvloop.common.processes import supervisor
+
+    if (trace is None) == (synthetic is None):
+        _fail("give exactly one of --trace FILE and --synthetic N", code=2)
+    if routing not in ROUTINGS:
+        _fail(f"--routing {routing!r}: choose from {', '.join(ROUTINGS)}", code=2)
+    if trace_format not in ("auto", "mooncake", "chat"):
+        _fail(f"--format {trace_format!r}: auto, mooncake or chat", code=2)
+    try:
+        grid = rp.parse_sweep(sweep or [])
+        cost = (
+            CostModel.from_multiturn(multiturn_results)
+            if multiturn_results
+            else CostModel.from_figures(prefill_tokens_per_s, link_gbps, setup_ms, kv_bytes_per_token)
+        )
+    except (ValueError, CostModelError) as exc:
+        _fail(str(exc), code=2)
+    info: dict = {}
+    try:
+        if synthetic is not None:
+            gen = SyntheticConfig(requests=synthetic, seed=seed)
+            path = write_trace
+            if path is None:
+                fd, name = tempfile.mkstemp(prefix="kvloop-replay-", suffix=".jsonl")
+                os.close(fd)
+                path = Path(name)
+            write_jsonl(path, generate(gen))
+            info = {
+                "source": "synthetic",
+                "generator": describe(gen),
+                "written_to": str(write_trace) if write_trace else None,
+            }
+            requests = read_trace(path, block_size, "mooncake", None, gen.block_size, limit)
+            if write_trace is None:
+                path.unlink()
+        else:
+            assert trace is not None
+            requests = read_trace(trace, block_size, trace_format, tokenizer, trace_block_size, limit)
+            info = {"source": str(trace)}
+    except TraceError as exc:
+        _fail(str(exc), code=2)
+    info["requests"] = len(requests)
+    info["sessions"] = len({r.session for r in requests if r.session is not None})
+    fleet = FleetConfig(
+        prefills=prefills,
+        decodes=decodes,
+        block_size=block_size,
+        retention_blocks=retention_blocks,
+        lease_s=lease,
+        expiry_margin_s=expiry_margin,
+        prefill_cache_blocks=prefill_cache_blocks,
+        routing=routing,
+        min_pull_tokens=min_pull_tokens,
+        kv_bytes_per_token=kv_bytes_per_token,
+        decode_ms_per_token=decode_ms_per_token,
+        speedup=speedup,
+        max_wall_s=max_wall_s,
+        lookup_timeout_ms=lookup_timeout_ms,
+        decode_failures=decode_failures,
+        failure_downtime_s=failure_downtime,
+        seed=seed,
+    )
+    config = rp.ReplayConfig(fleet=fleet, cost=cost, buckets=buckets, daemon_args=tuple(daemon_arg or ()))
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with (
+        supervisor().stop_on_signals(),
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            transient=True,
+            disable=state.json,
+            console=err_console,
+        ) as bar,
+    ):
+        try:
+            if grid:
+                tasks: dict[str, object] = {}
+
+                def sweep_progress(label: str, done: int) -> None:
+                    if label not in tasks:
+                        tasks[label] = bar.add_task(f"replay {label}", total=len(requests))
+                    bar.update(tasks[label], completed=done)  # type: ignore[arg-type]
+
+                result = rp.sweep(requests, config, info, grid, plot, sweep_progress)
+            else:
+                task = bar.add_task("replay", total=len(requests))
+                result = rp.replay(requests, config, info, lambda done: bar.update(task, completed=done))
+        except rp.ReplayError as exc:
+            _fail(str(exc))
+    if output:
+        output.write_text(json.dumps(result, indent=2, sort_keys=True))
+    if state.json:
+        _emit_json(result)
+    else:
+        print_report(console, result)
+
+
 @app.command()
 def proxy(
     prefill: Annotated[list[str], typer.Option(help="prefill vLLM server base URL (repeatable)")],
@@ -730,12 +928,35 @@ def _print_multiturn(summary: dict) -> None:
                 _blank(row.get("decode_tpot_ms_mean")),
             )
     console.print(table)
+    decode_rows = [row for row in summary["rows"] if "decode_tpot_ms_mean" in row]
+    if decode_rows:
+        table = Table(
+            title="the decode side: time per output token, mean batch (tokens per engine step) and CPU "
+            "seconds each process used in the measured turns"
+        )
+        cpu_columns = [f"CPU s {role}" for role in CPU_ROLES]
+        for column in ("workload", "sessions", "arm", "decode TPOT ms", "decode batch", *cpu_columns):
+            table.add_column(column)
+        for row in decode_rows:
+            cpu = row.get("cpu_s", {})
+            table.add_row(
+                row["workload"],
+                str(row["concurrency"]),
+                row["arm"],
+                _blank(row.get("decode_tpot_ms_mean")),
+                _blank(row.get("decode_batch_mean")),
+                *(_blank(cpu.get(role)) for role in CPU_ROLES),
+            )
+        console.print(table)
     table = Table(title="paired per-turn ratios (same turn, same prompt)")
-    for column in ("workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
+    for column in ("of", "workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
         table.add_column(column)
-    for pair in summary["paired"]:
+    paired = [("TTFT", p) for p in summary["paired"]]
+    paired += [("decode TPOT", p) for p in summary.get("paired_decode_tpot", [])]
+    for measure, pair in paired:
         low, high = pair["median_ci95"]
         table.add_row(
+            measure,
             pair["workload"],
             str(pair["concurrency"]),
             pair["ratio"],
@@ -890,6 +1111,52 @@ def demo(
         except EngineStartError as exc:
             _fail(str(exc))
     raise typer.Exit(code)
+
+
+@app.command("trace")
+def trace_cmd(
+    spans: Annotated[Path, typer.Option("--spans", help="span file (JSON lines) to read")] = Path(
+        ".kvloop-demo/spans.jsonl"
+    ),
+    listen: Annotated[
+        Optional[str],
+        typer.Option(help="instead, receive spans over OTLP/gRPC on HOST:PORT and print turns as they end"),
+    ] = None,
+    last: Annotated[
+        Optional[int], typer.Option(min=1, help="only the last N turns (--listen: stop after N)")
+    ] = None,
+    trace_id: Annotated[Optional[str], typer.Option(help="the trace with this id (or id prefix)")] = None,
+    save: Annotated[Optional[Path], typer.Option(help="--listen: also append the spans to this file")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Show turns as waterfalls: proxy -> prefill -> kvloopd Lookup (decision, estimates) -> NIXL READ
+    (bytes) -> decode, one time axis per trace (the demo writes .kvloop-demo/spans.jsonl)."""
+    from kvloop.clients.cli import trace as tr
+
+    out = make_console(stderr=False)
+    if listen:
+        try:
+            tr.listen(
+                listen,
+                out,
+                state.json,
+                last,
+                trace_id,
+                notice=lambda text: err_console.print(f"[dim]{text}[/dim]", highlight=False),
+                spans_out=save,
+            )
+        except (ValueError, OSError) as exc:
+            _fail(str(exc), code=2)
+        except KeyboardInterrupt:
+            pass
+        return
+    try:
+        traces = tr.select(tr.group_traces(tr.read_span_file(spans)), trace_id=trace_id, last=last)
+    except tr.SpanFileError as exc:
+        _fail(str(exc))
+    if not traces:
+        _fail(f"no trace {trace_id!r} in {spans}" if trace_id else f"no turn's trace in {spans}")
+    tr.show(traces, out, state.json)
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ class TurnResult:
     answer: str
     decode_server: str
     detail: str = ""  # the directory's why, with its cost estimates
+    trace_id: str = ""  # the turn's W3C trace id (the proxy's span), for `kvloop trace --trace-id`
     # Bytes pulled per KV-cache group (a hybrid model's sliding-window group moves only its window).
     bytes_per_group: list[int] = field(default_factory=list)
 
@@ -100,6 +101,7 @@ def chat_turn(
         answer="".join(pieces),
         decode_server=headers.get("x-kvloop-decode", ""),
         detail=headers.get("x-kvloop-detail", ""),
+        trace_id=headers.get("x-kvloop-trace-id", ""),
         bytes_per_group=_header_ints(headers, "x-kvloop-group-bytes"),
     )
 

@@ -85,9 +85,12 @@ def run_demo(
                 "bytes moved",
                 "holder",
                 "TTFT ms",
+                "trace id",
             ):
                 table.add_column(
-                    column, justify="right" if column not in ("path", "reason", "holder") else "left"
+                    column,
+                    justify="right" if column not in ("path", "reason", "holder", "trace id") else "left",
+                    no_wrap=column == "trace id",
                 )
             for r in results:
                 style = (
@@ -105,6 +108,7 @@ def run_demo(
                     f"{r.bytes_moved:,}",
                     r.holder or "-",
                     f"{r.ttft_ms:.0f}",
+                    r.trace_id or "-",
                 )
             console.print(table)
         otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
@@ -112,6 +116,12 @@ def run_demo(
         )
         where = f"OTLP endpoint {otlp}" if otlp else f"the local file {span_file}"
         console.print(f"\nTraces went to {where}.")
+        if not otlp:
+            console.print(
+                f"See a turn's trace: kvloop trace --spans {span_file} --last 1  "
+                "(or --trace-id ID from the table)",
+                highlight=False,
+            )
         console.print(
             f"Inspect the daemon: kvloop --daemon {stack.daemon_address} workers  |  "
             f"kvloop --daemon {stack.daemon_address} stats  |  grpcurl -plaintext {stack.daemon_address} "

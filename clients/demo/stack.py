@@ -17,6 +17,7 @@ from pathlib import Path
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.client import DirectoryClient
 from kvloop.common.addresses import free_port, free_port_pair
+from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
 
 
@@ -32,7 +33,9 @@ class StackConfig:
     block_size: int = 32
     dtype: str = "bfloat16"
     retention_ttl_s: float = 480.0
-    span_file: Path | None = None  # where spans go when no OTLP endpoint is configured
+    # Where spans go when no OTLP endpoint is configured: the stack then runs an OTLP receiver
+    # writing this file and points every process at it (vLLM exports its request spans only over OTLP).
+    span_file: Path | None = None
     start_timeout_s: float = 240.0
     # The benchmark talks to the engines directly; a proxy would only take CPU from them.
     with_proxy: bool = True
@@ -49,6 +52,7 @@ class Stack:
     engines: list[Engine] = field(default_factory=list)
     # Every process of the stack is started and stopped through this (see kvloop.common.processes).
     children: ChildProcesses = field(default_factory=supervisor)
+    receiver: OtlpReceiver | None = None
 
     @property
     def prefill(self) -> Engine:
@@ -58,17 +62,22 @@ class Stack:
     def decodes(self) -> list[Engine]:
         return self.engines[1:]
 
+    def _tracing_env(self) -> dict[str, str]:
+        if self.receiver is None:
+            return {}
+        # Short export batches: a turn's spans reach the file while the user looks at the table.
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+
     def _env(self, service: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env["OTEL_SERVICE_NAME"] = service
-        if self.config.span_file and not _otlp_configured():
-            env["KVLOOP_SPAN_FILE"] = str(self.config.span_file)
-        return env
+        return {**os.environ, "OTEL_SERVICE_NAME": service, **self._tracing_env()}
 
     def start(self, progress: Callable[[str, str], None] = lambda what, state: None) -> None:
         cfg = self.config
         logs = cfg.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        if cfg.span_file and not _otlp_configured():
+            self.receiver = OtlpReceiver(SpanFile(cfg.span_file).write).start()
+            progress("traces", f"OTLP receiver at {self.receiver.endpoint} writing {cfg.span_file}")
         bin_dir = Path(sys.executable).parent
         daemon_port = free_port()
         self.daemon_address = f"127.0.0.1:{daemon_port}"
@@ -98,9 +107,7 @@ class Stack:
         roles = ["prefill"] + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
             name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
-            engine_env = {}
-            if cfg.span_file and not _otlp_configured():
-                engine_env["KVLOOP_SPAN_FILE"] = str(cfg.span_file)
+            engine_env = self._tracing_env()
             self.engines.append(
                 Engine(
                     EngineConfig(
@@ -188,6 +195,9 @@ class Stack:
         self.children.stop(self.proxy, grace_s=10)
         self.children.stop(*(p for e in self.engines for p in (e.agent, e.vllm)))
         self.children.stop(self.daemon, grace_s=10)
+        if self.receiver is not None:  # last: the processes flush their spans to it as they exit
+            self.receiver.stop()
+            self.receiver = None
 
 
 def _otlp_configured() -> bool:

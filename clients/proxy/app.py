@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
+from kvloop.common.tracing import trace_id_hex
 
 log = structlog.get_logger("kvloop.proxy")
 tracer = trace.get_tracer("kvloop.proxy")
@@ -187,6 +188,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 "x-kvloop-decode": decode.url,
                 "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}",
             }
+            if trace_id := trace_id_hex(span):  # so a client can find its turn's trace
+                response_headers["x-kvloop-trace-id"] = trace_id
             response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
             decode_body = {
                 **body,

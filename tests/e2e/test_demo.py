@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.e2e.traces import check_turn_trace
+
 BIN = Path(sys.executable).parent
 
 
@@ -31,8 +33,22 @@ def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
         assert turn["path"] == "transfer", turn
         assert turn["matched_tokens"] > 0 and turn["bytes_moved"] > 0 and turn["ttft_ms"] > 0
     assert "Traces went to" in result.stderr and (workdir / "spans.jsonl").exists()
+    # the demo's own OTLP receiver got every process's spans: each turn is one whole trace
     spans = [json.loads(line) for line in (workdir / "spans.jsonl").read_text().splitlines()]
-    assert any(s.get("name") == "kvloop.prefill" for s in spans)
+    assert len({t["trace_id"] for t in turns}) == len(turns)
+    for turn in turns:
+        check_turn_trace(spans, turn["trace_id"], pulled=turn["path"] == "transfer")
+    # the prefill opened its NIXL connection to the decode before any turn read from it, and its
+    # directory polls for peers (ListWorkers) left no traces
+    assert "kvloop.peer_warmed" in (workdir / "logs" / "prefill-0.vllm.log").read_text()
+    assert not any(s["name"].endswith("/ListWorkers") for s in spans)
+    shown = subprocess.run(
+        [str(BIN / "kvloop"), "trace", "--spans", str(workdir / "spans.jsonl"), "--last", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0 and turns[-1]["trace_id"] in shown.stdout, shown.stderr
     # everything it started is gone
     leftovers = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True).stdout.split()
     assert leftovers == []

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
 from kvloop.clients.demo.model import random_text
+from tests.e2e.traces import check_turn_trace
 
 MODEL = "kvloop-tiny"
 
@@ -147,12 +148,16 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     def complete(spans):
         services = {s["service"] for s in spans}
         names = {s["name"] for s in spans}
-        return {"kvloop-proxy", "vllm-prefill", "vllm-decode"} <= services and "kvloop.prefill" in names
+        return {"kvloop-proxy", "vllm-prefill", "vllm-decode", "kvloopd"} <= services and {
+            "kvloop.prefill",
+            "kvloop.nixl_read",
+        } <= names
 
     deadline = time.monotonic() + 30
     while not complete(spans := [s for s in otlp_receiver.spans() if s["trace_id"] == trace_id2]):
         assert time.monotonic() < deadline, f"incomplete trace: {[(s['service'], s['name']) for s in spans]}"
         time.sleep(0.2)  # polling the receiver's file
+    check_turn_trace(spans, trace_id2, pulled=True)
     kvloop_span = next(s for s in spans if s["name"] == "kvloop.prefill")
     assert kvloop_span["attributes"]["kvloop.path"] == "transfer", kvloop_span["attributes"]
     assert kvloop_span["attributes"]["kvloop.matched_tokens"] > 0

@@ -120,7 +120,7 @@ class EngineSpec:
     # TP > 1 on the CPU build: the "mp" executor, one worker process per rank, each bound to its own
     # core (VLLM_CPU_OMP_THREADS_BIND; without it vLLM wants one NUMA node per rank).
     tensor_parallel_size: int = 1
-    # Also export the engine's spans to this OTLP/gRPC receiver (a real one, see tests/otlp_receiver.py).
+    # Also export the engine's spans to this OTLP/gRPC receiver (a real one: kvloop.common.otlp_receiver).
     otlp_endpoint: str = ""
 
 

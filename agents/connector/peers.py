@@ -1,0 +1,114 @@
+"""Warm peers: open NIXL connections to holders before a user's turn needs them.
+
+A prefill's first READ from a decode peer also pays NIXL's handshake (side-channel metadata exchange
+and the UCX connection: 30-200 ms measured here), and without this it pays it inside a user's turn.
+:class:`PeerWarmer` runs in each prefill worker process, off the engine loop: it asks kvloopd for the
+registered workers every ``interval_s`` and hands each new holder (a decode or both-role engine of the
+same model) to ``warm`` - the worker's vLLM handshake machinery, which runs it in vLLM's own
+handshake thread and keeps the connection for later READs.
+
+ListWorkers is polled rather than Watched (a prefill's token may list workers but not Watch), with
+the sampled flag off, so the polls start no traces at kvloopd.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.directory import TracedDirectoryClient
+from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.common.tracing import not_sampled
+from kvloop.v1 import directory_pb2 as pb
+
+HOLDER_ROLES = (pb.WORKER_ROLE_DECODE, pb.WORKER_ROLE_BOTH)
+PULLER_ROLES = (pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_BOTH)
+
+
+@dataclass(frozen=True)
+class Peer:
+    worker_id: str
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+
+
+def peers_to_warm(
+    workers: list[pb.WorkerInfo], own_worker_id: str, own_engine_id: str, model: str
+) -> list[Peer]:
+    """The holders this engine may read from, once its own registration says it pulls (a decode's
+    worker opens no connections)."""
+    regs = [w.registration for w in workers]
+    own = next((r for r in regs if r.worker_id == own_worker_id), None)
+    if own is None or own.role not in PULLER_ROLES:
+        return []
+    peers = []
+    for r in regs:
+        if r.role not in HOLDER_ROLES or r.engine_id in ("", own_engine_id) or r.worker_id == own_worker_id:
+            continue
+        if model and r.model != model:
+            continue
+        host, sep, port = r.nixl_endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            continue
+        peers.append(Peer(r.worker_id, r.engine_id, host, int(port), r.parallel.tensor_parallel_size or 1))
+    return peers
+
+
+class PeerWarmer:
+    def __init__(
+        self,
+        daemon: str,
+        worker_id: str,
+        engine_id: str,
+        model: str,
+        warm: Callable[[Peer], None],
+        interval_s: float = 2.0,
+    ) -> None:
+        self.daemon = daemon
+        self.worker_id = worker_id
+        self.engine_id = engine_id
+        self.model = model
+        self.warm = warm
+        self.interval_s = interval_s
+        self.warmed: set[str] = set()  # engine ids handed to `warm`
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvloop-warm-peers", daemon=True)
+
+    def start(self) -> PeerWarmer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll_once(self, client: DirectoryClient) -> list[Peer]:
+        """Warm the peers not seen before; returns them."""
+        new = [
+            p
+            for p in peers_to_warm(
+                client.list_workers(self.model), self.worker_id, self.engine_id, self.model
+            )
+            if p.engine_id not in self.warmed
+        ]
+        for peer in new:
+            self.warmed.add(peer.engine_id)
+            try:
+                self.warm(peer)
+            except Exception as e:  # a peer we cannot reach now is handshaken on its first READ
+                tm.log.warning("kvloop.warm_peer_failed", peer=peer.worker_id, error=repr(e))
+        return new
+
+    def _run(self) -> None:
+        with TracedDirectoryClient(self.daemon, timeout=5.0) as client:
+            while True:
+                try:
+                    with not_sampled():
+                        self.poll_once(client)
+                except KvloopError as e:
+                    tm.log.debug("kvloop.warm_peers_list_failed", error=str(e))
+                if self._stop.wait(self.interval_s):  # the poll period; stop() wakes it at once
+                    return

@@ -1,0 +1,199 @@
+"""`kvloop bench replay`: what reverse transfer would save on a given request log.
+
+Replays a trace (Mooncake format, an OpenAI-style chat log, or a seeded synthetic one) through a real
+kvloopd process started for the purpose, with a simulated fleet speaking its gRPC protocol
+(`replay_fleet`), and reports token shares, missed pulls, estimated continuation TTFT and the
+daemon's figures (`replay_report`). `run_sweep` repeats it over retention settings and plots the
+saving against them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvloop.clients.bench.directory import _start_daemon
+from kvloop.clients.bench.replay_fleet import Fleet, FleetConfig
+from kvloop.clients.bench.replay_report import CostModel, build_report
+from kvloop.clients.bench.replay_trace import TraceRequest
+from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.common.processes import supervisor
+
+# --sweep keys -> FleetConfig fields.
+SWEEP_KEYS = {
+    "lease": "lease_s",
+    "memory": "retention_blocks",
+    "prefill_cache": "prefill_cache_blocks",
+    "decodes": "decodes",
+    "prefills": "prefills",
+}
+
+
+class ReplayError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    cost: CostModel = field(default_factory=CostModel)
+    buckets: int = 20
+    # Passed to kvloopd as they are (e.g. another store's flags).
+    daemon_args: tuple[str, ...] = ()
+
+
+def replay(
+    requests: list[TraceRequest],
+    config: ReplayConfig,
+    trace: dict[str, Any],
+    progress: Callable[[int], None] = lambda done: None,
+) -> dict[str, Any]:
+    """One replay through a fresh kvloopd; the report (see `replay_report.build_report`)."""
+    if not requests:
+        raise ReplayError("the trace has no requests")
+    workdir = Path(tempfile.mkdtemp(prefix="kvloop-replay-"))
+    env = {
+        **config.cost.daemon_env(config.fleet.kv_bytes_per_token),
+        # The puller's lease margin is applied in trace time by the fleet (replay_fleet docstring).
+        "KVLOOP_EXPIRY_MARGIN_S": "0",
+    }
+    try:
+        try:
+            daemon, target = _start_daemon("127.0.0.1:0", workdir, config.daemon_args, env)
+        except Exception as exc:
+            log = (workdir / "kvloopd.log").read_text(errors="replace").strip().splitlines()[-5:]
+            raise ReplayError(f"kvloopd did not start ({exc}): " + " | ".join(log)) from None
+        try:
+
+            async def go():
+                async with AsyncDirectoryClient(
+                    target, timeout=60, max_message_bytes=64 * 1024 * 1024
+                ) as client:
+                    return await Fleet(config.fleet, client, target, daemon.pid, progress).run(requests)
+
+            result = asyncio.run(go())
+        finally:
+            supervisor().stop(daemon, grace_s=10)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return build_report(result, config.fleet, config.cost, trace, config.buckets)
+
+
+def parse_sweep(specs: Sequence[str]) -> dict[str, list[float]]:
+    """``lease=60,300,memory=20000,80000`` (or one key per --sweep) -> {"lease": [...], ...}."""
+    grid: dict[str, list[float]] = {}
+    key: str | None = None
+    for spec in specs:
+        for token in spec.replace(";", ",").split(","):
+            token = token.strip()
+            if not token:
+                continue
+            if "=" in token:
+                key, _, token = token.partition("=")
+                key = key.strip()
+                if key not in SWEEP_KEYS:
+                    raise ValueError(f"unknown sweep key {key!r}: {', '.join(SWEEP_KEYS)}")
+                if key in grid:
+                    raise ValueError(f"sweep key {key!r} given twice")
+                grid[key] = []
+            if key is None:
+                raise ValueError(f"sweep value {token!r} before any key=")
+            try:
+                value = float(token)
+            except ValueError:
+                raise ValueError(f"sweep {key}: {token!r} is not a number") from None
+            if value < 0:
+                raise ValueError(f"sweep {key}: {token} must not be negative")
+            grid[key].append(value)
+    for k, values in grid.items():
+        if not values:
+            raise ValueError(f"sweep key {k!r} has no values")
+    return grid
+
+
+def sweep(
+    requests: list[TraceRequest],
+    config: ReplayConfig,
+    trace: dict[str, Any],
+    grid: dict[str, list[float]],
+    png: Path | None,
+    progress: Callable[[str, int], None] = lambda label, done: None,
+) -> dict[str, Any]:
+    """The replay at every point of the grid; a PNG of the saving against the first key, one line
+    per value of the others."""
+    keys = list(grid)
+    points = []
+    for values in itertools.product(*(grid[k] for k in keys)):
+        setting = dict(zip(keys, values, strict=True))
+        fleet = replace(
+            config.fleet,
+            **{SWEEP_KEYS[k]: (v if k == "lease" else int(v)) for k, v in setting.items()},
+        )
+        label = ", ".join(f"{k}={v:g}" for k, v in setting.items())
+
+        def point_progress(done: int, label: str = label) -> None:
+            progress(label, done)
+
+        report = replay(requests, replace(config, fleet=fleet), trace, point_progress)
+        cont = report["ttft"]["continuation"]
+        points.append(
+            {
+                **setting,
+                "local_share": report["local_share"],
+                "pulled_share": report["pulled_share"],
+                "recomputed_share": report["recomputed_share"],
+                "continuation_requests": cont["requests"],
+                "continuation_ttft_saving_share": cont.get("saving_share_of_mean"),
+                "missed_pull_tokens": report["missed_pull_tokens"],
+                "evicted_runs": sum(d["evicted_runs"] for d in report["decodes"].values()),
+                "lookup_ms_p50": (report["daemon"]["lookup_ms"] or {}).get("p50"),
+                "daemon_rss_mib_peak": (report["daemon"]["rss_mib"] or {}).get("peak"),
+                "replay_requests_per_s": report["replay"]["requests_per_s"],
+            }
+        )
+    out: dict[str, Any] = {"sweep": grid, "points": points}
+    if png is not None:
+        out["plot"] = str(plot_sweep(points, keys, png))
+    return out
+
+
+def plot_sweep(points: list[dict[str, Any]], keys: list[str], png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key, others = keys[0], keys[1:]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    lines: dict[tuple, list[dict[str, Any]]] = {}
+    for p in points:
+        lines.setdefault(tuple(p[k] for k in others), []).append(p)
+    for series, ps in lines.items():
+        ps.sort(key=lambda p: p[x_key])
+        label = ", ".join(f"{k}={v:g}" for k, v in zip(others, series, strict=True)) or None
+        xs = [p[x_key] for p in ps]
+        axes[0].plot(xs, [p["pulled_share"] for p in ps], marker="o", label=label)
+        axes[1].plot(xs, [p["continuation_ttft_saving_share"] or 0.0 for p in ps], marker="o", label=label)
+    unit = {"lease": "lease (s)", "memory": "retention memory per decode (blocks)"}.get(x_key, x_key)
+    axes[0].set(
+        xlabel=unit, ylabel="share of prompt tokens pulled", title="prompt tokens served by reverse pull"
+    )
+    axes[1].set(
+        xlabel=unit, ylabel="1 - TTFT with / without (mean)", title="continuation TTFT saved (cost model)"
+    )
+    for ax in axes:
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        if others:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

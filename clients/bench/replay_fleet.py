@@ -1,0 +1,594 @@
+"""The simulated fleet of `kvloop bench replay`: prefill and decode workers speaking kvloopd's real
+protocol, driven through a trace in trace time.
+
+- Decode workers announce each finished turn's blocks the way the connector and the sidecar do:
+  the connector's own ``KvloopBlocksRetained`` / ``KvloopRetentionReleased`` events, converted by the
+  sidecar's ``WorkerMirror`` and streamed by its ``DirectoryLink`` (sequence numbers, acks, heartbeats,
+  snapshots) over one Connect stream per worker. A decode keeps a run for the lease and frees it at
+  its end; when its retention memory (``retention_blocks``, blocks of equal hash shared as in vLLM's
+  prefix-cached block pool) cannot take a new run it evicts the oldest runs first.
+- Prefill workers keep a local prefix cache (vLLM's LRU over freed blocks, a prompt's tail evicted
+  before its head), publish its stored/removed blocks through their own link as a prefill's sidecar
+  would, and ask kvloopd with the connector's own ``DirectoryLookups`` (same request, same
+  constraints, same deadline and back-off).
+- Trace time maps to the daemon's clock: the puller's lease margin is applied in trace time (the
+  decode withdraws a run from the directory ``expiry_margin_s`` before its lease ends), so the
+  daemon gets leases long enough never to lapse on its own and no margin of its own.
+
+Every event a lookup could depend on is acknowledged by the daemon before the lookup is sent, so a
+replay is deterministic for a given trace and fleet (the measured event lag is that wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import random
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.sidecar.link import DirectoryLink
+from kvloop.agents.sidecar.mirror import WorkerMirror
+from kvloop.clients.bench.directory import _rss_bytes as rss_bytes
+from kvloop.clients.bench.replay_trace import TraceRequest
+from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.common.outcomes import path_name, reason_name
+from kvloop.v1 import directory_pb2 as pb
+
+MODEL = "replay-model"
+ROUTINGS = ("kvloop", "round_robin", "random")
+# A lease the daemon never sees end before the decode withdraws the run (trace time runs apart
+# from the daemon's clock).
+_DAEMON_LEASE_MS = 7 * 24 * 3600 * 1000
+# Reasons the daemon gives for not pulling blocks a decode holds (the rest are attributed from what
+# the fleet knows: the run was withdrawn at its lease end, or evicted).
+_DAEMON_MISS_REASONS = frozenset(
+    {"below_threshold", "recompute_faster", "claimed", "peer_unavailable", "incompatible_layout", "disabled"}
+)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    prefills: int = 2
+    decodes: int = 4
+    block_size: int = 32
+    # Decode KV memory set aside for retained runs, in blocks, per decode.
+    retention_blocks: int = 50_000
+    # Retention lease (vLLM's decoder_kv_blocks_ttl, 480 s) and the puller's margin (connector's 6 s).
+    lease_s: float = 480.0
+    expiry_margin_s: float = 6.0
+    # Prefill prefix-cache capacity in blocks, per prefill (0: prefix caching off).
+    prefill_cache_blocks: int = 20_000
+    routing: str = "kvloop"
+    min_pull_tokens: int = 64
+    kv_bytes_per_token: int = 131_072
+    # Decode time per output token, to place a turn's end (and its retention) in trace time.
+    decode_ms_per_token: float = 20.0
+    # Trace time x speedup = wall time; 0: as fast as possible.
+    speedup: float = 0.0
+    max_wall_s: float | None = None
+    # The connector's deadline is 20 ms; the replay's default is generous so that a loaded host
+    # does not turn into `directory_unavailable` misses that would not happen on a serving host.
+    lookup_timeout_ms: float = 10_000.0
+    seed: int = 1
+    # Decode crashes spread evenly over the trace (decodes in turn): the worker's stream closes, its
+    # runs and running turns are lost, it rejoins with a new epoch after the downtime (trace s).
+    decode_failures: int = 0
+    failure_downtime_s: float = 60.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    index: int
+    t_ms: float
+    prefill: str
+    decode: str
+    prompt_tokens: int
+    local_tokens: int
+    pulled_tokens: int
+    recomputed_tokens: int
+    path: str
+    reason: str
+    # Prompt tokens some decode had held that were neither local nor pulled, and why.
+    missed_tokens: int
+    missed_reason: str
+    # Prompt tokens a decode had held at some point before this request (its continuation share).
+    ever_held_tokens: int
+    lookup_ms: float
+    holder: str = ""
+
+
+@dataclass(slots=True)
+class _Run:
+    handle: str
+    hashes: list[bytes]
+    extra_blocks: int  # blocks without a reusable hash (the answer nobody resends, partial blocks)
+    servable: bool = True
+    freed: bool = False
+
+
+@dataclass
+class _Decode:
+    worker_id: str
+    mirror: WorkerMirror
+    link: DirectoryLink
+    refs: dict[bytes, int] = field(default_factory=dict)
+    extra: int = 0
+    runs: OrderedDict[str, _Run] = field(default_factory=OrderedDict)  # oldest first
+    active: int = 0
+    inflight: set[int] = field(default_factory=set)  # request indexes decoding here
+    down: bool = False
+    runner: asyncio.Task | None = None
+    lag_tasks: set[asyncio.Task] = field(default_factory=set)  # acks awaited on this stream
+    failures: int = 0
+    next_block_id: int = 0
+    retained_runs: int = 0
+    evicted_runs: int = 0
+    not_retained: int = 0
+
+    @property
+    def used(self) -> int:
+        return len(self.refs) + self.extra
+
+
+@dataclass
+class _Prefill:
+    worker_id: str
+    mirror: WorkerMirror
+    link: DirectoryLink
+    lookups: DirectoryLookups
+    cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # least recent first
+
+
+@dataclass
+class FleetResult:
+    records: list[RequestRecord]
+    wall_s: float
+    truncated: bool
+    event_lag_ms: list[float]
+    rss_samples: list[tuple[float, int]]  # (trace ms, daemon RSS bytes)
+    decodes: dict[str, dict[str, int]]
+    behind_ms_max: float
+
+
+class Fleet:
+    def __init__(
+        self,
+        config: FleetConfig,
+        client: AsyncDirectoryClient,
+        target: str,
+        daemon_pid: int | None,
+        progress: Callable[[int], None] = lambda done: None,
+    ) -> None:
+        if config.routing not in ROUTINGS:
+            raise ValueError(f"routing {config.routing!r}: choose from {', '.join(ROUTINGS)}")
+        self.config = config
+        self.client = client
+        self.daemon_pid = daemon_pid
+        self.progress = progress
+        self.rnd = random.Random(config.seed)
+        bs = config.block_size
+        kv_bytes_per_block = self._kv_bytes_per_block = config.kv_bytes_per_token * bs
+        self.decodes = [self._decode(f"replay-decode-{i}", kv_bytes_per_block) for i in range(config.decodes)]
+        constraints = lambda worker: PullerConstraints(  # noqa: E731
+            model=MODEL,
+            requester=worker,
+            block_size=bs,
+            min_pull_tokens=config.min_pull_tokens,
+            lease_margin_ms=0,  # applied in trace time by the decodes (module docstring)
+            tensor_parallel_size=1,
+            kv_dtype="bfloat16",
+            kv_bytes_per_block=kv_bytes_per_block,
+        )
+        self.prefills = []
+        for i in range(config.prefills):
+            worker = f"replay-prefill-{i}"
+            mirror = WorkerMirror(32)
+            link = DirectoryLink(
+                client, _registration(worker, pb.WORKER_ROLE_PREFILL, bs, kv_bytes_per_block), mirror.snapshot
+            )
+            lookups = DirectoryLookups(target, constraints(worker), timeout_ms=config.lookup_timeout_ms)
+            self.prefills.append(_Prefill(worker, mirror, link, lookups))
+        self._by_id = {d.worker_id: d for d in self.decodes}
+        self._rr = itertools.count()
+        self._rr_decode = itertools.count()
+        # Ground truth: how many servable runs hold each hash, and why the last one stopped.
+        self._held: dict[bytes, int] = defaultdict(int)
+        self._gone: dict[bytes, str] = {}
+        self._lags: list[float] = []
+        self._events: list[tuple[float, int, str, _Decode, TraceRequest | _Run | None]] = []
+        self._seq = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-lookup")
+
+    def _decode(self, worker: str, kv_bytes_per_block: int) -> _Decode:
+        mirror = WorkerMirror(32)
+        registration = _registration(
+            worker, pb.WORKER_ROLE_DECODE, self.config.block_size, kv_bytes_per_block
+        )
+        return _Decode(worker, mirror, DirectoryLink(self.client, registration, mirror.snapshot))
+
+    # ---- the replay loop ------------------------------------------------------------------------
+
+    async def run(self, requests: list[TraceRequest]) -> FleetResult:
+        links = [d.link for d in self.decodes] + [p.link for p in self.prefills]
+        prefill_runners = [asyncio.create_task(p.link.run()) for p in self.prefills]
+        for d in self.decodes:
+            d.runner = asyncio.create_task(d.link.run())
+        try:
+            await asyncio.wait_for(asyncio.gather(*(link.connected.wait() for link in links)), 30)
+            self._schedule_failures(requests)
+            return await self._replay(requests)
+        finally:
+            runners = [*prefill_runners, *(d.runner for d in self.decodes if d.runner is not None)]
+            lags = [t for d in self.decodes for t in d.lag_tasks]
+            for task in [*lags, *runners]:
+                task.cancel()
+            await asyncio.gather(*runners, *lags, return_exceptions=True)
+            for p in self.prefills:
+                p.lookups.close()
+            self._executor.shutdown(wait=False)
+
+    async def _replay(self, requests: list[TraceRequest]) -> FleetResult:
+        records: list[RequestRecord] = []
+        rss: list[tuple[float, int]] = []
+        t0 = requests[0].timestamp_ms if requests else 0.0
+        wall0 = time.perf_counter()
+        behind_max, truncated = 0.0, False
+        rss_every = max(1, len(requests) // 50)
+        for n, request in enumerate(requests):
+            await self._advance(request.timestamp_ms)
+            if self.config.max_wall_s is not None and time.perf_counter() - wall0 > self.config.max_wall_s:
+                truncated = True
+                break
+            if self.config.speedup > 0:
+                due = wall0 + (request.timestamp_ms - t0) / 1000 / self.config.speedup
+                ahead = due - time.perf_counter()
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+                else:
+                    behind_max = max(behind_max, -ahead * 1000)
+            records.append(await self._arrive(request))
+            if self.daemon_pid is not None and n % rss_every == 0:
+                rss.append((request.timestamp_ms, rss_bytes(self.daemon_pid)))
+            self.progress(n + 1)
+        await self._settle()
+        if self.daemon_pid is not None:
+            rss.append((records[-1].t_ms if records else 0.0, rss_bytes(self.daemon_pid)))
+        decodes = {
+            d.worker_id: {
+                "retained_runs": d.retained_runs,
+                "evicted_runs": d.evicted_runs,
+                "not_retained_too_large": d.not_retained,
+                "blocks_in_use_at_end": d.used,
+                "failures": d.failures,
+            }
+            for d in self.decodes
+        }
+        return FleetResult(
+            records=records,
+            wall_s=time.perf_counter() - wall0,
+            truncated=truncated,
+            event_lag_ms=self._lags,
+            rss_samples=rss,
+            decodes=decodes,
+            behind_ms_max=behind_max,
+        )
+
+    def _schedule(self, t_ms: float, kind: str, decode: _Decode, what: TraceRequest | _Run | None) -> None:
+        heapq.heappush(self._events, (t_ms, next(self._seq), kind, decode, what))
+
+    async def _advance(self, until_ms: float) -> None:
+        """Apply every fleet event (turn ends, withdrawals, lease ends) due by ``until_ms``."""
+        while self._events and self._events[0][0] <= until_ms:
+            t_ms, _, kind, decode, what = heapq.heappop(self._events)
+            if isinstance(what, TraceRequest):  # the turn ended
+                if what.index in decode.inflight:  # else lost in a crash
+                    decode.inflight.discard(what.index)
+                    decode.active -= 1
+                    self._retain(decode, what, t_ms)
+            elif isinstance(what, _Run):
+                if kind == "withdraw" and what.servable:
+                    self._unserve(decode, what, "expired")
+                elif kind == "expire":
+                    self._free(decode, what)
+            elif kind == "crash":
+                await self._crash(decode)
+            else:
+                await self._restart(decode)
+
+    def _schedule_failures(self, requests: list[TraceRequest]) -> None:
+        n = self.config.decode_failures
+        if not n or not requests:
+            return
+        t0, t1 = requests[0].timestamp_ms, requests[-1].timestamp_ms
+        for k in range(n):
+            decode = self.decodes[k % len(self.decodes)]
+            at = t0 + (k + 1) * (t1 - t0) / (n + 1)
+            self._schedule(at, "crash", decode, None)
+            self._schedule(at + self.config.failure_downtime_s * 1000, "restart", decode, None)
+
+    async def _crash(self, decode: _Decode) -> None:
+        """The worker and its sidecar die: the stream closes (kvloopd stops serving its runs), its
+        runs and the turns it was decoding are lost."""
+        if decode.down or len([d for d in self.decodes if not d.down]) == 1:
+            return  # keep one decode up to take the turns
+        decode.down = True
+        decode.failures += 1
+        stopped = [*decode.lag_tasks, *([decode.runner] if decode.runner is not None else [])]
+        for task in stopped:
+            task.cancel()
+        await asyncio.gather(*stopped, return_exceptions=True)
+        # What a lookup may depend on: kvloopd has seen the stream close.
+        for _ in range(1000):
+            workers = await self.client.list_workers(MODEL)
+            if not any(w.registration.worker_id == decode.worker_id and w.connected for w in workers):
+                break
+            await asyncio.sleep(0.005)
+        for run in list(decode.runs.values()):
+            if run.servable:
+                self._forget(run, "peer_unavailable")
+                run.servable = False
+            run.freed = True
+        decode.runs.clear()
+        decode.refs.clear()
+        decode.extra = 0
+        decode.active = 0
+        decode.inflight.clear()
+
+    async def _restart(self, decode: _Decode) -> None:
+        """Back with an empty cache and a new epoch: kvloopd drops what it knew of the old one."""
+        if not decode.down:
+            return
+        decode.mirror = WorkerMirror(32)
+        registration = _registration(
+            decode.worker_id,
+            pb.WORKER_ROLE_DECODE,
+            self.config.block_size,
+            self._kv_bytes_per_block,
+        )
+        decode.link = DirectoryLink(self.client, registration, decode.mirror.snapshot)
+        decode.runner = asyncio.create_task(decode.link.run())
+        await asyncio.wait_for(decode.link.connected.wait(), 30)
+        decode.down = False
+
+    async def _settle(self) -> None:
+        await asyncio.gather(*(d.link.wait_acked(timeout=60) for d in self.decodes if not d.down))
+        await asyncio.gather(*(p.link.wait_acked(timeout=60) for p in self.prefills))
+        await asyncio.gather(*(t for d in self.decodes for t in d.lag_tasks), return_exceptions=True)
+
+    # ---- a request ------------------------------------------------------------------------------
+
+    async def _arrive(self, r: TraceRequest) -> RequestRecord:
+        cfg, bs = self.config, self.config.block_size
+        prefill = (
+            self.prefills[next(self._rr) % len(self.prefills)]
+            if cfg.routing != "random"
+            else (self.rnd.choice(self.prefills))
+        )
+        local = 0
+        for h in r.hashes:
+            if h not in prefill.cache:
+                break
+            local += 1
+        ever = 0
+        for h in r.hashes:
+            if h not in self._held and h not in self._gone:
+                break
+            ever += 1
+        answer: LookupAnswer | None = None
+        lookup_ms = 0.0
+        if r.hashes:
+            # What a lookup may depend on has reached the daemon (module docstring).
+            await asyncio.gather(
+                *(
+                    d.link.wait_acked(timeout=60)
+                    for d in self.decodes
+                    if not d.down and d.link.acked < d.link.sequence
+                )
+            )
+            loop = asyncio.get_running_loop()
+            t = time.perf_counter()
+            answer = await loop.run_in_executor(self._executor, prefill.lookups.lookup, r.hashes, local)
+            lookup_ms = (time.perf_counter() - t) * 1000
+        pulled_blocks = 0
+        if answer is None:
+            path = "recompute" if r.hashes else "miss"
+            reason = "directory_unavailable" if r.hashes else "short_prompt"
+        else:
+            path, reason = path_name(answer.path), reason_name(answer.reason)
+            if answer.path == pb.TURN_PATH_TRANSFER:
+                pulled_blocks = max(0, answer.matched_blocks - local)
+        served = local + pulled_blocks
+        missed = max(0, ever - served)
+        missed_reason = ""
+        if missed:
+            if reason in _DAEMON_MISS_REASONS or answer is None:
+                missed_reason = reason
+            else:
+                missed_reason = self._gone.get(r.hashes[served], "other")
+        prompt = r.input_length
+        local_tokens = min(local * bs, prompt)
+        pulled_tokens = min(pulled_blocks * bs, prompt - local_tokens)
+        record = RequestRecord(
+            index=r.index,
+            t_ms=r.timestamp_ms,
+            prefill=prefill.worker_id,
+            decode="",
+            prompt_tokens=prompt,
+            local_tokens=local_tokens,
+            pulled_tokens=pulled_tokens,
+            recomputed_tokens=prompt - local_tokens - pulled_tokens,
+            path=path,
+            reason=reason,
+            missed_tokens=missed * bs,
+            missed_reason=missed_reason,
+            ever_held_tokens=ever * bs,
+            lookup_ms=lookup_ms,
+            holder=answer.holder.worker_id if answer is not None and answer.holder is not None else "",
+        )
+        self._cache_prompt(prefill, r.hashes)
+        decode = self._route_decode(record.holder)
+        record.decode = decode.worker_id
+        decode.active += 1
+        decode.inflight.add(r.index)
+        # The turn ends after its prefill and its answer; the cost of the prefill is the report's
+        # business, so only decoding places the end here.
+        self._schedule(r.timestamp_ms + r.output_length * cfg.decode_ms_per_token, "finish", decode, r)
+        return record
+
+    def _route_decode(self, holder: str) -> _Decode:
+        routing = self.config.routing
+        up = [d for d in self.decodes if not d.down]
+        if routing == "round_robin":
+            return up[next(self._rr_decode) % len(up)]
+        if routing == "random":
+            return self.rnd.choice(up)
+        # kvloop's proxy: the decode holding the conversation's blocks, else the least loaded.
+        if holder in self._by_id and not self._by_id[holder].down:
+            return self._by_id[holder]
+        return min(up, key=lambda d: (d.active, d.used))
+
+    def _cache_prompt(self, prefill: _Prefill, hashes: list[bytes]) -> None:
+        capacity = self.config.prefill_cache_blocks
+        if not capacity or not hashes:
+            return
+        cache, new = prefill.cache, []
+        # vLLM frees a request's blocks tail first, so the tail is evicted before the head.
+        for h in reversed(hashes):
+            if h not in cache:
+                new.append(h)
+            cache[h] = None
+            cache.move_to_end(h)
+        events: list[pb.BlockEvent] = []
+        evicted = []
+        while len(cache) > capacity:
+            evicted.append(cache.popitem(last=False)[0])
+        new.reverse()
+        new = [h for h in new if h in cache]
+        if new:
+            event = prefill.mirror.convert_vllm({"type": "BlockStored", "block_hashes": new})
+            if event is not None:
+                events.append(event)
+        if evicted:
+            event = prefill.mirror.convert_vllm({"type": "BlockRemoved", "block_hashes": evicted})
+            if event is not None:
+                events.append(event)
+        if events:
+            prefill.link.publish(events)
+
+    # ---- decode retention -----------------------------------------------------------------------
+
+    def _retain(self, decode: _Decode, r: TraceRequest, t_ms: float) -> None:
+        cfg = self.config
+        total_blocks = -(-r.held_tokens // cfg.block_size)
+        hashes = r.held
+        extra = max(0, total_blocks - len(hashes))
+        if not hashes:
+            return
+        need = sum(1 for h in dict.fromkeys(hashes) if h not in decode.refs) + extra
+        if need > cfg.retention_blocks:
+            decode.not_retained += 1
+            return
+        while decode.used + need > cfg.retention_blocks and decode.runs:
+            _, oldest = decode.runs.popitem(last=False)
+            if oldest.servable:
+                self._unserve(decode, oldest, "evicted")
+            self._free(decode, oldest, forget=False)
+            decode.evicted_runs += 1
+            need = sum(1 for h in dict.fromkeys(hashes) if h not in decode.refs) + extra
+        run = _Run(f"{decode.worker_id}/r{r.index}", list(hashes), extra)
+        for h in dict.fromkeys(hashes):
+            decode.refs[h] = decode.refs.get(h, 0) + 1
+        decode.extra += extra
+        decode.runs[run.handle] = run
+        decode.retained_runs += 1
+        ids = list(range(decode.next_block_id, decode.next_block_id + len(hashes)))
+        decode.next_block_id = (decode.next_block_id + len(hashes)) % cfg.retention_blocks
+        event = decode.mirror.convert_kvloop(
+            KvloopBlocksRetained(
+                block_hashes=hashes,
+                block_ids=[[i % cfg.retention_blocks for i in ids]],
+                retention_handle=run.handle,
+                lease_ms=_DAEMON_LEASE_MS,
+                single_use=False,
+                ts=time.time(),
+            )
+        )
+        servable_for = cfg.lease_s - cfg.expiry_margin_s
+        if event is not None and servable_for > 0:
+            self._publish(decode, [event])
+            for h in dict.fromkeys(hashes):
+                self._held[h] += 1
+                self._gone.pop(h, None)
+            self._schedule(t_ms + servable_for * 1000, "withdraw", decode, run)
+        else:
+            run.servable = False
+        self._schedule(t_ms + cfg.lease_s * 1000, "expire", decode, run)
+
+    def _unserve(self, decode: _Decode, run: _Run, why: str) -> None:
+        run.servable = False
+        event = decode.mirror.convert_kvloop(
+            KvloopRetentionReleased(retention_handle=run.handle, reason=why, ts=time.time())
+        )
+        if event is not None:
+            self._publish(decode, [event])
+        self._forget(run, why)
+
+    def _forget(self, run: _Run, why: str) -> None:
+        """Ground truth: the run no longer serves its blocks; a block nobody serves is gone for `why`."""
+        for h in dict.fromkeys(run.hashes):
+            left = self._held[h] - 1
+            if left:
+                self._held[h] = left
+            else:
+                del self._held[h]
+                self._gone[h] = why
+
+    def _free(self, decode: _Decode, run: _Run, forget: bool = True) -> None:
+        if run.freed:
+            return
+        run.freed = True
+        if forget:
+            decode.runs.pop(run.handle, None)
+        for h in dict.fromkeys(run.hashes):
+            left = decode.refs[h] - 1
+            if left:
+                decode.refs[h] = left
+            else:
+                del decode.refs[h]
+        decode.extra -= run.extra_blocks
+
+    def _publish(self, decode: _Decode, events: list[pb.BlockEvent]) -> None:
+        sent = time.perf_counter()
+        sequence = decode.link.publish(events)
+
+        async def lag() -> None:
+            await decode.link.wait_acked(sequence)
+            self._lags.append((time.perf_counter() - sent) * 1000)
+
+        task = asyncio.get_running_loop().create_task(lag())
+        decode.lag_tasks.add(task)
+        task.add_done_callback(decode.lag_tasks.discard)
+
+
+def _registration(worker: str, role: int, block_size: int, kv_bytes_per_block: int) -> pb.WorkerRegistration:
+    return pb.WorkerRegistration(
+        worker_id=worker,
+        role=role,
+        model=MODEL,
+        engine_id=worker,
+        nixl_endpoint="127.0.0.1:5600",
+        block_size=block_size,
+        hash_algorithm="sha256_cbor",
+        hash_length=32,
+        kv_bytes_per_block=kv_bytes_per_block,
+        kv_dtype="bfloat16",
+        parallel=pb.ParallelLayout(tensor_parallel_size=1),
+        epoch=random.getrandbits(63) | 1,
+    )
