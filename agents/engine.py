@@ -47,6 +47,9 @@ class EngineConfig:
     max_model_len: int = 16384
     max_num_batched_tokens: int = 16384
     kv_bytes_per_block: int = 0
+    # Sliding window per KV-cache group (0: full attention), for the agent's registration; empty: unknown.
+    kv_group_windows: list[int] = field(default_factory=list)
+    tensor_parallel_size: int = 1
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -121,7 +124,8 @@ class EngineConfig:
             "--prefix-caching-hash-algo",
             "sha256_cbor",
             "--distributed-executor-backend",
-            "uni",
+            # TP > 1 needs a worker process per rank
+            "uni" if self.tensor_parallel_size == 1 else "mp",
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
             "--kv-transfer-config",
@@ -131,6 +135,8 @@ class EngineConfig:
         ]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        if self.tensor_parallel_size != 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         env = {**os.environ, **self.env}
         otlp = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if otlp:
@@ -156,6 +162,11 @@ class EngineConfig:
                 "OTEL_SERVICE_NAME": f"vllm-{self.role}",
             }
         )
+        if self.tensor_parallel_size > 1:
+            # vLLM's CPU workers want a NUMA node per rank unless told which cores to bind.
+            cores = os.cpu_count() or 1
+            binding = "|".join(str(rank % cores) for rank in range(self.tensor_parallel_size))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
         env.update(self.env)
         return env
 
@@ -183,6 +194,10 @@ class EngineConfig:
             str(self.kv_bytes_per_block),
             "--kv-dtype",
             self.dtype,
+            "--tensor-parallel-size",
+            str(self.tensor_parallel_size),
+            "--kv-group-windows",
+            ",".join(str(w) for w in self.kv_group_windows),
             "--kv-events",
             f"tcp://127.0.0.1:{self.kv_events_port}",
             "--kv-events-replay",

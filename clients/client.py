@@ -118,6 +118,7 @@ class _ClientBase:
         parallel: pb.ParallelLayout | None = None,
         kv_dtype: str = "",
         kv_bytes_per_block: int = 0,
+        kv_group_windows: Sequence[int] = (),
         timeout: float | None = None,
     ) -> pb.LookupResponse:
         """Ask for the longest servable prefix.
@@ -140,6 +141,7 @@ class _ClientBase:
             parallel=parallel,
             kv_dtype=kv_dtype,
             kv_bytes_per_block=kv_bytes_per_block,
+            kv_group_windows=kv_group_windows,
         )
         if isinstance(block_hashes, (bytes, bytearray)):
             request.packed_block_hashes = bytes(block_hashes)

@@ -127,6 +127,7 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
         ),
         labels=dict(reg.labels),
         kv_dtype=reg.kv_dtype,
+        kv_group_windows=tuple(reg.kv_group_windows),
     )
 
 
@@ -146,6 +147,7 @@ def registration_of(spec: WorkerSpec) -> pb.WorkerRegistration:
         http_endpoint=spec.http_endpoint,
         labels=spec.labels,
         kv_dtype=spec.kv_dtype,
+        kv_group_windows=spec.kv_group_windows,
         parallel=pb.ParallelLayout(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=rank
         ),
@@ -297,7 +299,11 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
         min_pull_tokens=request.min_pull_tokens,
         lease_margin_s=request.lease_margin_ms / 1000.0,
         layout=KvLayout(
-            p.tensor_parallel_size, p.pipeline_parallel_size, request.kv_dtype, request.kv_bytes_per_block
+            p.tensor_parallel_size,
+            p.pipeline_parallel_size,
+            request.kv_dtype,
+            request.kv_bytes_per_block,
+            tuple(request.kv_group_windows),
         ),
     )
 

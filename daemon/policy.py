@@ -97,28 +97,35 @@ class _Pair:
 
 @dataclass(frozen=True, slots=True)
 class KvLayout:
-    """What decides whether one worker's KV can be READ into another's (0 / "": unknown)."""
+    """What decides whether one worker's KV can be READ into another's (0 / "" / (): unknown)."""
 
     tensor_parallel_size: int = 0
     pipeline_parallel_size: int = 0
     kv_dtype: str = ""
     kv_bytes_per_block: int = 0
+    # Sliding window in tokens of each KV-cache group, in vLLM's group order (0: full attention).
+    kv_group_windows: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, spec: WorkerSpec) -> KvLayout:
         tp, pp, _, _ = spec.parallel
-        return cls(tp, pp, spec.kv_dtype, spec.kv_bytes_per_block)
+        return cls(tp, pp, spec.kv_dtype, spec.kv_bytes_per_block, tuple(spec.kv_group_windows))
 
 
 def layout_mismatch(holder: KvLayout, puller: KvLayout) -> str | None:
     """Why vLLM's NIXL connector cannot READ the holder's KV into the puller (None: it can).
 
-    Its rules (vllm 0.32 ``TransferTopology.tp_ratio``): one TP size must divide the other; the
-    element types must agree. With equal TP sizes the bytes per block must agree too (a different
+    Its rules (vllm 0.32 ``TransferTopology.tp_ratio`` and the NIXL worker's handshake checks): one TP
+    size must divide the other; the element types must agree; the KV-cache groups must be the same
+    ones (a block id is read into the same group on the other side, and a sliding-window group only
+    holds its window). With equal TP sizes the bytes per block must agree too (a different
     model or KV layout); across TP sizes a rank holds a share of the heads, so they are not compared.
     """
     if holder.kv_dtype and puller.kv_dtype and holder.kv_dtype != puller.kv_dtype:
         return f"KV dtype {holder.kv_dtype} cannot be read into {puller.kv_dtype}"
+    hg, pg = holder.kv_group_windows, puller.kv_group_windows
+    if hg and pg and hg != pg:
+        return f"KV-cache groups differ (sliding windows {list(hg)} on the holder, {list(pg)} on the puller)"
     htp, ptp = holder.tensor_parallel_size, puller.tensor_parallel_size
     if htp and ptp and max(htp, ptp) % min(htp, ptp):
         return f"tensor-parallel sizes {htp} (holder) and {ptp} (puller) do not divide each other"

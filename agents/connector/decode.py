@@ -22,6 +22,24 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+# vLLM's null block (``BlockPool.null_block``, never a real KV block): in a retained run's group it
+# marks a position whose KV the holder no longer has (out of a sliding window).
+NULL_BLOCK = 0
+
+
+def aligned(groups: Any, num_blocks: int | None) -> list[list[int]]:
+    """Each group's block ids by position: entry i is block i's id, NULL_BLOCK where not held.
+
+    vLLM retains a finished request's blocks clipped per group (``get_exchange_clipped_blocks``): a
+    full-attention group keeps every block, a sliding-window group only its last ones (the window,
+    plus one), since the engine freed the rest while decoding. Clipped lists end at the request's
+    last block, so they are right-aligned onto ``num_blocks`` positions (the longest list when
+    unknown)."""
+    lists = [list(g) for g in groups]
+    total = max([len(g) for g in lists] + [num_blocks or 0])
+    return [[NULL_BLOCK] * (total - len(g)) + g for g in lists]
+
+
 @dataclass
 class _Retained:
     deadline: float  # perf_counter
@@ -37,10 +55,13 @@ class DecodeSide:
         # For the worker: runs announced this step that it keeps until their lease ends.
         self.multi_reader_new: set[str] = set()
 
-    def announce(self, request: Request, out: dict[str, Any], default_ttl_s: float) -> None:
-        """``out`` is vLLM's returned kv_transfer_params for a finished request it retains."""
+    def announce(
+        self, request: Request, out: dict[str, Any], default_ttl_s: float, num_blocks: int | None = None
+    ) -> None:
+        """``out`` is vLLM's returned kv_transfer_params for a finished request it retains;
+        ``num_blocks`` the request's block count before vLLM clipped its groups (see :func:`aligned`)."""
         bs = self.block_size
-        groups = [list(g) for g in out["remote_block_ids"]]
+        groups = aligned(out["remote_block_ids"], num_blocks)
         n = min([len(request.block_hashes), request.num_computed_tokens // bs] + [len(g) for g in groups])
         rid = request.request_id
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
@@ -53,7 +74,7 @@ class DecodeSide:
         lease_ms = max(0, int((deadline - time.perf_counter()) * 1000))
         # The last sampled token never went through the model: KV exists for the tokens before it.
         with_kv = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
-        has_tail = n == with_kv // bs and all(len(g) > n for g in groups)
+        has_tail = n == with_kv // bs and all(len(g) > n and g[n] != NULL_BLOCK for g in groups)
         tail = list(request.all_token_ids[n * bs : with_kv]) if has_tail else []
         self._emit(
             KvloopBlocksRetained(

@@ -57,6 +57,7 @@ class PullerConstraints:
     tensor_parallel_size: int
     kv_dtype: str
     kv_bytes_per_block: int
+    kv_group_windows: tuple[int, ...] = ()
 
 
 def holder_from_proto(h: pb.Holder) -> HolderInfo:
@@ -151,6 +152,7 @@ class DirectoryLookups:
                 parallel=pb.ParallelLayout(tensor_parallel_size=c.tensor_parallel_size),
                 kv_dtype=c.kv_dtype,
                 kv_bytes_per_block=c.kv_bytes_per_block,
+                kv_group_windows=c.kv_group_windows,
             )
         except KvloopError as e:
             self._down_until = time.monotonic() + self.backoff_s

@@ -9,7 +9,7 @@ the proto's enums, named by :mod:`kvloop.common.outcomes`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvloop.agents.connector import telemetry as tm
@@ -30,6 +30,8 @@ class Outcome:
     local_tokens: int = 0
     recompute_tokens: int = 0
     bytes: int = 0
+    # Bytes pulled per KV-cache group (a sliding-window group moves only its window's blocks).
+    group_bytes: list[int] = field(default_factory=list)
     holder: str = ""
     holder_http: str = ""  # the holder's OpenAI endpoint: where the conversation's KV lives
     lookup_ms: float = 0.0
@@ -46,6 +48,7 @@ class Outcome:
             "local_tokens": self.local_tokens,
             "recompute_tokens": self.recompute_tokens,
             "bytes": self.bytes,
+            "group_bytes": list(self.group_bytes),
             "holder": self.holder,
             "holder_http": self.holder_http,
             "lookup_ms": round(self.lookup_ms, 3),

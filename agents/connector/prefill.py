@@ -11,7 +11,7 @@ peer frees blocks nobody read. The READ itself starts in the worker
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.decode import NULL_BLOCK
 from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer
 from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
 from kvloop.agents.connector.metadata import ReadTiming
@@ -75,8 +76,14 @@ class PrefillSide:
         kv_bytes_per_block: int,
         transfer_tp_size: int,
         emit: Callable[[Any], None],
+        group_windows: Sequence[int] = (0,),
+        group_bytes_per_block: Sequence[int] = (),
     ) -> None:
         self.cfg = cfg
+        # Per KV-cache group: its sliding window in tokens (0: full attention), and the bytes one
+        # block of it occupies over its layers.
+        self.group_windows = tuple(group_windows)
+        self.group_bytes_per_block = tuple(group_bytes_per_block) or (kv_bytes_per_block,)
         self.directory = directory
         self.block_size = block_size
         self.kv_bytes_per_block = kv_bytes_per_block
@@ -194,14 +201,17 @@ class PrefillSide:
         else:
             tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
         if answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
+            detail_before = outcome.detail
             count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
+            unservable = outcome.detail != detail_before
             if count:
                 self._pulls[request.request_id] = _Pull(
                     span, outcome, answer.holder, request.num_prompt_tokens, started, answered
                 )
                 return count, is_async
             outcome.path, outcome.reason = pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_ENGINE_DECLINED
-            outcome.detail = f"vLLM declined a pull of {outcome.matched_tokens} tokens"
+            if not unservable:
+                outcome.detail = f"vLLM declined a pull of {outcome.matched_tokens} tokens"
             if answer.holder.single_use:
                 self._pool.submit(self.directory.release_claim, answer.holder)
         outcome.recompute_tokens = max(0, request.num_prompt_tokens - num_computed_tokens)
@@ -225,10 +235,12 @@ class PrefillSide:
         m = answer.matched_blocks
         tail = self._usable_tail(request, h, m)
         outcome.matched_tokens = min(m * self.block_size + tail, request.num_prompt_tokens)
+        groups = self._remote_groups(h, m, tail, num_computed_tokens)
+        if isinstance(groups, str):
+            outcome.detail = groups
+            return 0, False
         params.update(
-            remote_block_ids=tuple(
-                list(g[:m]) + ([h.tail_block_ids[i]] if tail else []) for i, g in enumerate(h.block_ids)
-            ),
+            remote_block_ids=groups,
             remote_engine_id=h.engine_id,
             remote_request_id=h.retention_handle,
             remote_host=h.host,
@@ -245,6 +257,49 @@ class PrefillSide:
                 params.pop(k, None)
         return count, is_async
 
+    def _remote_groups(
+        self, holder: HolderInfo, matched_blocks: int, tail: int, num_computed_tokens: int
+    ) -> tuple[list[int], ...] | str:
+        """The holder's blocks to READ per KV-cache group for a pull of ``matched_blocks`` blocks plus
+        ``tail`` tokens of its partly filled last block (or why none can be read).
+
+        vLLM's rules, per group (``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` and
+        ``get_exchange_clipped_blocks``): a full-attention group needs every block past the local
+        prefix; a sliding-window group of w tokens needs only the blocks holding the last w - 1
+        tokens before the pull's end (this engine allocates nothing for earlier ones), and the holder
+        keeps only such a window of its run. The READ end-trims each remote list to the blocks
+        allocated here, so each list ends at the pull's last block."""
+        bs = self.block_size
+        end_tokens = matched_blocks * bs + tail
+        end = -(-end_tokens // bs)
+        local = num_computed_tokens // bs
+        if len(holder.block_ids) != len(self.group_windows):
+            theirs, mine = len(holder.block_ids), len(self.group_windows)
+            return f"the holder has {theirs} KV-cache groups, this engine {mine}"
+        out: list[list[int]] = []
+        for g, (ids, window) in enumerate(zip(holder.block_ids, self.group_windows, strict=True)):
+            by_position = list(ids[:matched_blocks]) + ([holder.tail_block_ids[g]] if tail else [])
+            first = max(local, (end_tokens - window + 1) // bs if window else 0, 0)
+            needed = by_position[first:end]
+            if NULL_BLOCK in needed:
+                return (
+                    f"KV-cache group {g} (sliding window {window}) needs blocks {first}-{end - 1}; "
+                    f"the holder keeps only the window at its run's end"
+                )
+            out.append(needed if window else by_position)
+        return tuple(out)
+
+    def group_bytes(self, pulled_tokens: int, local_tokens: int) -> list[int]:
+        """Bytes a pull of ``pulled_tokens`` past ``local_tokens`` moves, per KV-cache group."""
+        bs = self.block_size
+        end_tokens = local_tokens + pulled_tokens
+        end, local = -(-end_tokens // bs), local_tokens // bs
+        out = []
+        for window, nbytes in zip(self.group_windows, self.group_bytes_per_block, strict=False):
+            first = max(local, (end_tokens - window + 1) // bs if window else 0)
+            out.append(max(0, end - first) * nbytes if pulled_tokens else 0)
+        return out
+
     def _usable_tail(self, request: Request, holder: HolderInfo, matched_blocks: int) -> int:
         """Tokens of the holder's partly filled last block this prompt can pull as well.
 
@@ -256,7 +311,11 @@ class PrefillSide:
         sample from)."""
         tail = holder.tail_token_ids
         start = matched_blocks * self.block_size
-        if not tail or len(holder.tail_block_ids) != len(holder.block_ids):
+        if (
+            not tail
+            or len(holder.tail_block_ids) != len(holder.block_ids)
+            or NULL_BLOCK in holder.tail_block_ids
+        ):
             return 0
         prompt = request.prompt_token_ids or []
         limit = min(len(tail), request.num_prompt_tokens - 1 - start)
@@ -288,7 +347,8 @@ class PrefillSide:
             outcome.path, outcome.reason = pb.TURN_PATH_FAILED, pb.DECISION_REASON_READ_FAILED
             outcome.pulled_tokens = 0
         blocks = -(-outcome.pulled_tokens // self.block_size)
-        outcome.bytes = blocks * self.kv_bytes_per_block
+        outcome.group_bytes = self.group_bytes(outcome.pulled_tokens, outcome.local_tokens)
+        outcome.bytes = sum(outcome.group_bytes)
         outcome.recompute_tokens = pull.prompt_tokens - outcome.local_tokens - outcome.pulled_tokens
         outcome.pull_ms = (done - pull.started) * 1000
         first_contact = pull.holder.engine_id not in self._holders_read

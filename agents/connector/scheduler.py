@@ -36,10 +36,19 @@ if TYPE_CHECKING:
 
 def kv_bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     """Bytes one logical block occupies over all layers of all KV-cache groups on this worker."""
-    total = 0
-    for group in kv_cache_config.kv_cache_groups:
-        total += group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-    return total
+    return sum(group_bytes_per_block(kv_cache_config))
+
+
+def group_windows(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Each KV-cache group's sliding window in tokens (0: full attention), in vLLM's group order."""
+    return [
+        int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in kv_cache_config.transfer_groups
+    ]
+
+
+def group_bytes_per_block(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Bytes one block of each KV-cache group occupies over the group's layers on this worker."""
+    return [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.transfer_groups]
 
 
 def kv_dtype_name(kv_cache_config: KVCacheConfig) -> str:
@@ -77,6 +86,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 tensor_parallel_size=self.transfer_tp_size,
                 kv_dtype=kv_dtype_name(kv_cache_config),
                 kv_bytes_per_block=kv_bytes,
+                kv_group_windows=tuple(group_windows(kv_cache_config)),
             )
             directory = DirectoryLookups(
                 cfg.daemon,
@@ -86,7 +96,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 traced=traced,
             )
             self.prefill = PrefillSide(
-                cfg, directory, self.block_size, kv_bytes, self.transfer_tp_size, self._events.append
+                cfg,
+                directory,
+                self.block_size,
+                kv_bytes,
+                self.transfer_tp_size,
+                self._events.append,
+                group_windows(kv_cache_config),
+                group_bytes_per_block(kv_cache_config),
             )
         tm.log.info(
             "kvloop.scheduler_init",
@@ -129,7 +146,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             and self.is_bidirectional_kv_xfer_enabled
         ):
             # this engine holds the finished request's blocks for a reverse pull
-            self.decode.announce(request, out, self.decoder_kv_blocks_ttl)
+            self.decode.announce(
+                request, out, self.decoder_kv_blocks_ttl, max((len(g) for g in block_ids), default=0)
+            )
         return delay, out
 
     def parked_until(self, request_id: str) -> float | None:

@@ -38,6 +38,9 @@ class AgentSettings(BaseSettings):
     # with holders whose KV it can read. "" / 0: unknown (not checked).
     kv_dtype: str = ""
     tensor_parallel_size: int = Field(1, ge=1)
+    # Sliding window in tokens of each KV-cache group in vLLM's order (0: full attention); empty:
+    # unknown. A hybrid model (e.g. Gemma 3) has several groups.
+    kv_group_windows: list[int] = Field(default_factory=list)
     # vLLM's kv_events_config endpoint (PUB) and replay_endpoint (ROUTER), as the agent connects.
     kv_events: str = "tcp://127.0.0.1:5557"
     kv_events_replay: str | None = "tcp://127.0.0.1:5558"

@@ -55,6 +55,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         kv_bytes_per_block=settings.kv_bytes_per_block,
         kv_dtype=settings.kv_dtype,
         parallel=pb.ParallelLayout(tensor_parallel_size=settings.tensor_parallel_size),
+        kv_group_windows=settings.kv_group_windows,
         epoch=random.getrandbits(63) | 1,
         labels={"agent_pid": str(os.getpid())},
     )
@@ -188,6 +189,10 @@ def run(
     kv_bytes_per_block: Annotated[Optional[int], typer.Option(help="KV bytes per block, all layers")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option(help="KV-cache element type, e.g. bfloat16")] = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option(help="the engine's TP size")] = None,
+    kv_group_windows: Annotated[
+        Optional[str],
+        typer.Option(help="sliding window per KV-cache group, comma-separated, 0 = full attention"),
+    ] = None,
     kv_events: Annotated[Optional[str], typer.Option(help="vLLM KV-event PUB endpoint")] = None,
     kv_events_replay: Annotated[Optional[str], typer.Option(help="vLLM KV-event replay endpoint")] = None,
     health_listen: Annotated[
@@ -218,6 +223,9 @@ def run(
         kv_bytes_per_block=kv_bytes_per_block,
         kv_dtype=kv_dtype,
         tensor_parallel_size=tensor_parallel_size,
+        kv_group_windows=[int(w) for w in kv_group_windows.split(",") if w.strip()]
+        if kv_group_windows is not None
+        else None,
         kv_events=kv_events,
         kv_events_replay=kv_events_replay,
         health_listen=health_listen,

@@ -56,6 +56,11 @@ class WorkerMirror:
         """vLLM's own BlockStored / BlockRemoved / AllBlocksCleared (raw msgpack maps)."""
         kind = event.get("type")
         lora = event.get("lora_name") or ""
+        if kind in ("BlockStored", "BlockRemoved") and not event.get("block_hashes"):
+            # A hybrid model's sliding-window group publishes events of no block at all; the
+            # directory refuses an event that names none, and it says nothing anyway.
+            SKIPPED.labels("no_blocks").inc()
+            return None
         if kind == "BlockStored":
             hashes = self._hashes(event.get("block_hashes", []))
             if hashes is None:

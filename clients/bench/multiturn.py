@@ -29,14 +29,19 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvloop.clients.demo.model import WORDS, build_tiny_llama
+from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
     from kvloop.clients.demo.stack import Stack
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
-WORKLOADS = ("plain", "shared_prefix", "edited")
+# reasoning: every answer is the model's thinking plus a short visible answer, and the chat template
+# drops earlier turns' thinking (REASONING_CHAT_TEMPLATE): the next prompt departs from the decode's
+# retained run where its thinking began.
+WORKLOADS = ("plain", "shared_prefix", "edited", "reasoning")
+# What runs when no --workload is given.
+DEFAULT_WORKLOADS = ("plain", "shared_prefix", "edited")
 # The ideal reference arm: its prefill keeps its own prefix cache (no disaggregation, no cache loss).
 FLOOR_ARM = "local"
 MODEL = "kvloop-tiny"
@@ -53,11 +58,13 @@ class MultiturnConfig:
     sessions: int = 4
     turns: int = 10
     concurrency: tuple[int, ...] = (1, 4, 8)
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
     arms: tuple[str, ...] = ARMS
     system_tokens: int = 1500
     tool_tokens: int = 600
     answer_tokens: int = 16
+    # reasoning workload: tokens the decode generates per turn (all of it thinking the template drops)
+    thinking_tokens: int = 128
     repeats: int = 1
     prefill_prefix_caching: bool = False
     hidden_size: int = 384
@@ -171,6 +178,10 @@ def session_seed_base(seed: int, workload: str, concurrency: int, repeat: int) -
 
 def next_turn_messages(session: Session, answer: str, turn: int, workload: str, tool_tokens: int) -> None:
     rnd = random.Random(session.seed * 100 + turn)
+    if workload == "reasoning":
+        # The generated text is the turn's thinking; the visible answer follows it. The template
+        # renders only the visible part on later turns.
+        answer = f"<think>{answer}</think> Answer: {Session.words(12, rnd)}"
     session.messages.append({"role": "assistant", "content": answer})
     session.messages.append({"role": "user", "content": "Tool output: " + Session.words(tool_tokens, rnd)})
     if workload == "edited" and turn % 2 == 0 and len(session.messages) > 4:
@@ -435,14 +446,15 @@ def run_workload(
             # shared_prefix: the arriving conversation's first turn runs alone, then the others together,
             # so its TTFT shows what its shared prefix saves rather than the other sessions' load.
             arriving = sessions[-1:] if stagger and turn - 1 in active and turn > 1 else []
-            results = [client.turn(s, config.answer_tokens) for s in arriving]
+            max_tokens = config.thinking_tokens if workload == "reasoning" else config.answer_tokens
+            results = [client.turn(s, max_tokens) for s in arriving]
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 results = (
                     list(
                         pool.map(
                             client.turn,
                             sessions[: len(sessions) - len(arriving)],
-                            [config.answer_tokens] * concurrency,
+                            [max_tokens] * concurrency,
                         )
                     )
                     + results
@@ -804,7 +816,12 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     from kvloop.clients.demo.stack import Stack, StackConfig
 
     config.workdir.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_llama(config.workdir / "model", hidden_size=config.hidden_size, layers=config.layers)
+    model = build_tiny_llama(
+        config.workdir / "model",
+        hidden_size=config.hidden_size,
+        layers=config.layers,
+        chat_template=REASONING_CHAT_TEMPLATE,  # renders other workloads' prompts as the plain one
+    )
     stacks = {}
     started = time.monotonic()
     try:

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,7 +14,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
-from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, WORKLOADS
+from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, DEFAULT_WORKLOADS, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
@@ -774,7 +775,8 @@ def bench_multiturn(
     sessions_turns: Annotated[int, typer.Option("--turns", min=2, help="turns per session")] = 10,
     concurrency: Annotated[list[int] | None, typer.Option(help="concurrent sessions (repeatable)")] = None,
     workload: Annotated[
-        list[str] | None, typer.Option(help="plain, shared_prefix, edited (repeatable)")
+        list[str] | None,
+        typer.Option(help="plain, shared_prefix, edited, reasoning (repeatable; default: all but reasoning)"),
     ] = None,
     arm: Annotated[
         list[str] | None,
@@ -816,7 +818,7 @@ def bench_multiturn(
     if arm is None:
         arm = list(ARMS)
     if workload is None:
-        workload = list(WORKLOADS)
+        workload = list(DEFAULT_WORKLOADS)
     if concurrency is None:
         concurrency = [1, 4, 8]
     if dtype not in DTYPE_BYTES:
@@ -1038,9 +1040,10 @@ def engine(
         prefix_caching=prefix_caching,
     )
     if Path(model).is_dir():
-        from kvloop.clients.demo.model import kv_bytes_per_block
+        from kvloop.clients.demo.model import kv_bytes_per_block, kv_group_windows
 
         config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
+        config.kv_group_windows = kv_group_windows(Path(model))
     children = supervisor()
     worker = Engine(config, Path(".kvloop-engine-logs") / worker_id, children)
     with children.stop_on_signals():
@@ -1076,6 +1079,11 @@ def engine(
             raise
 
 
+class DemoModel(StrEnum):
+    llama = "llama"
+    hybrid = "hybrid"
+
+
 @app.command()
 def demo(
     turns: Annotated[int, typer.Option(min=2, help="conversation turns")] = 6,
@@ -1083,6 +1091,13 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="model, logs and spans go here")] = Path(".kvloop-demo"),
     hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
     layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
+    model: Annotated[
+        DemoModel,
+        typer.Option(help="llama, or hybrid: a Gemma-3-like model, sliding-window + full attention layers"),
+    ] = DemoModel.llama,
+    decode_tp: Annotated[
+        int, typer.Option(min=1, help="tensor-parallel size of the decode (a worker process per rank)")
+    ] = 1,
     keep_running: Annotated[
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
@@ -1099,7 +1114,15 @@ def demo(
     with supervisor().stop_on_signals():
         try:
             code = run_demo(
-                workdir.resolve(), turns, max_tokens, state.json, hidden_size, layers, keep_running
+                workdir.resolve(),
+                turns,
+                max_tokens,
+                state.json,
+                hidden_size,
+                layers,
+                keep_running,
+                model.value,
+                decode_tp,
             )
         except EngineStartError as exc:
             _fail(str(exc))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvloop.clients.demo.model import random_text
 
@@ -30,9 +30,19 @@ class TurnResult:
     decode_server: str
     detail: str = ""  # the directory's why, with its cost estimates
     trace_id: str = ""  # the turn's W3C trace id (the proxy's span), for `kvloop trace --trace-id`
+    # Bytes pulled per KV-cache group (a hybrid model's sliding-window group moves only its window).
+    bytes_per_group: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def _header_ints(headers, name: str) -> list[int]:
+    try:
+        values = json.loads(headers.get(name, "[]"))
+    except ValueError:
+        return []
+    return [int(v) for v in values] if isinstance(values, list) else []
 
 
 def _header_int(headers, name: str) -> int:
@@ -92,6 +102,7 @@ def chat_turn(
         decode_server=headers.get("x-kvloop-decode", ""),
         detail=headers.get("x-kvloop-detail", ""),
         trace_id=headers.get("x-kvloop-trace-id", ""),
+        bytes_per_group=_header_ints(headers, "x-kvloop-group-bytes"),
     )
 
 

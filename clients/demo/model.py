@@ -1,4 +1,5 @@
-"""A tiny random-weight Llama built locally (no model can be downloaded here).
+"""Tiny random-weight models built locally (no model can be downloaded here): a Llama and a
+Gemma-3-like hybrid (sliding-window + full attention).
 
 A byte-level BPE tokenizer trained on a made-up corpus, with a chat template so the OpenAI chat
 endpoint works, and `transformers.LlamaConfig` weights saved in bf16. Greedy output is
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 WORDS = [
     "kv",
@@ -64,34 +67,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
 )
 
+# As Qwen3's template does, an earlier assistant turn is rendered without its thinking: only what
+# follows the last "</think>". The next prompt then departs from what the decode generated (and
+# retained) where the thinking began, well before the end of the retained run.
+REASONING_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: "
+    "{% if m['role'] == 'assistant' and '</think>' in m['content'] %}"
+    "{{ m['content'].split('</think>')[-1].lstrip() }}"
+    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
-def build_tiny_llama(
-    out: Path,
-    *,
-    hidden_size: int = 384,
-    layers: int = 4,
-    heads: int = 6,
-    intermediate_size: int = 1024,
-    vocab_size: int = 1024,
-    seed: int = 0,
-) -> Path:
-    """Write a model directory vLLM can serve; returns it. Reuses an existing build."""
-    import torch
+
+def _save_tokenizer(out: Path, vocab_size: int, seed: int, chat_template: str = CHAT_TEMPLATE) -> None:
+    """A byte-level BPE tokenizer trained on a made-up corpus of WORDS, saved to ``out``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    marker = out / "kvloop-tiny.json"
-    spec = {
-        "hidden_size": hidden_size,
-        "layers": layers,
-        "heads": heads,
-        "intermediate_size": intermediate_size,
-        "vocab_size": vocab_size,
-        "seed": seed,
-    }
-    if marker.exists() and json.loads(marker.read_text()) == spec:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(seed)
     corpus = [" ".join(rnd.choice(WORDS) for _ in range(40)) for _ in range(2000)]
     tokenizer = Tokenizer(models.BPE(unk_token=None))
@@ -104,8 +96,50 @@ def build_tiny_llama(
     )
     tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out)
+
+
+def _build(out: Path, spec: dict[str, Any], make_model: Callable[[], Any]) -> Path:
+    """Reuse ``out`` when it was built from ``spec``; else tokenizer + ``make_model()`` saved there."""
+    import torch
+
+    marker = out / "kvloop-tiny.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    _save_tokenizer(out, spec["vocab_size"], spec["seed"], spec.get("chat_template", CHAT_TEMPLATE))
+    torch.manual_seed(spec["seed"])
+    # transformers wraps PreTrainedModel.to in a decorator its stubs type wrongly
+    make_model().to(torch.bfloat16).save_pretrained(out)
+    marker.write_text(json.dumps(spec))
+    return out
+
+
+def build_tiny_llama(
+    out: Path,
+    *,
+    hidden_size: int = 384,
+    layers: int = 4,
+    heads: int = 6,
+    intermediate_size: int = 1024,
+    vocab_size: int = 1024,
+    seed: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
+    """Write a model directory vLLM can serve; returns it. Reuses an existing build."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec: dict[str, object] = {
+        "hidden_size": hidden_size,
+        "layers": layers,
+        "heads": heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "seed": seed,
+    }
+    if chat_template != CHAT_TEMPLATE:
+        spec["chat_template"] = chat_template
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -118,11 +152,65 @@ def build_tiny_llama(
         eos_token_id=1,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    # transformers wraps PreTrainedModel.to in a decorator its stubs type wrongly
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)  # type: ignore[arg-type]
-    marker.write_text(json.dumps(spec))
-    return out
+    return _build(out, spec, lambda: LlamaForCausalLM(config))
+
+
+# Sliding window of the tiny hybrid model, in tokens: 4 blocks of 32, so a conversation of a few
+# hundred tokens already leaves most of its sliding-window KV outside the window.
+HYBRID_SLIDING_WINDOW = 128
+
+
+def build_tiny_hybrid(
+    out: Path,
+    *,
+    hidden_size: int = 384,
+    layers: int = 4,
+    heads: int = 6,
+    intermediate_size: int = 1024,
+    vocab_size: int = 1024,
+    sliding_window: int = HYBRID_SLIDING_WINDOW,
+    seed: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
+) -> Path:
+    """A tiny random-weight Gemma-3-like model: sliding-window and full-attention layers alternate
+    (as many of each, so vLLM's hybrid KV-cache allocator gives two KV-cache groups of equal
+    page size: one sliding-window, one full attention)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    spec: dict[str, object] = {
+        "arch": "gemma3",
+        "hidden_size": hidden_size,
+        "layers": layers,
+        "heads": heads,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+        "sliding_window": sliding_window,
+        "seed": seed,
+    }
+    if chat_template != CHAT_TEMPLATE:
+        spec["chat_template"] = chat_template
+    head_dim = hidden_size // heads
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        max_position_embeddings=32768,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        tie_word_embeddings=True,
+    )
+    return _build(out, spec, lambda: Gemma3ForCausalLM(config))
+
+
+MODEL_BUILDERS = {"llama": build_tiny_llama, "hybrid": build_tiny_hybrid}
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -135,6 +223,20 @@ def kv_bytes_per_block(model_dir: Path, block_size: int, dtype_bytes: int = 2) -
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
+
+
+def kv_group_windows(model_dir: Path) -> list[int]:
+    """Each KV-cache group's sliding window (0: full attention) as vLLM 0.32's hybrid allocator forms
+    them from the model's config.json: with sliding-window and full-attention layers in equal numbers,
+    the sliding-window group first (checked by tests/engines/test_hybrid.py)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    window = config.get("sliding_window") or 0
+    kinds = set(config.get("layer_types") or [])
+    if window and kinds == {"sliding_attention", "full_attention"}:
+        return [window, 0]
+    if window and kinds <= {"sliding_attention"} and config.get("use_sliding_window", True):
+        return [window]
+    return [0]
 
 
 def random_text(words: int, seed: int) -> str:

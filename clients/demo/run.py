@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvloop.clients.console import make_console
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.demo.model import build_tiny_llama
+from kvloop.clients.demo.model import MODEL_BUILDERS
 from kvloop.clients.demo.stack import Stack, StackConfig
 from kvloop.common.processes import Terminated
 
@@ -25,6 +25,8 @@ def run_demo(
     hidden_size: int,
     layers: int,
     keep_running: bool = False,
+    model: str = "llama",
+    decode_tp: int = 1,
 ) -> int:
     console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -38,12 +40,13 @@ def run_demo(
             f"[dim]{time.monotonic() - started:6.1f}s[/dim] [bold]{what}[/bold]: {state}", highlight=False
         )
 
+    kind = {"llama": "Llama", "hybrid": "Gemma-3-like hybrid (sliding-window + full attention)"}[model]
     progress(
         "model",
-        f"building a random-weight Llama (hidden {hidden_size}, {layers} layers) in {workdir / 'model'}",
+        f"building a random-weight {kind} (hidden {hidden_size}, {layers} layers) in {workdir / model}",
     )
-    model_dir = build_tiny_llama(workdir / "model", hidden_size=hidden_size, layers=layers)
-    stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file))
+    model_dir = MODEL_BUILDERS[model](workdir / model, hidden_size=hidden_size, layers=layers)
+    stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file, decode_tp=decode_tp))
     results = []
     try:
         stack.start(progress)

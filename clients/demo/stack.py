@@ -39,6 +39,7 @@ class StackConfig:
     start_timeout_s: float = 240.0
     # The benchmark talks to the engines directly; a proxy would only take CPU from them.
     with_proxy: bool = True
+    decode_tp: int = 1  # tensor-parallel size of the decode servers
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Stack:
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             client.wait_ready(30)
         progress("kvloopd", f"ready on {self.daemon_address}")
-        from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block
+        from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
 
         bytes_per_block = kv_bytes_per_block(
             cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
@@ -122,7 +123,9 @@ class Stack:
                         dtype=cfg.dtype,
                         kv_cache_gib=cfg.kv_cache_gib,
                         retention_ttl_s=cfg.retention_ttl_s,
-                        kv_bytes_per_block=bytes_per_block,
+                        kv_bytes_per_block=bytes_per_block // (cfg.decode_tp if role == "decode" else 1),
+                        tensor_parallel_size=cfg.decode_tp if role == "decode" else 1,
+                        kv_group_windows=kv_group_windows(cfg.model_dir),
                         agent_health_port=free_port(),
                         prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
                         mode=cfg.mode,

@@ -40,6 +40,7 @@ class WorkerSpec:
     parallel: tuple[int, int, int, int] = (1, 1, 1, 0)
     labels: dict[str, str] = field(default_factory=dict)
     kv_dtype: str = ""  # empty: unknown
+    kv_group_windows: tuple[int, ...] = ()  # per KV-cache group, 0 = full attention; empty: unknown
 
 
 @dataclass(slots=True)

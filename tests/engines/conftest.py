@@ -63,6 +63,9 @@ class KvloopStack:
     port: int
     ev_port: int
     side_channel_port: int
+    model: str = MODEL
+    kv_bytes_per_block: int = KV_BYTES_PER_BLOCK
+    decode_tp: int = 1
     daemon: DaemonProcess | None = None
     daemon_env: dict[str, str] = field(default_factory=dict)
     agent: subprocess.Popen | None = None
@@ -121,7 +124,7 @@ class KvloopStack:
                 "--role",
                 "decode",
                 "--model",
-                MODEL,
+                self.model,
                 "--engine-id",
                 DECODE_WORKER,
                 "--nixl-endpoint",
@@ -129,7 +132,9 @@ class KvloopStack:
                 "--block-size",
                 str(BS),
                 "--kv-bytes-per-block",
-                str(KV_BYTES_PER_BLOCK),
+                str(self.kv_bytes_per_block),
+                "--tensor-parallel-size",
+                str(self.decode_tp),
                 "--kv-events",
                 f"tcp://127.0.0.1:{self.ev_port}",
                 "--kv-events-replay",
@@ -157,7 +162,7 @@ class KvloopStack:
             try:
                 return any(
                     w.registration.worker_id == DECODE_WORKER and w.connected
-                    for w in self.client.list_workers(MODEL)
+                    for w in self.client.list_workers(self.model)
                 )
             except Exception:
                 return False
@@ -169,7 +174,7 @@ class KvloopStack:
     def locations(self, block_hash: bytes, kind: str | None = None, handle: str | None = None) -> list:
         return [
             loc
-            for loc in self.client.find_block(MODEL, block_hash)
+            for loc in self.client.find_block(self.model, block_hash)
             if (kind is None or loc.kind == kind) and (handle is None or loc.retention_handle == handle)
         ]
 
@@ -235,18 +240,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-@pytest.fixture(scope="session")
-def engines(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp_receiver
-) -> Iterator[EnginePair]:
-    if not HAVE_ENGINES:
-        pytest.skip("vLLM CPU build / NIXL not installed")
+def start_pair(
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    otlp_endpoint: str,
+    model: str = MODEL,
+    kv_bytes_per_block: int = KV_BYTES_PER_BLOCK,
+    decode_tp: int = 1,
+) -> EnginePair:
+    """kvloopd, a decode engine with its kvloop-agent and a prefill engine, all serving ``model_dir``."""
     from engine_harness import EngineHandle, EngineSpec
 
     # Same hash seed everywhere (sha256_cbor hashes are seeded by PYTHONHASHSEED's NONE_HASH).
     os.environ["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED", "0")
     ev_port = free_port_pair()  # the replay endpoint is ev_port + 1
-    kvloop = KvloopStack(tmp_path_factory.mktemp("kvloop"), free_port(), ev_port, free_port())
+    kvloop = KvloopStack(
+        tmp_path_factory.mktemp("kvloop"),
+        free_port(),
+        ev_port,
+        free_port(),
+        model,
+        kv_bytes_per_block,
+        decode_tp,
+    )
     kvloop.start_daemon()
     common = {
         "kvloop_retention_ttl_s": RETENTION_TTL_S,
@@ -257,25 +273,29 @@ def engines(
     decode = EngineHandle(
         EngineSpec(
             "decode",
-            str(tiny_model),
+            str(model_dir),
             kvloop.side_channel_port,
             DECODE_WORKER,
             {**common, "kvloop_worker_id": DECODE_WORKER},
             kv_events_endpoint=f"tcp://*:{ev_port}",
             kv_events_replay_endpoint=f"tcp://*:{ev_port + 1}",
-            otlp_endpoint=otlp_receiver.endpoint,
-        )
+            otlp_endpoint=otlp_endpoint,
+            tensor_parallel_size=decode_tp,
+            executor="mp" if decode_tp > 1 else "uni",
+            multiprocessing=decode_tp > 1,
+        ),
+        timeout_s=600.0 if decode_tp > 1 else 300.0,  # a process per rank: slow to start on 2 cores
     )
     prefill = EngineHandle(
         EngineSpec(
             "prefill",
-            str(tiny_model),
+            str(model_dir),
             free_port(),
             "prefill-0",
             {
                 **common,
                 "kvloop_worker_id": "prefill-0",
-                "kvloop_model": MODEL,
+                "kvloop_model": model,
                 "kvloop_lookup_timeout_ms": 200,
                 "kvloop_lookup_backoff_s": LOOKUP_BACKOFF_S,
                 # forward (P->D) leases of this prefill's blocks; short so a test can empty
@@ -283,15 +303,16 @@ def engines(
                 "kv_lease_duration": PREFILL_LEASE_S,
             },
             directory_target=kvloop.address,
-            otlp_endpoint=otlp_receiver.endpoint,
+            otlp_endpoint=otlp_endpoint,
         )
     )
+    pair = EnginePair(prefill, decode, kvloop, {})
     try:
         d_info = decode.wait_ready()
         kvloop.start_agent()
         p_info = prefill.wait_ready()
         kvloop.wait_agent_connected()
-        timings = {
+        pair.timings = {
             "start_wall_s": time.perf_counter() - t0,
             "decode_start_s": d_info["start_s"],
             "prefill_start_s": p_info["start_s"],
@@ -300,13 +321,72 @@ def engines(
         for e in (prefill, decode):
             e.generate(list(range(2, 100)), 1, cache_salt="warmup")
         prefill.call("spans")
-        yield EnginePair(prefill, decode, kvloop, timings)
+    except BaseException:
+        stop_pair(pair)
+        raise
+    return pair
+
+
+def stop_pair(pair: EnginePair) -> None:
+    kvloop = pair.kvloop
+    pair.prefill.stop()
+    pair.decode.stop()
+    if kvloop.agent is not None and kvloop.agent.poll() is None:
+        kvloop.stop_agent()
+    if kvloop.daemon is not None:
+        kvloop.daemon.stop()
+    if kvloop._client is not None:
+        kvloop.client.close()
+
+
+class EngineSlot:
+    """The session's one engine pair at a time: asking for another model's pair stops the current one
+    (two pairs would be four engines on a 2-core host). Tests of the other models run last (see
+    pytest_collection_modifyitems), so the tiny-Llama pair starts once."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, otlp_endpoint: str) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.otlp_endpoint = otlp_endpoint
+        self.key: str | None = None
+        self.pair: EnginePair | None = None
+
+    def get(
+        self, key: str, model_dir: Path, model: str, kv_bytes_per_block: int, decode_tp: int = 1
+    ) -> EnginePair:
+        if self.key != key or self.pair is None:
+            self.close()
+            self.pair = start_pair(
+                model_dir, self.tmp_path_factory, self.otlp_endpoint, model, kv_bytes_per_block, decode_tp
+            )
+            self.key = key
+        return self.pair
+
+    def close(self) -> None:
+        if self.pair is not None:
+            pair, self.pair, self.key = self.pair, None, None
+            stop_pair(pair)
+
+
+# Modules whose engine pair serves another model than the tiny Llama: they run after every other
+# engine test, so the session switches pairs once.
+OTHER_MODEL_MODULES = ("test_hybrid.py", "test_tp.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name in OTHER_MODEL_MODULES)
+
+
+@pytest.fixture(scope="session")
+def engine_slot(tmp_path_factory: pytest.TempPathFactory, otlp_receiver) -> Iterator[EngineSlot]:
+    if not HAVE_ENGINES:
+        pytest.skip("vLLM CPU build / NIXL not installed")
+    slot = EngineSlot(tmp_path_factory, otlp_receiver.endpoint)
+    try:
+        yield slot
     finally:
-        prefill.stop()
-        decode.stop()
-        if kvloop.agent is not None and kvloop.agent.poll() is None:
-            kvloop.stop_agent()
-        if kvloop.daemon is not None:
-            kvloop.daemon.stop()
-        if kvloop._client is not None:
-            kvloop.client.close()
+        slot.close()
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_model: Path, engine_slot: EngineSlot) -> EnginePair:
+    return engine_slot.get("llama", tiny_model, MODEL, KV_BYTES_PER_BLOCK)

@@ -117,6 +117,9 @@ class EngineSpec:
     # multiprocess layout (scheduler and worker in different processes).
     executor: str = "uni"
     multiprocessing: bool = False
+    # TP > 1 on the CPU build: the "mp" executor, one worker process per rank, each bound to its own
+    # core (VLLM_CPU_OMP_THREADS_BIND; without it vLLM wants one NUMA node per rank).
+    tensor_parallel_size: int = 1
     # Also export the engine's spans to this OTLP/gRPC receiver (a real one: kvloop.common.otlp_receiver).
     otlp_endpoint: str = ""
 
@@ -133,6 +136,44 @@ def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[f
         d = (c[a].float() - c[b].float()).abs().reshape(len(a_ids), -1).amax(dim=1)
         out = torch.maximum(out, d)
     return out.tolist()
+
+
+def _kv_group_maxdiff(worker: Any, a_groups: list[list[int]], b_groups: list[list[int]]) -> list[list[float]]:
+    """Per KV-cache group, the largest difference per block pair over that group's layers only (a
+    block id means nothing in another group's layers), in bf16 steps at the values' magnitude (at
+    least 1.0: near zero an absolute step of 2**-7 counts as one). ``kv_caches`` is indexed by layer
+    (vLLM's bind_kv_cache)."""
+    import torch
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    caches = worker.model_runner.kv_caches
+    groups = worker.model_runner.kv_cache_config.kv_cache_groups
+    out = []
+    for group, a_ids, b_ids in zip(groups, a_groups, b_groups, strict=True):
+        diff = torch.zeros(len(a_ids), dtype=torch.float32)
+        a = torch.tensor(a_ids, dtype=torch.long)
+        b = torch.tensor(b_ids, dtype=torch.long)
+        for name in group.layer_names:
+            c = caches[extract_layer_index(name)]
+            x, y = c[a].float(), c[b].float()
+            step = torch.exp2(
+                torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.ones(1)))) - 7
+            )
+            d = ((x - y).abs() / step).reshape(len(a_ids), -1).amax(dim=1)
+            diff = torch.maximum(diff, d)
+        out.append(diff.tolist())
+    return out
+
+
+def _kv_groups(worker: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": type(g.kv_cache_spec).__name__,
+            "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None) or 0,
+            "layers": list(g.layer_names),
+        }
+        for g in worker.model_runner.kv_cache_config.kv_cache_groups
+    ]
 
 
 def _connector_state(worker: Any) -> dict[str, Any]:
@@ -168,6 +209,11 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
         }
     )
+    if spec.tensor_parallel_size > 1:
+        cores = os.cpu_count() or 1
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(r % cores) for r in range(spec.tensor_parallel_size)
+        )
     if spec.multiprocessing:  # collective_rpc with a function across processes (test-only)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
@@ -221,6 +267,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             max_model_len=16384,
             max_num_batched_tokens=16384,
             distributed_executor_backend=spec.executor,
+            tensor_parallel_size=spec.tensor_parallel_size,
             prefix_caching_hash_algo="sha256_cbor",
             enable_prefix_caching=True,
             seed=0,
@@ -289,6 +336,10 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                     )
                     hashes.append(bytes(parent))
                 conn.send(("ok", hashes))
+            elif cmd == "kv_diff_groups":
+                conn.send(("ok", llm.collective_rpc(_kv_group_maxdiff, args=(args["a"], args["b"]))[0]))
+            elif cmd == "kv_groups":
+                conn.send(("ok", llm.collective_rpc(_kv_groups)[0]))
             elif cmd == "kv_diff":
                 conn.send(("ok", llm.collective_rpc(_kv_block_maxdiff, args=(args["a"], args["b"]))[0]))
             elif cmd == "spans":

@@ -119,7 +119,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype")
+    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class WorkerRegistration(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -157,7 +158,8 @@ class WorkerRegistration(_message.Message):
     labels: _containers.ScalarMap[str, str]
     last_sequence: int
     kv_dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier")
@@ -354,7 +356,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., ack: _Optional[_Union[BatchAck, _Mapping]] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids", "min_pull_tokens", "lease_margin_ms", "parallel", "kv_dtype", "kv_bytes_per_block")
+    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids", "min_pull_tokens", "lease_margin_ms", "parallel", "kv_dtype", "kv_bytes_per_block", "kv_group_windows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +371,7 @@ class LookupRequest(_message.Message):
     PARALLEL_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -383,7 +386,8 @@ class LookupRequest(_message.Message):
     parallel: ParallelLayout
     kv_dtype: str
     kv_bytes_per_block: int
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
+    kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Holder(_message.Message):
     __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size")
