@@ -8,6 +8,18 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when a line is written. A stream captured at configure time may be
+    swapped and closed later (a CLI runner capturing output, a test harness), after which every log
+    call would raise; a log line must never break the loop that makes it (a sidecar's reconnect)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", json_logs: bool | None = None) -> None:
     """Route structlog and stdlib logging (grpc, otel) to stderr in one format.
 
@@ -27,10 +39,10 @@ def configure_logging(level: str = "info", json_logs: bool | None = None) -> Non
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=shared,
