@@ -42,7 +42,7 @@ def run(
         Optional[str],
         typer.Option(
             help="where the directory lives: 'memory' (default) or redis://HOST:PORT/DB, rediss:// for TLS "
-            "(env KVLOOP_STORE__URL; user and password better in [store] of the config)"
+            "(env KVLOOP_STORE__URL; user and password better in the config file's store table)"
         ),
     ] = None,
     check_config: Annotated[
