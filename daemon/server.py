@@ -15,6 +15,7 @@ from prometheus_client import start_http_server
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
+from kvloop.daemon.decoding import DecodeInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.index import MemoryStore
 from kvloop.daemon.metrics import DaemonCounters
@@ -45,7 +46,10 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
     counters = DaemonCounters()
-    interceptors = [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
+    interceptors: list[grpc.aio.ServerInterceptor] = (
+        [AuthInterceptor(settings.tokens, counters.rejected_message)] if settings.tokens else []
+    )
+    interceptors.append(DecodeInterceptor(counters.rejected_message))
     server = grpc.aio.server(options=options, interceptors=interceptors)
     store = MemoryStore(settings.index_config())
     service = DirectoryService(
