@@ -90,8 +90,9 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
     problems = []
     if not reg.worker_id or len(reg.worker_id) > MAX_ID_LENGTH:
         problems.append(f"worker_id must be 1-{MAX_ID_LENGTH} characters")
-    if reg.role == pb.WORKER_ROLE_UNSPECIFIED:
-        problems.append("role must be set (PREFILL, DECODE or BOTH)")
+    if reg.role not in (pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE, pb.WORKER_ROLE_BOTH):
+        # proto3 enums are open: an unknown number parses and must be refused here, not later.
+        problems.append(f"role must be PREFILL, DECODE or BOTH, got {reg.role}")
     if not reg.model:
         problems.append("model must be set")
     if reg.block_size == 0:

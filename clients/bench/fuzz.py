@@ -255,8 +255,24 @@ def block_events() -> st.SearchStrategy[pb.BlockEvent]:
     )
 
 
+def valid_registrations() -> st.SearchStrategy[pb.WorkerRegistration]:
+    """What a correct agent of a fuzz worker sends: so that most scripts get past registration."""
+    return st.builds(
+        pb.WorkerRegistration,
+        worker_id=st.sampled_from(FUZZ_WORKERS),
+        role=st.sampled_from([1, 2, 3]),
+        model=st.just(MODEL),
+        nixl_endpoint=st.just("127.0.0.1:5600"),
+        block_size=st.just(BLOCK_SIZE),
+        hash_algorithm=st.just("sha256_cbor"),
+        hash_length=st.just(HASH_LENGTH),
+        epoch=st.integers(1, 2**64 - 1),
+        last_sequence=st.one_of(st.just(0), st.integers(1, 8)),
+    )
+
+
 # Built once: constructing these per draw costs more than drawing from them.
-REGISTRATIONS = registrations()
+REGISTRATIONS = st.one_of(valid_registrations(), valid_registrations(), registrations())
 REGISTRATION_OF = {w: registrations(st.just(w)) for w in FUZZ_WORKERS}
 BLOCK_EVENTS = block_events()
 
