@@ -15,8 +15,8 @@ from prometheus_client import start_http_server
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
-from kvloop.daemon.decoding import DecodeInterceptor
 from kvloop.daemon.config import DaemonSettings
+from kvloop.daemon.decoding import DecodeInterceptor
 from kvloop.daemon.index import MemoryStore
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import Policy

@@ -242,7 +242,10 @@ def test_lookups_never_cross_lora_or_cache_salt_namespaces(secured, data):
     """A run published under one (LoRA, cache salt) is only returned to lookups of that same pair."""
     address, tokens = secured
     lora_pub, lora_look = data.draw(_namespaces), data.draw(_namespaces)
-    salt_pub, salt_look = data.draw(st.sampled_from(["", "s1", "s2"])), data.draw(st.sampled_from(["", "s1", "s2"]))
+    salt_pub, salt_look = (
+        data.draw(st.sampled_from(["", "s1", "s2"])),
+        data.draw(st.sampled_from(["", "s1", "s2"])),
+    )
     worker = FUZZ_WORKERS[2]
     hashes = _run("tenant", 5, salt_pub)
     event = retained(hashes, "tenant-run")

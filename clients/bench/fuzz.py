@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import secrets
@@ -25,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -159,7 +159,9 @@ def hashes(width: int = HASH_LENGTH) -> st.SearchStrategy[list[bytes]]:
         st.lists(good_width, min_size=1, max_size=6),
         st.lists(any_width, max_size=6),
         st.just(KNOWN_HASHES[:8]),
-        st.integers(MAX_HASHES + 1, MAX_HASHES + 8).map(lambda n: [bytes([i % 256]) * width for i in range(n)]),
+        st.integers(MAX_HASHES + 1, MAX_HASHES + 8).map(
+            lambda n: [bytes([i % 256]) * width for i in range(n)]
+        ),
     )
 
 
@@ -185,7 +187,9 @@ def layouts() -> st.SearchStrategy[pb.ParallelLayout]:
     )
 
 
-def registrations(worker_id: st.SearchStrategy[str] | None = None) -> st.SearchStrategy[pb.WorkerRegistration]:
+def registrations(
+    worker_id: st.SearchStrategy[str] | None = None,
+) -> st.SearchStrategy[pb.WorkerRegistration]:
     return st.builds(
         pb.WorkerRegistration,
         worker_id=worker_ids() if worker_id is None else worker_id,
@@ -288,7 +292,16 @@ def connect_scripts(draw: st.DrawFn) -> list[pb.ConnectRequest]:
     for _ in range(draw(st.integers(0, 6))):
         kind = draw(
             st.sampled_from(
-                ["batch", "batch", "batch", "heartbeat", "snapshot_begin", "snapshot_end", "register", "empty"]
+                [
+                    "batch",
+                    "batch",
+                    "batch",
+                    "heartbeat",
+                    "snapshot_begin",
+                    "snapshot_end",
+                    "register",
+                    "empty",
+                ]
             )
         )
         if kind == "batch":
@@ -450,7 +463,9 @@ def cases(tokens: Tokens) -> st.SearchStrategy[Case]:
     def oversized(draw: st.DrawFn) -> Case:
         # Beyond the daemon's max_message_bytes: refused before it is parsed.
         size = draw(st.integers(MAX_MESSAGE_BYTES + 1, MAX_MESSAGE_BYTES + 4096))
-        return Case("Lookup", pb.LookupRequest(model=MODEL, packed_block_hashes=b"\x01" * size), False, tokens.prefill)
+        return Case(
+            "Lookup", pb.LookupRequest(model=MODEL, packed_block_hashes=b"\x01" * size), False, tokens.prefill
+        )
 
     weighted = [connect()] * 16 + [unary()] * 12 + [raw_unary()] * 4 + [raw_connect()] * 4 + [oversized()]
     return st.one_of(weighted)
@@ -483,6 +498,9 @@ class FuzzResult:
     invariant_violations: list[str] = field(default_factory=list)
     seed: int = 0
     stopped_early: bool = False
+    # Connect streams of the good agents that ended during the run (they reconnect by themselves; a
+    # lease lapsing on a starved machine does it, so it is reported apart from the invariants).
+    good_agent_reconnects: int = 0
 
 
 class _Stop(Exception):
@@ -556,7 +574,9 @@ def _describe(case: Case) -> str:
 # ---- the daemon and the well-behaved agents -------------------------------------------------------
 
 
-def start_fuzz_daemon(workdir: Path, tokens: Tokens, listen: str = "127.0.0.1:0") -> tuple[subprocess.Popen, str]:
+def start_fuzz_daemon(
+    workdir: Path, tokens: Tokens, listen: str = "127.0.0.1:0"
+) -> tuple[subprocess.Popen, str]:
     host, _, port = listen.rpartition(":")
     address = f"{host}:{free_port()}" if port == "0" else listen
     kvloopd = str(Path(sys.executable).parent / "kvloopd")
@@ -567,9 +587,9 @@ def start_fuzz_daemon(workdir: Path, tokens: Tokens, listen: str = "127.0.0.1:0"
             "KVLOOP_MAX_HASHES_PER_MESSAGE": str(MAX_HASHES),
             "KVLOOP_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
             # Fuzz workers lapse and are dropped quickly, so a long run's directory stays small.
-            "KVLOOP_LEASE_S": "3",
-            "KVLOOP_HEARTBEAT_INTERVAL_S": "0.5",
-            "KVLOOP_DROP_AFTER_S": "3",
+            "KVLOOP_LEASE_S": "10",
+            "KVLOOP_HEARTBEAT_INTERVAL_S": "1",
+            "KVLOOP_DROP_AFTER_S": "10",
         }
     )
     with (workdir / "kvloopd.log").open("w") as log:
@@ -629,57 +649,70 @@ def good_events() -> list[pb.BlockEvent]:
     ]
 
 
+async def _good_agents(target: str, tokens: Tokens, conn: Any) -> None:
+    from kvloop.agents.sidecar.link import DirectoryLink
+
+    epoch = random.getrandbits(62) | 1
+    links, tasks, clients = [], [], []
+    for worker, role, events in (
+        (GOOD_DECODE, pb.WORKER_ROLE_DECODE, good_events()),
+        (GOOD_PREFILL, pb.WORKER_ROLE_PREFILL, []),
+    ):
+        client = AsyncDirectoryClient(target, ClientSecurity(token=tokens.good[worker]))
+        clients.append(client)
+        link = DirectoryLink(client, good_registration(worker, role, epoch), snapshot=lambda e=events: e)
+        tasks.append(asyncio.create_task(link.run()))
+        await asyncio.wait_for(link.connected.wait(), 30)
+        if events:
+            link.publish(events)
+            await link.wait_acked(timeout=30)
+        links.append(link)
+    loop = asyncio.get_running_loop()
+    conn.send("ready")
+    while (await loop.run_in_executor(None, conn.recv)) != "stop":
+        conn.send({link.worker_id: (link.connected.is_set(), link.sessions) for link in links})
+    conn.send({link.worker_id: (link.connected.is_set(), link.sessions) for link in links})
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for client in clients:
+        await client.close()
+
+
+def _good_agents_process(target: str, tokens: Tokens, conn: Any) -> None:
+    from kvloop.common.logging import configure_logging
+    from kvloop.common.processes import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent_pid=parent.pid if parent else None)
+    configure_logging("warning")
+    asyncio.run(_good_agents(target, tokens, conn))
+
+
 class GoodAgents:
-    """Real sidecar links (``DirectoryLink``) on their own event loop: they publish once, then
-    heartbeat for the whole run, as a sidecar would."""
+    """Real sidecar links (``DirectoryLink``) in their own process (grpc.aio and the fuzzer's blocking
+    channel do not share a process well): they publish once, then heartbeat for the whole run."""
 
     def __init__(self, target: str, tokens: Tokens) -> None:
-        self._target, self._tokens = target, tokens
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvloop-fuzz-good-agents", daemon=True)
-        self.links: dict[str, Any] = {}
-        self._tasks: list[asyncio.Task] = []
-        self._clients: list[AsyncDirectoryClient] = []
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._process = ctx.Process(target=_good_agents_process, args=(target, tokens, child), daemon=True)
 
     def __enter__(self) -> GoodAgents:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
+        self._process.start()
+        if not self._conn.poll(60) or self._conn.recv() != "ready":
+            raise RuntimeError("the well-behaved agents did not register and publish within 60 s")
         return self
 
-    async def _start(self) -> None:
-        from kvloop.agents.sidecar.link import DirectoryLink
-
-        epoch = random.getrandbits(62) | 1
-        for worker, role, events in (
-            (GOOD_DECODE, pb.WORKER_ROLE_DECODE, good_events()),
-            (GOOD_PREFILL, pb.WORKER_ROLE_PREFILL, []),
-        ):
-            client = AsyncDirectoryClient(self._target, ClientSecurity(token=self._tokens.good[worker]))
-            self._clients.append(client)
-            link = DirectoryLink(client, good_registration(worker, role, epoch), snapshot=lambda e=events: e)
-            self._tasks.append(asyncio.create_task(link.run()))
-            await asyncio.wait_for(link.connected.wait(), 10)
-            if events:
-                link.publish(events)
-                await link.wait_acked(timeout=10)
-            self.links[worker] = link
-
-    def connected(self) -> bool:
-        return all(link.connected.is_set() for link in self.links.values())
+    def sessions(self, final: bool = False) -> dict[str, tuple[bool, int]]:
+        """Per good worker: (connected now, Connect sessions so far: 1 means its stream was never cut)."""
+        self._conn.send("stop" if final else "status")
+        return self._conn.recv()
 
     def __exit__(self, *exc: object) -> None:
-        async def stop() -> None:
-            for task in self._tasks:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            for client in self._clients:
-                await client.close()
-
-        try:
-            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join(10)
 
 
 # ---- invariants ---------------------------------------------------------------------------------
@@ -735,10 +768,14 @@ def check_invariants(client: DirectoryClient, baseline: dict) -> list[str]:
             problems.append(f"worker {worker} changed: {view} -> {now['workers'].get(worker)}")
     for key, locations in baseline["find"].items():
         if now["find"].get(key) != locations:
-            problems.append(f"FindBlock{key[0] or ''} {key[1].hex()[:16]}: {locations} -> {now['find'].get(key)}")
+            problems.append(
+                f"FindBlock{key[0] or ''} {key[1].hex()[:16]}: {locations} -> {now['find'].get(key)}"
+            )
     for lora, holders in baseline["lookups"].items():
         if now["lookups"].get(lora) != holders:
-            problems.append(f"Lookup (lora {lora!r}) of the good run: {holders} -> {now['lookups'].get(lora)}")
+            problems.append(
+                f"Lookup (lora {lora!r}) of the good run: {holders} -> {now['lookups'].get(lora)}"
+            )
     # Tenant isolation: the good run is found under its own LoRA namespace only.
     for lora, run in (("tenant-b", GOOD_LORA_RUN), ("", GOOD_LORA_RUN), (GOOD_LORA, GOOD_RETAINED)):
         answer = client.lookup(MODEL, run, lora_name=lora, requester=GOOD_PREFILL)
@@ -849,9 +886,10 @@ def fuzz_daemon(
 def run_fuzz(config: FuzzConfig, on_input: Callable[[int], None] | None = None) -> dict:
     """Start kvloopd and the good agents, fuzz, then check health and the invariants."""
     with fuzz_target(config.listen) as (process, address, tokens, workdir):
-        with GoodAgents(address, tokens) as agents, DirectoryClient(
-            address, ClientSecurity(token=tokens.admin)
-        ) as client:
+        with (
+            GoodAgents(address, tokens) as agents,
+            DirectoryClient(address, ClientSecurity(token=tokens.admin)) as client,
+        ):
             baseline = observe_good(client)
             result = fuzz_daemon(address, tokens, process, config, on_input)
             alive = process.poll() is None
@@ -863,11 +901,15 @@ def run_fuzz(config: FuzzConfig, on_input: Callable[[int], None] | None = None) 
                 log = (workdir / "kvloopd.log").read_text()[-4000:]
                 result.invariant_violations.append(f"daemon not serving after the run; log tail:\n{log}")
             else:
-                if not agents.connected():
-                    result.invariant_violations.append("a good agent's Connect stream was cut")
                 result.invariant_violations.extend(check_invariants(client, baseline))
+                sessions = agents.sessions()
+                result.good_agent_reconnects = sum(n - 1 for _, n in sessions.values())
+                if not all(connected for connected, _ in sessions.values()):
+                    result.invariant_violations.append(f"a good agent is not connected: {sessions}")
             internal = [
-                line for line in (workdir / "kvloopd.log").read_text().splitlines() if '"level": "error"' in line
+                line
+                for line in (workdir / "kvloopd.log").read_text().splitlines()
+                if '"level": "error"' in line
             ]
     out = asdict(result)
     out["daemon_errors_logged"] = len(internal)
@@ -875,4 +917,12 @@ def run_fuzz(config: FuzzConfig, on_input: Callable[[int], None] | None = None) 
     return out
 
 
-__all__ = ["FuzzConfig", "FuzzResult", "cases", "connect_scripts", "fuzz_target", "run_fuzz", "unary_requests"]
+__all__ = [
+    "FuzzConfig",
+    "FuzzResult",
+    "cases",
+    "connect_scripts",
+    "fuzz_target",
+    "run_fuzz",
+    "unary_requests",
+]

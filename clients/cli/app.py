@@ -432,7 +432,9 @@ def bench_directory(
 
 @bench_app.command("fuzz")
 def bench_fuzz(
-    inputs: Annotated[int, typer.Option(min=1, help="inputs (RPC calls or Connect streams) to send")] = 100_000,
+    inputs: Annotated[
+        int, typer.Option(min=1, help="inputs (RPC calls or Connect streams) to send")
+    ] = 100_000,
     seed: Annotated[int, typer.Option(help="hypothesis seed: the same seed sends the same inputs")] = 0,
     max_seconds: Annotated[
         Optional[float], typer.Option(help="stop early after this long (the figures say how many ran)")
