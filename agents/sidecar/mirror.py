@@ -39,6 +39,9 @@ class WorkerMirror:
 
     def _hashes(self, raw: Iterable[Any]) -> list[bytes] | None:
         hashes = list(raw)
+        if not hashes:  # kvloopd refuses an event without hashes, and would refuse its whole batch
+            SKIPPED.labels("no_hashes").inc()
+            return None
         if any(not isinstance(h, bytes) or len(h) != self.hash_length for h in hashes):
             SKIPPED.labels("hash_form").inc()
             if not self._warned_int_hashes:
@@ -64,7 +67,10 @@ class WorkerMirror:
             return pb.BlockEvent(
                 stored=pb.BlocksStored(
                     block_hashes=hashes,
-                    parent_block_hash=event.get("parent_block_hash") or b"",
+                    # An int parent (vLLM's int hashes) is no digest: sent as unknown.
+                    parent_block_hash=parent
+                    if isinstance(parent := event.get("parent_block_hash"), bytes)
+                    else b"",
                     lora_name=lora,
                     tier=pb.BLOCK_TIER_DEVICE,
                 )
