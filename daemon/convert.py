@@ -31,6 +31,7 @@ from kvloop.daemon.policy import Answer, KvLayout, LookupQuery
 from kvloop.v1 import directory_pb2 as pb
 
 MAX_ID_LENGTH = 256
+MAX_TOKENS = 2**32 - 1  # LookupResponse's token counts are uint32
 
 
 class BadInput(Exception):
@@ -282,6 +283,12 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
             grpc.StatusCode.FAILED_PRECONDITION,
             f"model {request.model!r} uses block_size {block_size}; the lookup hashed with "
             f"{request.block_size}: the hashes cannot match",
+        )
+    if block_size and len(hashes) * block_size > MAX_TOKENS:
+        # The answer's token counts are uint32: a product past them failed with UNKNOWN.
+        raise BadInput(
+            "too_many_tokens",
+            f"{len(hashes)} blocks of {block_size} tokens exceed {MAX_TOKENS} tokens",
         )
     if request.local_blocks > len(hashes):
         raise BadInput(

@@ -24,7 +24,7 @@ from kvloop.clients.bench.fuzz import (
     good_registration,
     run_fuzz,
 )
-from kvloop.clients.client import DirectoryClient
+from kvloop.clients.client import DirectoryClient, KvloopError
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -129,6 +129,22 @@ def test_unknown_role_number_is_refused_before_registering(channel, daemon):
     assert "role must be PREFILL, DECODE or BOTH, got 7" in details
     with DirectoryClient(daemon.address) as client:
         assert "fuzz-role-7" not in {w.registration.worker_id for w in client.list_workers()}
+
+
+def test_lookup_whose_tokens_overflow_uint32_is_invalid_argument(daemon):
+    """A worker registered with a huge block_size made Lookup's matched/recompute token counts overflow
+    uint32: UNKNOWN ("Value out of range"). Now refused before the lookup."""
+    model = "fuzz-huge-blocks"
+    hashes = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+    with grpc.insecure_channel(daemon.address) as ch, DirectoryClient(daemon.address) as client:
+        stream = RawStream(ch)
+        stream.send(pb.ConnectRequest(register=registration("fuzz-huge", model=model, block_size=2**32 - 1)))
+        assert stream.receive().HasField("registered")
+        with pytest.raises(KvloopError) as raised:
+            client.lookup(model, hashes, requester="p")
+        assert raised.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "exceed 4294967295 tokens" in str(raised.value)
+        stream.status()
 
 
 def test_stream_of_a_dropped_worker_is_aborted(daemon_factory):
