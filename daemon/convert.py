@@ -31,6 +31,7 @@ from kvloop.daemon.policy import Answer, KvLayout, LookupQuery
 from kvloop.v1 import directory_pb2 as pb
 
 MAX_ID_LENGTH = 256
+MAX_TOKENS = 2**32 - 1  # LookupResponse's token counts are uint32
 
 
 class BadInput(Exception):
@@ -90,8 +91,9 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
     problems = []
     if not reg.worker_id or len(reg.worker_id) > MAX_ID_LENGTH:
         problems.append(f"worker_id must be 1-{MAX_ID_LENGTH} characters")
-    if reg.role == pb.WORKER_ROLE_UNSPECIFIED:
-        problems.append("role must be set (PREFILL, DECODE or BOTH)")
+    if reg.role not in (pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE, pb.WORKER_ROLE_BOTH):
+        # proto3 enums are open: an unknown number parses and must be refused here, not later.
+        problems.append(f"role must be PREFILL, DECODE or BOTH, got {reg.role}")
     if not reg.model:
         problems.append("model must be set")
     if reg.block_size == 0:
@@ -283,6 +285,12 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
             grpc.StatusCode.FAILED_PRECONDITION,
             f"model {request.model!r} uses block_size {block_size}; the lookup hashed with "
             f"{request.block_size}: the hashes cannot match",
+        )
+    if block_size and len(hashes) * block_size > MAX_TOKENS:
+        # The answer's token counts are uint32: a product past them failed with UNKNOWN.
+        raise BadInput(
+            "too_many_tokens",
+            f"{len(hashes)} blocks of {block_size} tokens exceed {MAX_TOKENS} tokens",
         )
     if request.local_blocks > len(hashes):
         raise BadInput(

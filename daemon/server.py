@@ -16,6 +16,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
+from kvloop.daemon.decoding import DecodeInterceptor
 from kvloop.daemon.index import DirectoryStore, MemoryStore, StoreUnavailable
 from kvloop.daemon.index.instrumented import InstrumentedStore
 from kvloop.daemon.index.redis_store import RedisStore
@@ -77,6 +78,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if settings.tokens:
         interceptors.append(AuthInterceptor(settings.tokens, counters.rejected_message))
+    interceptors.append(DecodeInterceptor(counters.rejected_message))
     if not isinstance(backend, MemoryStore):  # only a networked store can be away
         interceptors.append(StoreUnavailableInterceptor())
     server = grpc.aio.server(options=options, interceptors=interceptors)

@@ -77,6 +77,17 @@ class AgentSession:
             raise Refused(
                 grpc.StatusCode.ABORTED, "this stream was superseded by a newer one for the same worker"
             )
+        # A batch is fenced inside the store's apply (one call, no extra round trip to a networked
+        # store); the other messages are checked here.
+        current = spec if kind == "batch" else await store.worker_spec(spec.worker_id)
+        if current is None or current.epoch != spec.epoch:
+            # The reaper dropped the worker (silent past lease_s + drop_after_s) under a stream that
+            # is still open: its state is gone, so the agent must register again.
+            raise Refused(
+                grpc.StatusCode.ABORTED,
+                f"worker {spec.worker_id!r} was dropped from the directory after its lease lapsed; "
+                "reconnect and register again",
+            )
         if kind == "heartbeat":
             await store.heartbeat(spec.worker_id, now)
             self.send(pb.ConnectResponse(heartbeat=pb.HeartbeatAck(sent_at_us=request.heartbeat.sent_at_us)))

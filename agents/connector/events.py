@@ -102,7 +102,7 @@ class KvloopPrefillReport(KvloopEvent, tag=PREFILL_TAG):
 KvloopEvents = KvloopBlocksRetained | KvloopRetentionReleased | KvloopTransferReport | KvloopPrefillReport
 
 
-_KVLOOP_TAGS = {
+KVLOOP_EVENT_TYPES: dict[str, Any] = {  # tag -> event class
     RETAINED_TAG: KvloopBlocksRetained,
     RELEASED_TAG: KvloopRetentionReleased,
     TRANSFER_TAG: KvloopTransferReport,
@@ -126,7 +126,7 @@ def decode_event_batch(payload: bytes) -> DecodedBatch:
     ours: list[KvloopEvents] = []
     theirs: list[dict[str, Any]] = []
     for ev in events:
-        cls = _KVLOOP_TAGS.get(str(ev.get("type"))) if isinstance(ev, dict) else None
+        cls = KVLOOP_EVENT_TYPES.get(str(ev.get("type"))) if isinstance(ev, dict) else None
         if cls is not None:
             ours.append(msgspec.convert(ev, cls))
         else:
@@ -135,6 +135,7 @@ def decode_event_batch(payload: bytes) -> DecodedBatch:
 
 
 __all__ = [
+    "KVLOOP_EVENT_TYPES",
     "PREFILL_TAG",
     "RELEASED_TAG",
     "RETAINED_TAG",

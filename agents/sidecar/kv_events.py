@@ -3,19 +3,133 @@
 Messages are (topic, seq: 8-byte big-endian, msgpack KVEventBatch). A gap in seq is filled by
 asking the ROUTER replay socket for everything from the first missing seq; if the publisher's
 buffer no longer reaches back that far the gap is unrecoverable and the caller is told so.
+
+:func:`read_engine_batch` reads a payload strictly: anything in a shape kvloop does not know (not
+msgpack, a batch that is not ``[ts, [events], dp_rank]``, events as arrays - vLLM's older format - a
+known event with fields of the wrong type) is refused with :class:`EngineEventError`, counted in
+``kvloop_agent_engine_event_errors_total{reason}`` and logged; never half-read.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter
+
+from kvloop.agents.connector.events import KVLOOP_EVENT_TYPES, DecodedBatch, KvloopEvents
 
 log = structlog.get_logger("kvloop.agent.zmq")
 
 END_SEQ = -1
+
+ENGINE_EVENT_ERRORS = Counter(
+    "kvloop_agent_engine_event_errors_total",
+    "Engine KV-event payloads (or events in them) in a format the sidecar does not read, by reason",
+    ["reason"],
+)
+
+
+class EngineEventError(ValueError):
+    """A payload kvloop cannot read; ``reason`` is the counter's label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    """vLLM's ``KVEventBatch`` frame: ``[ts, [event, ...], data_parallel_rank]``."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+# The fields of vLLM's own events that the sidecar reads, with their types (vllm/distributed/
+# kv_events.py: hashes are bytes, or ints with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES). Fields added by
+# later vLLMs are ignored; a field of the wrong type is an error, not a guess.
+class _BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None = None
+    lora_name: str | None = None
+
+
+class _BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
+    block_hashes: list[bytes | int]
+    lora_name: str | None = None
+
+
+class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
+    pass
+
+
+_VLLM_EVENTS = {
+    "BlockStored": _BlockStored,
+    "BlockRemoved": _BlockRemoved,
+    "AllBlocksCleared": _AllBlocksCleared,
+}
+_batch_decoder = msgspec.msgpack.Decoder(_Batch)
+_warned_unknown: set[str] = set()
+
+
+def read_engine_batch(payload: bytes) -> DecodedBatch:
+    """The third frame of a vLLM KV-event message, read strictly (raises EngineEventError).
+
+    Events of a type neither vLLM's nor kvloop's are skipped (a newer vLLM may add some), counted under
+    ``unknown_type`` and logged once per type."""
+    try:
+        batch = _batch_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise EngineEventError(
+            "batch_shape", f"not a KV-event batch [ts, [events], dp_rank]: {exc}"
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise EngineEventError("msgpack", f"not msgpack: {exc}") from None
+    ours: list[KvloopEvents] = []
+    theirs: list[dict[str, Any]] = []
+    for position, event in enumerate(batch.events):
+        where = f"event {position}"
+        if isinstance(event, list):
+            raise EngineEventError(
+                "event_is_array",
+                f"{where} is an array: this vLLM publishes KV events in a format kvloop does not read "
+                "(kvloop reads events as maps tagged with 'type')",
+            )
+        kind = event.get("type") if isinstance(event, dict) else None
+        if not isinstance(kind, str):
+            raise EngineEventError(
+                "event_shape", f"{where} is not a map with a string 'type': {event!r:.120}"
+            )
+        try:
+            if kind in KVLOOP_EVENT_TYPES:
+                ours.append(msgspec.convert(event, KVLOOP_EVENT_TYPES[kind]))
+            elif kind in _VLLM_EVENTS:
+                msgspec.convert(event, _VLLM_EVENTS[kind])
+                theirs.append(event)
+            else:
+                ENGINE_EVENT_ERRORS.labels("unknown_type").inc()
+                if kind not in _warned_unknown:
+                    _warned_unknown.add(kind)
+                    log.warning("engine KV event of an unknown type skipped", type=kind)
+        except msgspec.ValidationError as exc:
+            raise EngineEventError("malformed_event", f"{where} ({kind}): {exc}") from None
+    return DecodedBatch(ts=batch.ts, kvloop=ours, vllm=theirs, data_parallel_rank=batch.data_parallel_rank)
+
+
+def read_or_count(payload: bytes, seq: int) -> DecodedBatch | None:
+    """read_engine_batch, with a refused payload counted and logged (None): the caller treats the
+    batch as lost."""
+    try:
+        return read_engine_batch(payload)
+    except EngineEventError as exc:
+        ENGINE_EVENT_ERRORS.labels(exc.reason).inc()
+        log.error("engine KV-event batch not readable, dropped", seq=seq, reason=exc.reason, error=str(exc))
+        return None
 
 
 class KvEventSubscriber:

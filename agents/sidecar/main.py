@@ -33,9 +33,8 @@ _ROLES = {"prefill": 1, "decode": 2, "both": 3}
 
 
 async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | None = None) -> int:
-    from kvloop.agents.connector.events import decode_event_batch
     from kvloop.agents.sidecar.health import serve_health
-    from kvloop.agents.sidecar.kv_events import KvEventSubscriber
+    from kvloop.agents.sidecar.kv_events import KvEventSubscriber, read_or_count
     from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
     from kvloop.agents.sidecar.mirror import WorkerMirror
     from kvloop.clients.client import AsyncDirectoryClient
@@ -90,12 +89,17 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         health = serve_health(host, port, status, health_tls)
 
     async def pump() -> None:
-        async for _seq, payload, gap in subscriber.batches():
+        async for seq, payload, gap in subscriber.batches():
             if gap:
                 ENGINE_GAPS.inc()
                 mirror.forget_retained()
                 link.request_snapshot("engine event gap")
-            decoded = decode_event_batch(payload)
+            decoded = read_or_count(payload, seq)
+            if decoded is None:
+                # Its events are lost like a gap's: a release may be among them.
+                mirror.forget_retained()
+                link.request_snapshot("unreadable engine event batch")
+                continue
             events = []
             for raw in decoded.vllm:
                 converted = mirror.convert_vllm(raw)

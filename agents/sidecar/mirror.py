@@ -39,6 +39,11 @@ class WorkerMirror:
 
     def _hashes(self, raw: Iterable[Any]) -> list[bytes] | None:
         hashes = list(raw)
+        # A hybrid model's sliding-window group publishes events of no block at all; kvloopd refuses
+        # an event without hashes (and with it the whole batch), and it says nothing anyway.
+        if not hashes:
+            SKIPPED.labels("no_hashes").inc()
+            return None
         if any(not isinstance(h, bytes) or len(h) != self.hash_length for h in hashes):
             SKIPPED.labels("hash_form").inc()
             if not self._warned_int_hashes:
@@ -56,11 +61,6 @@ class WorkerMirror:
         """vLLM's own BlockStored / BlockRemoved / AllBlocksCleared (raw msgpack maps)."""
         kind = event.get("type")
         lora = event.get("lora_name") or ""
-        if kind in ("BlockStored", "BlockRemoved") and not event.get("block_hashes"):
-            # A hybrid model's sliding-window group publishes events of no block at all; the
-            # directory refuses an event that names none, and it says nothing anyway.
-            SKIPPED.labels("no_blocks").inc()
-            return None
         if kind == "BlockStored":
             hashes = self._hashes(event.get("block_hashes", []))
             if hashes is None:
@@ -69,7 +69,10 @@ class WorkerMirror:
             return pb.BlockEvent(
                 stored=pb.BlocksStored(
                     block_hashes=hashes,
-                    parent_block_hash=event.get("parent_block_hash") or b"",
+                    # An int parent (vLLM's int hashes) is no digest: sent as unknown.
+                    parent_block_hash=parent
+                    if isinstance(parent := event.get("parent_block_hash"), bytes)
+                    else b"",
                     lora_name=lora,
                     tier=pb.BLOCK_TIER_DEVICE,
                 )

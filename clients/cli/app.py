@@ -449,6 +449,77 @@ def bench_directory(
             console.print(table)
 
 
+@bench_app.command("fuzz")
+def bench_fuzz(
+    inputs: Annotated[
+        int, typer.Option(min=1, help="inputs (RPC calls or Connect streams) to send")
+    ] = 100_000,
+    seed: Annotated[int, typer.Option(help="hypothesis seed: the same seed sends the same inputs")] = 0,
+    max_seconds: Annotated[
+        Optional[float], typer.Option(help="stop early after this long (the figures say how many ran)")
+    ] = None,
+    daemon_listen: Annotated[
+        str, typer.Option(help="where the benchmark's own kvloopd listens")
+    ] = "127.0.0.1:0",
+    json_output: JsonFlag = False,
+) -> None:
+    """Fuzz a kvloopd it starts with well-formed, mutated and random messages on every RPC; exit 1 on a
+    crash, an imprecise status (UNKNOWN, INTERNAL...) or a broken invariant."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvloop.clients.bench.fuzz import FuzzConfig, run_fuzz
+    from kvloop.common.processes import supervisor
+
+    config = FuzzConfig(inputs=inputs, seed=seed, listen=daemon_listen, max_seconds=max_seconds)
+    with supervisor().stop_on_signals():
+        if state.json:
+            result = run_fuzz(config)
+        else:
+            with Progress(
+                TextColumn("fuzzing kvloopd"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeElapsedColumn(),
+                console=err_console,
+                transient=True,
+            ) as bar:
+                task = bar.add_task("fuzz", total=inputs, rate="")
+                started = time.perf_counter()
+
+                def on_input(n: int) -> None:
+                    if n % 50 == 0 or n == inputs:
+                        elapsed = time.perf_counter() - started
+                        bar.update(task, completed=n, rate=f"{n / elapsed:,.0f} inputs/s")
+
+                result = run_fuzz(config, on_input)
+    failed = bool(result["crashes"] or result["failure_count"] or result["invariant_violations"])
+    if state.json:
+        _emit_json(result)
+    else:
+        table = Table(title=f"kvloop bench fuzz (seed {seed})")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        ran = f"{result['inputs']:,}" + (" (stopped at the time limit)" if result["stopped_early"] else "")
+        table.add_row("inputs", ran)
+        table.add_row("messages (Connect messages count one each)", f"{result['messages']:,}")
+        table.add_row("inputs/s", f"{result['inputs_per_s']:,.1f}")
+        table.add_row("crashes", str(result["crashes"]))
+        table.add_row("imprecise statuses (UNKNOWN, INTERNAL, ...)", str(result["failure_count"]))
+        table.add_row("invariant violations", str(len(result["invariant_violations"])))
+        for code, count in result["statuses"].items():
+            table.add_row(f"  status {code}", f"{count:,}")
+        console.print(table)
+        for failure in result["failures"][:5]:
+            err_console.print(f"[red]{failure['status']}[/red] {failure['details']}\n  {failure['input']}")
+        for violation in result["invariant_violations"]:
+            err_console.print(f"[red]invariant[/red] {violation}")
+    if failed:
+        raise typer.Exit(1)
+
+
 @bench_app.command("idle")
 def bench_idle(
     runs: Annotated[
