@@ -325,3 +325,11 @@ def test_reasoning_workload_drops_earlier_thinking_from_the_next_prompt():
     plain = Session(seed=3, messages=[{"role": "user", "content": "Task: a b"}])
     next_turn_messages(plain, generated, 1, "plain", tool_tokens=5)
     assert template.render(messages=plain.messages, add_generation_prompt=True).startswith(before + generated)
+
+
+def test_pinned_engines_split_the_cores_between_prefill_and_decode():
+    from kvloop.clients.demo.stack import engine_cores
+
+    assert (engine_cores("prefill", 2), engine_cores("decode", 2)) == ("0", "1")
+    assert (engine_cores("prefill", 16), engine_cores("decode", 16)) == ("0-7", "8-15")
+    assert (engine_cores("prefill", 1), engine_cores("decode", 1)) == ("0", "0")  # nothing to split

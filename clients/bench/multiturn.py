@@ -67,6 +67,8 @@ class MultiturnConfig:
     thinking_tokens: int = 128
     repeats: int = 1
     prefill_prefix_caching: bool = False
+    # prefill and decode engines compute on cores of their own (see StackConfig.pin_engines)
+    pin_engines: bool = False
     hidden_size: int = 384
     layers: int = 4
     seed: int = 1
@@ -835,6 +837,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     block_size=config.block_size,
                     dtype=config.dtype,
                     prefill_prefix_caching=floor or config.prefill_prefix_caching,
+                    pin_engines=config.pin_engines,
                     mode="recompute" if floor else arm,
                     decode_servers=0 if floor else 1,
                     with_proxy=False,

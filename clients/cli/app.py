@@ -864,6 +864,13 @@ def bench_multiturn(
         Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
     ] = None,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
+    pin_engines: Annotated[
+        bool,
+        typer.Option(
+            help="prefill engines compute on the first half of the cores, decodes on the other half "
+            "(as on separate hosts): a decode's TPOT without co-located prefill compute"
+        ),
+    ] = False,
     repeats: Annotated[int, typer.Option(min=1, help="repeat every workload")] = 1,
     dtype: Annotated[
         str,
@@ -905,6 +912,7 @@ def bench_multiturn(
         workloads=tuple(workload),
         arms=tuple(a for a in ARMS if a in arm),
         prefill_prefix_caching=prefix_caching,
+        pin_engines=pin_engines,
         repeats=repeats,
         quick=quick,
         system_tokens=system_tokens or (800 if quick else 1500),

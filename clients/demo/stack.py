@@ -39,7 +39,19 @@ class StackConfig:
     start_timeout_s: float = 240.0
     # The benchmark talks to the engines directly; a proxy would only take CPU from them.
     with_proxy: bool = True
+    # Compute threads of prefill engines on the first half of the host's cores, decodes' on the other
+    # half (vLLM's VLLM_CPU_OMP_THREADS_BIND): on one small host, what a disaggregated fleet has by
+    # construction - a prefill's compute never takes a core from a decode's steps.
+    pin_engines: bool = False
     decode_tp: int = 1  # tensor-parallel size of the decode servers
+
+
+def engine_cores(role: str, cores: int | None = None) -> str:
+    """The cores (a vLLM CPU binding such as "0-3") a pinned engine of `role` computes on."""
+    cores = cores or os.cpu_count() or 1
+    half = max(cores // 2, 1)
+    first, last = (0, half - 1) if role == "prefill" else (min(half, cores - 1), cores - 1)
+    return str(first) if first == last else f"{first}-{last}"
 
 
 @dataclass
@@ -108,6 +120,8 @@ class Stack:
         for i, role in enumerate(roles):
             name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
             engine_env = self._tracing_env()
+            if cfg.pin_engines:
+                engine_env["VLLM_CPU_OMP_THREADS_BIND"] = engine_cores(role)
             self.engines.append(
                 Engine(
                     EngineConfig(
