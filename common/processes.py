@@ -80,6 +80,9 @@ class ChildProcesses:
         self.grace_s = grace_s
         self._watchdog_enabled = watchdog
         self._children: list[subprocess.Popen] = []  # in start order
+        # pid -> how many children were spawned before it (what a stop_on_signals block started)
+        self._spawn_index: dict[int, int] = {}
+        self._spawned = 0
         self._starts: dict[int, int | None] = {}  # pid -> start time (see reaper.Group)
         self._lock = threading.RLock()
         self._watchdog: subprocess.Popen | None = None
@@ -134,6 +137,8 @@ class ChildProcesses:
             )
             with self._lock:
                 self._children.append(proc)
+                self._spawn_index[proc.pid] = self._spawned
+                self._spawned += 1
                 self._starts[proc.pid] = reaper.start_time(proc.pid)
                 self._tell_watchdog(f"+{proc.pid} {self._starts[proc.pid]}")
         return proc
@@ -149,10 +154,13 @@ class ChildProcesses:
 
     # ---- stopping --------------------------------------------------------------------------
 
-    def stop_all(self, grace_s: float | None = None) -> None:
-        """Stop every child still running, together."""
+    def stop_all(self, grace_s: float | None = None, started_after: int = 0) -> None:
+        """Stop every child still running (or only those started after the first `started_after`
+        spawns), together."""
         with self._lock:
-            targets = list(reversed(self._children))
+            targets = [
+                p for p in reversed(self._children) if self._spawn_index.get(p.pid, 0) >= started_after
+            ]
         self.stop(*targets, grace_s=grace_s)
 
     def stop(self, *procs: subprocess.Popen | None, grace_s: float | None = None) -> None:
@@ -254,17 +262,20 @@ class ChildProcesses:
     @contextlib.contextmanager
     def stop_on_signals(self, signals: Sequence[int] = STOP_SIGNALS) -> Iterator[ChildProcesses]:
         """Within the block, the first of `signals` raises `Terminated` in the main thread (a second
-        one cuts the grace period short). On the way out, however it is left, every child still
-        running is stopped; a `Terminated` leaving the block becomes ``SystemExit(128 + signum)``.
-        Call from the main thread."""
+        one cuts the grace period short). On the way out, however it is left, every child started
+        inside the block and still running is stopped (children started before it are their starter's
+        to stop: a command run in-process must not stop a test session's daemon); a `Terminated`
+        leaving the block becomes ``SystemExit(128 + signum)``. Call from the main thread."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        with self._lock:
+            first = self._spawned
         try:
             try:
                 yield self
             finally:
-                self.stop_all()
+                self.stop_all(started_after=first)
         except Terminated as exc:
-            self.stop_all()
+            self.stop_all(started_after=first)
             raise SystemExit(exc.exit_code) from None
         finally:
             for sig, handler in previous.items():

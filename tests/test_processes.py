@@ -191,3 +191,17 @@ def test_a_reused_group_number_is_left_alone():
     finally:
         children.stop(proc)
     assert proc.returncode == -signal.SIGTERM
+
+
+def test_a_stop_on_signals_block_stops_only_what_it_started():
+    children = ChildProcesses()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    before = children.spawn(sleeper)
+    try:
+        with children.stop_on_signals():
+            inside = children.spawn(sleeper)
+        # e.g. a CLI command run in-process by a test must leave the session's daemon running
+        assert inside.poll() is not None and before.poll() is None
+    finally:
+        children.stop_all(grace_s=1)
+    assert before.poll() is not None
