@@ -157,6 +157,12 @@ class RedisStore:
         self._model_of: dict[str, str] = {}  # worker -> model (a worker id keeps its model)
         self._lease_ms = str(max(1, int(self.config.lease_s * 1000)))
         self._sentinel: tuple[Any, str] | None = None
+        # The directory epoch answers are minted under: Sentinel's config epoch + 1 (a fresh Sentinel
+        # reports 0; 0 stays "cannot fail over", as without Sentinel), and the primary's address it
+        # was checked against.
+        self.epoch = 0
+        self._checked_primary: Any = None
+        self._pending_changes: list[Change] = []  # found outside reap (a lookup saw the failover)
 
     @classmethod
     async def connect(cls, url: str, config: IndexConfig | None = None, **options: Any) -> RedisStore:
@@ -437,17 +443,29 @@ class RedisStore:
         epoch = await self.directory_epoch()
         if epoch is None:
             return []
+        self._checked_primary = self._primary()
         bases = await self._bases()
         previous = await self._fcall("kvl_epoch", [_EPOCH], epoch, *bases.values())
+        self.epoch = max(self.epoch, epoch + 1)
         log.debug("directory epoch checked", epoch=epoch, previous=previous)
         if previous is None or int(previous) < 0:
             return []
         log.warning("redis failover: every worker must resync", epoch=epoch, previous_epoch=int(previous))
         return [Change("failover", "", "", 0, f"directory epoch {int(previous)} -> {epoch}: resync required")]
 
+    def _primary(self) -> Any:
+        """The primary's address redis-py's Sentinel pool last connected to."""
+        return getattr(self._r.connection_pool, "master_address", None)
+
+    def _primary_moved(self) -> bool:
+        """The client reconnected to another primary since the epoch was last checked (cheap: the
+        address redis-py's Sentinel pool connected to)."""
+        return self._sentinel is not None and self._primary() != self._checked_primary
+
     @_reachable
     async def reap(self, now: float) -> list[Change]:
-        changes: list[Change] = await self._check_epoch()
+        changes: list[Change] = [*self._pending_changes, *await self._check_epoch()]
+        self._pending_changes.clear()
         for model, base in sorted((await self._bases()).items()):
             reply = await self._fcall(
                 "kvl_reap",
@@ -553,6 +571,11 @@ class RedisStore:
         # The layout check is the caller's code: the function picks a holder, and one this puller
         # cannot read is excluded and the search repeated (rare: most fleets share one layout).
         while True:
+            if self._primary_moved():
+                # A new primary answers from here on, and the periodic check may not have run yet:
+                # reconcile the epoch first (marks every worker resyncing on a failover), so no
+                # answer comes from data the old primary had moved past.
+                self._pending_changes.extend(await self._check_epoch())
             reply = await self._fcall(
                 "kvl_lookup",
                 [f"{prefix}ret"],
@@ -568,6 +591,8 @@ class RedisStore:
                 int(claim),
                 "\n".join(excluded),
             )
+            if self._primary_moved():
+                continue  # the call itself reconnected to a new primary: ask again after the check
             if _text(reply[0]) == "none":
                 reason = _text(reply[1])
                 return PrefixMatch(None, [], reason or None)
