@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,9 @@ class StackConfig:
     # construction - a prefill's compute never takes a core from a decode's steps.
     pin_engines: bool = False
     decode_tp: int = 1  # tensor-parallel size of the decode servers
+    # High availability on loopback: a Redis primary and replica, three Sentinels and two kvloopd
+    # replicas sharing them; engines, sidecars and the proxy are given both replicas' addresses.
+    ha: bool = False
 
 
 def engine_cores(role: str, cores: int | None = None) -> str:
@@ -65,6 +69,10 @@ class Stack:
     # Every process of the stack is started and stopped through this (see kvloop.common.processes).
     children: ChildProcesses = field(default_factory=supervisor)
     receiver: OtlpReceiver | None = None
+    # --ha: every kvloopd replica (address, process, log); the Redis primary apart (a fault kills it).
+    replicas: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
+    _primary: ExitStack = field(default_factory=ExitStack)
+    _redis: ExitStack = field(default_factory=ExitStack)
 
     @property
     def prefill(self) -> Engine:
@@ -91,26 +99,22 @@ class Stack:
             self.receiver = OtlpReceiver(SpanFile(cfg.span_file).write).start()
             progress("traces", f"OTLP receiver at {self.receiver.endpoint} writing {cfg.span_file}")
         bin_dir = Path(sys.executable).parent
-        daemon_port = free_port()
-        self.daemon_address = f"127.0.0.1:{daemon_port}"
-        progress("kvloopd", "starting")
-        with (logs / "kvloopd.log").open("w") as log:
-            self.daemon = self.children.spawn(
-                [
-                    str(bin_dir / "kvloopd"),
-                    "--listen",
-                    self.daemon_address,
-                    "--metrics-listen",
-                    f"127.0.0.1:{free_port()}",
-                    "--log-json",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                env=self._env("kvloopd"),
-            )
-        with DirectoryClient(self.daemon_address, timeout=2) as client:
-            client.wait_ready(30)
-        progress("kvloopd", f"ready on {self.daemon_address}")
+        if cfg.ha:
+            config = self._start_redis(progress)
+            for name in ("kvloopd-a", "kvloopd-b"):
+                address = f"127.0.0.1:{free_port()}"
+                log_path = logs / f"{name}.log"
+                process = self._spawn_daemon(bin_dir, address, log_path, "--config", str(config))
+                self.replicas.append((address, process, log_path))
+            self.daemon = self.replicas[0][1]
+            self.daemon_address = ",".join(address for address, _, _ in self.replicas)
+        else:
+            self.daemon_address = f"127.0.0.1:{free_port()}"
+            self.daemon = self._spawn_daemon(bin_dir, self.daemon_address, logs / "kvloopd.log")
+        for address in self.daemon_address.split(","):
+            with DirectoryClient(address, timeout=2) as client:
+                client.wait_ready(30)
+            progress("kvloopd", f"ready on {address}")
         from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
 
         bytes_per_block = kv_bytes_per_block(
@@ -192,6 +196,84 @@ class Stack:
         _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
         progress("proxy", f"ready at {self.proxy_url}")
 
+    def _spawn_daemon(self, bin_dir: Path, address: str, log_path: Path, *args: str) -> subprocess.Popen:
+        with log_path.open("w") as log:
+            return self.children.spawn(
+                [
+                    str(bin_dir / "kvloopd"),
+                    "--listen",
+                    address,
+                    "--metrics-listen",
+                    f"127.0.0.1:{free_port()}",
+                    "--log-json",
+                    *args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=self._env("kvloopd"),
+            )
+
+    def _start_redis(self, progress: Callable[[str, str], None]) -> Path:
+        """A Redis primary and replica and three Sentinels (quorum 2) on loopback; returns the kvloopd
+        config that points at the Sentinels."""
+        import redis
+
+        from kvloop.daemon.index.redis_local import local_redis, local_sentinel
+
+        workdir = self.config.workdir / "redis"
+        workdir.mkdir(parents=True, exist_ok=True)
+        primary_port, replica_port = free_port(), free_port()
+        progress("redis", "starting a primary, a replica and three sentinels")
+        self._primary.enter_context(local_redis(workdir, port=primary_port))
+        replica = self._redis.enter_context(
+            local_redis(workdir, port=replica_port, extra=["--replicaof", "127.0.0.1", str(primary_port)])
+        )
+        sentinels = [
+            self._redis.enter_context(local_sentinel(workdir, primary_port, quorum=2)) for _ in range(3)
+        ]
+        deadline = time.monotonic() + 30
+        with redis.Redis.from_url(replica) as client:
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"the Redis replica did not sync (logs in {workdir})")
+                time.sleep(0.05)  # polling the replica's link state
+        progress("redis", f"primary 127.0.0.1:{primary_port}, replica {replica}, sentinels {sentinels}")
+        config = self.config.workdir / "kvloopd-ha.toml"
+        quoted = ", ".join(f'"{s}"' for s in sentinels)
+        config.write_text(
+            f'[store]\nurl = "redis:///0"\nsentinels = [{quoted}]\nsentinel_master = "kvloop"\n'
+        )
+        return config
+
+    def replica_of(self, worker_id: str) -> int | None:
+        """The index of the live kvloopd replica whose log last registered ``worker_id`` (--ha)."""
+        import json
+
+        found: tuple[str, int] | None = None
+        for i, (_, process, log_path) in enumerate(self.replicas):
+            if process.poll() is not None:
+                continue
+            for line in log_path.read_text().splitlines():
+                if '"agent registered"' not in line or worker_id not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("worker_id") == worker_id and (found is None or record["timestamp"] > found[0]):
+                    found = (record["timestamp"], i)
+        return found[1] if found else None
+
+    def kill_replica(self, index: int) -> str:
+        """Kill a kvloopd replica outright (no drain, no goodbye on its streams); returns its address."""
+        address, process, _ = self.replicas[index]
+        process.kill()
+        process.wait()
+        return address
+
+    def kill_redis_primary(self) -> None:
+        self._primary.close()
+
     def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
         """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a
         finished turn travels engine -> ZMQ -> sidecar -> kvloopd while the client prepares its next turn)."""
@@ -208,7 +290,12 @@ class Stack:
         kvloopd (each process group: SIGTERM, a grace period, SIGKILL)."""
         self.children.stop(self.proxy, grace_s=10)
         self.children.stop(*(p for e in self.engines for p in (e.agent, e.vllm)))
-        self.children.stop(self.daemon, grace_s=10)
+        if self.replicas:
+            self.children.stop(*(process for _, process, _ in self.replicas), grace_s=10)
+        else:
+            self.children.stop(self.daemon, grace_s=10)
+        self._primary.close()
+        self._redis.close()
         if self.receiver is not None:  # last: the processes flush their spans to it as they exit
             self.receiver.stop()
             self.receiver = None
