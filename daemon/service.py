@@ -281,7 +281,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         for change in await self.store.reap(self.store.clock()):
             if change.kind == "expired":
                 metrics.EXPIRED_RUNS.inc()
-            elif change.kind == "failover":
+            elif change.kind in ("failover", "primary_moved"):
                 log.warning("directory store failed over", detail=change.detail)
                 self._resync_all(change.detail)
             else:

@@ -68,9 +68,11 @@ def run_demo(
                 fault = kill_decode_replica(stack, turn)
                 emit(fault, as_json, progress)
             elif faults.get(turn) == "redis_primary":
-                stack.kill_redis_primary()
+                killed = stack.kill_redis_primary()
                 primary_killed_at = time.monotonic()
-                progress("fault", f"killed the Redis primary before turn {turn}; Sentinel fails over")
+                progress(
+                    "fault", f"stopped the Redis primary {killed} before turn {turn}; Sentinel fails over"
+                )
             try:
                 result = chat_turn(
                     stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn
@@ -86,6 +88,7 @@ def run_demo(
                 emit(
                     {
                         "fault": "redis_primary",
+                        "killed": killed,
                         "recovered": "first transfer again",
                         "at_turn": turn,
                         "recovered_s": round(time.monotonic() - primary_killed_at, 2),

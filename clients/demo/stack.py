@@ -71,8 +71,10 @@ class Stack:
     receiver: OtlpReceiver | None = None
     # --ha: every kvloopd replica (address, process, log); the Redis primary apart (a fault kills it).
     replicas: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
-    _primary: ExitStack = field(default_factory=ExitStack)
+    # --ha: each redis-server by port (a fault stops the one Sentinel names primary), the Sentinels.
+    _redis_servers: dict[int, ExitStack] = field(default_factory=dict)
     _redis: ExitStack = field(default_factory=ExitStack)
+    sentinels: list[str] = field(default_factory=list)
 
     @property
     def prefill(self) -> Engine:
@@ -224,13 +226,20 @@ class Stack:
         workdir.mkdir(parents=True, exist_ok=True)
         primary_port, replica_port = free_port(), free_port()
         progress("redis", "starting a primary, a replica and three sentinels")
-        self._primary.enter_context(local_redis(workdir, port=primary_port))
-        replica = self._redis.enter_context(
-            local_redis(workdir, port=replica_port, extra=["--replicaof", "127.0.0.1", str(primary_port)])
-        )
+        for port, extra in (
+            (primary_port, []),
+            (replica_port, ["--replicaof", "127.0.0.1", str(primary_port)]),
+        ):
+            self._redis_servers[port] = ExitStack()
+            url = self._redis_servers[port].enter_context(local_redis(workdir, port=port, extra=extra))
+        replica = url
+        # down after 5 s: engines loading on a small host can starve Redis of CPU for a second or two,
+        # and a Sentinel as quick as the tests' (1 s) then fails over a primary that is only slow
         sentinels = [
-            self._redis.enter_context(local_sentinel(workdir, primary_port, quorum=2)) for _ in range(3)
+            self._redis.enter_context(local_sentinel(workdir, primary_port, quorum=2, down_after_ms=5000))
+            for _ in range(3)
         ]
+        self.sentinels = sentinels
         deadline = time.monotonic() + 30
         with redis.Redis.from_url(replica) as client:
             while client.info("replication").get("master_link_status") != "up":
@@ -271,8 +280,15 @@ class Stack:
         process.wait()
         return address
 
-    def kill_redis_primary(self) -> None:
-        self._primary.close()
+    def kill_redis_primary(self) -> str:
+        """Stop the redis-server the Sentinels currently name primary; returns its address."""
+        import redis
+
+        host, port = self.sentinels[0].rsplit(":", 1)
+        with redis.Redis(host=host, port=int(port)) as sentinel:
+            primary_host, primary_port = sentinel.sentinel_get_master_addr_by_name("kvloop")
+        self._redis_servers.pop(int(primary_port)).close()
+        return f"{primary_host}:{primary_port}"
 
     def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
         """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a
@@ -294,7 +310,8 @@ class Stack:
             self.children.stop(*(process for _, process, _ in self.replicas), grace_s=10)
         else:
             self.children.stop(self.daemon, grace_s=10)
-        self._primary.close()
+        for server in self._redis_servers.values():
+            server.close()
         self._redis.close()
         if self.receiver is not None:  # last: the processes flush their spans to it as they exit
             self.receiver.stop()

@@ -439,19 +439,31 @@ class RedisStore:
         """After a failover the new primary may lack writes the old one acknowledged (replication is
         asynchronous): a freed run could look retained. So when Sentinel's epoch moves past the one
         recorded with the data, every worker is marked resyncing (not served) until its agent has
-        re-pushed its state; exactly one replica wins the compare-and-set and reports the change."""
+        re-pushed its state; exactly one replica wins the compare-and-set and reports the change
+        ("failover", relayed to the other replicas).
+
+        A replica also reports "primary_moved" when it reconnected to another primary or saw the epoch
+        move without winning: what it wrote meanwhile may have gone to a primary being demoted (a starved
+        primary is failed over while it still accepts writes), and the winner's relayed change may have
+        been published where this replica was not listening, so it asks its own agents again."""
         epoch = await self.directory_epoch()
         if epoch is None:
             return []
-        self._checked_primary = self._primary()
+        primary = self._primary()
+        moved = self._checked_primary is not None and primary != self._checked_primary
+        self._checked_primary = primary
         bases = await self._bases()
         previous = await self._fcall("kvl_epoch", [_EPOCH], epoch, *bases.values())
-        self.epoch = max(self.epoch, epoch + 1)
+        known, self.epoch = self.epoch, max(self.epoch, epoch + 1)
         log.debug("directory epoch checked", epoch=epoch, previous=previous)
-        if previous is None or int(previous) < 0:
-            return []
-        log.warning("redis failover: every worker must resync", epoch=epoch, previous_epoch=int(previous))
-        return [Change("failover", "", "", 0, f"directory epoch {int(previous)} -> {epoch}: resync required")]
+        if previous is not None and int(previous) >= 0:
+            log.warning("redis failover: every worker must resync", epoch=epoch, previous_epoch=int(previous))
+            detail = f"directory epoch {int(previous)} -> {epoch}: resync required"
+            return [Change("failover", "", "", 0, detail)]
+        if moved or (known and self.epoch > known):
+            log.warning("redis primary moved: this replica's agents resync", epoch=epoch, primary=primary)
+            return [Change("primary_moved", "", "", 0, f"the directory's primary moved (epoch {epoch})")]
+        return []
 
     def _primary(self) -> Any:
         """The primary's address redis-py's Sentinel pool last connected to."""
