@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
-from kvloop.clients.client import DirectoryClient
+from kvloop.clients.client import DaemonUnavailable, DirectoryClient
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
@@ -288,7 +288,8 @@ class Stack:
         with redis.Redis(host=host, port=int(port)) as sentinel:
             primary_host, primary_port = sentinel.sentinel_get_master_addr_by_name("kvloop")
         self._redis_servers.pop(int(primary_port)).close()
-        return f"{primary_host}:{primary_port}"
+        host_text = primary_host.decode() if isinstance(primary_host, bytes) else primary_host
+        return f"{host_text}:{primary_port}"
 
     def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
         """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a
@@ -296,8 +297,11 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             while time.monotonic() < deadline:
-                if client.stats().retained_runs >= runs:
-                    return True
+                try:
+                    if client.stats().retained_runs >= runs:
+                        return True
+                except DaemonUnavailable:  # --ha: a replica or the Redis primary is failing over
+                    pass
                 time.sleep(0.02)  # polling the directory
         return False
 
