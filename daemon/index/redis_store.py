@@ -18,6 +18,7 @@ Where it differs from the in-memory store, by design:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -186,14 +187,16 @@ class RedisStore:
         master: str,
         url: str = "redis:///0",
         config: IndexConfig | None = None,
+        master_wait_s: float = 15.0,
         **options: Any,
     ) -> RedisStore:
         """Connect to the primary that ``sentinels`` elect for ``master``, following failovers.
 
-        ``url`` gives the database and TLS (rediss:///0); its host is ignored."""
+        ``url`` gives the database and TLS (rediss:///0); its host is ignored. Waits up to
+        ``master_wait_s`` for the sentinels to name a primary."""
         from urllib.parse import urlsplit
 
-        from redis.asyncio.sentinel import Sentinel
+        from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 
         parts = urlsplit(url)
         db = int(parts.path.strip("/") or 0) if parts.scheme in ("redis", "rediss") else 0
@@ -202,11 +205,23 @@ class RedisStore:
         addresses = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in sentinels)]
         sentinel = Sentinel(addresses, socket_timeout=2.0, **options)
         client = sentinel.master_for(master, db=db, socket_timeout=2.0)
-        try:
-            await client.function_load(LIBRARY, replace=True)
-        except Exception:
-            await client.aclose()
-            raise
+        # No primary yet is an answer Sentinel gives while it fails over, or when none of them answered
+        # in time (a busy host): ask again for a while before giving up.
+        deadline = time.monotonic() + master_wait_s
+        while True:
+            try:
+                await client.function_load(LIBRARY, replace=True)
+                break
+            except MasterNotFoundError as exc:
+                if time.monotonic() < deadline:
+                    log.warning("no redis primary from the sentinels yet; asking again", error=str(exc)[:200])
+                    await asyncio.sleep(0.5)
+                    continue
+                await client.aclose()
+                raise
+            except Exception:
+                await client.aclose()
+                raise
         log.info("directory store on redis via sentinel", sentinels=list(sentinels), master=master, db=db)
         store = cls(client, config)
         store._sentinel = (sentinel, master)
