@@ -172,6 +172,7 @@ _UNSERVABLE = {
     "claimed": pb.DECISION_REASON_CLAIMED,
     "peer_unavailable": pb.DECISION_REASON_PEER_UNAVAILABLE,
     "incompatible_layout": pb.DECISION_REASON_INCOMPATIBLE_LAYOUT,
+    "directory_resyncing": pb.DECISION_REASON_DIRECTORY_RESYNCING,
 }
 
 
@@ -355,6 +356,13 @@ class Policy:
         local_blocks = query.local_blocks
         best = match.best
         if best is None:
+            if match.unservable_reason == "directory_resyncing":
+                return _Verdict(
+                    pb.DECISION_RECOMPUTE,
+                    pb.DECISION_REASON_DIRECTORY_RESYNCING,
+                    "the directory store failed over: nothing is handed out until its workers have "
+                    "re-pushed their state",
+                )
             if match.unservable_reason:
                 return _Verdict(
                     pb.DECISION_RECOMPUTE,

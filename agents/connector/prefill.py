@@ -57,6 +57,7 @@ class _Pull:
     prompt_tokens: int
     started: float  # perf_counter at the lookup
     read_started: float = 0.0
+    stale: bool = False  # refused before its READ: the directory failed over since the answer
 
 
 @dataclass
@@ -200,7 +201,14 @@ class PrefillSide:
             lookup.lookup_span.end(end_time=tm.wall_ns(answered))
         else:
             tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
-        if answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
+        if (
+            answer is not None
+            and answer.path == pb.TURN_PATH_TRANSFER
+            and answer.holder is not None
+            and self.directory.stale(answer.holder)
+        ):
+            self._refuse_stale(outcome, answer.holder)
+        elif answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
             detail_before = outcome.detail
             count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
             unservable = outcome.detail != detail_before
@@ -219,6 +227,34 @@ class PrefillSide:
             self._computing[request.request_id] = (answered, outcome.recompute_tokens)
         self._outcomes[request.request_id] = record(request.request_id, outcome, span, time.perf_counter())
         return 0, False
+
+    def _refuse_stale(self, outcome: Outcome, holder: HolderInfo) -> None:
+        outcome.path, outcome.reason = pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_STALE_EPOCH
+        outcome.detail = (
+            f"handle {holder.retention_handle!r} was handed out under directory epoch "
+            f"{holder.directory_epoch}; the directory has failed over since (epoch {self.directory.epoch})"
+        )
+        tm.log.warning(
+            "kvloop.stale_handle_refused",
+            holder=holder.worker_id,
+            handle=holder.retention_handle,
+            handle_epoch=holder.directory_epoch,
+            directory_epoch=self.directory.epoch,
+        )
+
+    def take_pull_deadlines(self) -> dict[str, float]:
+        """This step's new pulls for the worker, with the lease end it checks before posting each READ.
+
+        A pull whose handle predates a directory failover seen since the answer (another lookup
+        brought the new epoch) gets a deadline already past: the worker does not post its READ, vLLM
+        recomputes the blocks, and the outcome names the stale epoch."""
+        deadlines, self.pull_deadlines = self.pull_deadlines, {}
+        for request_id in deadlines:
+            pull = self._pulls.get(request_id)
+            if pull is not None and self.directory.stale(pull.holder):
+                pull.stale = True
+                deadlines[request_id] = float("-inf")
+        return deadlines
 
     def _pull(
         self,
@@ -341,7 +377,10 @@ class PrefillSide:
             return
         done = time.perf_counter()  # one reading: the outcome, the report and the span agree
         outcome = pull.outcome
-        if not ok:
+        if not ok and pull.stale:
+            self._refuse_stale(outcome, pull.holder)
+            outcome.pulled_tokens = 0
+        elif not ok:
             # The claim is kept: the holder may have seen the READ's completion notice and freed
             # the blocks, and handing the run out again could make the next puller read them.
             outcome.path, outcome.reason = pb.TURN_PATH_FAILED, pb.DECISION_REASON_READ_FAILED

@@ -15,14 +15,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvloop.common.addresses import HostPort, OptionalHostPort
+from kvloop.common.addresses import DaemonAddresses, OptionalHostPort
 from kvloop.common.security import ClientSecurity, TlsSettings
 
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLOOP_AGENT_", extra="forbid")
 
-    daemon: HostPort = "127.0.0.1:50051"
+    # kvloopd: one HOST:PORT, a DNS name with a record per replica, or several IP:PORT (a list, or
+    # comma-separated). The stream moves to another replica when one fails and resumes where it was.
+    daemon: DaemonAddresses = "127.0.0.1:50051"
     worker_id: str = Field(default_factory=socket.gethostname)
     role: Literal["prefill", "decode", "both"] = "decode"
     model: str

@@ -1181,6 +1181,14 @@ def demo(
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
     ] = False,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="two kvloopd replicas on Redis (primary, replica, three Sentinels, on loopback); kill the "
+            "replica the decode's sidecar streams to, later the Redis primary, and show what recovered when",
+        ),
+    ] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
@@ -1202,6 +1210,7 @@ def demo(
                 keep_running,
                 model.value,
                 decode_tp,
+                ha,
             )
         except EngineStartError as exc:
             _fail(str(exc))

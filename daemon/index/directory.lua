@@ -11,6 +11,9 @@ Per model:  base.."w:"..W       hash  one worker: epoch, seq, state, seen, spec,
             base.."wns:"..W     set   namespaces the worker stored blocks in
             base.."exp"         zset  run key by deadline;  base.."age": run key by creation order
             base.."stats"       hash  entries, runs, events, evictions, expired;  base.."next": run ids
+            base.."resync"      set   workers still to re-push their state after a store failover:
+                                      while it is not empty, lookups of the model answer
+                                      "directory_resyncing"
 Per namespace P = base..<lora hex>..":":
             P.."ret"            hash  block hash -> run id, or "id,id,..." when runs share the block
             P.."sto"            hash  block hash -> worker ids ("\n"-separated) holding it in prefix cache
@@ -147,6 +150,7 @@ local function drop_worker(base, w)
   purge(base, w)
   redis.call('DEL', base .. 'w:' .. w, base .. 'alive:' .. w)
   redis.call('SREM', base .. 'workers', w)
+  redis.call('SREM', base .. 'resync', w)
 end
 
 -- register(keys: worker) base, w, epoch, last_sequence, now, lease_s, lease_ms, spec, layout
@@ -219,6 +223,7 @@ local function snapshot(keys, args)
     redis.call('HINCRBY', keys[1], 'resyncs', 1)
   else
     redis.call('HSET', keys[1], 'seq', args[5], 'state', ACTIVE, 'seen', args[4])
+    redis.call('SREM', args[1] .. 'resync', args[2])
   end
   return 1
 end
@@ -361,6 +366,7 @@ local function lookup(keys, args)
   local ret = keys[1]
   local n = #hs / hl
   if local_blocks >= n then return {'none', ''} end
+  if redis.call('SCARD', base .. 'resync') > 0 then return {'none', 'directory_resyncing'} end
   local runs, verdicts, live = {}, {}, {}
 
   local function hash_at(i) return string.sub(hs, i * hl + 1, (i + 1) * hl) end
@@ -516,6 +522,9 @@ local function reap(keys, args)
       changes[#changes + 1] = {'lease', w, 0, string.format('no message for %.1fs: blocks no longer served', idle)}
     end
     local connected = redis.call('EXISTS', base .. 'alive:' .. w) == 1
+    -- an agent gone for a whole lease will not re-push soon: lookups stop waiting for it (its
+    -- blocks stay unserved until it does)
+    if not connected and idle > lease_s then redis.call('SREM', base .. 'resync', w) end
     if (not connected or state == EXPIRED) and idle > drop_after then
       local blocks = tonumber(f[3]) + tonumber(f[4])
       drop_worker(base, w)
@@ -545,6 +554,7 @@ local function epoch(keys, args)
   for i = 2, #args do
     for _, w in ipairs(redis.call('SMEMBERS', args[i] .. 'workers')) do
       redis.call('HSET', args[i] .. 'w:' .. w, 'state', RESYNCING)
+      redis.call('SADD', args[i] .. 'resync', w)
       marked = marked + 1
     end
   end

@@ -62,6 +62,10 @@ class InstrumentedStore:
     def clock(self) -> float:
         return self.inner.clock()
 
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
+
     async def close(self) -> None:
         await self.inner.close()
 

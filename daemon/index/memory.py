@@ -168,6 +168,7 @@ class MemoryStore:
     Its coroutines never await, so each call is atomic on the event loop."""
 
     name = "memory"
+    epoch = 0  # one process: nothing to fail over to
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()

@@ -106,7 +106,7 @@ class PrefixMatch:
     best: Holding | None
     others: list[Holding]
     # Set when blocks beyond the caller's local prefix exist but none is servable:
-    # "expired", "claimed", "peer_unavailable" or "incompatible_layout".
+    # "expired", "claimed", "peer_unavailable", "incompatible_layout" or "directory_resyncing".
     unservable_reason: str | None = None
 
 

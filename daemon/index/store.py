@@ -86,6 +86,9 @@ class StoreCounts:
 
 class WorkerRegistry(Protocol):
     config: IndexConfig
+    # The directory epoch answers are minted under: grows with each failover of the store (Redis
+    # Sentinel's config epoch); 0 for a store that cannot fail over.
+    epoch: int
 
     def clock(self) -> float:
         """Now, in the seconds every call of this store takes."""

@@ -47,6 +47,8 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_SHORT_PROMPT: _ClassVar[DecisionReason]
     DECISION_REASON_READ_FAILED: _ClassVar[DecisionReason]
     DECISION_REASON_ENGINE_DECLINED: _ClassVar[DecisionReason]
+    DECISION_REASON_DIRECTORY_RESYNCING: _ClassVar[DecisionReason]
+    DECISION_REASON_STALE_EPOCH: _ClassVar[DecisionReason]
 
 class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -93,6 +95,8 @@ DECISION_REASON_DIRECTORY_UNAVAILABLE: DecisionReason
 DECISION_REASON_SHORT_PROMPT: DecisionReason
 DECISION_REASON_READ_FAILED: DecisionReason
 DECISION_REASON_ENGINE_DECLINED: DecisionReason
+DECISION_REASON_DIRECTORY_RESYNCING: DecisionReason
+DECISION_REASON_STALE_EPOCH: DecisionReason
 TURN_PATH_UNSPECIFIED: TurnPath
 TURN_PATH_TRANSFER: TurnPath
 TURN_PATH_RECOMPUTE: TurnPath
@@ -440,7 +444,7 @@ class CostEstimate(_message.Message):
     def __init__(self, transfer_ms: _Optional[float] = ..., recompute_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_basis: _Optional[str] = ..., recompute_basis: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("decision", "reason", "detail", "matched_blocks", "matched_tokens", "recompute_tokens", "holder", "other_holders", "cost", "lookup_us", "path")
+    __slots__ = ("decision", "reason", "detail", "matched_blocks", "matched_tokens", "recompute_tokens", "holder", "other_holders", "cost", "lookup_us", "path", "directory_epoch")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +456,7 @@ class LookupResponse(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_US_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: DecisionReason
     detail: str
@@ -463,7 +468,8 @@ class LookupResponse(_message.Message):
     cost: CostEstimate
     lookup_us: int
     path: TurnPath
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., detail: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., other_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., lookup_us: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ...) -> None: ...
+    directory_epoch: int
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., detail: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., other_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., lookup_us: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ..., directory_epoch: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("registration", "lease_state", "connected", "last_applied_sequence", "stored_blocks", "retained_blocks", "retained_runs", "last_seen_ms_ago", "events_ingested", "resyncs", "prefill_tokens_per_second")
@@ -666,21 +672,25 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, delivered: _Optional[bool] = ...) -> None: ...
 
 class ReleaseClaimRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "holder_worker_id", "retention_handle", "requester_worker_id")
+    __slots__ = ("model", "lora_name", "holder_worker_id", "retention_handle", "requester_worker_id", "directory_epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     HOLDER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     holder_worker_id: str
     retention_handle: str
     requester_worker_id: str
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., holder_worker_id: _Optional[str] = ..., retention_handle: _Optional[str] = ..., requester_worker_id: _Optional[str] = ...) -> None: ...
+    directory_epoch: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., holder_worker_id: _Optional[str] = ..., retention_handle: _Optional[str] = ..., requester_worker_id: _Optional[str] = ..., directory_epoch: _Optional[int] = ...) -> None: ...
 
 class ReleaseClaimResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "directory_epoch")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    directory_epoch: int
+    def __init__(self, released: _Optional[bool] = ..., directory_epoch: _Optional[int] = ...) -> None: ...
