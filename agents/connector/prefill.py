@@ -97,7 +97,8 @@ class PrefillSide:
         self._computing: dict[str, tuple[float, int]] = {}
         # Each request's recorded outcome, returned to the caller in kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
-        # Holders read from: a first READ also pays the NIXL handshake (kept out of the cost model).
+        # Holders read from, for READs NIXL did not time: the first one from a holder may have paid
+        # the NIXL handshake (kept out of the cost model). Timed READs say so themselves.
         self._holders_read: set[str] = set()
         # For the worker: when each new pull's holder lease ends (this process's perf_counter).
         self.pull_deadlines: dict[str, float] = {}
@@ -390,7 +391,12 @@ class PrefillSide:
         outcome.bytes = sum(outcome.group_bytes)
         outcome.recompute_tokens = pull.prompt_tokens - outcome.local_tokens - outcome.pulled_tokens
         outcome.pull_ms = (done - pull.started) * 1000
-        first_contact = pull.holder.engine_id not in self._holders_read
+        # A peer warmed at start-up (peers.py) is connected before the first READ: that READ is
+        # steady state and teaches the cost model; only one that waited for a handshake does not.
+        if timing is not None:
+            first_contact = timing.waited_handshake
+        else:
+            first_contact = pull.holder.engine_id not in self._holders_read
         if ok:
             self._holders_read.add(pull.holder.engine_id)
         # The engine sees a READ end only at a step boundary: the time from the lookup answer to
@@ -416,6 +422,7 @@ class PrefillSide:
             "kvloop.blocks": blocks,
             "kvloop.holder": outcome.holder,
             "kvloop.ok": ok,
+            "kvloop.first_contact": first_contact,
         }
         if timing is not None:
             attributes["kvloop.nixl_xfer_ms"] = round(timing.xfer_s * 1e3, 3)
