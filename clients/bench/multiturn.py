@@ -460,19 +460,21 @@ class RoutedArmClient(ArmClient):
         self.pull = arm in ("kvloop", "load_pull")
         self.directory = DirectoryClient(daemon, timeout=2.0)  # one channel, shared by the arm's threads
         self._lock = threading.Lock()
-        self._rr = itertools.count()
+        # A counter per pool (as the proxy's BackendPool has): one shared counter would alternate
+        # between pools and send every round-robin pick of a pool to the same server.
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count(), "tokenize": itertools.count()}
         self.in_flight = dict.fromkeys(prefill_urls + decode_urls, 0)
         self.queued = dict.fromkeys(prefill_urls, 0)  # prompt tokens in-flight requests compute there
 
     def engine_totals(self) -> dict[str, float]:
         return {}  # every arm runs on the same engines: their counters cannot be told apart per arm
 
-    def _least_loaded(self, among: list[str]) -> str:
+    def _least_loaded(self, among: list[str], pool: str = "prefill") -> str:
         """Fewest requests in flight, round-robin among equals (kvloop's proxy's load rule)."""
         with self._lock:
             least = min(self.in_flight[u] for u in among)
             ties = [u for u in among if self.in_flight[u] == least]
-            return ties[next(self._rr) % len(ties)]
+            return ties[next(self._rr[pool]) % len(ties)]
 
     def choose(self, messages: list[dict]) -> tuple[str, str, int]:
         """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated)."""
@@ -482,7 +484,7 @@ class RoutedArmClient(ArmClient):
         from kvloop.v1 import directory_pb2 as pb
 
         try:
-            tokenizer = self.prefill_urls[next(self._rr) % len(self.prefill_urls)]
+            tokenizer = self.prefill_urls[next(self._rr["tokenize"]) % len(self.prefill_urls)]
             tokens = _post(f"{tokenizer}/tokenize", {"model": MODEL, "messages": messages}, timeout=30)[
                 "tokens"
             ]
@@ -543,7 +545,7 @@ class RoutedArmClient(ArmClient):
         details = (pre.get("usage") or {}).get("prompt_tokens_details") or {}
         params = pre.get("kv_transfer_params") or {}
         holder = params.get("kvloop_holder_http")
-        decode = holder if holder in self.decode_urls else self._least_loaded(self.decode_urls)
+        decode = holder if holder in self.decode_urls else self._least_loaded(self.decode_urls, "decode")
         with self._lock:
             self.in_flight[decode] += 1
         try:
