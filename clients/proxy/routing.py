@@ -12,6 +12,7 @@ header ``x-kvloop-route``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass
 
 import aiohttp
@@ -56,6 +57,7 @@ class Router:
         self.pool = pool
         self.directory = directory
         self.timeout_s = timeout_s
+        self._tokenize_turn = itertools.count()
 
     def _load(self, why: str, among: list[Backend] | None = None, prompt_tokens: int = 0) -> Choice:
         backend = self.pool.pick(among=among)
@@ -117,7 +119,9 @@ class Router:
     ) -> list[int] | None:
         """The prompt's token ids from a prefill server's /tokenize (vLLM renders chat messages with
         the model's template there, as for the completion)."""
-        backend = self.pool.pick(among=healthy)
+        # Round-robin of its own: taking the pool's would make every tie-break after it land on the
+        # same server.
+        backend = healthy[next(self._tokenize_turn) % len(healthy)]
         request = {"model": body.get("model")}
         if chat:
             request.update(
