@@ -154,6 +154,38 @@ class _ClientBase:
             request.block_hashes.extend(block_hashes)
         return self._invoke("Lookup", request, timeout=timeout)
 
+    def route(
+        self,
+        model: str,
+        candidates: Sequence[pb.RouteCandidate | str],
+        *,
+        token_ids: Sequence[int] = (),
+        block_hashes: Sequence[bytes] | bytes = (),
+        cache_salt: str = "",
+        lora_name: str = "",
+        prompt_tokens: int = 0,
+        block_size: int = 0,
+        timeout: float | None = None,
+    ) -> pb.RouteResponse:
+        """Rank candidate prefill workers for a prompt by expected time to first token (read-only).
+
+        Give the prompt as `token_ids` (kvloopd hashes them as the model's vLLM engines do) or as
+        `block_hashes`; a candidate is a worker id or a `pb.RouteCandidate` with its queue."""
+        request = pb.RouteRequest(
+            model=model,
+            lora_name=lora_name,
+            token_ids=token_ids,
+            cache_salt=cache_salt,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            candidates=[pb.RouteCandidate(worker_id=c) if isinstance(c, str) else c for c in candidates],
+        )
+        if isinstance(block_hashes, (bytes, bytearray)):
+            request.packed_block_hashes = bytes(block_hashes)
+        else:
+            request.block_hashes.extend(block_hashes)
+        return self._invoke("Route", request, timeout=timeout)
+
     def release_claim(
         self,
         model: str,

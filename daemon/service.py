@@ -133,6 +133,46 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 )
         return response
 
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        started = time.perf_counter()
+        now = self.store.clock()
+        model_spec = await self.store.model_spec(request.model) if request.model else None
+        workers = await self.store.workers(now, request.model) if request.model else []
+        try:
+            query = convert.route_query(request, model_spec, workers, self.max_hashes)
+        except (BadInput, Refused) as exc:
+            await self._refuse(context, "Route", exc)
+        ranked = await self.policy.route(self.store, query, now)
+        tied = self.policy.tied(request.model, ranked)
+        response = convert.route_response(query, ranked, tied)
+        elapsed = time.perf_counter() - started
+        response.route_us = int(elapsed * 1e6)
+        self.counters.route(elapsed, tied > 1)
+        best = response.ranked[0]
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "kvloop.model": request.model,
+                    "kvloop.route.candidates": len(response.ranked),
+                    "kvloop.route.best": best.worker_id,
+                    "kvloop.route.tied": tied,
+                    "kvloop.route.prompt_blocks": response.prompt_blocks,
+                    "kvloop.route.local_blocks": best.local_blocks,
+                    "kvloop.route.pull_blocks": best.pull_blocks,
+                    "kvloop.route.expected_ttft_ms": best.expected_ttft_ms,
+                    "kvloop.route_us": response.route_us,
+                }
+            )
+        log.debug(
+            "route",
+            model=request.model,
+            best=best.worker_id,
+            tied=tied,
+            ranked=[(s.worker_id, round(s.expected_ttft_ms, 3)) for s in response.ranked],
+        )
+        return response
+
     async def ReleaseClaim(
         self, request: pb.ReleaseClaimRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseClaimResponse:

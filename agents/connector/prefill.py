@@ -43,6 +43,8 @@ HANDLE_KEYS = (
     "remote_num_tokens",
     "remote_blocks_expiry_time",
 )
+# A request's kv_transfer_params may set this to false: no lookup, no reverse pull.
+NO_PULL_KEY = "kvloop_pull"
 # Private marker: kvloop already decided for this request.
 _DECIDED = "_kvloop_decided"
 
@@ -120,6 +122,19 @@ class PrefillSide:
             return 0, False
         if params.get(_DECIDED):
             return vllm_match(request, num_computed_tokens)
+        if params.get(NO_PULL_KEY) is False:
+            # The router wants vLLM's own prefix cache only (prefix routing without reverse pulls).
+            params[_DECIDED] = True
+            declined = LookupAnswer(
+                pb.TURN_PATH_LOCAL if num_computed_tokens else pb.TURN_PATH_RECOMPUTE,
+                pb.DECISION_REASON_DISABLED,
+                0,
+                None,
+                f"the request set {NO_PULL_KEY}=false",
+            )
+            return self._apply(
+                request, params, num_computed_tokens, declined, time.perf_counter(), vllm_match
+            )
         bs = self.block_size
         hashes = [bytes(h) for h in request.block_hashes[: request.num_prompt_tokens // bs]]
         lora = request.lora_request.lora_name if request.lora_request else ""

@@ -35,6 +35,9 @@ class AgentSettings(BaseSettings):
     block_size: int = Field(gt=0)
     hash_algorithm: str = "sha256_cbor"
     hash_length: int = Field(32, ge=8, le=64)
+    # The engine's PYTHONHASHSEED, from which vLLM seeds its block hashes (None: this process's
+    # PYTHONHASHSEED, else vLLM's default). Registered so kvloopd can hash token ids for Route.
+    hash_seed: str | None = None
     kv_bytes_per_block: int = Field(0, ge=0)
     # The engine's KV-cache element type and tensor-parallel size: the directory pairs a puller only
     # with holders whose KV it can read. "" / 0: unknown (not checked).

@@ -28,6 +28,7 @@ class StackConfig:
     workdir: Path
     served_model_name: str = "kvloop-tiny"
     decode_servers: int = 1
+    prefill_servers: int = 1
     prefill_prefix_caching: bool = False  # off: emulates a fleet of prefill workers losing their cache
     mode: str = "kvloop"  # "kvloop" | "builtin" | "recompute" (see EngineConfig.mode)
     kv_cache_gib: int = 2
@@ -81,8 +82,12 @@ class Stack:
         return self.engines[0]
 
     @property
+    def prefills(self) -> list[Engine]:
+        return self.engines[: self.config.prefill_servers]
+
+    @property
     def decodes(self) -> list[Engine]:
-        return self.engines[1:]
+        return self.engines[self.config.prefill_servers :]
 
     def _tracing_env(self) -> dict[str, str]:
         if self.receiver is None:
@@ -122,9 +127,9 @@ class Stack:
         bytes_per_block = kv_bytes_per_block(
             cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
         )
-        roles = ["prefill"] + ["decode"] * cfg.decode_servers
+        roles = ["prefill"] * cfg.prefill_servers + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
-            name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
+            name = f"prefill-{i}" if role == "prefill" else f"decode-{i - cfg.prefill_servers}"
             engine_env = self._tracing_env()
             if cfg.pin_engines:
                 engine_env["VLLM_CPU_OMP_THREADS_BIND"] = engine_cores(role)
@@ -185,10 +190,12 @@ class Stack:
                     "--daemon",
                     self.daemon_address,
                     "proxy",
+                    "--route",
                     "--listen",
                     f"127.0.0.1:{proxy_port}",
-                    "--prefill",
-                    self.prefill.config.url,
+                    *functools.reduce(
+                        operator.iadd, (["--prefill", p.config.url] for p in self.prefills), []
+                    ),
                     *functools.reduce(operator.iadd, (["--decode", d.config.url] for d in self.decodes), []),
                 ],
                 stdout=subprocess.DEVNULL,

@@ -499,6 +499,40 @@ local function find(keys, args)
   return out
 end
 
+-- stored_prefixes(keys: P.."sto") base, hashes, hl, now, lease_s, then worker ids. How many leading
+-- blocks each live worker holds in its prefix cache: one walk for all, ending when none holds the next.
+local function stored_prefixes(keys, args)
+  local base, hs, hl, now, lease_s = args[1], args[2], tonumber(args[3]), tonumber(args[4]), tonumber(args[5])
+  local alive, out, count = {}, {}, 0
+  for i = 6, #args do
+    local w = args[i]
+    local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen')
+    if f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s and redis.call('EXISTS', base .. 'alive:' .. w) == 1 then
+      alive[w] = true
+      count = count + 1
+    end
+    out[i - 5] = 0
+  end
+  local n = #hs / hl
+  for j = 0, n - 1 do
+    if count == 0 then break end
+    local holders = {}
+    for _, w in ipairs(split(redis.call('HGET', keys[1], string.sub(hs, j * hl + 1, (j + 1) * hl)), '\n')) do
+      holders[w] = true
+    end
+    for w in pairs(alive) do
+      if not holders[w] then
+        alive[w] = nil
+        count = count - 1
+      end
+    end
+    for i = 6, #args do
+      if alive[args[i]] then out[i - 5] = j + 1 end
+    end
+  end
+  return out
+end
+
 -- reap(keys: base.."exp") base, now, lease_s, drop_after_s
 local function reap(keys, args)
   local base, now, lease_s, drop_after = args[1], tonumber(args[2]), tonumber(args[3]), tonumber(args[4])
@@ -572,4 +606,5 @@ redis.register_function{function_name = 'kvl_lookup', callback = lookup, flags =
 redis.register_function('kvl_release', release)
 redis.register_function{function_name = 'kvl_find', callback = find, flags = {'no-writes'}}
 redis.register_function('kvl_reap', reap)
+redis.register_function{function_name = 'kvl_stored_prefixes', callback = stored_prefixes, flags = {'no-writes'}}
 redis.register_function('kvl_set_state', set_state)

@@ -41,6 +41,7 @@ class WorkerSpec:
     labels: dict[str, str] = field(default_factory=dict)
     kv_dtype: str = ""  # empty: unknown
     kv_group_windows: tuple[int, ...] = ()  # per KV-cache group, 0 = full attention; empty: unknown
+    hash_seed: str = ""  # vLLM's block-hash seed (PYTHONHASHSEED); empty: unknown
 
 
 @dataclass(slots=True)

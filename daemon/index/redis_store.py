@@ -648,6 +648,25 @@ class RedisStore:
         )
 
     @_reachable
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        if not workers or not hashes:
+            return dict.fromkeys(workers, 0)
+        base, prefix = self._namespace(namespace)
+        reply = await self._fcall(
+            "kvl_stored_prefixes",
+            [f"{prefix}sto"],
+            base,
+            _keys(hashes),
+            KEY_BYTES,
+            repr(now),
+            repr(self.config.lease_s),
+            *workers,
+        )
+        return {w: int(n) for w, n in zip(workers, reply, strict=True)}
+
+    @_reachable
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         base, prefix = self._namespace(namespace)
         return bool(

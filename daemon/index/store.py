@@ -150,6 +150,13 @@ class BlockIndex(Protocol):
         claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
         check) takes its worker. With ``claim`` a single-use best run is claimed in the same step."""
 
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        """How many leading blocks of the prompt each of ``workers`` holds in its prefix cache
+        (BlockStored, not yet BlockRemoved), counted from block 0 as vLLM's own prefix hit is. Workers
+        that hold none, are unknown or not active count 0. Read-only."""
+
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         """Give back a single-use run claimed by ``requester``; False when it holds no such claim."""
 
