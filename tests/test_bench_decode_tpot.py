@@ -68,7 +68,7 @@ def test_paired_ratios_pair_the_same_round_and_slot():
 
 
 def test_equal_batch_ratios_leave_arrival_steps_out():
-    slow_arrival = Trial("staggered", 0, [stream(0.0, 0.010, 0.020, 0.030), stream(0.0205, 0.030)])
+    slow_arrival = Trial("staggered", 0, [stream(0.0, 0.010, 0.020, 0.030), stream(0.0205, 0.0305)])
     base = _trial("base", 0, 0.010)
     rows = equal_batch_ratios([slow_arrival, base], "staggered", "base")
     assert [r["batch"] for r in rows] == [2]  # staggered has batch 1 steps only while alone
