@@ -6,8 +6,9 @@ interleaved round by round (the order rotated every round) so that the host's no
 
 - ``base``: the requests arrive together, the decode retains each finished run, nothing reads from it;
 - ``no_retention``: as base, each request asks not to be retained (``kvloop_retain: false``);
-- ``reads``: as base, while continuation prefills pull earlier runs from this decode (READs hitting it
-  and the prefill's own short compute, as in a real conversation's next turn);
+- ``reads``: as base, while continuation prefills (one per session, one after another, from the start
+  of the decode) pull earlier runs from this decode: READs hitting it, and the prefill's own short
+  compute, as when other conversations' next turns are prefilled while these decode;
 - ``staggered``: as base, the requests arrive one by one, ``stagger_ms`` apart (as kvloop's faster,
   unbatched prefills release them);
 - ``staggered_no_retention``: staggered, without retention.
@@ -35,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvloop.clients.bench.multiturn import engine_totals, median_ci95, quartiles
-from kvloop.clients.bench.steps import Gap, Stream, step_gaps
+from kvloop.clients.bench.steps import Gap, Stream, equal_batch, step_gaps
 
 MODEL = "kvloop-tiny"
 
@@ -120,6 +121,9 @@ class Trial:
     reads: list[tuple[float, float]] = field(default_factory=list)
     pulled_tokens: list[int] = field(default_factory=list)
     decode_metrics: dict[str, float] = field(default_factory=dict)
+    # CPU seconds each process group used over the trial (idle.process_groups: "decode engine-core",
+    # "decode api-server", "prefill engine-core", sidecars, kvloopd, ...)
+    cpu_s: dict[str, float] = field(default_factory=dict)
 
 
 def paired_ratios(trials: Sequence[Trial], top: str, bottom: str) -> dict | None:
@@ -151,25 +155,13 @@ def equal_batch_ratios(trials: Sequence[Trial], top: str, bottom: str) -> list[d
     """Step time of `top` over `bottom` at the same batch size, steps without an arrival only: what
     is left of a TPOT difference once the arrival pattern (the batch a request decodes in, and the
     steps it shares with arrivals) is the same."""
-    by: dict[tuple[str, int], list[float]] = {}
+    by: dict[str, dict[int, list[float]]] = {top: {}, bottom: {}}
     for t in trials:
-        if t.condition in (top, bottom):
+        if t.condition in by:
             for g in step_gaps(t.streams, t.reads):
                 if not g.arrival:
-                    by.setdefault((t.condition, g.batch), []).append(g.step_ms)
-    out = []
-    for batch in sorted({b for _, b in by}):
-        a, b = by.get((top, batch)), by.get((bottom, batch))
-        if a and b:
-            out.append(
-                {
-                    "batch": batch,
-                    "steps": [len(a), len(b)],
-                    "step_ms_p50": [round(statistics.median(a), 2), round(statistics.median(b), 2)],
-                    "ratio": round(statistics.median(a) / statistics.median(b), 3),
-                }
-            )
-    return out
+                    by[t.condition].setdefault(g.batch, []).append(g.step_ms)
+    return [asdict(r) for r in equal_batch(by[top], by[bottom])]
 
 
 def summarize(trials: Sequence[Trial]) -> dict:
@@ -181,6 +173,11 @@ def summarize(trials: Sequence[Trial]) -> dict:
         tpots = [v for t in mine for s in t.streams if (v := s.tpot_ms())]
         gaps = [g for t in mine for g in step_gaps(t.streams, t.reads)]
         metrics = {key: sum(t.decode_metrics.get(key, 0.0) for t in mine) for key in DECODE_SERIES.values()}
+        cpu: dict[str, float] = {}
+        for t in mine:
+            for group, seconds in t.cpu_s.items():
+                cpu[group] = cpu.get(group, 0.0) + seconds
+        tokens = sum(sum(s.tokens) for t in mine for s in t.streams)
         conditions.append(
             {
                 "condition": name,
@@ -200,6 +197,11 @@ def summarize(trials: Sequence[Trial]) -> dict:
                 "retained_runs": int(metrics["retained_runs"]),
                 "reads": sum(len(t.reads) for t in mine),
                 "pulled_tokens": sum(sum(t.pulled_tokens) for t in mine),
+                # the decode's own work per token, apart from how long it waited for a core
+                "decode_core_cpu_ms_per_token": round(cpu.get("decode engine-core", 0.0) * 1e3 / tokens, 2)
+                if tokens
+                else None,
+                "cpu_s": {group: round(seconds, 2) for group, seconds in sorted(cpu.items())},
                 "steps": step_table(gaps),
             }
         )
@@ -234,10 +236,28 @@ def _metrics(url: str) -> dict[str, float]:
     return engine_totals(page, DECODE_SERIES)
 
 
+class CpuClock:
+    """CPU seconds used so far by each process group of a stack (idle.process_groups)."""
+
+    def __init__(self, stack) -> None:
+        from kvloop.clients.bench.idle import process_groups
+
+        self.groups = process_groups(stack)
+
+    def read(self) -> dict[str, float]:
+        from kvloop.clients.bench.idle import CLK_TCK, _ticks
+
+        return {
+            group: sum(t for pid in pids if (t := _ticks(pid)) is not None) / CLK_TCK
+            for group, pids in self.groups.items()
+        }
+
+
 class Driver:
     """Prefill -> decode requests on one stack, as a disaggregation proxy sends them."""
 
-    def __init__(self, prefill_url: str, decode_url: str, cfg: DecodeTpotConfig) -> None:
+    def __init__(self, prefill_url: str, decode_url: str, cfg: DecodeTpotConfig, cpu: CpuClock) -> None:
+        self.cpu = cpu
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.cfg = cfg
@@ -315,16 +335,19 @@ class Driver:
         fresh = time.perf_counter() - self.cfg.retention_ttl_s / 2
         sources = [tokens for tokens, at in self.retained if at > fresh][-n:] if cond.reads else []
         before = _metrics(self.decode_url)
+        cpu_before = self.cpu.read()
         t0 = time.perf_counter() + 0.05
         gap = self.cfg.stagger_ms / 1e3 if cond.staggered else 0.0
         done = threading.Event()
         reads: list[tuple[float, float, int]] = []
 
         def pull_while_decoding() -> None:
-            i = 0
-            while sources and not done.is_set():
-                reads.append(self.continuation(sources[i % len(sources)]))
-                i += 1
+            # one next turn per session, one after another as a prefill engine serves them: a
+            # conversation's continuation prefills arriving while other sessions decode
+            for run in sources:
+                if done.is_set():
+                    break
+                reads.append(self.continuation(run))
 
         reader = threading.Thread(target=pull_while_decoding, daemon=True)
         if sources:
@@ -341,6 +364,7 @@ class Driver:
             if sources:
                 reader.join()
         after = _metrics(self.decode_url)
+        cpu_after = self.cpu.read()
         if cond.retain:
             now = time.perf_counter()
             self.retained += [(p + ids[:-1], now) for p, (_, ids) in zip(prompts, outcomes, strict=True)]
@@ -351,6 +375,7 @@ class Driver:
             [(a, b) for a, b, _ in reads],
             [pulled for _, _, pulled in reads],
             {k: after[k] - before[k] for k in after},
+            {g: (cpu_after[g] - cpu_before.get(g, 0.0)) for g in cpu_after},
         )
 
 
@@ -378,7 +403,7 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
     trials: list[Trial] = []
     try:
         stack.start(lambda what, state: progress(f"{what}: {state}"))
-        driver = Driver(stack.prefill.config.url, stack.decodes[0].config.url, cfg)
+        driver = Driver(stack.prefill.config.url, stack.decodes[0].config.url, cfg, CpuClock(stack))
         names = list(cfg.conditions)
         progress("warm-up round (not measured; leaves runs for the reads condition to pull)")
         for name in names:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvloop.clients.bench.steps import Stream, step_gaps
+from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.common.tokens import agreeing_prefix_length
 
@@ -537,28 +537,19 @@ def equal_batch_decode_steps(
     out = []
     for workload, concurrency in sorted({(s.workload, s.concurrency) for s in samples}):
         for top, bottom in pairs:
-            rows = []
-            for batch in sorted({k[3] for k in steps if k[:2] == (workload, concurrency)}):
-                a = steps.get((workload, concurrency, top, batch))
-                b = steps.get((workload, concurrency, bottom, batch))
-                if a and b:
-                    rows.append(
-                        {
-                            "batch": batch,
-                            "steps": [len(a), len(b)],
-                            "step_ms_p50": [round(statistics.median(a), 2), round(statistics.median(b), 2)],
-                            "ratio": round(statistics.median(a) / statistics.median(b), 3),
-                        }
-                    )
+
+            def arm(name: str, cell: tuple[str, int] = (workload, concurrency)) -> dict[int, list[float]]:
+                return {k[3]: v for k, v in steps.items() if k[:3] == (*cell, name)}
+
+            rows = equal_batch(arm(top), arm(bottom))
             if rows:
-                weight = sum(r["steps"][1] for r in rows)
                 out.append(
                     {
                         "workload": workload,
                         "concurrency": concurrency,
                         "ratio": f"{top}/{bottom}",
-                        "by_batch": rows,
-                        "ratio_weighted": round(sum(r["ratio"] * r["steps"][1] for r in rows) / weight, 3),
+                        "by_batch": [asdict(r) for r in rows],
+                        "ratio_weighted": weighted_ratio(rows),
                     }
                 )
     return out

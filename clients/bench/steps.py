@@ -4,6 +4,7 @@ same time say what each step held (used by `kvloop bench decode-tpot` and `kvloo
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -63,3 +64,33 @@ def step_gaps(
             read = any(a < end and b > start for a, b in reads)
             gaps.append(Gap((end - start) * 1e3 / max(s.tokens[i], 1), batch, arrival, read))
     return gaps
+
+
+@dataclass(frozen=True)
+class EqualBatch:
+    """Median step time of two sets of steps (e.g. two arms) at one batch size, and their ratio."""
+
+    batch: int
+    steps: tuple[int, int]
+    step_ms_p50: tuple[float, float]
+    ratio: float
+
+
+def equal_batch(top: dict[int, list[float]], bottom: dict[int, list[float]]) -> list[EqualBatch]:
+    """Step times (ms, per batch size) of `top` against `bottom` at every batch size both have."""
+    rows = []
+    for batch in sorted(set(top) & set(bottom)):
+        a, b = statistics.median(top[batch]), statistics.median(bottom[batch])
+        rows.append(
+            EqualBatch(
+                batch, (len(top[batch]), len(bottom[batch])), (round(a, 2), round(b, 2)), round(a / b, 3)
+            )
+        )
+    return rows
+
+
+def weighted_ratio(rows: Sequence[EqualBatch]) -> float | None:
+    """The per-batch ratios weighted by the bottom set's steps at each batch: one figure for a TPOT
+    comparison at the bottom set's own mix of batch sizes."""
+    weight = sum(r.steps[1] for r in rows)
+    return round(sum(r.ratio * r.steps[1] for r in rows) / weight, 3) if weight else None
