@@ -88,8 +88,9 @@ class DecodeTpotConfig:
     block_size: int = 32
     kv_cache_gib: int = 2
     # Short leases: every round retains a few runs per condition, and a decode holding them for vLLM's
-    # 480 s would fill up. Long enough for the reads condition to pull runs of the round before.
-    retention_ttl_s: float = 30.0
+    # 480 s would fill up. Long enough for the reads condition to pull runs of the round before (a
+    # round lasts 10-30 s on 2 busy cores).
+    retention_ttl_s: float = 60.0
     seed: int = 5
 
 
@@ -331,8 +332,8 @@ class Driver:
         n = self.cfg.sessions
         prompts = [self.prompt() for _ in range(n)]
         params = [self.prefill(p) for p in prompts]
-        # runs still well inside their lease (the directory hands out none within its margin)
-        fresh = time.perf_counter() - self.cfg.retention_ttl_s / 2
+        # runs still well inside their lease (the directory hands out none within its 6 s margin)
+        fresh = time.perf_counter() - (self.cfg.retention_ttl_s - 15.0)
         sources = [tokens for tokens, at in self.retained if at > fresh][-n:] if cond.reads else []
         before = _metrics(self.decode_url)
         cpu_before = self.cpu.read()
