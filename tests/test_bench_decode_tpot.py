@@ -101,3 +101,17 @@ def test_only_a_decode_request_declines_retention():
     # a prefill's request, or one whose KV load never ran: vLLM's own bookkeeping must see it
     assert not declines_retention({"kvloop_retain": False, "do_remote_decode": True})
     assert not declines_retention({"kvloop_retain": False, "do_remote_prefill": True})
+
+
+def test_decode_cpu_per_token_is_paired_by_round():
+    from kvloop.clients.bench.decode_tpot import paired_cpu_ratios
+
+    trials = []
+    for rnd, (reads_cpu, base_cpu) in enumerate(((1.1, 1.0), (2.2, 2.0), (3.0, 3.0))):
+        trials += [_trial("reads", rnd, 0.01), _trial("base", rnd, 0.01)]
+        trials[-2].cpu_s = {"decode engine-core": reads_cpu}
+        trials[-1].cpu_s = {"decode engine-core": base_cpu}
+    trials.append(_trial("reads", 7, 0.01))  # no CPU read: left out
+    out = paired_cpu_ratios(trials, "reads", "base")
+    assert out is not None and (out["rounds"], out["median"]) == (3, 1.1)
+    assert paired_cpu_ratios(trials, "reads", "base", group="kvloopd") is None

@@ -152,6 +152,27 @@ def paired_ratios(trials: Sequence[Trial], top: str, bottom: str) -> dict | None
     }
 
 
+def paired_cpu_ratios(
+    trials: Sequence[Trial], top: str, bottom: str, group: str = "decode engine-core"
+) -> dict | None:
+    """CPU seconds per decoded token of a process group, `top` over `bottom`, paired by round: whether a
+    condition makes the decode do more work, or only wait longer for a core."""
+    per = {
+        (t.round, t.condition): t.cpu_s[group] / tokens
+        for t in trials
+        if group in t.cpu_s and (tokens := sum(sum(s.tokens) for s in t.streams))
+    }
+    ratios = [v / per[(rnd, bottom)] for (rnd, c), v in per.items() if c == top and per.get((rnd, bottom))]
+    if not ratios:
+        return None
+    low, high = median_ci95(ratios)
+    return {
+        "rounds": len(ratios),
+        "median": round(statistics.median(ratios), 3),
+        "median_ci95": [round(low, 3), round(high, 3)],
+    }
+
+
 def equal_batch_ratios(trials: Sequence[Trial], top: str, bottom: str) -> list[dict]:
     """Step time of `top` over `bottom` at the same batch size, steps without an arrival only: what
     is left of a TPOT difference once the arrival pattern (the batch a request decodes in, and the
@@ -215,6 +236,7 @@ def summarize(trials: Sequence[Trial]) -> dict:
                     "factor": factor,
                     "ratio": f"{top}/{bottom}",
                     "tpot": paired_ratios(trials, top, bottom),
+                    "decode_core_cpu_per_token": paired_cpu_ratios(trials, top, bottom),
                     "step_at_equal_batch": equal_batch_ratios(trials, top, bottom),
                 }
             )
