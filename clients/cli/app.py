@@ -1160,6 +1160,12 @@ def _print_multiturn(summary: dict) -> None:
             f"{pair['q1']:.2f}-{pair['q3']:.2f}",
         )
     console.print(table)
+    for row in summary.get("decode_step_at_equal_batch", []):
+        console.print(
+            f"decode step at equal batch (steps without an arrival), {row['ratio']}, {row['workload']}, "
+            f"{row['concurrency']} sessions: {row['ratio_weighted']} weighted; by batch "
+            + ", ".join(f"{b['batch']}: {b['ratio']}" for b in row["by_batch"])
+        )
     for row in summary["shared_prefix_new_conversations"]:
         console.print(
             f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: "
