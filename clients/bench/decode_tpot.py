@@ -9,6 +9,8 @@ interleaved round by round (the order rotated every round) so that the host's no
 - ``reads``: as base, while continuation prefills (one per session, one after another, from the start
   of the decode) pull earlier runs from this decode: READs hitting it, and the prefill's own short
   compute, as when other conversations' next turns are prefilled while these decode;
+- ``prefills``: as reads, but the continuation prefills carry only their new tokens (a fresh prompt of
+  that length): the prefill engine computes as much, and nothing reads from the decode;
 - ``staggered``: as base, the requests arrive one by one, ``stagger_ms`` apart (as kvloop's faster,
   unbatched prefills release them);
 - ``staggered_no_retention``: staggered, without retention.
@@ -46,12 +48,16 @@ class Condition:
     retain: bool = True
     reads: bool = False
     staggered: bool = False
+    # as reads, but the prefills pull nothing: as many new tokens, without the history (a control for
+    # what the prefill engine's own compute takes from the decode, READ or not)
+    prefills: bool = False
 
 
 CONDITIONS = {
     "base": Condition(),
     "no_retention": Condition(retain=False),
     "reads": Condition(reads=True),
+    "prefills": Condition(prefills=True),
     "staggered": Condition(staggered=True),
     "staggered_no_retention": Condition(retain=False, staggered=True),
 }
@@ -59,6 +65,8 @@ CONDITIONS = {
 EFFECTS = (
     ("base", "no_retention", "retention"),
     ("reads", "base", "incoming READs"),
+    ("prefills", "base", "concurrent prefills, no READ"),
+    ("reads", "prefills", "READs beyond the prefill's compute"),
     ("staggered", "base", "staggered arrivals"),
     ("staggered", "staggered_no_retention", "retention, staggered"),
 )
@@ -344,7 +352,8 @@ class Driver:
         return stream, ids
 
     def continuation(self, run: list[int]) -> tuple[float, float, int]:
-        """The next turn of a retained run, prefilled: the prefill pulls the run from the decode."""
+        """The next turn of a retained run, prefilled: the prefill pulls the run from the decode (an
+        empty run: only the new tokens, nothing to pull)."""
         sent = time.perf_counter()
         out = self.prefill(run + [self.rnd.randrange(2, 1000) for _ in range(32)])
         return sent, time.perf_counter(), int(out.get("kvloop_pulled_tokens") or 0)
@@ -357,6 +366,8 @@ class Driver:
         # runs still well inside their lease (the directory hands out none within its 6 s margin)
         fresh = time.perf_counter() - (self.cfg.retention_ttl_s - 15.0)
         sources = [tokens for tokens, at in self.retained if at > fresh][-n:] if cond.reads else []
+        if cond.prefills:
+            sources = [[] for _ in range(n)]
         before = _metrics(self.decode_url)
         cpu_before = self.cpu.read()
         t0 = time.perf_counter() + 0.05

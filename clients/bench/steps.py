@@ -42,7 +42,7 @@ class Gap:
     step_ms: float
     batch: int  # requests decoding through the whole gap (this one included)
     arrival: bool  # another request's first token came out of this step
-    read: bool  # a READ (a continuation prefill pulling from this decode) was in flight
+    read: bool  # a continuation prefill was in flight (in the reads condition: pulling from this decode)
 
 
 def step_gaps(
