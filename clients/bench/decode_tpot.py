@@ -287,7 +287,9 @@ class CpuClock:
 class Driver:
     """Prefill -> decode requests on one stack, as a disaggregation proxy sends them."""
 
-    def __init__(self, prefill_url: str, decode_url: str, cfg: DecodeTpotConfig, cpu: CpuClock) -> None:
+    def __init__(
+        self, prefill_url: str, decode_url: str, cfg: DecodeTpotConfig, cpu: CpuClock | None = None
+    ) -> None:
         self.cpu = cpu
         self.prefill_url = prefill_url
         self.decode_url = decode_url
@@ -369,7 +371,7 @@ class Driver:
         if cond.prefills:
             sources = [[] for _ in range(n)]
         before = _metrics(self.decode_url)
-        cpu_before = self.cpu.read()
+        cpu_before = self.cpu.read() if self.cpu else {}
         t0 = time.perf_counter() + 0.05
         gap = self.cfg.stagger_ms / 1e3 if cond.staggered else 0.0
         done = threading.Event()
@@ -398,7 +400,7 @@ class Driver:
             if sources:
                 reader.join()
         after = _metrics(self.decode_url)
-        cpu_after = self.cpu.read()
+        cpu_after = self.cpu.read() if self.cpu else {}
         if cond.retain:
             now = time.perf_counter()
             self.retained += [(p + ids[:-1], now) for p, (_, ids) in zip(prompts, outcomes, strict=True)]
