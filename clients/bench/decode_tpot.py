@@ -433,6 +433,7 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
             mode="kvloop",
             decode_servers=1,
             with_proxy=False,
+            start_timeout_s=600,  # 2 cores shared with other work: engines have taken 4 minutes to start
         )
     )
     started = time.monotonic()
