@@ -353,12 +353,29 @@ class Driver:
             raise RuntimeError(f"the decode streamed {sum(stream.tokens)} of {self.cfg.answer_tokens} tokens")
         return stream, ids
 
-    def continuation(self, run: list[int]) -> tuple[float, float, int]:
+    def continuation(self, run: list[int]) -> tuple[float, float, int, list[int], dict]:
         """The next turn of a retained run, prefilled: the prefill pulls the run from the decode (an
         empty run: only the new tokens, nothing to pull)."""
         sent = time.perf_counter()
-        out = self.prefill(run + [self.rnd.randrange(2, 1000) for _ in range(32)])
-        return sent, time.perf_counter(), int(out.get("kvloop_pulled_tokens") or 0)
+        prompt = run + [self.rnd.randrange(2, 1000) for _ in range(32)]
+        out = self.prefill(prompt)
+        return sent, time.perf_counter(), int(out.get("kvloop_pulled_tokens") or 0), prompt, out
+
+    def release(self, prompt: list[int], params: dict) -> None:
+        """Hand a prefill's blocks held for a decode to it (one token, not retained): a prefill engine
+        holding blocks no decode will read steps without pause until their lease ends (30 s), taking
+        a core from the trials after."""
+        kv = {k: v for k, v in params.items() if not k.startswith("kvloop_")}
+        _post(
+            f"{self.decode_url}/v1/completions",
+            {
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "kv_transfer_params": {**kv, "kvloop_retain": False},
+            },
+        )
 
     def trial(self, name: str, rnd: int) -> Trial:
         cond = CONDITIONS[name]
@@ -375,7 +392,7 @@ class Driver:
         t0 = time.perf_counter() + 0.05
         gap = self.cfg.stagger_ms / 1e3 if cond.staggered else 0.0
         done = threading.Event()
-        reads: list[tuple[float, float, int]] = []
+        reads: list[tuple[float, float, int, list[int], dict]] = []
 
         def pull_while_decoding() -> None:
             # one next turn per session, one after another as a prefill engine serves them: a
@@ -401,6 +418,8 @@ class Driver:
                 reader.join()
         after = _metrics(self.decode_url)
         cpu_after = self.cpu.read() if self.cpu else {}
+        for _, _, _, prompt, out in reads:  # after the measurement
+            self.release(prompt, out)
         if cond.retain:
             now = time.perf_counter()
             self.retained += [(p + ids[:-1], now) for p, (_, ids) in zip(prompts, outcomes, strict=True)]
@@ -408,8 +427,8 @@ class Driver:
             name,
             rnd,
             [s for s, _ in outcomes],
-            [(a, b) for a, b, _ in reads],
-            [pulled for _, _, pulled in reads],
+            [(a, b) for a, b, *_ in reads],
+            [pulled for _, _, pulled, *_ in reads],
             {k: after[k] - before[k] for k in after},
             {g: (cpu_after[g] - cpu_before.get(g, 0.0)) for g in cpu_after},
         )
@@ -446,8 +465,9 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
         for name in names:
             driver.trial(name, -1)
         for rnd in range(cfg.rounds):
-            # rotated: no condition always follows the same other one
-            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            # shuffled (seeded): no condition always follows the same other one, whose after-effects
+            # (a busier prefill engine, the directory's work) would land on it alone
+            order = random.Random(cfg.seed * 1000 + rnd).sample(names, len(names))
             for name in order:
                 trials.append(driver.trial(name, rnd))
             progress(
