@@ -449,21 +449,21 @@ def bench_decode_tpot(
     for column in (
         "condition",
         "requests",
-        "TPOT ms p50",
-        "vLLM TPOT ms",
+        "TPOT ms p50 / mean",
+        "vLLM TPOT ms mean",
         "batch (vLLM)",
         "batch (client)",
         "arrival steps",
-        "READ steps",
+        "steps beside a prefill",
         "retained runs",
-        "READs",
+        "continuation prefills",
     ):
         table.add_column(column)
     for c in summary["conditions"]:
         table.add_row(
             c["condition"],
             str(c["requests"]),
-            _blank(c["tpot_ms_p50"]),
+            f"{_blank(c['tpot_ms_p50'])} / {_blank(c['tpot_ms_mean'])}",
             _blank(c["vllm_tpot_ms_mean"]),
             _blank(c["vllm_batch_mean"]),
             _blank(c["client_batch_mean"]),
