@@ -190,6 +190,8 @@ class EngineConfig:
             self.url,
             "--block-size",
             str(self.block_size),
+            "--hash-seed",
+            self.vllm_env()["PYTHONHASHSEED"],
             "--kv-bytes-per-block",
             str(self.kv_bytes_per_block),
             "--kv-dtype",

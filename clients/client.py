@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from kvloop.common.addresses import grpc_target
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -70,6 +71,9 @@ def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
+        # Several kvloopd replicas (a list of addresses or a name with several records): spread the
+        # calls over the live ones, and a call made while one is down goes to another.
+        ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
     ]
 
 
@@ -84,6 +88,7 @@ class _ClientBase:
         max_message_bytes: int = 16 * 1024 * 1024,
     ) -> None:
         self.target = target or default_target()
+        self._grpc_target = grpc_target(self.target)
         self.security = security or ClientSecurity.from_env()
         self.timeout = timeout
         self._metadata = self.security.call_metadata()
@@ -149,16 +154,58 @@ class _ClientBase:
             request.block_hashes.extend(block_hashes)
         return self._invoke("Lookup", request, timeout=timeout)
 
+    def route(
+        self,
+        model: str,
+        candidates: Sequence[pb.RouteCandidate | str],
+        *,
+        token_ids: Sequence[int] = (),
+        block_hashes: Sequence[bytes] | bytes = (),
+        cache_salt: str = "",
+        lora_name: str = "",
+        prompt_tokens: int = 0,
+        block_size: int = 0,
+        timeout: float | None = None,
+    ) -> pb.RouteResponse:
+        """Rank candidate prefill workers for a prompt by expected time to first token (read-only).
+
+        Give the prompt as `token_ids` (kvloopd hashes them as the model's vLLM engines do) or as
+        `block_hashes`; a candidate is a worker id or a `pb.RouteCandidate` with its queue."""
+        request = pb.RouteRequest(
+            model=model,
+            lora_name=lora_name,
+            token_ids=token_ids,
+            cache_salt=cache_salt,
+            prompt_tokens=prompt_tokens,
+            block_size=block_size,
+            candidates=[pb.RouteCandidate(worker_id=c) if isinstance(c, str) else c for c in candidates],
+        )
+        if isinstance(block_hashes, (bytes, bytearray)):
+            request.packed_block_hashes = bytes(block_hashes)
+        else:
+            request.block_hashes.extend(block_hashes)
+        return self._invoke("Route", request, timeout=timeout)
+
     def release_claim(
-        self, model: str, holder: str, handle: str, *, requester: str = "", lora_name: str = ""
+        self,
+        model: str,
+        holder: str,
+        handle: str,
+        *,
+        requester: str = "",
+        lora_name: str = "",
+        directory_epoch: int = 0,
     ) -> bool:
-        """Give back a single-use run a TRANSFER answer claimed for `requester` (idempotent)."""
+        """Give back a single-use run a TRANSFER answer claimed for `requester` (idempotent).
+        `directory_epoch`: the answer's; a claim from an epoch the directory has moved past is not
+        released (0: not checked)."""
         request = pb.ReleaseClaimRequest(
             model=model,
             lora_name=lora_name,
             holder_worker_id=holder,
             retention_handle=handle,
             requester_worker_id=requester,
+            directory_epoch=directory_epoch,
         )
         return self._invoke("ReleaseClaim", request, lambda r: r.released)
 
@@ -190,8 +237,10 @@ class DirectoryClient(_ClientBase):
 
     def _open(self, options: list) -> grpc.Channel:
         if self.security.tls:
-            return grpc.secure_channel(self.target, self.security.channel_credentials(), options=options)
-        return grpc.insecure_channel(self.target, options=options)
+            return grpc.secure_channel(
+                self._grpc_target, self.security.channel_credentials(), options=options
+            )
+        return grpc.insecure_channel(self._grpc_target, options=options)
 
     def _invoke(self, method, request, transform=_identity, timeout=None):
         try:
@@ -233,8 +282,10 @@ class AsyncDirectoryClient(_ClientBase):
 
     def _open(self, options: list) -> grpc.aio.Channel:
         if self.security.tls:
-            return grpc.aio.secure_channel(self.target, self.security.channel_credentials(), options=options)
-        return grpc.aio.insecure_channel(self.target, options=options)
+            return grpc.aio.secure_channel(
+                self._grpc_target, self.security.channel_credentials(), options=options
+            )
+        return grpc.aio.insecure_channel(self._grpc_target, options=options)
 
     async def _invoke(self, method, request, transform=_identity, timeout=None):
         try:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import socket
 from typing import Annotated
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator
 
 
 def parse_host_port(value: str, what: str = "") -> tuple[str, int]:
@@ -29,6 +30,60 @@ def _optional_host_port(value: str) -> str:
 # A settings field holding HOST:PORT; the optional form also accepts "" (turned off).
 HostPort = Annotated[str, AfterValidator(_host_port)]
 OptionalHostPort = Annotated[str, AfterValidator(_optional_host_port)]
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+_URI_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
+
+
+def grpc_target(value: str) -> str:
+    """kvloopd's address(es) as one gRPC target: calls go to any replica that answers and move to
+    another when one fails (the channel balances round robin over the live ones).
+
+    * ``HOST:PORT``: gRPC resolves the name and uses every record it has (one DNS name for all
+      replicas, e.g. a headless Kubernetes service), re-resolving when a connection fails;
+    * ``IP:PORT,IP:PORT,...``: one address per replica (IP literals: gRPC has no resolver for a
+      list of names);
+    * a gRPC target URI (``dns:///``, ``ipv4:``, ``ipv6:``, ``unix:``) is taken as it is.
+    """
+    value = value.strip()
+    if "," not in value or value.startswith(_URI_SCHEMES):
+        return value
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    parsed = [parse_host_port(p, "each kvloopd address") for p in parts]
+    names = [p for p, (host, _) in zip(parts, parsed, strict=True) if not _is_ip(host)]
+    if names:
+        raise ValueError(
+            f"several kvloopd addresses must be IP:PORT each (got {', '.join(names)}); for host names "
+            "give one DNS name with a record per replica"
+        )
+    families = {ipaddress.ip_address(host).version for host, _ in parsed}
+    if len(families) > 1:
+        raise ValueError(f"kvloopd addresses mix IPv4 and IPv6: {value!r}")
+    if families == {6}:
+        return "ipv6:" + ",".join(f"[{host}]:{port}" for host, port in parsed)
+    return "ipv4:" + ",".join(f"{host}:{port}" for host, port in parsed)
+
+
+def daemon_addresses(value: str | list[str]) -> str:
+    """kvloopd's address(es) checked, as one string (a list joined with commas)."""
+    joined = ",".join(value) if isinstance(value, list) else str(value)
+    if "," not in joined and not joined.startswith(_URI_SCHEMES):
+        parse_host_port(joined, "the kvloopd address")
+    grpc_target(joined)
+    return joined
+
+
+# kvloopd's address: one HOST:PORT, a DNS name with a record per replica, or several IP:PORT
+# (comma-separated, or a TOML list): see grpc_target.
+DaemonAddresses = Annotated[str, BeforeValidator(daemon_addresses)]
 
 
 _EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"

@@ -24,6 +24,7 @@ SERVICE_PREFIX = "/" + pb.DESCRIPTOR.services_by_name["Directory"].full_name + "
 METHOD_ROLES: Mapping[str, tuple[Role, ...]] = {
     "Connect": (Role.AGENT,),
     "Lookup": (Role.PREFILL, Role.READ),
+    "Route": (Role.PREFILL, Role.READ),
     "ReleaseClaim": (Role.PREFILL,),
     "ListWorkers": (Role.READ, Role.PREFILL),
     "FindBlock": (Role.READ, Role.PREFILL),

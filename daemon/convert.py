@@ -14,10 +14,12 @@ from collections.abc import Sequence
 
 import grpc
 
+from kvloop.common import block_hash
 from kvloop.daemon.index import (
     Cleared,
     Event,
     Holding,
+    LeaseState,
     Location,
     Namespace,
     Released,
@@ -27,7 +29,7 @@ from kvloop.daemon.index import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.policy import Answer, KvLayout, LookupQuery
+from kvloop.daemon.policy import Answer, KvLayout, LookupQuery, RouteCandidate, RouteQuery, RouteScore
 from kvloop.v1 import directory_pb2 as pb
 
 MAX_ID_LENGTH = 256
@@ -130,6 +132,7 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
         labels=dict(reg.labels),
         kv_dtype=reg.kv_dtype,
         kv_group_windows=tuple(reg.kv_group_windows),
+        hash_seed=reg.hash_seed,
     )
 
 
@@ -150,6 +153,7 @@ def registration_of(spec: WorkerSpec) -> pb.WorkerRegistration:
         labels=spec.labels,
         kv_dtype=spec.kv_dtype,
         kv_group_windows=spec.kv_group_windows,
+        hash_seed=spec.hash_seed,
         parallel=pb.ParallelLayout(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=rank
         ),
@@ -256,10 +260,10 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
 # ---- Lookup -------------------------------------------------------------------------------------
 
 
-def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_hashes: int) -> LookupQuery:
-    """The request as a query; ``model_spec`` is any registered worker of the model (its layout)."""
-    if not request.model:
-        raise BadInput("model", "model must be set")
+def _prompt_hashes(
+    request: pb.LookupRequest | pb.RouteRequest, model_spec: WorkerSpec | None, max_hashes: int, rpc: str
+) -> tuple[Sequence[bytes], int]:
+    """The prompt's block hashes, checked against the model's layout, and the block size."""
     width = model_spec.hash_length if model_spec else 0
     block_size = model_spec.block_size if model_spec else request.block_size
     packed = request.packed_block_hashes  # read once: each access copies the bytes out of the message
@@ -279,11 +283,11 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
     else:
         hashes = list(request.block_hashes)
         if hashes and width:
-            check_hashes(hashes, width, max_hashes, "Lookup")
+            check_hashes(hashes, width, max_hashes, rpc)
     if request.block_size and block_size and request.block_size != block_size:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"model {request.model!r} uses block_size {block_size}; the lookup hashed with "
+            f"model {request.model!r} uses block_size {block_size}; the {rpc.lower()} hashed with "
             f"{request.block_size}: the hashes cannot match",
         )
     if block_size and len(hashes) * block_size > MAX_TOKENS:
@@ -292,6 +296,14 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
             "too_many_tokens",
             f"{len(hashes)} blocks of {block_size} tokens exceed {MAX_TOKENS} tokens",
         )
+    return hashes, block_size or 0
+
+
+def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_hashes: int) -> LookupQuery:
+    """The request as a query; ``model_spec`` is any registered worker of the model (its layout)."""
+    if not request.model:
+        raise BadInput("model", "model must be set")
+    hashes, block_size = _prompt_hashes(request, model_spec, max_hashes, "Lookup")
     if request.local_blocks > len(hashes):
         raise BadInput(
             "local_blocks", f"local_blocks {request.local_blocks} exceeds the {len(hashes)} hashes given"
@@ -302,7 +314,7 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
         hashes=hashes,
         local_blocks=request.local_blocks,
         requester=request.requester_worker_id,
-        block_size=block_size or 0,
+        block_size=block_size,
         claim=request.claim,
         min_pull_tokens=request.min_pull_tokens,
         lease_margin_s=request.lease_margin_ms / 1000.0,
@@ -373,3 +385,137 @@ def block_location(loc: Location) -> pb.BlockLocation:
         servable=loc.servable,
         tier=loc.tier,
     )
+
+
+# ---- Route --------------------------------------------------------------------------------------
+
+MAX_ROUTE_CANDIDATES = 256
+
+
+def _token_hashes(request: pb.RouteRequest, spec: WorkerSpec, max_hashes: int) -> list[bytes]:
+    if request.lora_name:
+        raise BadInput(
+            "token_ids",
+            "token_ids cannot be hashed for a LoRA request (vLLM hashes the adapter's path, which "
+            "kvloopd does not know): send block_hashes",
+        )
+    if not spec.hash_seed:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the workers of model {spec.model!r} registered no hash seed (agents older than Route): "
+            "send block_hashes",
+        )
+    if len(request.token_ids) // spec.block_size > max_hashes:
+        raise BadInput(
+            "too_many_hashes", f"{len(request.token_ids)} tokens exceed the limit of {max_hashes} blocks"
+        )
+    try:
+        hashes = block_hash.block_hashes(
+            request.token_ids, spec.block_size, spec.hash_algorithm, spec.hash_seed, request.cache_salt
+        )
+    except block_hash.UnsupportedHashing as exc:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION, f"model {spec.model!r}: {exc}: send block_hashes"
+        ) from None
+    if hashes and len(hashes[0]) != spec.hash_length:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"model {spec.model!r} registered {spec.hash_length}-byte hashes; kvloopd computes "
+            f"{len(hashes[0])}-byte digests: send block_hashes",
+        )
+    return hashes
+
+
+def route_query(
+    request: pb.RouteRequest, model_spec: WorkerSpec | None, workers: Sequence[WorkerView], max_hashes: int
+) -> RouteQuery:
+    """The request as a query; ``workers`` are the model's registered workers (candidates are
+    resolved among the active ones by worker_id or http_endpoint)."""
+    if not request.model:
+        raise BadInput("model", "model must be set")
+    if not request.candidates:
+        raise BadInput("candidates", "no candidates to rank")
+    if len(request.candidates) > MAX_ROUTE_CANDIDATES:
+        raise BadInput(
+            "candidates", f"{len(request.candidates)} candidates exceed the limit of {MAX_ROUTE_CANDIDATES}"
+        )
+    given = sum(map(bool, (len(request.block_hashes), request.packed_block_hashes, len(request.token_ids))))
+    if given != 1:
+        raise BadInput("hashes", "give exactly one of block_hashes, packed_block_hashes or token_ids")
+    if request.cache_salt and not request.token_ids:
+        raise BadInput("cache_salt", "cache_salt only applies to token_ids (block hashes already include it)")
+    hashes: Sequence[bytes]
+    if request.token_ids:
+        if model_spec is None:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no worker of model {request.model!r} is registered: its block size and hashing are unknown",
+            )
+        if request.block_size and request.block_size != model_spec.block_size:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model {request.model!r} uses block_size {model_spec.block_size}, the route asked "
+                f"{request.block_size}",
+            )
+        hashes, block_size = _token_hashes(request, model_spec, max_hashes), model_spec.block_size
+        prompt_tokens = request.prompt_tokens or len(request.token_ids)
+    else:
+        hashes, block_size = _prompt_hashes(request, model_spec, max_hashes, "Route")
+        prompt_tokens = request.prompt_tokens or len(hashes) * block_size
+    if prompt_tokens < len(hashes) * block_size:
+        raise BadInput(
+            "prompt_tokens",
+            f"prompt_tokens {prompt_tokens} is shorter than the {len(hashes)} full blocks given",
+        )
+    by_id = {v.spec.worker_id: v for v in workers}
+    by_http = {v.spec.http_endpoint.rstrip("/"): v for v in workers if v.spec.http_endpoint}
+    candidates = []
+    for position, c in enumerate(request.candidates):
+        if bool(c.worker_id) == bool(c.http_endpoint):
+            raise BadInput(
+                "candidates", f"candidate {position}: give worker_id or http_endpoint (one of them)"
+            )
+        view = by_id.get(c.worker_id) if c.worker_id else by_http.get(c.http_endpoint.rstrip("/"))
+        active = view is not None and view.state == LeaseState.ACTIVE
+        candidates.append(
+            RouteCandidate(
+                worker_id=view.spec.worker_id if view is not None else c.worker_id,
+                http_endpoint=c.http_endpoint or (view.spec.http_endpoint if view is not None else ""),
+                spec=view.spec if active and view is not None else None,
+                in_flight_requests=c.in_flight_requests,
+                queued_tokens=c.queued_tokens,
+            )
+        )
+    return RouteQuery(
+        namespace=Namespace(request.model, request.lora_name),
+        hashes=hashes,
+        block_size=block_size,
+        prompt_tokens=prompt_tokens,
+        candidates=candidates,
+    )
+
+
+def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -> pb.RouteResponse:
+    response = pb.RouteResponse(tied=tied, prompt_blocks=len(query.hashes), prompt_tokens=query.prompt_tokens)
+    for score in ranked:
+        c = score.candidate
+        out = response.ranked.add(
+            worker_id=c.worker_id,
+            http_endpoint=c.http_endpoint,
+            registered=c.spec is not None,
+            local_blocks=score.local_blocks,
+            pull_blocks=score.pull_blocks,
+            pull_holder_worker_id=score.pull_holder,
+            pull_holder_blocks=score.pull_holder_blocks,
+            pull_reason=score.pull_reason,
+            compute_tokens=score.compute_tokens,
+            queue_ms=score.queue_ms,
+            transfer_ms=score.transfer_ms,
+            compute_ms=score.compute_ms,
+            expected_ttft_ms=score.expected_ttft_ms,
+            prefill_tokens_per_s=score.prefill_tokens_per_s,
+            prefill_basis=score.prefill_basis,
+        )
+        if score.pull_cost is not None:
+            out.pull_cost.CopyFrom(score.pull_cost)
+    return response

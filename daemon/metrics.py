@@ -25,6 +25,12 @@ CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect 
 CLAIMS_RELEASED = Counter(
     "kvloop_claims_released_total", "Single-use runs a TRANSFER answer claimed and the puller gave back"
 )
+ROUTE_LATENCY = Histogram(
+    "kvloop_route_latency_seconds",
+    "Server-side Route time (prefix-cache walk, one lookup per candidate, estimates)",
+    buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3),
+)
+ROUTES = Counter("kvloop_routes_total", "Route answers, by whether the best candidates tied", ["outcome"])
 
 
 class DaemonCounters:
@@ -46,6 +52,10 @@ class DaemonCounters:
         key = f"{decision}/{reason}"
         self.decisions[key] = self.decisions.get(key, 0) + 1
         self.lookups += 1
+
+    def route(self, seconds: float, tied: bool) -> None:
+        ROUTE_LATENCY.observe(seconds)
+        ROUTES.labels("tied" if tied else "ranked").inc()
 
     def claim_released(self) -> None:
         """A TRANSFER answer the puller did not act on: it no longer counts as a transfer."""

@@ -63,6 +63,10 @@ class PolicyConfig(BaseModel):
     reprobe_every: int = Field(16, ge=0)
     reprobe_interval_s: float = Field(2.0, ge=0)
     enabled: bool = True
+    # Route: candidates whose expected TTFT is within max(route_tie_ms, route_tie_ratio x the best)
+    # of the best are tied (the router picks among them by load).
+    route_tie_ms: float = Field(1.0, ge=0)
+    route_tie_ratio: float = Field(0.05, ge=0)
 
 
 class _Window:
@@ -153,6 +157,44 @@ class LookupQuery:
     layout: KvLayout = field(default_factory=KvLayout)
 
 
+@dataclass(frozen=True, slots=True)
+class RouteCandidate:
+    """A prefill a router could send the prompt to, with its queue as the router knows it."""
+
+    worker_id: str
+    http_endpoint: str
+    spec: WorkerSpec | None  # None: not an active, registered worker of the model
+    in_flight_requests: int = 0
+    queued_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteQuery:
+    namespace: Namespace
+    hashes: Sequence[bytes]
+    block_size: int
+    prompt_tokens: int
+    candidates: Sequence[RouteCandidate]
+
+
+@dataclass(slots=True)
+class RouteScore:
+    candidate: RouteCandidate
+    local_blocks: int = 0
+    pull_blocks: int = 0
+    pull_holder: str = ""
+    pull_holder_blocks: int = 0
+    pull_reason: int = pb.DECISION_REASON_MISS
+    pull_cost: pb.CostEstimate | None = None
+    compute_tokens: int = 0
+    queue_ms: float = 0.0
+    transfer_ms: float = 0.0
+    compute_ms: float = 0.0
+    expected_ttft_ms: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    prefill_basis: str = ""
+
+
 @dataclass(slots=True)
 class Answer:
     decision: int
@@ -172,6 +214,7 @@ _UNSERVABLE = {
     "claimed": pb.DECISION_REASON_CLAIMED,
     "peer_unavailable": pb.DECISION_REASON_PEER_UNAVAILABLE,
     "incompatible_layout": pb.DECISION_REASON_INCOMPATIBLE_LAYOUT,
+    "directory_resyncing": pb.DECISION_REASON_DIRECTORY_RESYNCING,
 }
 
 
@@ -259,18 +302,25 @@ class CostModel:
         if pair is not None and n:
             bandwidth = pair.bandwidth.estimate(bandwidth, config.min_samples)
             setup = pair.setup.estimate(setup, config.min_samples)
-        window = self._prefill.get(puller)
-        m = len(window.samples) if window else 0
-        tokens_per_s = config.default_prefill_tokens_per_s
-        if window is not None and m:
-            tokens_per_s = window.estimate(tokens_per_s, config.min_samples)
+        tokens_per_s, recompute_basis = self.prefill_rate(puller, config)
         return pb.CostEstimate(
             transfer_ms=(setup + nbytes / bandwidth) * 1e3,
             recompute_ms=tokens / tokens_per_s * 1e3,
             transfer_bytes=nbytes,
             transfer_basis=f"measured ({n} reads)" if n else "default",
-            recompute_basis=f"measured ({m} prefills)" if m else "default",
+            recompute_basis=recompute_basis,
         )
+
+    def prefill_rate(self, worker: str, config: PolicyConfig) -> tuple[float, str]:
+        """The worker's estimated prefill tokens/s (robust: the default fills a short window) and
+        where it came from."""
+        window = self._prefill.get(worker)
+        m = len(window.samples) if window else 0
+        if window is None or not m:
+            return config.default_prefill_tokens_per_s, "default"
+        return window.estimate(
+            config.default_prefill_tokens_per_s, config.min_samples
+        ), f"measured ({m} prefills)"
 
     def views(self) -> tuple[list[pb.PairEstimate], list[pb.PullerEstimate]]:
         now = time.monotonic()
@@ -350,11 +400,22 @@ class Policy:
             recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
         )
 
-    def decide(self, query: LookupQuery, match: PrefixMatch, now: float | None = None) -> _Verdict:
+    def decide(
+        self, query: LookupQuery, match: PrefixMatch, now: float | None = None, *, peek: bool = False
+    ) -> _Verdict:
+        """The verdict on a match; ``peek`` (Route) judges by the estimates alone and records nothing
+        (no verdict counts, no probe)."""
         config = self.config_for(query.namespace.model)
         local_blocks = query.local_blocks
         best = match.best
         if best is None:
+            if match.unservable_reason == "directory_resyncing":
+                return _Verdict(
+                    pb.DECISION_RECOMPUTE,
+                    pb.DECISION_REASON_DIRECTORY_RESYNCING,
+                    "the directory store failed over: nothing is handed out until its workers have "
+                    "re-pushed their state",
+                )
             if match.unservable_reason:
                 return _Verdict(
                     pb.DECISION_RECOMPUTE,
@@ -380,6 +441,14 @@ class Policy:
                 pb.DECISION_RECOMPUTE,
                 pb.DECISION_REASON_BELOW_THRESHOLD,
                 f"{gain_tokens} transferable tokens < threshold {threshold}",
+                cost,
+            )
+        if peek:
+            faster = cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio
+            return _Verdict(
+                pb.DECISION_TRANSFER if faster else pb.DECISION_RECOMPUTE,
+                pb.DECISION_REASON_TRANSFER_FASTER if faster else pb.DECISION_REASON_RECOMPUTE_FASTER,
+                "",
                 cost,
             )
         return self._weigh(cost, self.cost.pair(holder, puller, query.namespace.model), config, now)
@@ -423,6 +492,73 @@ class Policy:
             return True
         since = now - pair.last_transfer if pair.last_transfer is not None else None
         return bool(config.reprobe_interval_s) and (since is None or since >= config.reprobe_interval_s)
+
+    async def route(self, store: BlockIndex, query: RouteQuery, now: float) -> list[RouteScore]:
+        """Candidates ranked by expected time to first token (best first); read-only.
+
+        Per candidate: its own prefix-cache blocks from block 0, then the pull Lookup would decide on
+        top of them (same store query, same estimates, no claim, no probe), then what is left to
+        compute at its measured prefill rate, after its queue."""
+        config = self.config_for(query.namespace.model)
+        n = len(query.hashes)
+        registered = [c.worker_id for c in query.candidates if c.spec is not None]
+        local = await store.stored_prefixes(query.namespace, query.hashes, registered, now)
+        scores = []
+        for c in query.candidates:
+            score = RouteScore(c, local_blocks=local.get(c.worker_id, 0) if c.spec is not None else 0)
+            rate, score.prefill_basis = self.cost.prefill_rate(c.worker_id, config)
+            score.prefill_tokens_per_s = rate
+            pulled = 0
+            if c.spec is not None and score.local_blocks < n:
+                lookup = LookupQuery(
+                    query.namespace,
+                    query.hashes,
+                    score.local_blocks,
+                    c.worker_id,
+                    query.block_size,
+                    layout=KvLayout.of(c.spec),
+                )
+                layout = lookup.layout
+                match = await store.lookup(
+                    query.namespace,
+                    query.hashes,
+                    score.local_blocks,
+                    c.worker_id,
+                    now,
+                    claim=False,
+                    accept=lambda spec, layout=layout: layout_mismatch(KvLayout.of(spec), layout) is None,
+                )
+                verdict = self.decide(lookup, match, now, peek=True)
+                score.pull_reason, score.pull_cost = verdict.reason, verdict.cost
+                if match.best is not None:
+                    score.pull_holder = match.best.worker.worker_id
+                    score.pull_holder_blocks = match.best.matched_blocks
+                if verdict.decision == pb.DECISION_TRANSFER and match.best is not None:
+                    pulled = match.best.matched_blocks - score.local_blocks
+                    assert verdict.cost is not None
+                    score.transfer_ms = verdict.cost.transfer_ms
+            elif score.local_blocks:
+                score.pull_reason = pb.DECISION_REASON_LOCAL_PREFIX
+            score.pull_blocks = pulled
+            covered = (score.local_blocks + pulled) * query.block_size
+            score.compute_tokens = max(0, query.prompt_tokens - covered)
+            score.compute_ms = score.compute_tokens / rate * 1e3
+            queued = c.queued_tokens or c.in_flight_requests * query.prompt_tokens
+            score.queue_ms = queued / rate * 1e3
+            score.expected_ttft_ms = score.queue_ms + score.transfer_ms + score.compute_ms
+            scores.append(score)
+        # Stable: equal estimates keep the caller's order (its own tie-break).
+        scores.sort(key=lambda s: s.expected_ttft_ms)
+        return scores
+
+    def tied(self, model: str, ranked: Sequence[RouteScore]) -> int:
+        """How many leading candidates are within the model's tie margin of the best."""
+        if not ranked:
+            return 0
+        config = self.config_for(model)
+        best = ranked[0].expected_ttft_ms
+        margin = max(config.route_tie_ms, best * config.route_tie_ratio)
+        return sum(1 for s in ranked if s.expected_ttft_ms - best <= margin)
 
     def pairs(self) -> pb.ListPairsResponse:
         pairs, pullers = self.cost.views()

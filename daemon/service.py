@@ -101,6 +101,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             await self._refuse(context, "Lookup", exc)
         answer = await self.policy.answer(self.store, query, self.store.clock())
         response = convert.lookup_response(answer, query.block_size, request.pack_block_ids)
+        response.directory_epoch = self.store.epoch  # read after the lookup: it may have moved it
         elapsed = time.perf_counter() - started
         response.lookup_us = int(elapsed * 1e6)
         decision, reason = decision_name(response.decision), reason_name(response.reason)
@@ -119,6 +120,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                     "kvloop.holder": response.holder.worker_id,
                     "kvloop.requester": request.requester_worker_id,
                     "kvloop.lookup_us": response.lookup_us,
+                    "kvloop.directory_epoch": response.directory_epoch,
                 }
             )
             if response.HasField("cost"):
@@ -131,6 +133,46 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 )
         return response
 
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        started = time.perf_counter()
+        now = self.store.clock()
+        model_spec = await self.store.model_spec(request.model) if request.model else None
+        workers = await self.store.workers(now, request.model) if request.model else []
+        try:
+            query = convert.route_query(request, model_spec, workers, self.max_hashes)
+        except (BadInput, Refused) as exc:
+            await self._refuse(context, "Route", exc)
+        ranked = await self.policy.route(self.store, query, now)
+        tied = self.policy.tied(request.model, ranked)
+        response = convert.route_response(query, ranked, tied)
+        elapsed = time.perf_counter() - started
+        response.route_us = int(elapsed * 1e6)
+        self.counters.route(elapsed, tied > 1)
+        best = response.ranked[0]
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "kvloop.model": request.model,
+                    "kvloop.route.candidates": len(response.ranked),
+                    "kvloop.route.best": best.worker_id,
+                    "kvloop.route.tied": tied,
+                    "kvloop.route.prompt_blocks": response.prompt_blocks,
+                    "kvloop.route.local_blocks": best.local_blocks,
+                    "kvloop.route.pull_blocks": best.pull_blocks,
+                    "kvloop.route.expected_ttft_ms": best.expected_ttft_ms,
+                    "kvloop.route_us": response.route_us,
+                }
+            )
+        log.debug(
+            "route",
+            model=request.model,
+            best=best.worker_id,
+            tied=tied,
+            ranked=[(s.worker_id, round(s.expected_ttft_ms, 3)) for s in response.ranked],
+        )
+        return response
+
     async def ReleaseClaim(
         self, request: pb.ReleaseClaimRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseClaimResponse:
@@ -139,6 +181,19 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "model, holder_worker_id and retention_handle must be set"
             )
+        epoch = self.store.epoch
+        if request.directory_epoch and request.directory_epoch < epoch:
+            # Claimed in the store a failover replaced: the claim went with it, and the run, if the
+            # holder re-pushes it, is a new one this puller never held.
+            self.counters.rejected_message("ReleaseClaim", "stale_epoch")
+            log.info(
+                "stale claim not released",
+                holder=request.holder_worker_id,
+                handle=request.retention_handle,
+                claim_epoch=request.directory_epoch,
+                directory_epoch=epoch,
+            )
+            return pb.ReleaseClaimResponse(released=False, directory_epoch=epoch)
         released = await self.store.release_claim(
             Namespace(request.model, request.lora_name),
             request.holder_worker_id,
@@ -153,7 +208,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 handle=request.retention_handle,
                 requester=request.requester_worker_id,
             )
-        return pb.ReleaseClaimResponse(released=released)
+        return pb.ReleaseClaimResponse(released=released, directory_epoch=epoch)
 
     # ---- introspection -----------------------------------------------------------------------
 
@@ -266,7 +321,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         for change in await self.store.reap(self.store.clock()):
             if change.kind == "expired":
                 metrics.EXPIRED_RUNS.inc()
-            elif change.kind == "failover":
+            elif change.kind in ("failover", "primary_moved"):
                 log.warning("directory store failed over", detail=change.detail)
                 self._resync_all(change.detail)
             else:

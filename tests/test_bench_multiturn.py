@@ -11,6 +11,7 @@ import pytest
 
 from kvloop.clients.bench.multiturn import (
     ARMS,
+    ROUTING_PAIRED_RATIOS,
     WORKLOADS,
     ArmClient,
     MultiturnConfig,
@@ -208,6 +209,28 @@ def test_summary_spread_per_repeat_and_paired_per_turn_ratios():
         "q3": 2.2,
         "median_ci95": [2.2, 2.2],
     }
+
+
+def test_routing_summary_pairs_kvloop_with_every_other_arm_and_counts_how_prefills_were_chosen():
+    samples = []
+    for turn in (2, 3, 4):
+        for arm, ms, how in (
+            ("kvloop", 100.0, "route" if turn < 4 else "tie"),
+            ("load_pull", 125.0, "load"),
+            ("prefix_route", 200.0, "prefix"),
+            ("recompute", 400.0, "load"),
+        ):
+            sample = timed(arm, 0, turn, ms * turn)
+            sample.route, sample.route_ms, sample.prefill_worker = how, 2.0 * turn, f"prefill-{turn % 2}"
+            samples.append(sample)
+    summary = summarize(samples, BS, pairs=ROUTING_PAIRED_RATIOS)
+    paired = {p["ratio"]: p["median"] for p in summary["paired"]}
+    assert paired == {"kvloop/load_pull": 0.8, "kvloop/prefix_route": 0.5, "kvloop/recompute": 0.25}
+    kvloop = next(r for r in summary["rows"] if r["arm"] == "kvloop")
+    assert kvloop["route_outcomes"] == {"route": 2, "tie": 1}
+    assert kvloop["route_ms_p50"] == 6.0
+    assert kvloop["prefills_used"] == {"prefill-0": 2, "prefill-1": 1}
+    assert kvloop["ratio_to_recompute_p50"] == 0.25
 
 
 def test_median_confidence_interval_narrows_with_more_turns():

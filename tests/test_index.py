@@ -314,3 +314,24 @@ async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local)
         held = model[(match.best.worker.worker_id, match.best.handle)]
         assert held[:expected] == prompt[:expected]
     assert (await store.counts()).entries == sum(len(set(h)) for h in model.values())
+
+
+async def test_stored_prefixes_count_each_workers_leading_cached_blocks(make_store):
+    store = await make_store(IndexConfig(lease_s=100))
+    for w in ("a", "b", "c"):
+        await store.register(spec(w), 0, 0.0)
+    prompt = conversation("c", 12)
+    await store.apply("a", 1, 1, [Stored(prompt[:8])], 0.0)
+    await store.apply("b", 1, 1, [Stored(prompt[:3] + conversation("other", 4))], 0.0)
+    # c holds blocks 1..5 but not block 0: no prefix hit at all, as in vLLM
+    await store.apply("c", 1, 1, [Stored(prompt[1:6])], 0.0)
+    # a retained run is no prefix-cache hit
+    await store.apply("c", 1, 2, [retain(prompt[:10], "h")], 0.0)
+    got = await store.stored_prefixes(NS, prompt, ["a", "b", "c", "unknown"], 1.0)
+    assert got == {"a": 8, "b": 3, "c": 0, "unknown": 0}
+    # a block removed mid-prefix ends a's run there
+    await store.apply("a", 1, 2, [Removed(prompt[5:6])], 1.0)
+    assert (await store.stored_prefixes(NS, prompt, ["a", "b"], 1.0)) == {"a": 5, "b": 3}
+    assert (await store.stored_prefixes(Namespace("m", "lora"), prompt, ["a"], 1.0)) == {"a": 0}
+    # a worker whose lease lapsed counts nothing
+    assert (await store.stored_prefixes(NS, prompt, ["a", "b"], 150.0)) == {"a": 0, "b": 0}

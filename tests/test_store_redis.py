@@ -11,6 +11,7 @@ import grpc
 import pytest
 import redis
 
+from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
 from kvloop.clients.client import AsyncDirectoryClient, KvloopError
 from kvloop.common.addresses import free_port
 from kvloop.daemon.index.redis_local import local_redis, local_sentinel
@@ -143,6 +144,18 @@ async def test_a_store_that_goes_away_answers_unavailable_and_comes_back_with_it
     assert "loading them again" in daemon.log()
 
 
+async def lookup_through_failover(client, *args, **kwargs) -> pb.LookupResponse:
+    """A Lookup, retried while kvloopd's store client finds the new primary (UNAVAILABLE)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return await client.lookup(*args, **kwargs)
+        except KvloopError as exc:
+            assert exc.code == grpc.StatusCode.UNAVAILABLE, exc
+        assert time.monotonic() < deadline, "kvloopd did not reach the new primary"
+        await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
+
+
 async def test_sentinel_failover_fences_the_old_state_until_agents_have_re_pushed_it(
     daemon_factory, tmp_path
 ):
@@ -158,33 +171,116 @@ async def test_sentinel_failover_fences_the_old_state_until_agents_have_re_pushe
             lambda: replica_client.info("replication")["master_link_status"] == "up", what="replica sync"
         )
         config = tmp_path / "kvloopd.toml"
+        # a lease longer than the failover: the agent below stays registered while it is away
         config.write_text(
-            f'[store]\nurl = "redis:///0"\nsentinels = ["{sentinel}"]\nsentinel_master = "kvloop"\n'
+            'lease_s = 60.0\n[store]\nurl = "redis:///0"\n'
+            f'sentinels = ["{sentinel}"]\nsentinel_master = "kvloop"\n'
         )
         daemon = daemon_factory("--config", str(config), "--log-level", "debug")
         model, prompt = "m-failover", conversation("failover", 16)
+        # the connector's own client, as a prefill engine holds it
+        puller = DirectoryLookups(
+            daemon.address, PullerConstraints(model, "pre", 16, 0, 0, 0, "", 0), timeout_ms=5000, backoff_s=0
+        )
+        held = [retained(prompt, "h", single_use=True)]
+        epoch = 424242
         async with AsyncDirectoryClient(daemon.address) as client:
-            held = [retained(prompt, "h")]
-            async with running_agent(client, "dec-fo", model, *held, snapshot=lambda: held) as link:
-                before = await client.lookup(model, prompt, requester="pre", block_size=16)
-                assert before.decision == pb.DECISION_TRANSFER
-                # the primary dies; Sentinel promotes the replica under a new config epoch
-                primary.close()
-                wait_until(
-                    lambda: "every worker must resync" in daemon.log(),
-                    timeout=30,
-                    what="kvloopd to see the failover",
-                )
-                # the agent re-pushes its state and the run is served again, from the new primary
+            async with running_agent(client, "dec-fo", model, *held, snapshot=lambda: held, epoch=epoch):
+                before = await asyncio.to_thread(puller.lookup, prompt, 0)
+                assert before is not None and before.path == pb.TURN_PATH_TRANSFER and before.holder
+                minted = before.holder  # claimed for "pre", not read yet
+                assert minted.directory_epoch >= 1 and not puller.stale(minted)
+            # the agent is away (registered, its lease running) when the primary dies; Sentinel
+            # promotes the replica under a new config epoch
+            primary.close()
+            wait_until(
+                lambda: "every worker must resync" in daemon.log(),
+                timeout=30,
+                what="kvloopd to see the failover",
+            )
+            # until the worker has re-pushed its state nothing is handed out, under the new epoch
+            during = await lookup_through_failover(client, model, prompt, requester="pre2", block_size=16)
+            assert during.decision == pb.DECISION_RECOMPUTE, during
+            assert during.reason == pb.DECISION_REASON_DIRECTORY_RESYNCING
+            assert during.path == pb.TURN_PATH_RECOMPUTE
+            assert during.directory_epoch > minted.directory_epoch
+            # the connector learns the new epoch from any answer: the handle minted before is refused
+            answer = await asyncio.to_thread(puller.lookup, prompt, 0)
+            assert answer is not None and answer.reason == pb.DECISION_REASON_DIRECTORY_RESYNCING
+            assert puller.stale(minted)
+            # and kvloopd does not release a claim made in the store the failover replaced
+            released = await client.release_claim(
+                model, "dec-fo", "h", requester="pre", directory_epoch=minted.directory_epoch
+            )
+            assert not released and "stale claim not released" in daemon.log()
+            # the agent comes back under its epoch: asked for its whole state, it re-pushes it, and
+            # the run is served again from the new primary, under the new epoch
+            async with running_agent(client, "dec-fo", model, snapshot=lambda: held, epoch=epoch) as link:
                 await wait_for_async(lambda: link.snapshots_sent >= 1, timeout=20)
                 deadline = time.monotonic() + 20
                 while True:
-                    try:
-                        after = await client.lookup(model, prompt, requester="pre", block_size=16)
-                        if after.decision == pb.DECISION_TRANSFER:
-                            break
-                    except KvloopError as exc:  # UNAVAILABLE while the client finds the new primary
-                        assert exc.code == grpc.StatusCode.UNAVAILABLE
-                    assert time.monotonic() < deadline, "transfers did not resume after the failover"
+                    after = await lookup_through_failover(
+                        client, model, prompt, requester="pre", block_size=16
+                    )
+                    if after.decision == pb.DECISION_TRANSFER:
+                        break
+                    assert time.monotonic() < deadline, (
+                        f"transfers did not resume after the failover: {after}"
+                    )
                     await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
+                assert after.directory_epoch == during.directory_epoch
+        puller.close()
         assert redis.Redis.from_url(replica).info("replication")["role"] == "master"
+
+
+async def test_an_agent_and_a_puller_move_to_another_replica_when_theirs_dies(redis_url, daemon_factory):
+    redis.Redis.from_url(redis_url).flushdb()
+    a = daemon_factory("--store", redis_url)
+    b = daemon_factory("--store", redis_url)
+    replicas = f"{a.address},{b.address}"  # as the agent's and the connector's settings give them
+    model, prompt = "m-move", conversation("move", 16)
+    puller = DirectoryLookups(
+        replicas, PullerConstraints(model, "pre", 16, 0, 0, 0, "", 0), timeout_ms=2000, backoff_s=0
+    )
+    async with AsyncDirectoryClient(replicas) as client:
+        async with running_agent(client, "dec-move", model, retained(prompt[:8], "h1")) as link:
+            [attached] = [d for d in (a, b) if "agent registered" in d.log()]
+            survivor = b if attached is a else a
+            first = await asyncio.to_thread(puller.lookup, prompt, 0)
+            assert first is not None and first.path == pb.TURN_PATH_TRANSFER and first.matched_blocks == 8
+            acked = link.acked
+            attached.process.kill()  # a crash: no drain, no goodbye on the stream
+            attached.process.wait()
+            await link.wait_sessions(2, timeout=10)
+            assert "agent registered" in survivor.log()
+            # resumed at its last acknowledged sequence: no snapshot, the directory kept its state
+            assert link.snapshots_sent == 0 and link.acked == acked
+            link.publish([retained(prompt, "h2")])
+            await link.wait_acked(timeout=5)
+            [worker] = await client.list_workers(model)
+            assert worker.connected and worker.resyncs == 0
+            assert worker.last_applied_sequence == link.sequence == acked + 1
+            # the connector's lookups go to the live replica, state included
+            answer = await asyncio.to_thread(puller.lookup, prompt, 0)
+            assert answer is not None and answer.path == pb.TURN_PATH_TRANSFER, answer
+            assert answer.matched_blocks == 16 and answer.holder and answer.holder.retention_handle == "h2"
+    puller.close()
+
+
+def test_daemon_addresses_name_one_replica_or_several():
+    from pydantic import ValidationError
+
+    from kvloop.agents.connector.config import KvloopConfig
+    from kvloop.agents.sidecar.config import AgentSettings
+    from kvloop.common.addresses import grpc_target
+
+    assert grpc_target("kvloopd.svc:50051") == "kvloopd.svc:50051"  # every DNS record is a replica
+    assert grpc_target("10.0.0.1:1, 10.0.0.2:2") == "ipv4:10.0.0.1:1,10.0.0.2:2"
+    assert grpc_target("[::1]:1,[::2]:2") == "ipv6:[::1]:1,[::2]:2"
+    settings = AgentSettings(model="m", block_size=16, daemon=["10.0.0.1:1", "10.0.0.2:2"])
+    assert settings.daemon == "10.0.0.1:1,10.0.0.2:2"
+    assert KvloopConfig(daemon="10.0.0.1:1,10.0.0.2:2").daemon == "10.0.0.1:1,10.0.0.2:2"
+    with pytest.raises(ValidationError, match=r"must be IP:PORT each .*give one DNS name"):
+        AgentSettings(model="m", block_size=16, daemon="a.example:1,b.example:2")
+    with pytest.raises(ValidationError, match=r"kvloop_daemon: .*must be HOST:PORT"):
+        KvloopConfig(daemon="nohost")

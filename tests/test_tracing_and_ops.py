@@ -105,14 +105,21 @@ def test_busy_port_is_a_clear_error(daemon):
     assert "Traceback" not in result.stderr
 
 
-def test_systemd_unit_verifies(tmp_path):
-    unit = (ROOT / "daemon/systemd/kvloopd.service").read_text()
+@pytest.mark.parametrize(
+    ("unit_file", "instance"),
+    [("kvloopd.service", "kvloopd.service"), ("kvloopd@.service", "kvloopd@replica-a.service")],
+)
+def test_systemd_unit_verifies(tmp_path, unit_file, instance):
+    """The single daemon's unit, and the template one replica of several runs under (verified as
+    an instance: systemd loads the template beside it)."""
+    unit = (ROOT / "daemon/systemd" / unit_file).read_text()
     kvloopd = KVLOOPD
     # ExecStart must exist on the checking machine: point it at this installation.
-    local = tmp_path / "kvloopd.service"
-    local.write_text(unit.replace("/usr/local/bin/kvloopd", kvloopd))
-    result = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True)
-    problems = [line for line in result.stderr.splitlines() if "kvloopd.service" in line]
+    (tmp_path / unit_file).write_text(unit.replace("/usr/local/bin/kvloopd", kvloopd))
+    result = subprocess.run(
+        ["systemd-analyze", "verify", str(tmp_path / instance)], capture_output=True, text=True
+    )
+    problems = [line for line in result.stderr.splitlines() if "kvloopd" in line]
     assert result.returncode == 0 and not problems, result.stderr
 
 

@@ -11,13 +11,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvloop.common.addresses import daemon_addresses
+
 PREFIX = "kvloop_"
 
 
 class KvloopConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Directory daemon "host:port"; empty -> no lookups (the prefill side never pulls).
+    # Directory daemon "host:port"; empty -> no lookups (the prefill side never pulls). Several
+    # replicas: a DNS name with a record per replica, or "ip:port,ip:port" (lookups go to a live one).
     daemon: str = ""
     # Stable name of this vLLM instance in the directory; defaults to the engine id.
     worker_id: str = ""
@@ -66,12 +69,13 @@ class KvloopConfig(BaseModel):
     # None leaves NIXL alone.
     nixl_progress_delay_us: int | None = Field(default=1000, ge=0)
 
-    @field_validator("daemon")
+    @field_validator("daemon", mode="before")
     @classmethod
-    def _check_daemon(cls, v: str) -> str:
-        if v and (":" not in v or not v.rsplit(":", 1)[1].isdigit()):
-            raise ValueError(f"kvloop_daemon must be host:port, got {v!r}")
-        return v
+    def _check_daemon(cls, v: Any) -> str:
+        try:
+            return daemon_addresses(v) if v else ""
+        except ValueError as exc:
+            raise ValueError(f"kvloop_daemon: {exc}") from None
 
     @model_validator(mode="after")
     def _check_margins(self) -> KvloopConfig:

@@ -34,6 +34,8 @@ class HolderInfo:
     # token ids it holds KV for, and its block id per group.
     tail_token_ids: tuple[int, ...] = ()
     tail_block_ids: tuple[int, ...] = ()
+    # The directory epoch the handle was minted under (LookupResponse.directory_epoch).
+    directory_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class PullerConstraints:
     kv_group_windows: tuple[int, ...] = ()
 
 
-def holder_from_proto(h: pb.Holder) -> HolderInfo:
+def holder_from_proto(h: pb.Holder, directory_epoch: int = 0) -> HolderInfo:
     host, _, port = h.nixl_endpoint.rpartition(":")
     num_groups = max(1, int(h.num_groups))
     ids = holder_block_ids(h)
@@ -82,11 +84,16 @@ def holder_from_proto(h: pb.Holder) -> HolderInfo:
         tp_size=int(h.tensor_parallel_size),
         tail_token_ids=tuple(h.tail_token_ids),
         tail_block_ids=tuple(h.tail_block_ids),
+        directory_epoch=directory_epoch,
     )
 
 
 def answer_from_proto(resp: pb.LookupResponse) -> LookupAnswer:
-    holder = holder_from_proto(resp.holder) if resp.HasField("holder") and resp.holder.engine_id else None
+    holder = (
+        holder_from_proto(resp.holder, resp.directory_epoch)
+        if resp.HasField("holder") and resp.holder.engine_id
+        else None
+    )
     if resp.path == pb.TURN_PATH_TRANSFER and (holder is None or resp.matched_blocks == 0):
         raise ValueError("TRANSFER without a holder")
     return LookupAnswer(resp.path, resp.reason, int(resp.matched_blocks), holder, resp.detail)
@@ -127,6 +134,13 @@ class DirectoryLookups:
         client_class = TracedDirectoryClient if traced else DirectoryClient
         self._client = client_class(target, timeout=timeout_ms / 1000.0)
         self._down_until = 0.0
+        # The highest directory epoch any answer carried: a handle minted under a lower one came
+        # from a store that has failed over since (it may describe blocks freed meanwhile).
+        self.epoch = 0
+
+    def stale(self, holder: HolderInfo) -> bool:
+        """Whether ``holder``'s handle predates a directory failover this engine has seen."""
+        return holder.directory_epoch < self.epoch
 
     def lookup(
         self, block_hashes: list[bytes], local_blocks: int, lora_name: str = ""
@@ -162,6 +176,7 @@ class DirectoryLookups:
             return None
         finally:
             tm.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
+        self.epoch = max(self.epoch, resp.directory_epoch)
         try:
             return answer_from_proto(resp)
         except Exception as e:  # must never break the engine loop
@@ -178,6 +193,7 @@ class DirectoryLookups:
                 holder.retention_handle,
                 requester=self.constraints.requester,
                 lora_name=lora_name,
+                directory_epoch=holder.directory_epoch,
             )
         except KvloopError as e:  # the run stays claimed until its lease ends: safe, only wasteful
             tm.log.warning("kvloop.release_claim_failed", handle=holder.retention_handle, error=str(e))

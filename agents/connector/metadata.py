@@ -42,10 +42,16 @@ class ReadTiming:
     xfer_s: float  # transfer time as NIXL measured it (the longest handle: they run side by side)
     post_s: float  # time to post the transfer
     bytes: int
+    # The READ waited for a NIXL handshake with its holder (no warm connection): its first transfer
+    # may carry connection set-up the steady state does not, so the cost model leaves it out.
+    waited_handshake: bool = False
 
     def merge(self, other: ReadTiming) -> ReadTiming:
         return ReadTiming(
-            max(self.xfer_s, other.xfer_s), max(self.post_s, other.post_s), self.bytes + other.bytes
+            max(self.xfer_s, other.xfer_s),
+            max(self.post_s, other.post_s),
+            self.bytes + other.bytes,
+            self.waited_handshake or other.waited_handshake,
         )
 
 

@@ -43,6 +43,8 @@ HANDLE_KEYS = (
     "remote_num_tokens",
     "remote_blocks_expiry_time",
 )
+# A request's kv_transfer_params may set this to false: no lookup, no reverse pull.
+NO_PULL_KEY = "kvloop_pull"
 # Private marker: kvloop already decided for this request.
 _DECIDED = "_kvloop_decided"
 
@@ -57,6 +59,7 @@ class _Pull:
     prompt_tokens: int
     started: float  # perf_counter at the lookup
     read_started: float = 0.0
+    stale: bool = False  # refused before its READ: the directory failed over since the answer
 
 
 @dataclass
@@ -96,7 +99,8 @@ class PrefillSide:
         self._computing: dict[str, tuple[float, int]] = {}
         # Each request's recorded outcome, returned to the caller in kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
-        # Holders read from: a first READ also pays the NIXL handshake (kept out of the cost model).
+        # Holders read from, for READs NIXL did not time: the first one from a holder may have paid
+        # the NIXL handshake (kept out of the cost model). Timed READs say so themselves.
         self._holders_read: set[str] = set()
         # For the worker: when each new pull's holder lease ends (this process's perf_counter).
         self.pull_deadlines: dict[str, float] = {}
@@ -118,6 +122,19 @@ class PrefillSide:
             return 0, False
         if params.get(_DECIDED):
             return vllm_match(request, num_computed_tokens)
+        if params.get(NO_PULL_KEY) is False:
+            # The router wants vLLM's own prefix cache only (prefix routing without reverse pulls).
+            params[_DECIDED] = True
+            declined = LookupAnswer(
+                pb.TURN_PATH_LOCAL if num_computed_tokens else pb.TURN_PATH_RECOMPUTE,
+                pb.DECISION_REASON_DISABLED,
+                0,
+                None,
+                f"the request set {NO_PULL_KEY}=false",
+            )
+            return self._apply(
+                request, params, num_computed_tokens, declined, time.perf_counter(), vllm_match
+            )
         bs = self.block_size
         hashes = [bytes(h) for h in request.block_hashes[: request.num_prompt_tokens // bs]]
         lora = request.lora_request.lora_name if request.lora_request else ""
@@ -200,7 +217,14 @@ class PrefillSide:
             lookup.lookup_span.end(end_time=tm.wall_ns(answered))
         else:
             tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
-        if answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
+        if (
+            answer is not None
+            and answer.path == pb.TURN_PATH_TRANSFER
+            and answer.holder is not None
+            and self.directory.stale(answer.holder)
+        ):
+            self._refuse_stale(outcome, answer.holder)
+        elif answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
             detail_before = outcome.detail
             count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
             unservable = outcome.detail != detail_before
@@ -219,6 +243,34 @@ class PrefillSide:
             self._computing[request.request_id] = (answered, outcome.recompute_tokens)
         self._outcomes[request.request_id] = record(request.request_id, outcome, span, time.perf_counter())
         return 0, False
+
+    def _refuse_stale(self, outcome: Outcome, holder: HolderInfo) -> None:
+        outcome.path, outcome.reason = pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_STALE_EPOCH
+        outcome.detail = (
+            f"handle {holder.retention_handle!r} was handed out under directory epoch "
+            f"{holder.directory_epoch}; the directory has failed over since (epoch {self.directory.epoch})"
+        )
+        tm.log.warning(
+            "kvloop.stale_handle_refused",
+            holder=holder.worker_id,
+            handle=holder.retention_handle,
+            handle_epoch=holder.directory_epoch,
+            directory_epoch=self.directory.epoch,
+        )
+
+    def take_pull_deadlines(self) -> dict[str, float]:
+        """This step's new pulls for the worker, with the lease end it checks before posting each READ.
+
+        A pull whose handle predates a directory failover seen since the answer (another lookup
+        brought the new epoch) gets a deadline already past: the worker does not post its READ, vLLM
+        recomputes the blocks, and the outcome names the stale epoch."""
+        deadlines, self.pull_deadlines = self.pull_deadlines, {}
+        for request_id in deadlines:
+            pull = self._pulls.get(request_id)
+            if pull is not None and self.directory.stale(pull.holder):
+                pull.stale = True
+                deadlines[request_id] = float("-inf")
+        return deadlines
 
     def _pull(
         self,
@@ -341,7 +393,10 @@ class PrefillSide:
             return
         done = time.perf_counter()  # one reading: the outcome, the report and the span agree
         outcome = pull.outcome
-        if not ok:
+        if not ok and pull.stale:
+            self._refuse_stale(outcome, pull.holder)
+            outcome.pulled_tokens = 0
+        elif not ok:
             # The claim is kept: the holder may have seen the READ's completion notice and freed
             # the blocks, and handing the run out again could make the next puller read them.
             outcome.path, outcome.reason = pb.TURN_PATH_FAILED, pb.DECISION_REASON_READ_FAILED
@@ -351,7 +406,12 @@ class PrefillSide:
         outcome.bytes = sum(outcome.group_bytes)
         outcome.recompute_tokens = pull.prompt_tokens - outcome.local_tokens - outcome.pulled_tokens
         outcome.pull_ms = (done - pull.started) * 1000
-        first_contact = pull.holder.engine_id not in self._holders_read
+        # A peer warmed at start-up (peers.py) is connected before the first READ: that READ is
+        # steady state and teaches the cost model; only one that waited for a handshake does not.
+        if timing is not None:
+            first_contact = timing.waited_handshake
+        else:
+            first_contact = pull.holder.engine_id not in self._holders_read
         if ok:
             self._holders_read.add(pull.holder.engine_id)
         # The engine sees a READ end only at a step boundary: the time from the lookup answer to
@@ -377,6 +437,7 @@ class PrefillSide:
             "kvloop.blocks": blocks,
             "kvloop.holder": outcome.holder,
             "kvloop.ok": ok,
+            "kvloop.first_contact": first_contact,
         }
         if timing is not None:
             attributes["kvloop.nixl_xfer_ms"] = round(timing.xfer_s * 1e3, 3)

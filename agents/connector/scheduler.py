@@ -191,7 +191,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         base = super().build_connector_meta(scheduler_output)
         deadlines: dict[str, float] = {}
         if self.prefill is not None:
-            deadlines, self.prefill.pull_deadlines = self.prefill.pull_deadlines, {}
+            deadlines = self.prefill.take_pull_deadlines()
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
         return KvloopConnectorMetadata.extend(base, multi, deadlines)
 

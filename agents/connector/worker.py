@@ -114,6 +114,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._pull_deadlines: dict[str, float] = {}
         # Prefill role: NIXL's timing of each finished READ, for the scheduler (take_worker_meta).
         self._read_timings: dict[str, ReadTiming] = {}
+        # Prefill role: pulls whose READ had to wait for a handshake with its holder (no warm peer).
+        self._handshake_reads: set[str] = set()
         self._warmer: PeerWarmer | None = None
 
     def register_kv_caches(self, kv_caches: Any) -> None:
@@ -178,6 +180,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             assert meta.remote is not None
             if meta.remote.engine_id in self._remote_agents:
                 self._pull_deadlines.pop(req_id, None)  # the READ is posted now
+        if meta.remote is not None and meta.remote.engine_id not in self._remote_agents:
+            self._handshake_reads.add(req_id)  # vLLM handshakes first, then calls here again
         super()._read_blocks_for_req(req_id, meta)
 
     def _get_new_notifs(self) -> set[str]:
@@ -231,7 +235,12 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             res = telemetry_of(handle)
             req_id = owner.get(handle)
             if res is not None and req_id is not None:
-                timing = ReadTiming(res.xferDuration / 1e6, res.postDuration / 1e6, int(res.totalBytes))
+                timing = ReadTiming(
+                    res.xferDuration / 1e6,
+                    res.postDuration / 1e6,
+                    int(res.totalBytes),
+                    req_id in self._handshake_reads,
+                )
                 known = self._read_timings.get(req_id)
                 self._read_timings[req_id] = timing if known is None else known.merge(timing)
             return res
@@ -253,6 +262,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         results = super().get_transfer_results()
         for req_id in results.finished_recving or ():
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
+            self._handshake_reads.discard(req_id)
         return results
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:

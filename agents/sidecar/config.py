@@ -15,14 +15,16 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvloop.common.addresses import HostPort, OptionalHostPort
+from kvloop.common.addresses import DaemonAddresses, OptionalHostPort
 from kvloop.common.security import ClientSecurity, TlsSettings
 
 
 class AgentSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVLOOP_AGENT_", extra="forbid")
 
-    daemon: HostPort = "127.0.0.1:50051"
+    # kvloopd: one HOST:PORT, a DNS name with a record per replica, or several IP:PORT (a list, or
+    # comma-separated). The stream moves to another replica when one fails and resumes where it was.
+    daemon: DaemonAddresses = "127.0.0.1:50051"
     worker_id: str = Field(default_factory=socket.gethostname)
     role: Literal["prefill", "decode", "both"] = "decode"
     model: str
@@ -33,6 +35,9 @@ class AgentSettings(BaseSettings):
     block_size: int = Field(gt=0)
     hash_algorithm: str = "sha256_cbor"
     hash_length: int = Field(32, ge=8, le=64)
+    # The engine's PYTHONHASHSEED, from which vLLM seeds its block hashes (None: this process's
+    # PYTHONHASHSEED, else vLLM's default). Registered so kvloopd can hash token ids for Route.
+    hash_seed: str | None = None
     kv_bytes_per_block: int = Field(0, ge=0)
     # The engine's KV-cache element type and tensor-parallel size: the directory pairs a puller only
     # with holders whose KV it can read. "" / 0: unknown (not checked).

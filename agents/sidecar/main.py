@@ -38,6 +38,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
     from kvloop.agents.sidecar.mirror import WorkerMirror
     from kvloop.clients.client import AsyncDirectoryClient
+    from kvloop.common import block_hash
     from kvloop.v1 import directory_pb2 as pb
 
     mirror = WorkerMirror(settings.hash_length)
@@ -51,6 +52,9 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         block_size=settings.block_size,
         hash_algorithm=settings.hash_algorithm,
         hash_length=settings.hash_length,
+        hash_seed=settings.hash_seed
+        if settings.hash_seed is not None
+        else os.environ.get("PYTHONHASHSEED", block_hash.DEFAULT_SEED),
         kv_bytes_per_block=settings.kv_bytes_per_block,
         kv_dtype=settings.kv_dtype,
         parallel=pb.ParallelLayout(tensor_parallel_size=settings.tensor_parallel_size),
@@ -190,6 +194,9 @@ def run(
     nixl_endpoint: Annotated[Optional[str], typer.Option(help="NIXL side channel HOST:PORT")] = None,
     http_endpoint: Annotated[Optional[str], typer.Option(help="the engine's OpenAI HTTP base URL")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="vLLM block size")] = None,
+    hash_seed: Annotated[
+        Optional[str], typer.Option(help="the engine's PYTHONHASHSEED (default: this process's)")
+    ] = None,
     kv_bytes_per_block: Annotated[Optional[int], typer.Option(help="KV bytes per block, all layers")] = None,
     kv_dtype: Annotated[Optional[str], typer.Option(help="KV-cache element type, e.g. bfloat16")] = None,
     tensor_parallel_size: Annotated[Optional[int], typer.Option(help="the engine's TP size")] = None,
@@ -224,6 +231,7 @@ def run(
         nixl_endpoint=nixl_endpoint,
         http_endpoint=http_endpoint,
         block_size=block_size,
+        hash_seed=hash_seed,
         kv_bytes_per_block=kv_bytes_per_block,
         kv_dtype=kv_dtype,
         tensor_parallel_size=tensor_parallel_size,

@@ -16,12 +16,15 @@ request's latency (the disaggregated first token, including any KV pull), measur
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
 import subprocess
+import threading
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +40,14 @@ if TYPE_CHECKING:
     from kvloop.clients.demo.stack import Stack
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
+# The routing bench (--prefills / --decodes > 1): one fleet shared by every arm, each arm's requests
+# under a cache_salt of its own (same tokens and compute, no cache hit across arms):
+# - kvloop: kvloopd's Route picks the prefill (own cache + the pull it would add + queue), then pulls;
+# - load_pull: the least-loaded prefill (kvloop's proxy without Route), then pulls;
+# - prefix_route: the prefill with the longest own prefix (what llm-d's and Dynamo's routers do), no pull;
+# - recompute: the least-loaded prefill, no pull (its own prefix cache hits only by chance).
+ROUTING_ARMS = ("kvloop", "load_pull", "prefix_route", "recompute")
+ROUTING_PAIRED_RATIOS = (("kvloop", "load_pull"), ("kvloop", "prefix_route"), ("kvloop", "recompute"))
 # reasoning: every answer is the model's thinking plus a short visible answer, and the chat template
 # drops earlier turns' thinking (REASONING_CHAT_TEMPLATE): the next prompt departs from the decode's
 # retained run where its thinking began.
@@ -82,6 +93,13 @@ class MultiturnConfig:
     # Throwaway turns per arm before measuring: fresh engines run their first requests much slower
     # (allocator, kernel and cache warm-up), which would land on whichever workload comes first.
     warmup_turns: int = 2
+    # More than one of either: the routing bench (ROUTING_ARMS on one shared fleet).
+    prefills: int = 1
+    decodes: int = 1
+
+    @property
+    def routing(self) -> bool:
+        return self.prefills > 1 or self.decodes > 1
 
 
 @dataclass
@@ -104,6 +122,11 @@ class TurnSample:
     pull_ms: float | None = None
     # The decode's time per output token as the client saw the tokens stream (first -> last token).
     decode_tpot_ms: float | None = None
+    # Routing bench: the prefill chosen, how (route, tie, load, prefix), and the time choosing took
+    # (tokenize + Route; part of ttft_ms).
+    prefill_worker: str | None = None
+    route: str | None = None
+    route_ms: float | None = None
     # This turn's decode steps as [batch, arrival, step ms] (see steps.step_gaps; the batch counts the
     # arm's sessions streaming at the same time): TPOT compared at equal batch.
     decode_steps: list[list] = field(default_factory=list)
@@ -284,6 +307,9 @@ class TurnOutcome:
     lookup_ms: float | None = None
     pull_ms: float | None = None
     decode_tpot_ms: float | None = None
+    prefill_worker: str | None = None
+    route: str | None = None
+    route_ms: float | None = None
     decode_stream: Stream | None = None
 
 
@@ -397,7 +423,7 @@ class ArmClient:
             params.get("kvloop_lookup_ms"),
             params.get("kvloop_pull_ms"),
             tpot,
-            decode_stream,
+            decode_stream=decode_stream,
         )
 
     def _local_turn(self, session: Session) -> TurnOutcome:
@@ -425,6 +451,139 @@ class ArmClient:
             "",
             prompt_ids,
             prompt_ids,
+        )
+
+
+class RoutedArmClient(ArmClient):
+    """One arm of the routing bench: picks one of several prefills (by Route, by own prefix or by load),
+    pulls or not, then streams the answer from a decode, as kvloop's proxy does. Every arm's requests
+    carry the arm's own cache_salt: the fleet is shared, the caches are not."""
+
+    def __init__(
+        self, arm: str, prefill_urls: list[str], decode_urls: list[str], daemon: str, block_size: int
+    ) -> None:
+        from kvloop.clients.client import DirectoryClient
+
+        super().__init__(arm, prefill_urls[0], decode_urls[0])
+        self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
+        self.block_size = block_size
+        self.salt = f"kvloop-bench-{arm}"
+        self.pull = arm in ("kvloop", "load_pull")
+        self.directory = DirectoryClient(daemon, timeout=2.0)  # one channel, shared by the arm's threads
+        self._lock = threading.Lock()
+        # A counter per pool (as the proxy's BackendPool has): one shared counter would alternate
+        # between pools and send every round-robin pick of a pool to the same server.
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count(), "tokenize": itertools.count()}
+        self.in_flight = dict.fromkeys(prefill_urls + decode_urls, 0)
+        self.queued = dict.fromkeys(prefill_urls, 0)  # prompt tokens in-flight requests compute there
+
+    def engine_totals(self) -> dict[str, float]:
+        return {}  # every arm runs on the same engines: their counters cannot be told apart per arm
+
+    def _least_loaded(self, among: list[str], pool: str = "prefill") -> str:
+        """Fewest requests in flight, round-robin among equals (kvloop's proxy's load rule)."""
+        with self._lock:
+            least = min(self.in_flight[u] for u in among)
+            ties = [u for u in among if self.in_flight[u] == least]
+            return ties[next(self._rr[pool]) % len(ties)]
+
+    def choose(self, messages: list[dict]) -> tuple[str, str, int]:
+        """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated)."""
+        if self.arm in ("load_pull", "recompute"):
+            return self._least_loaded(self.prefill_urls), "load", 0
+        from kvloop.clients.client import KvloopError
+        from kvloop.v1 import directory_pb2 as pb
+
+        try:
+            tokenizer = self.prefill_urls[next(self._rr["tokenize"]) % len(self.prefill_urls)]
+            tokens = _post(f"{tokenizer}/tokenize", {"model": MODEL, "messages": messages}, timeout=30)[
+                "tokens"
+            ]
+            with self._lock:
+                candidates = [
+                    pb.RouteCandidate(
+                        http_endpoint=u, in_flight_requests=self.in_flight[u], queued_tokens=self.queued[u]
+                    )
+                    for u in self.prefill_urls
+                ]
+            answer = self.directory.route(MODEL, candidates, token_ids=tokens, cache_salt=self.salt)
+        except (KvloopError, OSError, KeyError) as exc:
+            return self._least_loaded(self.prefill_urls), f"load_{type(exc).__name__}", 0
+        ranked = list(answer.ranked)
+        if self.arm == "kvloop":
+            best = ranked[: max(answer.tied, 1)]
+            how = "route" if len(best) == 1 else "tie"
+        else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
+            longest = max(s.local_blocks for s in ranked)
+            best = [s for s in ranked if s.local_blocks == longest]
+            how = "prefix" if longest and len(best) == 1 else "prefix_tie" if longest else "prefix_miss"
+        url = self._least_loaded([s.http_endpoint for s in best]) if len(best) > 1 else best[0].http_endpoint
+        score = next(s for s in ranked if s.http_endpoint == url)
+        queued = (
+            score.compute_tokens
+            if self.arm == "kvloop"
+            else len(tokens) - score.local_blocks * self.block_size
+        )
+        return url, how, queued
+
+    def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
+        kv: dict = {"do_remote_decode": True}
+        if not self.pull:
+            kv["kvloop_pull"] = False  # the connector skips its Lookup: the prefill's own cache only
+        body = {
+            "model": MODEL,
+            "messages": session.messages,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            "cache_salt": self.salt,
+        }
+        t0 = time.perf_counter()
+        prefill, how, queued = self.choose(session.messages)
+        route_ms = (time.perf_counter() - t0) * 1e3
+        with self._lock:
+            self.in_flight[prefill] += 1
+            self.queued[prefill] += queued
+        try:
+            pre = _post(
+                f"{prefill}/v1/chat/completions",
+                {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv},
+            )
+        finally:
+            with self._lock:
+                self.in_flight[prefill] -= 1
+                self.queued[prefill] -= queued
+        ttft = (time.perf_counter() - t0) * 1e3
+        details = (pre.get("usage") or {}).get("prompt_tokens_details") or {}
+        params = pre.get("kv_transfer_params") or {}
+        holder = params.get("kvloop_holder_http")
+        decode = holder if holder in self.decode_urls else self._least_loaded(self.decode_urls, "decode")
+        with self._lock:
+            self.in_flight[decode] += 1
+        try:
+            streamed = _stream_chat(
+                f"{decode}/v1/chat/completions",
+                {**body, "max_tokens": max_tokens, "kv_transfer_params": params},
+            )
+        finally:
+            with self._lock:
+                self.in_flight[decode] -= 1
+        prompt_ids = list(pre.get("prompt_token_ids") or [])
+        decode_prompt = streamed.prompt_token_ids or prompt_ids
+        return TurnOutcome(
+            ttft,
+            (pre.get("usage") or {}).get("prompt_tokens", 0),
+            details.get("cached_tokens") or 0,
+            params.get("kvloop_path") or "unknown",
+            streamed.content,
+            decode_prompt + streamed.token_ids[:-1],
+            prompt_ids,
+            params.get("kvloop_lookup_ms"),
+            params.get("kvloop_pull_ms"),
+            streamed.tpot_ms,
+            prefill,
+            how,
+            route_ms,
+            decode_stream=streamed.stream,
         )
 
 
@@ -498,7 +657,10 @@ def run_workload(
                         r.lookup_ms,
                         r.pull_ms,
                         r.decode_tpot_ms,
-                        decode_steps_of(r.decode_stream, streams),
+                        r.prefill_worker,
+                        r.route,
+                        r.route_ms,
+                        decode_steps=decode_steps_of(r.decode_stream, streams),
                     )
                 )
                 client.latest[session.seed] = r.computed_ids
@@ -576,6 +738,7 @@ def summarize(
     samples: list[TurnSample],
     block_size: int,
     transfers: dict[tuple[str, int, str], dict[str, float]] | None = None,
+    pairs: tuple[tuple[str, str], ...] = PAIRED_RATIOS,
 ) -> dict:
     """Continuation turns per (workload, concurrency, arm): TTFT percentiles (and the per-repeat p50s,
     their spread), ratio to recompute, path shares, tokens and blocks pulled (and how many were wrong),
@@ -630,12 +793,13 @@ def summarize(
                 ),
                 **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
                 **_connector_columns(group),
+                **_routing_columns(group, block_size),
             }
         )
     return {
         "rows": rows,
         "by_context": _by_context(continuations),
-        "paired": _paired(continuations),
+        "paired": _paired(continuations, pairs=pairs),
         # every turn, the first included: the decode generates an answer on each
         "paired_decode_tpot": _paired(samples, "decode_tpot_ms", PAIRED_TPOT_RATIOS),
         "decode_step_at_equal_batch": equal_batch_decode_steps(samples),
@@ -786,6 +950,19 @@ def _connector_columns(group: list[TurnSample]) -> dict:
     return columns
 
 
+def _routing_columns(group: list[TurnSample], block_size: int) -> dict:
+    """Routing bench: how the prefills were chosen, what choosing took, and how often the turn went
+    to a prefill other than its previous turn's."""
+    routed = [s for s in group if s.route is not None]
+    if not routed:
+        return {}
+    return {
+        "route_outcomes": dict(Counter(s.route for s in routed)),
+        "route_ms_p50": round(statistics.median(s.route_ms or 0.0 for s in routed), 2),
+        "prefills_used": dict(Counter(s.prefill_worker for s in routed)),
+    }
+
+
 def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[str]:
     """Two PNGs, a panel per (workload, sessions): TTFT vs context length (each turn a dot, the line through
     each arm's p50 per 2K bucket from the summary's ``by_context``) and the TTFT distribution per arm.
@@ -799,8 +976,9 @@ def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[s
     groups = sorted({(workload, concurrency) for workload, concurrency, _ in cells})
     if not groups:
         return []
-    arms = [arm for arm in ARMS if any(a == arm for _, _, a in cells)]
-    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    every = tuple(dict.fromkeys(ARMS + ROUTING_ARMS))
+    arms = [arm for arm in every if any(a == arm for _, _, a in cells)]
+    colors = {arm: f"C{i}" for i, arm in enumerate(every)}
     labels = {arm: f"{arm} (ideal: own cache kept)" if arm == FLOOR_ARM else arm for arm in arms}
     cols = min(3, len(groups))
     rows = -(-len(groups) // cols)
@@ -884,7 +1062,25 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     stacks = {}
     started = time.monotonic()
     try:
-        for arm in config.arms:
+        if config.routing:
+            stacks["fleet"] = Stack(
+                StackConfig(
+                    model_dir=model,
+                    workdir=config.workdir / "fleet",
+                    kv_cache_gib=1,
+                    block_size=config.block_size,
+                    dtype=config.dtype,
+                    prefill_prefix_caching=config.prefill_prefix_caching,
+                    pin_engines=config.pin_engines,
+                    mode="kvloop",
+                    prefill_servers=config.prefills,
+                    decode_servers=config.decodes,
+                    with_proxy=False,
+                    # four engines starting at once on a small shared host take several minutes
+                    start_timeout_s=900,
+                )
+            )
+        for arm in () if config.routing else config.arms:
             floor = arm == FLOOR_ARM
             stacks[arm] = Stack(
                 StackConfig(
@@ -910,7 +1106,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
 
             for arm, stack in stacks.items():
                 stack.start(lambda what, state, arm=arm: say(f"{arm}: {what} {state}"))
-            clients = {
+            clients: dict[str, ArmClient] = {
                 arm: ArmClient(
                     arm,
                     s.prefill.config.url,
@@ -918,7 +1114,20 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     stack_processes(s),
                 )
                 for arm, s in stacks.items()
+                if not config.routing
             }
+            if config.routing:
+                fleet = stacks["fleet"]
+                clients = {
+                    arm: RoutedArmClient(
+                        arm,
+                        [p.config.url for p in fleet.prefills],
+                        [d.config.url for d in fleet.decodes],
+                        fleet.daemon_address,
+                        config.block_size,
+                    )
+                    for arm in config.arms
+                }
             turns_in_all = (
                 len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
             )
@@ -950,7 +1159,9 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                             for key, value in c.engine_totals().items():
                                 totals[key] += value - before[arm][key]
             say(f"all {turns_in_all} arm-turns done")
-        summary = summarize(samples, config.block_size, transfers)
+        summary = summarize(
+            samples, config.block_size, transfers, ROUTING_PAIRED_RATIOS if config.routing else PAIRED_RATIOS
+        )
         result = {
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
             "summary": summary,

@@ -49,7 +49,15 @@ _DAEMON_LEASE_MS = 7 * 24 * 3600 * 1000
 # Reasons the daemon gives for not pulling blocks a decode holds (the rest are attributed from what
 # the fleet knows: the run was withdrawn at its lease end, or evicted).
 _DAEMON_MISS_REASONS = frozenset(
-    {"below_threshold", "recompute_faster", "claimed", "peer_unavailable", "incompatible_layout", "disabled"}
+    {
+        "below_threshold",
+        "recompute_faster",
+        "claimed",
+        "peer_unavailable",
+        "incompatible_layout",
+        "disabled",
+        "directory_resyncing",
+    }
 )
 
 

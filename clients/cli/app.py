@@ -14,7 +14,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
-from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, DEFAULT_WORKLOADS, WORKLOADS
+from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, DEFAULT_WORKLOADS, ROUTING_ARMS, WORKLOADS
 from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
 from kvloop.common.logging import configure_logging
@@ -883,6 +883,16 @@ def proxy(
     decode: Annotated[list[str], typer.Option(help="decode vLLM server base URL (repeatable)")],
     listen: Annotated[str, typer.Option(help="HOST:PORT to serve the OpenAI API on")] = "127.0.0.1:8000",
     request_timeout: Annotated[float, typer.Option(help="seconds per upstream request")] = 600.0,
+    route: Annotated[
+        bool,
+        typer.Option(
+            "--route/--no-route",
+            help="choose each prefill by kvloopd's Route ranking (kvloopd at --daemon); --no-route: by load",
+        ),
+    ] = False,
+    route_timeout: Annotated[
+        float, typer.Option(help="seconds for tokenize + Route per request before falling back to load")
+    ] = 0.1,
     cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
     key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
     client_ca_file: Annotated[
@@ -920,6 +930,8 @@ def proxy(
         prefill=prefill,
         decode=decode,
         request_timeout_s=request_timeout,
+        directory=state.daemon if route else None,
+        route_timeout_s=route_timeout,
     )
 
     async def run() -> None:
@@ -963,6 +975,15 @@ def bench_multiturn(
         Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
     ] = None,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
+    prefills: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="prefill engines; with --prefills or --decodes above 1 the routing bench runs instead: "
+            "arms kvloop (Route + pull), load_pull, prefix_route, recompute on one shared fleet",
+        ),
+    ] = 1,
+    decodes: Annotated[int, typer.Option(min=1, help="decode engines (see --prefills)")] = 1,
     pin_engines: Annotated[
         bool,
         typer.Option(
@@ -987,20 +1008,22 @@ def bench_multiturn(
     json_output: JsonFlag = False,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
-    ideal), on real engines. --json prints the results JSON on stdout instead of the tables."""
+    ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
+    --json prints the results JSON on stdout instead of the tables."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
     from kvloop.clients.demo.model import DTYPE_BYTES
     from kvloop.common.processes import supervisor
 
+    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else ARMS
     if arm is None:
-        arm = list(ARMS)
+        arm = list(known_arms)
     if workload is None:
         workload = list(DEFAULT_WORKLOADS)
     if concurrency is None:
         concurrency = [1, 4, 8]
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
-    for name, given, known in (("--arm", arm, ARMS), ("--workload", workload, WORKLOADS)):
+    for name, given, known in (("--arm", arm, known_arms), ("--workload", workload, WORKLOADS)):
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise typer.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(known)}", param_hint=name)
@@ -1009,8 +1032,10 @@ def bench_multiturn(
         turns=5 if quick else sessions_turns,
         concurrency=(1, 4) if quick else tuple(concurrency),
         workloads=tuple(workload),
-        arms=tuple(a for a in ARMS if a in arm),
+        arms=tuple(a for a in known_arms if a in arm),
         prefill_prefix_caching=prefix_caching,
+        prefills=prefills,
+        decodes=decodes,
         pin_engines=pin_engines,
         repeats=repeats,
         quick=quick,
@@ -1074,7 +1099,8 @@ def _print_multiturn(summary: dict) -> None:
     table = Table(
         title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)"
     )
-    for column in ("workload", "sessions", "context", "turns", *ARMS):
+    present = [a for a in dict.fromkeys(ARMS + ROUTING_ARMS) if any(r["arm"] == a for r in summary["rows"])]
+    for column in ("workload", "sessions", "context", "turns", *present):
         table.add_column(column)
     cells: dict[tuple, dict[str, dict]] = {}
     for cell in summary["by_context"]:
@@ -1087,7 +1113,7 @@ def _print_multiturn(summary: dict) -> None:
             str(max(c["turns"] for c in arms.values())),
             *(
                 f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
-                for a in ARMS
+                for a in present
             ),
         )
     console.print(table)
@@ -1286,6 +1312,14 @@ def demo(
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
     ] = False,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="two kvloopd replicas on Redis (primary, replica, three Sentinels, on loopback); kill the "
+            "replica the decode's sidecar streams to, later the Redis primary, and show what recovered when",
+        ),
+    ] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
@@ -1307,6 +1341,7 @@ def demo(
                 keep_running,
                 model.value,
                 decode_tp,
+                ha,
             )
         except EngineStartError as exc:
             _fail(str(exc))

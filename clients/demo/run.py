@@ -27,6 +27,7 @@ def run_demo(
     keep_running: bool = False,
     model: str = "llama",
     decode_tp: int = 1,
+    ha: bool = False,
 ) -> int:
     console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -46,8 +47,14 @@ def run_demo(
         f"building a random-weight {kind} (hidden {hidden_size}, {layers} layers) in {workdir / model}",
     )
     model_dir = MODEL_BUILDERS[model](workdir / model, hidden_size=hidden_size, layers=layers)
-    stack = Stack(StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file, decode_tp=decode_tp))
+    stack = Stack(
+        StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file, decode_tp=decode_tp, ha=ha)
+    )
     results = []
+    # --ha: before these turns, kill the kvloopd replica the decode's sidecar streams to, then the
+    # Redis primary
+    faults = {max(2, turns // 3): "kvloopd_replica", max(3, 2 * turns // 3): "redis_primary"} if ha else {}
+    primary_killed_at: float | None = None
     try:
         stack.start(progress)
         console.print(
@@ -57,13 +64,41 @@ def run_demo(
         )
         conversation = AgentConversation(seed=11)
         for turn in range(1, turns + 1):
-            result = chat_turn(
-                stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn
-            )
+            if faults.get(turn) == "kvloopd_replica":
+                fault = kill_decode_replica(stack, turn)
+                emit(fault, as_json, progress)
+            elif faults.get(turn) == "redis_primary":
+                killed = stack.kill_redis_primary()
+                primary_killed_at = time.monotonic()
+                progress(
+                    "fault", f"stopped the Redis primary {killed} before turn {turn}; Sentinel fails over"
+                )
+            try:
+                result = chat_turn(
+                    stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn
+                )
+            except OSError as exc:  # the request failed: recorded, the conversation goes on
+                failed = {"turn": turn, "path": "error", "ttft_ms": None, "error": str(exc)}
+                emit(failed, as_json, progress)
+                conversation.record("")
+                continue
             conversation.record(result.answer)
             results.append(result)
+            if primary_killed_at is not None and result.path == "transfer":
+                emit(
+                    {
+                        "fault": "redis_primary",
+                        "killed": killed,
+                        "recovered": "first transfer again",
+                        "at_turn": turn,
+                        "recovered_s": round(time.monotonic() - primary_killed_at, 2),
+                    },
+                    as_json,
+                    progress,
+                )
+                primary_killed_at = None
             # The agent's tool runs now; meanwhile the decode's retained blocks reach the directory.
-            stack.wait_retained(turn)
+            stack.wait_retained(len(results))
             if as_json:
                 sys.stdout.write(json.dumps(result.as_dict()) + "\n")
                 sys.stdout.flush()
@@ -73,6 +108,8 @@ def run_demo(
                     f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
                     f"TTFT {result.ttft_ms:.0f} ms",
                 )
+        if primary_killed_at is not None:
+            emit({"fault": "redis_primary", "recovered": None}, as_json, progress)
         if not as_json:
             table = Table(title="kvloop demo: one agent conversation through the proxy")
             for column in (
@@ -148,3 +185,35 @@ def run_demo(
         console.print(
             f"[dim]stopped kvloopd, engines, sidecars and proxy after {time.monotonic() - started:.0f}s[/dim]"
         )
+
+
+def emit(record: dict, as_json: bool, progress) -> None:
+    """A fault's or a failed turn's record: one JSON line, or a progress line."""
+    if as_json:
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
+    else:
+        progress(str(record.get("fault") or f"turn {record.get('turn')}"), json.dumps(record))
+
+
+def kill_decode_replica(stack: Stack, turn: int, timeout_s: float = 30.0) -> dict:
+    """Kill the kvloopd replica the decode's sidecar streams to; the record says when it resumed on
+    the other one (its registration there)."""
+    worker = stack.decodes[0].config.worker_id
+    index = stack.replica_of(worker)
+    if index is None:
+        return {"fault": "kvloopd_replica", "at_turn": turn, "error": f"{worker} is attached to no replica"}
+    address = stack.kill_replica(index)
+    killed = time.monotonic()
+    while time.monotonic() - killed < timeout_s:
+        moved = stack.replica_of(worker)
+        if moved is not None and moved != index:
+            return {
+                "fault": "kvloopd_replica",
+                "killed": address,
+                "at_turn": turn,
+                "recovered": f"{worker}'s stream resumed on {stack.replicas[moved][0]}",
+                "recovered_s": round(time.monotonic() - killed, 2),
+            }
+        time.sleep(0.05)  # polling the surviving replica's log
+    return {"fault": "kvloopd_replica", "killed": address, "at_turn": turn, "recovered": None}

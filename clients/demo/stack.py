@@ -11,11 +11,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
-from kvloop.clients.client import DirectoryClient
+from kvloop.clients.client import DaemonUnavailable, DirectoryClient
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
@@ -27,6 +28,7 @@ class StackConfig:
     workdir: Path
     served_model_name: str = "kvloop-tiny"
     decode_servers: int = 1
+    prefill_servers: int = 1
     prefill_prefix_caching: bool = False  # off: emulates a fleet of prefill workers losing their cache
     mode: str = "kvloop"  # "kvloop" | "builtin" | "recompute" (see EngineConfig.mode)
     kv_cache_gib: int = 2
@@ -44,6 +46,9 @@ class StackConfig:
     # construction - a prefill's compute never takes a core from a decode's steps.
     pin_engines: bool = False
     decode_tp: int = 1  # tensor-parallel size of the decode servers
+    # High availability on loopback: a Redis primary and replica, three Sentinels and two kvloopd
+    # replicas sharing them; engines, sidecars and the proxy are given both replicas' addresses.
+    ha: bool = False
 
 
 def engine_cores(role: str, cores: int | None = None) -> str:
@@ -65,14 +70,24 @@ class Stack:
     # Every process of the stack is started and stopped through this (see kvloop.common.processes).
     children: ChildProcesses = field(default_factory=supervisor)
     receiver: OtlpReceiver | None = None
+    # --ha: every kvloopd replica (address, process, log); the Redis primary apart (a fault kills it).
+    replicas: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
+    # --ha: each redis-server by port (a fault stops the one Sentinel names primary), the Sentinels.
+    _redis_servers: dict[int, ExitStack] = field(default_factory=dict)
+    _redis: ExitStack = field(default_factory=ExitStack)
+    sentinels: list[str] = field(default_factory=list)
 
     @property
     def prefill(self) -> Engine:
         return self.engines[0]
 
     @property
+    def prefills(self) -> list[Engine]:
+        return self.engines[: self.config.prefill_servers]
+
+    @property
     def decodes(self) -> list[Engine]:
-        return self.engines[1:]
+        return self.engines[self.config.prefill_servers :]
 
     def _tracing_env(self) -> dict[str, str]:
         if self.receiver is None:
@@ -91,34 +106,30 @@ class Stack:
             self.receiver = OtlpReceiver(SpanFile(cfg.span_file).write).start()
             progress("traces", f"OTLP receiver at {self.receiver.endpoint} writing {cfg.span_file}")
         bin_dir = Path(sys.executable).parent
-        daemon_port = free_port()
-        self.daemon_address = f"127.0.0.1:{daemon_port}"
-        progress("kvloopd", "starting")
-        with (logs / "kvloopd.log").open("w") as log:
-            self.daemon = self.children.spawn(
-                [
-                    str(bin_dir / "kvloopd"),
-                    "--listen",
-                    self.daemon_address,
-                    "--metrics-listen",
-                    f"127.0.0.1:{free_port()}",
-                    "--log-json",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-                env=self._env("kvloopd"),
-            )
-        with DirectoryClient(self.daemon_address, timeout=2) as client:
-            client.wait_ready(30)
-        progress("kvloopd", f"ready on {self.daemon_address}")
+        if cfg.ha:
+            config = self._start_redis(progress)
+            for name in ("kvloopd-a", "kvloopd-b"):
+                address = f"127.0.0.1:{free_port()}"
+                log_path = logs / f"{name}.log"
+                process = self._spawn_daemon(bin_dir, address, log_path, "--config", str(config))
+                self.replicas.append((address, process, log_path))
+            self.daemon = self.replicas[0][1]
+            self.daemon_address = ",".join(address for address, _, _ in self.replicas)
+        else:
+            self.daemon_address = f"127.0.0.1:{free_port()}"
+            self.daemon = self._spawn_daemon(bin_dir, self.daemon_address, logs / "kvloopd.log")
+        for address in self.daemon_address.split(","):
+            with DirectoryClient(address, timeout=2) as client:
+                client.wait_ready(30)
+            progress("kvloopd", f"ready on {address}")
         from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
 
         bytes_per_block = kv_bytes_per_block(
             cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
         )
-        roles = ["prefill"] + ["decode"] * cfg.decode_servers
+        roles = ["prefill"] * cfg.prefill_servers + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
-            name = "prefill-0" if role == "prefill" else f"decode-{i - 1}"
+            name = f"prefill-{i}" if role == "prefill" else f"decode-{i - cfg.prefill_servers}"
             engine_env = self._tracing_env()
             if cfg.pin_engines:
                 engine_env["VLLM_CPU_OMP_THREADS_BIND"] = engine_cores(role)
@@ -179,10 +190,12 @@ class Stack:
                     "--daemon",
                     self.daemon_address,
                     "proxy",
+                    "--route",
                     "--listen",
                     f"127.0.0.1:{proxy_port}",
-                    "--prefill",
-                    self.prefill.config.url,
+                    *functools.reduce(
+                        operator.iadd, (["--prefill", p.config.url] for p in self.prefills), []
+                    ),
                     *functools.reduce(operator.iadd, (["--decode", d.config.url] for d in self.decodes), []),
                 ],
                 stdout=subprocess.DEVNULL,
@@ -192,14 +205,110 @@ class Stack:
         _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
         progress("proxy", f"ready at {self.proxy_url}")
 
+    def _spawn_daemon(self, bin_dir: Path, address: str, log_path: Path, *args: str) -> subprocess.Popen:
+        with log_path.open("w") as log:
+            return self.children.spawn(
+                [
+                    str(bin_dir / "kvloopd"),
+                    "--listen",
+                    address,
+                    "--metrics-listen",
+                    f"127.0.0.1:{free_port()}",
+                    "--log-json",
+                    *args,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env=self._env("kvloopd"),
+            )
+
+    def _start_redis(self, progress: Callable[[str, str], None]) -> Path:
+        """A Redis primary and replica and three Sentinels (quorum 2) on loopback; returns the kvloopd
+        config that points at the Sentinels."""
+        import redis
+
+        from kvloop.daemon.index.redis_local import local_redis, local_sentinel
+
+        workdir = self.config.workdir / "redis"
+        workdir.mkdir(parents=True, exist_ok=True)
+        primary_port, replica_port = free_port(), free_port()
+        progress("redis", "starting a primary, a replica and three sentinels")
+        for port, extra in (
+            (primary_port, []),
+            (replica_port, ["--replicaof", "127.0.0.1", str(primary_port)]),
+        ):
+            self._redis_servers[port] = ExitStack()
+            url = self._redis_servers[port].enter_context(local_redis(workdir, port=port, extra=extra))
+        replica = url
+        # down after 5 s: engines loading on a small host can starve Redis of CPU for a second or two,
+        # and a Sentinel as quick as the tests' (1 s) then fails over a primary that is only slow
+        sentinels = [
+            self._redis.enter_context(local_sentinel(workdir, primary_port, quorum=2, down_after_ms=5000))
+            for _ in range(3)
+        ]
+        self.sentinels = sentinels
+        deadline = time.monotonic() + 30
+        with redis.Redis.from_url(replica) as client:
+            while client.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise EngineStartError(f"the Redis replica did not sync (logs in {workdir})")
+                time.sleep(0.05)  # polling the replica's link state
+        progress("redis", f"primary 127.0.0.1:{primary_port}, replica {replica}, sentinels {sentinels}")
+        config = self.config.workdir / "kvloopd-ha.toml"
+        quoted = ", ".join(f'"{s}"' for s in sentinels)
+        config.write_text(
+            f'[store]\nurl = "redis:///0"\nsentinels = [{quoted}]\nsentinel_master = "kvloop"\n'
+        )
+        return config
+
+    def replica_of(self, worker_id: str) -> int | None:
+        """The index of the live kvloopd replica whose log last registered ``worker_id`` (--ha)."""
+        import json
+
+        found: tuple[str, int] | None = None
+        for i, (_, process, log_path) in enumerate(self.replicas):
+            if process.poll() is not None:
+                continue
+            for line in log_path.read_text().splitlines():
+                if '"agent registered"' not in line or worker_id not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("worker_id") == worker_id and (found is None or record["timestamp"] > found[0]):
+                    found = (record["timestamp"], i)
+        return found[1] if found else None
+
+    def kill_replica(self, index: int) -> str:
+        """Kill a kvloopd replica outright (no drain, no goodbye on its streams); returns its address."""
+        address, process, _ = self.replicas[index]
+        process.kill()
+        process.wait()
+        return address
+
+    def kill_redis_primary(self) -> str:
+        """Stop the redis-server the Sentinels currently name primary; returns its address."""
+        import redis
+
+        host, port = self.sentinels[0].rsplit(":", 1)
+        with redis.Redis(host=host, port=int(port)) as sentinel:
+            primary_host, primary_port = sentinel.sentinel_get_master_addr_by_name("kvloop")
+        self._redis_servers.pop(int(primary_port)).close()
+        host_text = primary_host.decode() if isinstance(primary_host, bytes) else primary_host
+        return f"{host_text}:{primary_port}"
+
     def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
         """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a
         finished turn travels engine -> ZMQ -> sidecar -> kvloopd while the client prepares its next turn)."""
         deadline = time.monotonic() + timeout_s
         with DirectoryClient(self.daemon_address, timeout=2) as client:
             while time.monotonic() < deadline:
-                if client.stats().retained_runs >= runs:
-                    return True
+                try:
+                    if client.stats().retained_runs >= runs:
+                        return True
+                except DaemonUnavailable:  # --ha: a replica or the Redis primary is failing over
+                    pass
                 time.sleep(0.02)  # polling the directory
         return False
 
@@ -208,7 +317,13 @@ class Stack:
         kvloopd (each process group: SIGTERM, a grace period, SIGKILL)."""
         self.children.stop(self.proxy, grace_s=10)
         self.children.stop(*(p for e in self.engines for p in (e.agent, e.vllm)))
-        self.children.stop(self.daemon, grace_s=10)
+        if self.replicas:
+            self.children.stop(*(process for _, process, _ in self.replicas), grace_s=10)
+        else:
+            self.children.stop(self.daemon, grace_s=10)
+        for server in self._redis_servers.values():
+            server.close()
+        self._redis.close()
         if self.receiver is not None:  # last: the processes flush their spans to it as they exit
             self.receiver.stop()
             self.receiver = None

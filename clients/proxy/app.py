@@ -25,7 +25,9 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
+from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
+from kvloop.clients.proxy.routing import Router
 from kvloop.common.tracing import trace_id_hex
 
 log = structlog.get_logger("kvloop.proxy")
@@ -52,6 +54,10 @@ class ProxyConfig:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     health_interval_s: float = 2.0
+    # kvloopd HOST:PORT to rank prefills with (Route); None: the load rule alone.
+    directory: str | None = None
+    # Deadline of tokenize + Route per request; past it the load rule decides.
+    route_timeout_s: float = 0.1
 
 
 @dataclass
@@ -59,6 +65,7 @@ class _State:
     config: ProxyConfig
     prefill: BackendPool
     decode: BackendPool
+    router: Router
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -149,8 +156,15 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             {"http.route": path, "kvloop.stream": stream, "gen_ai.request.model": str(body.get("model", ""))}
         )
         try:
-            prefill = state.prefill.pick()
+            assert state.session is not None
+            with tracer.start_as_current_span("kvloop.proxy.route") as rspan:
+                choice = await state.router.choose(state.session, body, chat)
+                rspan.set_attributes(_route_attributes(choice))
+            prefill = choice.backend
+            span.set_attributes(_route_attributes(choice))
+            queued = choice.queued_tokens
             prefill.in_flight += 1
+            prefill.queued_tokens += queued
             try:
                 with tracer.start_as_current_span("kvloop.proxy.prefill", kind=SpanKind.CLIENT) as pspan:
                     pspan.set_attribute("kvloop.backend", prefill.url)
@@ -159,6 +173,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                     answer = await _post_json(state, prefill, path, _prefill_body(body, chat), headers)
             finally:
                 prefill.in_flight -= 1
+                prefill.queued_tokens -= queued
             prefill_s = time.perf_counter() - started
             PREFILL_SECONDS.observe(prefill_s)
             kv = answer.get("kv_transfer_params")
@@ -184,6 +199,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 }
             )
             response_headers = {
+                "x-kvloop-route": choice.outcome,
                 "x-kvloop-prefill": prefill.url,
                 "x-kvloop-decode": decode.url,
                 "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}",
@@ -231,6 +247,20 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                 ) if exc.backend.role == "prefill" else state.decode.mark_failed(exc.backend, str(exc))
             log.warning("upstream failed", error=str(exc), status=exc.status)
             return _error(exc.status, str(exc), "upstream_error")
+
+
+def _route_attributes(choice) -> dict[str, str | int | float]:
+    attributes: dict[str, str | int | float] = {"kvloop.route": choice.outcome}
+    if choice.score is not None:
+        attributes.update(
+            {
+                "kvloop.route.expected_ttft_ms": round(choice.score.expected_ttft_ms, 3),
+                "kvloop.route.local_blocks": choice.score.local_blocks,
+                "kvloop.route.pull_blocks": choice.score.pull_blocks,
+                "kvloop.route.compute_tokens": choice.score.compute_tokens,
+            }
+        )
+    return attributes
 
 
 async def _stream(
@@ -308,10 +338,12 @@ async def _metrics(request: web.Request) -> web.Response:
 def build_app(config: ProxyConfig) -> web.Application:
     if not config.prefill or not config.decode:
         raise ValueError("the proxy needs at least one prefill and one decode server")
+    prefill = BackendPool("prefill", config.prefill, config.health_interval_s)
     state = _State(
         config,
-        BackendPool("prefill", config.prefill, config.health_interval_s),
+        prefill,
         BackendPool("decode", config.decode, config.health_interval_s),
+        Router(prefill, None, config.route_timeout_s),
     )
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["state"] = state
@@ -322,6 +354,8 @@ def build_app(config: ProxyConfig) -> web.Application:
                 total=config.request_timeout_s, sock_connect=config.connect_timeout_s
             )
         )
+        if config.directory:
+            state.router.directory = AsyncDirectoryClient(config.directory, timeout=config.route_timeout_s)
         await asyncio.gather(state.prefill.check_all(state.session), state.decode.check_all(state.session))
         state.tasks = [
             asyncio.create_task(state.prefill.keep_checking(state.session)),
@@ -331,6 +365,8 @@ def build_app(config: ProxyConfig) -> web.Application:
         for task in state.tasks:
             task.cancel()
         await state.session.close()
+        if state.router.directory is not None:
+            await state.router.directory.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", lambda r: _handle(r, chat=True))
@@ -354,6 +390,7 @@ async def serve(
         tls=tls is not None,
         prefill=config.prefill,
         decode=config.decode,
+        directory=config.directory,
     )
     try:
         await stop.wait()

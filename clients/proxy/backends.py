@@ -17,6 +17,8 @@ class Backend:
     role: str
     healthy: bool = False
     in_flight: int = 0
+    # Prompt tokens the in-flight requests compute here, as the proxy estimated them (Route's input).
+    queued_tokens: int = 0
     last_error: str = ""
     models: list[str] = field(default_factory=list)
 
@@ -36,11 +38,12 @@ class BackendPool:
         url = url.rstrip("/")
         return next((b for b in self.backends if b.url == url), None)
 
-    def pick(self, prefer: Backend | None = None) -> Backend:
-        """Least in-flight healthy backend (round-robin among ties); `prefer` wins when healthy."""
+    def pick(self, prefer: Backend | None = None, among: list[Backend] | None = None) -> Backend:
+        """Least in-flight healthy backend (round-robin among ties), of `among` when given; `prefer`
+        wins when healthy."""
         if prefer is not None and prefer.healthy:
             return prefer
-        healthy = [b for b in self.backends if b.healthy]
+        healthy = [b for b in (self.backends if among is None else among) if b.healthy]
         if not healthy:
             detail = "; ".join(f"{b.url}: {b.last_error or 'not checked yet'}" for b in self.backends)
             raise NoBackend(f"no healthy {self.role} server ({detail})")

@@ -11,6 +11,9 @@ Per model:  base.."w:"..W       hash  one worker: epoch, seq, state, seen, spec,
             base.."wns:"..W     set   namespaces the worker stored blocks in
             base.."exp"         zset  run key by deadline;  base.."age": run key by creation order
             base.."stats"       hash  entries, runs, events, evictions, expired;  base.."next": run ids
+            base.."resync"      set   workers still to re-push their state after a store failover:
+                                      while it is not empty, lookups of the model answer
+                                      "directory_resyncing"
 Per namespace P = base..<lora hex>..":":
             P.."ret"            hash  block hash -> run id, or "id,id,..." when runs share the block
             P.."sto"            hash  block hash -> worker ids ("\n"-separated) holding it in prefix cache
@@ -147,6 +150,7 @@ local function drop_worker(base, w)
   purge(base, w)
   redis.call('DEL', base .. 'w:' .. w, base .. 'alive:' .. w)
   redis.call('SREM', base .. 'workers', w)
+  redis.call('SREM', base .. 'resync', w)
 end
 
 -- register(keys: worker) base, w, epoch, last_sequence, now, lease_s, lease_ms, spec, layout
@@ -219,6 +223,7 @@ local function snapshot(keys, args)
     redis.call('HINCRBY', keys[1], 'resyncs', 1)
   else
     redis.call('HSET', keys[1], 'seq', args[5], 'state', ACTIVE, 'seen', args[4])
+    redis.call('SREM', args[1] .. 'resync', args[2])
   end
   return 1
 end
@@ -361,6 +366,7 @@ local function lookup(keys, args)
   local ret = keys[1]
   local n = #hs / hl
   if local_blocks >= n then return {'none', ''} end
+  if redis.call('SCARD', base .. 'resync') > 0 then return {'none', 'directory_resyncing'} end
   local runs, verdicts, live = {}, {}, {}
 
   local function hash_at(i) return string.sub(hs, i * hl + 1, (i + 1) * hl) end
@@ -493,6 +499,40 @@ local function find(keys, args)
   return out
 end
 
+-- stored_prefixes(keys: P.."sto") base, hashes, hl, now, lease_s, then worker ids. How many leading
+-- blocks each live worker holds in its prefix cache: one walk for all, ending when none holds the next.
+local function stored_prefixes(keys, args)
+  local base, hs, hl, now, lease_s = args[1], args[2], tonumber(args[3]), tonumber(args[4]), tonumber(args[5])
+  local alive, out, count = {}, {}, 0
+  for i = 6, #args do
+    local w = args[i]
+    local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen')
+    if f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s and redis.call('EXISTS', base .. 'alive:' .. w) == 1 then
+      alive[w] = true
+      count = count + 1
+    end
+    out[i - 5] = 0
+  end
+  local n = #hs / hl
+  for j = 0, n - 1 do
+    if count == 0 then break end
+    local holders = {}
+    for _, w in ipairs(split(redis.call('HGET', keys[1], string.sub(hs, j * hl + 1, (j + 1) * hl)), '\n')) do
+      holders[w] = true
+    end
+    for w in pairs(alive) do
+      if not holders[w] then
+        alive[w] = nil
+        count = count - 1
+      end
+    end
+    for i = 6, #args do
+      if alive[args[i]] then out[i - 5] = j + 1 end
+    end
+  end
+  return out
+end
+
 -- reap(keys: base.."exp") base, now, lease_s, drop_after_s
 local function reap(keys, args)
   local base, now, lease_s, drop_after = args[1], tonumber(args[2]), tonumber(args[3]), tonumber(args[4])
@@ -516,6 +556,9 @@ local function reap(keys, args)
       changes[#changes + 1] = {'lease', w, 0, string.format('no message for %.1fs: blocks no longer served', idle)}
     end
     local connected = redis.call('EXISTS', base .. 'alive:' .. w) == 1
+    -- an agent gone for a whole lease will not re-push soon: lookups stop waiting for it (its
+    -- blocks stay unserved until it does)
+    if not connected and idle > lease_s then redis.call('SREM', base .. 'resync', w) end
     if (not connected or state == EXPIRED) and idle > drop_after then
       local blocks = tonumber(f[3]) + tonumber(f[4])
       drop_worker(base, w)
@@ -545,6 +588,7 @@ local function epoch(keys, args)
   for i = 2, #args do
     for _, w in ipairs(redis.call('SMEMBERS', args[i] .. 'workers')) do
       redis.call('HSET', args[i] .. 'w:' .. w, 'state', RESYNCING)
+      redis.call('SADD', args[i] .. 'resync', w)
       marked = marked + 1
     end
   end
@@ -562,4 +606,5 @@ redis.register_function{function_name = 'kvl_lookup', callback = lookup, flags =
 redis.register_function('kvl_release', release)
 redis.register_function{function_name = 'kvl_find', callback = find, flags = {'no-writes'}}
 redis.register_function('kvl_reap', reap)
+redis.register_function{function_name = 'kvl_stored_prefixes', callback = stored_prefixes, flags = {'no-writes'}}
 redis.register_function('kvl_set_state', set_state)

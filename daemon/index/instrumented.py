@@ -53,6 +53,7 @@ class InstrumentedStore:
                 "end_snapshot",
                 "lookup",
                 "release_claim",
+                "stored_prefixes",
                 "find",
                 "counts",
             )
@@ -61,6 +62,10 @@ class InstrumentedStore:
 
     def clock(self) -> float:
         return self.inner.clock()
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
 
     async def close(self) -> None:
         await self.inner.close()
@@ -156,6 +161,13 @@ class InstrumentedStore:
                 )
         self._timers["lookup"].observe(time.perf_counter() - started)
         return match
+
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        with tracer.start_as_current_span("kvloop.store.stored_prefixes", attributes=self._attributes):
+            with self._timers["stored_prefixes"].time():
+                return await self.inner.stored_prefixes(namespace, hashes, workers, now)
 
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         with tracer.start_as_current_span("kvloop.store.release_claim", attributes=self._attributes):

@@ -168,6 +168,7 @@ class MemoryStore:
     Its coroutines never await, so each call is atomic on the event loop."""
 
     name = "memory"
+    epoch = 0  # one process: nothing to fail over to
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
@@ -551,6 +552,32 @@ class MemoryStore:
         ):
             return "incompatible_layout"
         return "peer_unavailable"
+
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        """Leading prompt blocks each worker holds in its prefix cache: one walk over the prompt for
+        all of them, ending when none holds the next block (a block evicted mid-prefix ends a run,
+        as it ends vLLM's own prefix hit)."""
+        out = dict.fromkeys(workers, 0)
+        ns = self._namespaces.get(namespace)
+        slots = {
+            w.slot: w.spec.worker_id
+            for name in workers
+            if (w := self._workers.get(name)) is not None and self._serving(w, now)
+        }
+        if ns is None or not slots:
+            return out
+        index = ns.stored
+        alive = set(slots)
+        for position, h in enumerate(hashes):
+            entry = index.get(h)
+            alive &= set(_values(entry)) if entry is not None else set()
+            if not alive:
+                break
+            for slot in alive:
+                out[slots[slot]] = position + 1
+        return out
 
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         """Give a single-use run back to every puller; only its claimant may. Idempotent."""

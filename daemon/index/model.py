@@ -41,6 +41,7 @@ class WorkerSpec:
     labels: dict[str, str] = field(default_factory=dict)
     kv_dtype: str = ""  # empty: unknown
     kv_group_windows: tuple[int, ...] = ()  # per KV-cache group, 0 = full attention; empty: unknown
+    hash_seed: str = ""  # vLLM's block-hash seed (PYTHONHASHSEED); empty: unknown
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ class PrefixMatch:
     best: Holding | None
     others: list[Holding]
     # Set when blocks beyond the caller's local prefix exist but none is servable:
-    # "expired", "claimed", "peer_unavailable" or "incompatible_layout".
+    # "expired", "claimed", "peer_unavailable", "incompatible_layout" or "directory_resyncing".
     unservable_reason: str | None = None
 
 

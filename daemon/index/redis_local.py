@@ -79,14 +79,15 @@ def local_sentinel(
     master: str = "kvloop",
     down_after_ms: int = 1000,
     timeout_s: float = 10.0,
+    quorum: int = 1,
 ) -> Iterator[str]:
-    """Start one ``redis-sentinel`` (quorum 1) watching the primary on ``master_port``; yields
-    its HOST:PORT. Sentinel rewrites its config file, so each gets its own."""
+    """Start one ``redis-sentinel`` watching the primary on ``master_port`` (``quorum`` sentinels must
+    agree it is down); yields its HOST:PORT. Sentinel rewrites its config file, so each gets its own."""
     port = free_port()
     config = workdir / f"sentinel-{port}.conf"
     config.write_text(
         f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
-        f"sentinel monitor {master} 127.0.0.1 {master_port} 1\n"
+        f"sentinel monitor {master} 127.0.0.1 {master_port} {quorum}\n"
         f"sentinel down-after-milliseconds {master} {down_after_ms}\n"
         f"sentinel failover-timeout {master} {max(3 * down_after_ms, 3000)}\n"
     )

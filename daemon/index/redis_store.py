@@ -18,6 +18,7 @@ Where it differs from the in-memory store, by design:
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
@@ -157,6 +158,12 @@ class RedisStore:
         self._model_of: dict[str, str] = {}  # worker -> model (a worker id keeps its model)
         self._lease_ms = str(max(1, int(self.config.lease_s * 1000)))
         self._sentinel: tuple[Any, str] | None = None
+        # The directory epoch answers are minted under: Sentinel's config epoch + 1 (a fresh Sentinel
+        # reports 0; 0 stays "cannot fail over", as without Sentinel), and the primary's address it
+        # was checked against.
+        self.epoch = 0
+        self._checked_primary: Any = None
+        self._pending_changes: list[Change] = []  # found outside reap (a lookup saw the failover)
 
     @classmethod
     async def connect(cls, url: str, config: IndexConfig | None = None, **options: Any) -> RedisStore:
@@ -180,14 +187,16 @@ class RedisStore:
         master: str,
         url: str = "redis:///0",
         config: IndexConfig | None = None,
+        master_wait_s: float = 15.0,
         **options: Any,
     ) -> RedisStore:
         """Connect to the primary that ``sentinels`` elect for ``master``, following failovers.
 
-        ``url`` gives the database and TLS (rediss:///0); its host is ignored."""
+        ``url`` gives the database and TLS (rediss:///0); its host is ignored. Waits up to
+        ``master_wait_s`` for the sentinels to name a primary."""
         from urllib.parse import urlsplit
 
-        from redis.asyncio.sentinel import Sentinel
+        from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 
         parts = urlsplit(url)
         db = int(parts.path.strip("/") or 0) if parts.scheme in ("redis", "rediss") else 0
@@ -196,11 +205,23 @@ class RedisStore:
         addresses = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in sentinels)]
         sentinel = Sentinel(addresses, socket_timeout=2.0, **options)
         client = sentinel.master_for(master, db=db, socket_timeout=2.0)
-        try:
-            await client.function_load(LIBRARY, replace=True)
-        except Exception:
-            await client.aclose()
-            raise
+        # No primary yet is an answer Sentinel gives while it fails over, or when none of them answered
+        # in time (a busy host): ask again for a while before giving up.
+        deadline = time.monotonic() + master_wait_s
+        while True:
+            try:
+                await client.function_load(LIBRARY, replace=True)
+                break
+            except MasterNotFoundError as exc:
+                if time.monotonic() < deadline:
+                    log.warning("no redis primary from the sentinels yet; asking again", error=str(exc)[:200])
+                    await asyncio.sleep(0.5)
+                    continue
+                await client.aclose()
+                raise
+            except Exception:
+                await client.aclose()
+                raise
         log.info("directory store on redis via sentinel", sentinels=list(sentinels), master=master, db=db)
         store = cls(client, config)
         store._sentinel = (sentinel, master)
@@ -433,21 +454,45 @@ class RedisStore:
         """After a failover the new primary may lack writes the old one acknowledged (replication is
         asynchronous): a freed run could look retained. So when Sentinel's epoch moves past the one
         recorded with the data, every worker is marked resyncing (not served) until its agent has
-        re-pushed its state; exactly one replica wins the compare-and-set and reports the change."""
+        re-pushed its state; exactly one replica wins the compare-and-set and reports the change
+        ("failover", relayed to the other replicas).
+
+        A replica also reports "primary_moved" when it reconnected to another primary or saw the epoch
+        move without winning: what it wrote meanwhile may have gone to a primary being demoted (a starved
+        primary is failed over while it still accepts writes), and the winner's relayed change may have
+        been published where this replica was not listening, so it asks its own agents again."""
         epoch = await self.directory_epoch()
         if epoch is None:
             return []
+        primary = self._primary()
+        moved = self._checked_primary is not None and primary != self._checked_primary
+        self._checked_primary = primary
         bases = await self._bases()
         previous = await self._fcall("kvl_epoch", [_EPOCH], epoch, *bases.values())
+        known, self.epoch = self.epoch, max(self.epoch, epoch + 1)
         log.debug("directory epoch checked", epoch=epoch, previous=previous)
-        if previous is None or int(previous) < 0:
-            return []
-        log.warning("redis failover: every worker must resync", epoch=epoch, previous_epoch=int(previous))
-        return [Change("failover", "", "", 0, f"directory epoch {int(previous)} -> {epoch}: resync required")]
+        if previous is not None and int(previous) >= 0:
+            log.warning("redis failover: every worker must resync", epoch=epoch, previous_epoch=int(previous))
+            detail = f"directory epoch {int(previous)} -> {epoch}: resync required"
+            return [Change("failover", "", "", 0, detail)]
+        if moved or (known and self.epoch > known):
+            log.warning("redis primary moved: this replica's agents resync", epoch=epoch, primary=primary)
+            return [Change("primary_moved", "", "", 0, f"the directory's primary moved (epoch {epoch})")]
+        return []
+
+    def _primary(self) -> Any:
+        """The primary's address redis-py's Sentinel pool last connected to."""
+        return getattr(self._r.connection_pool, "master_address", None)
+
+    def _primary_moved(self) -> bool:
+        """The client reconnected to another primary since the epoch was last checked (cheap: the
+        address redis-py's Sentinel pool connected to)."""
+        return self._sentinel is not None and self._primary() != self._checked_primary
 
     @_reachable
     async def reap(self, now: float) -> list[Change]:
-        changes: list[Change] = await self._check_epoch()
+        changes: list[Change] = [*self._pending_changes, *await self._check_epoch()]
+        self._pending_changes.clear()
         for model, base in sorted((await self._bases()).items()):
             reply = await self._fcall(
                 "kvl_reap",
@@ -553,6 +598,11 @@ class RedisStore:
         # The layout check is the caller's code: the function picks a holder, and one this puller
         # cannot read is excluded and the search repeated (rare: most fleets share one layout).
         while True:
+            if self._primary_moved():
+                # A new primary answers from here on, and the periodic check may not have run yet:
+                # reconcile the epoch first (marks every worker resyncing on a failover), so no
+                # answer comes from data the old primary had moved past.
+                self._pending_changes.extend(await self._check_epoch())
             reply = await self._fcall(
                 "kvl_lookup",
                 [f"{prefix}ret"],
@@ -568,6 +618,8 @@ class RedisStore:
                 int(claim),
                 "\n".join(excluded),
             )
+            if self._primary_moved():
+                continue  # the call itself reconnected to a new primary: ask again after the check
             if _text(reply[0]) == "none":
                 reason = _text(reply[1])
                 return PrefixMatch(None, [], reason or None)
@@ -594,6 +646,25 @@ class RedisStore:
             tail_token_ids=_ids(tail_tokens),
             tail_block_ids=_ids(tail_blocks),
         )
+
+    @_reachable
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        if not workers or not hashes:
+            return dict.fromkeys(workers, 0)
+        base, prefix = self._namespace(namespace)
+        reply = await self._fcall(
+            "kvl_stored_prefixes",
+            [f"{prefix}sto"],
+            base,
+            _keys(hashes),
+            KEY_BYTES,
+            repr(now),
+            repr(self.config.lease_s),
+            *workers,
+        )
+        return {w: int(n) for w, n in zip(workers, reply, strict=True)}
 
     @_reachable
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:

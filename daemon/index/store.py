@@ -86,6 +86,9 @@ class StoreCounts:
 
 class WorkerRegistry(Protocol):
     config: IndexConfig
+    # The directory epoch answers are minted under: grows with each failover of the store (Redis
+    # Sentinel's config epoch); 0 for a store that cannot fail over.
+    epoch: int
 
     def clock(self) -> float:
         """Now, in the seconds every call of this store takes."""
@@ -146,6 +149,13 @@ class BlockIndex(Protocol):
         A run is servable when its lease outlives ``max(expiry_margin_s, margin_s)``, it is not
         claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
         check) takes its worker. With ``claim`` a single-use best run is claimed in the same step."""
+
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        """How many leading blocks of the prompt each of ``workers`` holds in its prefix cache
+        (BlockStored, not yet BlockRemoved), counted from block 0 as vLLM's own prefix hit is. Workers
+        that hold none, are unknown or not active count 0. Read-only."""
 
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         """Give back a single-use run claimed by ``requester``; False when it holds no such claim."""

@@ -30,8 +30,9 @@ def test_transfer_estimates_come_from_nixl_timed_reads(served_stack):
         pairs = wait_until(measured_pairs, what="NIXL-timed READ samples in kvloopd's cost model")
     samples = [gbps for p in pairs for gbps in p.sample_gbytes_per_s]
     verdicts = sum(p.verdicts["transfer_faster"] + p.verdicts["probe"] for p in pairs)
-    # each pair's first READ paid the NIXL handshake and taught nothing: fewer samples than pulls
-    assert 1 <= len(samples) < verdicts, (samples, verdicts)
+    # a READ that waited for a NIXL handshake teaches nothing (the prefill warms its peers at
+    # start-up, so usually none did): at most one sample per pull
+    assert 1 <= len(samples) <= verdicts, (samples, verdicts)
     # NIXL's transfer time of a few MiB over shared memory, not an engine step: well above 0.1 GB/s
     assert min(samples) > 0.1, samples
     # the engine-step wait around each READ is measured apart, not learnt from

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from tests.e2e.traces import check_turn_trace
@@ -40,7 +41,18 @@ def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
         check_turn_trace(spans, turn["trace_id"], pulled=turn["path"] == "transfer")
     # the prefill opened its NIXL connection to the decode before any turn read from it, and its
     # directory polls for peers (ListWorkers) left no traces
-    assert "kvloop.peer_warmed" in (workdir / "logs" / "prefill-0.vllm.log").read_text()
+    prefill_log = (workdir / "logs" / "prefill-0.vllm.log").read_text()
+    warmed = [
+        json.loads(line[line.index("{") :])
+        for line in prefill_log.splitlines()
+        if "kvloop.peer_warmed" in line
+    ]
+    assert warmed, "the prefill never warmed its decode peer"
+    # a READ from a peer warmed before it is steady state: not first contact, so the cost model learns from it
+    warmed_ns = min(datetime.fromisoformat(w["timestamp"]).timestamp() for w in warmed) * 1e9
+    reads = [s for s in spans if s["name"] == "kvloop.nixl_read"]
+    assert reads and all(r["start_unix_nano"] > warmed_ns for r in reads), (warmed, reads)
+    assert [r["attributes"]["kvloop.first_contact"] for r in reads] == [False] * len(reads), reads
     assert not any(s["name"].endswith("/ListWorkers") for s in spans)
     shown = subprocess.run(
         [str(BIN / "kvloop"), "trace", "--spans", str(workdir / "spans.jsonl"), "--last", "1"],

@@ -47,6 +47,8 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_SHORT_PROMPT: _ClassVar[DecisionReason]
     DECISION_REASON_READ_FAILED: _ClassVar[DecisionReason]
     DECISION_REASON_ENGINE_DECLINED: _ClassVar[DecisionReason]
+    DECISION_REASON_DIRECTORY_RESYNCING: _ClassVar[DecisionReason]
+    DECISION_REASON_STALE_EPOCH: _ClassVar[DecisionReason]
 
 class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -93,6 +95,8 @@ DECISION_REASON_DIRECTORY_UNAVAILABLE: DecisionReason
 DECISION_REASON_SHORT_PROMPT: DecisionReason
 DECISION_REASON_READ_FAILED: DecisionReason
 DECISION_REASON_ENGINE_DECLINED: DecisionReason
+DECISION_REASON_DIRECTORY_RESYNCING: DecisionReason
+DECISION_REASON_STALE_EPOCH: DecisionReason
 TURN_PATH_UNSPECIFIED: TurnPath
 TURN_PATH_TRANSFER: TurnPath
 TURN_PATH_RECOMPUTE: TurnPath
@@ -119,7 +123,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows")
+    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows", "hash_seed")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +147,7 @@ class WorkerRegistration(_message.Message):
     LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -159,7 +164,8 @@ class WorkerRegistration(_message.Message):
     last_sequence: int
     kv_dtype: str
     kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    hash_seed: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier")
@@ -440,7 +446,7 @@ class CostEstimate(_message.Message):
     def __init__(self, transfer_ms: _Optional[float] = ..., recompute_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_basis: _Optional[str] = ..., recompute_basis: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("decision", "reason", "detail", "matched_blocks", "matched_tokens", "recompute_tokens", "holder", "other_holders", "cost", "lookup_us", "path")
+    __slots__ = ("decision", "reason", "detail", "matched_blocks", "matched_tokens", "recompute_tokens", "holder", "other_holders", "cost", "lookup_us", "path", "directory_epoch")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -452,6 +458,7 @@ class LookupResponse(_message.Message):
     COST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_US_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: DecisionReason
     detail: str
@@ -463,7 +470,8 @@ class LookupResponse(_message.Message):
     cost: CostEstimate
     lookup_us: int
     path: TurnPath
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., detail: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., other_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., lookup_us: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ...) -> None: ...
+    directory_epoch: int
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., detail: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., recompute_tokens: _Optional[int] = ..., holder: _Optional[_Union[Holder, _Mapping]] = ..., other_holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ..., cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., lookup_us: _Optional[int] = ..., path: _Optional[_Union[TurnPath, str]] = ..., directory_epoch: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("registration", "lease_state", "connected", "last_applied_sequence", "stored_blocks", "retained_blocks", "retained_runs", "last_seen_ms_ago", "events_ingested", "resyncs", "prefill_tokens_per_second")
@@ -666,21 +674,109 @@ class DrainWorkerResponse(_message.Message):
     def __init__(self, delivered: _Optional[bool] = ...) -> None: ...
 
 class ReleaseClaimRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "holder_worker_id", "retention_handle", "requester_worker_id")
+    __slots__ = ("model", "lora_name", "holder_worker_id", "retention_handle", "requester_worker_id", "directory_epoch")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     HOLDER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     holder_worker_id: str
     retention_handle: str
     requester_worker_id: str
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., holder_worker_id: _Optional[str] = ..., retention_handle: _Optional[str] = ..., requester_worker_id: _Optional[str] = ...) -> None: ...
+    directory_epoch: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., holder_worker_id: _Optional[str] = ..., retention_handle: _Optional[str] = ..., requester_worker_id: _Optional[str] = ..., directory_epoch: _Optional[int] = ...) -> None: ...
 
 class ReleaseClaimResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "directory_epoch")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_EPOCH_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+    directory_epoch: int
+    def __init__(self, released: _Optional[bool] = ..., directory_epoch: _Optional[int] = ...) -> None: ...
+
+class RouteCandidate(_message.Message):
+    __slots__ = ("worker_id", "http_endpoint", "in_flight_requests", "queued_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    http_endpoint: str
+    in_flight_requests: int
+    queued_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora_name: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    packed_block_hashes: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
+    block_size: int
+    prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class RouteScore(_message.Message):
+    __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_HOLDER_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PULL_HOLDER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_REASON_FIELD_NUMBER: _ClassVar[int]
+    PULL_COST_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BASIS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    http_endpoint: str
+    registered: bool
+    local_blocks: int
+    pull_blocks: int
+    pull_holder_worker_id: str
+    pull_holder_blocks: int
+    pull_reason: DecisionReason
+    pull_cost: CostEstimate
+    compute_tokens: int
+    queue_ms: float
+    transfer_ms: float
+    compute_ms: float
+    expected_ttft_ms: float
+    prefill_tokens_per_s: float
+    prefill_basis: str
+    def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., registered: _Optional[bool] = ..., local_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., pull_holder_worker_id: _Optional[str] = ..., pull_holder_blocks: _Optional[int] = ..., pull_reason: _Optional[_Union[DecisionReason, str]] = ..., pull_cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., compute_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., expected_ttft_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_basis: _Optional[str] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us")
+    RANKED_FIELD_NUMBER: _ClassVar[int]
+    TIED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_US_FIELD_NUMBER: _ClassVar[int]
+    ranked: _containers.RepeatedCompositeFieldContainer[RouteScore]
+    tied: int
+    prompt_blocks: int
+    prompt_tokens: int
+    route_us: int
+    def __init__(self, ranked: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., tied: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., route_us: _Optional[int] = ...) -> None: ...

@@ -81,6 +81,11 @@ class DirectoryStub:
                 request_serializer=kvloop_dot_v1_dot_directory__pb2.ReleaseClaimRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_directory__pb2.ReleaseClaimResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvloop.v1.Directory/Route',
+                request_serializer=kvloop_dot_v1_dot_directory__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_directory__pb2.RouteResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryServicer:
@@ -155,6 +160,16 @@ class DirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """Route ranks candidate prefill workers for one prompt by expected time to first token: each
+        candidate's local prefix (the prefix-cache blocks its engine reported), the best reverse pull
+        it could add on top (as Lookup would decide it), the tokens left to compute and its queue, all
+        from Lookup's cost model. For routers (kvloop's proxy or any other). Read-only: it never claims.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -202,6 +217,11 @@ def add_DirectoryServicer_to_server(servicer, server):
                     servicer.ReleaseClaim,
                     request_deserializer=kvloop_dot_v1_dot_directory__pb2.ReleaseClaimRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_directory__pb2.ReleaseClaimResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvloop_dot_v1_dot_directory__pb2.RouteRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_directory__pb2.RouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +468,33 @@ class Directory:
             '/kvloop.v1.Directory/ReleaseClaim',
             kvloop_dot_v1_dot_directory__pb2.ReleaseClaimRequest.SerializeToString,
             kvloop_dot_v1_dot_directory__pb2.ReleaseClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvloop.v1.Directory/Route',
+            kvloop_dot_v1_dot_directory__pb2.RouteRequest.SerializeToString,
+            kvloop_dot_v1_dot_directory__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,122 @@
+"""The proxy's prefill choice over real engines: kvloopd's Route answer decides it, and a dead directory
+falls back to the load rule, saying so (header, metric).
+
+The served stack has one prefill (prefix caching off) and two decodes (prefix caching on); a decode can
+prefill too, so the proxy here is given the prefill and decode-1 as its prefill candidates: decode-1
+holds a prompt in its prefix cache once it has computed it, the prefill never does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvloop.clients.client import DirectoryClient
+from kvloop.clients.demo.model import random_text
+from kvloop.clients.demo.stack import _wait_http
+from kvloop.common.addresses import free_port
+from kvloop.common.processes import supervisor
+from kvloop.v1 import directory_pb2 as pb
+from tests.e2e.test_proxy import MODEL, post
+from tests.support import wait_until
+
+
+@contextmanager
+def routing_proxy(stack, daemon: str, log_dir: Path) -> Iterator[str]:
+    """`kvloop proxy --route` with the prefill and decode-1 as prefill candidates, decode-0 decoding."""
+    port = free_port()
+    log = log_dir / f"proxy-{port}.log"
+    prefill, warm = stack.prefill.config.url, stack.decodes[1].config.url
+    command = [
+        str(Path(sys.executable).parent / "kvloop"),
+        "--daemon",
+        daemon,
+        "proxy",
+        "--route",
+        "--route-timeout",
+        "2",  # a loaded test host: the fallback is tested with a dead directory, not a slow one
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--prefill",
+        prefill,
+        "--prefill",
+        warm,
+        "--decode",
+        stack.decodes[0].config.url,
+    ]
+    with log.open("w") as out:
+        process = supervisor().spawn(command, stdout=subprocess.DEVNULL, stderr=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_http(f"{url}/health", process, log, 60)
+        # both prefill candidates healthy (the proxy answers 200 once one of each role is)
+        wait_until(
+            lambda: all(b["healthy"] for b in json.loads(post_get(f"{url}/health"))["prefill"]),
+            what="both prefill candidates healthy",
+        )
+        yield url
+    finally:
+        supervisor().stop(process, grace_s=10)
+
+
+def post_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def chat(url: str, messages: list[dict]):
+    with post(
+        f"{url}/v1/chat/completions",
+        {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0},
+    ) as r:
+        assert json.loads(r.read())["choices"][0]["message"]["content"] is not None
+        return dict(r.headers)
+
+
+def test_the_route_answer_decides_the_prefill(served_stack, tmp_path):
+    warm = served_stack.decodes[1].config.url
+    messages = [{"role": "user", "content": random_text(600, 31)}]
+    # decode-1 computes the prompt once (a plain request): its prefix cache holds it
+    with post(f"{warm}/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}) as r:
+        r.read()
+    with post(f"{warm}/tokenize", {"model": MODEL, "messages": messages}) as r:
+        tokens = json.loads(r.read())["tokens"]
+    candidates = [
+        pb.RouteCandidate(http_endpoint=served_stack.prefill.config.url),
+        pb.RouteCandidate(http_endpoint=warm),
+    ]
+    with DirectoryClient(served_stack.daemon_address) as directory:
+
+        def warm_ranked_first() -> bool:
+            answer = directory.route(MODEL, candidates, token_ids=tokens)
+            return answer.ranked[0].http_endpoint == warm and answer.ranked[0].local_blocks > 0
+
+        wait_until(warm_ranked_first, what="decode-1's BlockStored events indexed")
+    with routing_proxy(served_stack, served_stack.daemon_address, tmp_path) as proxy:
+        # the load rule alternates between two idle candidates; Route sends both turns to the cache
+        for _ in range(2):
+            headers = chat(proxy, messages)
+            assert headers["x-kvloop-route"] == "route", headers
+            assert headers["x-kvloop-prefill"] == warm
+        metrics = post_get(f"{proxy}/metrics")
+    assert 'kvloop_proxy_route_total{outcome="route"} 2.0' in metrics
+
+
+def test_a_dead_directory_falls_back_to_load(served_stack, tmp_path):
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    messages = [{"role": "user", "content": random_text(200, 32)}]
+    with routing_proxy(served_stack, dead, tmp_path) as proxy:
+        chosen = set()
+        for _ in range(2):
+            headers = chat(proxy, messages)
+            assert headers["x-kvloop-route"] == "load_unavailable", headers
+            chosen.add(headers["x-kvloop-prefill"])
+        metrics = post_get(f"{proxy}/metrics")
+    # the load rule round-robins over the idle candidates
+    assert chosen == {served_stack.prefill.config.url, served_stack.decodes[1].config.url}
+    assert 'kvloop_proxy_route_total{outcome="load_unavailable"} 2.0' in metrics
