@@ -368,6 +368,8 @@ def test_decode_steps_are_compared_at_equal_batch_without_arrival_steps():
     joiner = Stream(0.0, [0.0203, 0.032], [1, 1])  # came out of alone's second step
     assert decode_steps_of(alone, [alone, joiner]) == [[1, False, 10.0], [1, True, 10.0], [2, False, 10.0]]
     assert decode_steps_of(None, [alone]) == []
+    elsewhere = Stream(0.0, [0.0203, 0.032], [1, 1], where="http://other-decode")
+    assert [b for b, _, _ in decode_steps_of(alone, [alone, elsewhere])] == [1, 1, 1]
     samples = []
     for arm, steps in (
         ("kvloop", [[1, False, 11.0], [2, False, 16.0], [2, True, 40.0]]),

@@ -263,7 +263,7 @@ def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
     content: list[str] = []
     token_ids: list[int] = []
     prompt_ids: list[int] = []
-    stream = Stream(sent=time.perf_counter())
+    stream = Stream(sent=time.perf_counter(), where=url)
     with urllib.request.urlopen(request, timeout=timeout) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -678,7 +678,8 @@ def decode_steps_of(mine: Stream | None, streams: list[Stream]) -> list[list]:
     """[batch, arrival, step ms] of each step of `mine`, among the streams decoded at the same time."""
     if mine is None or not mine.times:
         return []
-    others = [s for s in streams if s is not mine]
+    # the routing bench spreads an arm's sessions over several decodes: a step holds only its engine's
+    others = [s for s in streams if s is not mine and s.where == mine.where]
     return [
         [g.batch, g.arrival, round(g.step_ms, 3)] for g in step_gaps([mine, *others])[: len(mine.times) - 1]
     ]

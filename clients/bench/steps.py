@@ -20,6 +20,7 @@ class Stream:
     sent: float
     times: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # tokens in each chunk (1 per engine step)
+    where: str = ""  # the engine that decoded it: only streams on one engine share its steps
 
     @property
     def first(self) -> float:
