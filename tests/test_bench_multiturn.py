@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvloop.clients.bench.multiturn import (
     ARMS,
     ROUTING_PAIRED_RATIOS,
@@ -356,3 +358,26 @@ def test_pinned_engines_split_the_cores_between_prefill_and_decode():
     assert (engine_cores("prefill", 2), engine_cores("decode", 2)) == ("0", "1")
     assert (engine_cores("prefill", 16), engine_cores("decode", 16)) == ("0-7", "8-15")
     assert (engine_cores("prefill", 1), engine_cores("decode", 1)) == ("0", "0")  # nothing to split
+
+
+def test_decode_steps_are_compared_at_equal_batch_without_arrival_steps():
+    from kvloop.clients.bench.multiturn import decode_steps_of
+    from kvloop.clients.bench.steps import Stream
+
+    alone = Stream(0.0, [0.0, 0.010, 0.020, 0.030], [1, 1, 1, 1])
+    joiner = Stream(0.0, [0.0203, 0.032], [1, 1])  # came out of alone's second step
+    assert decode_steps_of(alone, [alone, joiner]) == [[1, False, 10.0], [1, True, 10.0], [2, False, 10.0]]
+    assert decode_steps_of(None, [alone]) == []
+    elsewhere = Stream(0.0, [0.0203, 0.032], [1, 1], where="http://other-decode")
+    assert [b for b, _, _ in decode_steps_of(alone, [alone, elsewhere])] == [1, 1, 1]
+    samples = []
+    for arm, steps in (
+        ("kvloop", [[1, False, 11.0], [2, False, 16.0], [2, True, 40.0]]),
+        ("recompute", [[2, False, 16.0], [2, False, 16.0], [2, False, 16.0], [1, False, 10.0]]),
+    ):
+        s = timed(arm, 0, 1, 100.0)
+        s.decode_steps = steps
+        samples.append(s)
+    (row,) = summarize(samples, BS)["decode_step_at_equal_batch"]
+    assert [(b["batch"], b["ratio"]) for b in row["by_batch"]] == [(1, 1.1), (2, 1.0)]  # the arrival left out
+    assert row["ratio_weighted"] == pytest.approx((1.1 * 1 + 1.0 * 3) / 4, abs=1e-3)

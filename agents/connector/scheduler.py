@@ -58,6 +58,22 @@ def kv_dtype_name(kv_cache_config: KVCacheConfig) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else ""
 
 
+# kv_transfer_params key a decode request may set to False: its blocks are freed when it finishes
+# instead of being retained for reverse pulls (a conversation's last turn; `kvloop bench decode-tpot`
+# compares the same decode retaining and not).
+RETAIN_PARAM = "kvloop_retain"
+
+
+def declines_retention(params: dict[str, Any] | None) -> bool:
+    """A decode-side request (its KV came from a prefill, or none) that asked not to be retained."""
+    return (
+        params is not None
+        and params.get(RETAIN_PARAM) is False
+        and not params.get("do_remote_decode")
+        and not params.get("do_remote_prefill")  # still loading: vLLM's own cleanup must run
+    )
+
+
 class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig, cfg: KvloopConfig
@@ -135,6 +151,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        if declines_retention(request.kv_transfer_params):
+            # vLLM's own path for a decode that does not retain (bidirectional off): free at once
+            self._stop_heartbeat(request.request_id)
+            return False, None
         outcome = self.prefill.finished(request) if self.prefill is not None else None
         delay, out = super().request_finished(request, block_ids)
         if outcome is not None and out is not None:

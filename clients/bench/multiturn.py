@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.common.tokens import agreeing_prefix_length
 
@@ -126,6 +127,9 @@ class TurnSample:
     prefill_worker: str | None = None
     route: str | None = None
     route_ms: float | None = None
+    # This turn's decode steps as [batch, arrival, step ms] (see steps.step_gaps; the batch counts the
+    # arm's sessions streaming at the same time): TPOT compared at equal batch.
+    decode_steps: list[list] = field(default_factory=list)
 
 
 # Read from each arm's prefill engine (vLLM's Prometheus metrics), the same source in every arm:
@@ -245,6 +249,7 @@ class StreamedAnswer:
     token_ids: list[int]
     prompt_token_ids: list[int]
     tpot_ms: float | None  # (last token - first token) / (tokens - 1); None below two tokens
+    stream: Stream | None = None  # each chunk's arrival, for the steps it times
 
 
 def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
@@ -258,7 +263,7 @@ def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
     content: list[str] = []
     token_ids: list[int] = []
     prompt_ids: list[int] = []
-    first = last = 0.0
+    stream = Stream(sent=time.perf_counter(), where=url)
     with urllib.request.urlopen(request, timeout=timeout) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -267,16 +272,18 @@ def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
             now = time.perf_counter()
             chunk = json.loads(line[5:])
             prompt_ids = chunk.get("prompt_token_ids") or prompt_ids
+            tokens = 0
             for choice in chunk.get("choices") or []:
                 content.append((choice.get("delta") or {}).get("content") or "")
                 ids = choice.get("token_ids") or []
-                if ids:
-                    first = first or now
-                    last = now
-                    token_ids += ids
+                token_ids += ids
+                tokens += len(ids)
+            if tokens:
+                stream.times.append(now)
+                stream.tokens.append(tokens)
     # the first chunk's token is the first token: the steps after it are what TPOT measures
-    tpot = (last - first) * 1e3 / (len(token_ids) - 1) if len(token_ids) > 1 else None
-    return StreamedAnswer("".join(content), token_ids, prompt_ids, tpot)
+    tpot = stream.tpot_ms() if stream.times else None
+    return StreamedAnswer("".join(content), token_ids, prompt_ids, tpot, stream)
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -303,6 +310,7 @@ class TurnOutcome:
     prefill_worker: str | None = None
     route: str | None = None
     route_ms: float | None = None
+    decode_stream: Stream | None = None
 
 
 class ArmClient:
@@ -388,6 +396,7 @@ class ArmClient:
         decode_body = {**body, "max_tokens": max_tokens, "kv_transfer_params": params}
         prompt_ids = list(pre.get("prompt_token_ids") or [])
         tpot = None
+        decode_stream = None
         if self.arm == "builtin":
             # vLLM returns the decode's retention handle only in a whole (not streamed) response
             dec = _post(f"{self.decode_url}/v1/chat/completions", decode_body)
@@ -400,6 +409,7 @@ class ArmClient:
         else:
             streamed = _stream_chat(f"{self.decode_url}/v1/chat/completions", decode_body)
             answer, answer_ids, tpot = streamed.content, streamed.token_ids, streamed.tpot_ms
+            decode_stream = streamed.stream
             decode_prompt = streamed.prompt_token_ids or prompt_ids
         computed = decode_prompt + answer_ids[:-1]
         return TurnOutcome(
@@ -413,6 +423,7 @@ class ArmClient:
             params.get("kvloop_lookup_ms"),
             params.get("kvloop_pull_ms"),
             tpot,
+            decode_stream=decode_stream,
         )
 
     def _local_turn(self, session: Session) -> TurnOutcome:
@@ -572,6 +583,7 @@ class RoutedArmClient(ArmClient):
             prefill,
             how,
             route_ms,
+            decode_stream=streamed.stream,
         )
 
 
@@ -622,6 +634,7 @@ def run_workload(
             answers[arm] = [r.answer for r in results]
             # Checked once the turn is over: a concurrent session's run may have been the one pulled.
             client.computed.extend(r.computed_ids for r in results)
+            streams = [r.decode_stream for r in results if r.decode_stream and r.decode_stream.times]
             for i, session, r in zip(active, sessions, results, strict=False):
                 own_turn = turn - i if stagger else turn
                 wrong = wrong_pulled_blocks(
@@ -647,6 +660,7 @@ def run_workload(
                         r.prefill_worker,
                         r.route,
                         r.route_ms,
+                        decode_steps=decode_steps_of(r.decode_stream, streams),
                     )
                 )
                 client.latest[session.seed] = r.computed_ids
@@ -658,6 +672,50 @@ def run_workload(
                     session, answer, turn - i if stagger else turn, workload, config.tool_tokens
                 )
     return samples
+
+
+def decode_steps_of(mine: Stream | None, streams: list[Stream]) -> list[list]:
+    """[batch, arrival, step ms] of each step of `mine`, among the streams decoded at the same time."""
+    if mine is None or not mine.times:
+        return []
+    # the routing bench spreads an arm's sessions over several decodes: a step holds only its engine's
+    others = [s for s in streams if s is not mine and s.where == mine.where]
+    return [
+        [g.batch, g.arrival, round(g.step_ms, 3)] for g in step_gaps([mine, *others])[: len(mine.times) - 1]
+    ]
+
+
+def equal_batch_decode_steps(
+    samples: list[TurnSample], pairs: tuple[tuple[str, str], ...] = PAIRED_TPOT_RATIOS
+) -> list[dict]:
+    """Decode step time of one arm over another at the same batch size, steps without an arrival: the
+    TPOT comparison with the arrival pattern taken out (arms whose prefills release sessions to the
+    decode together or one by one decode in different batches, and a step grows with its batch).
+    ``ratio_weighted``: the per-batch ratios weighted by the denominator arm's steps at that batch."""
+    steps: dict[tuple[str, int, str, int], list[float]] = {}
+    for s in samples:
+        for batch, arrival, ms in s.decode_steps:
+            if not arrival:
+                steps.setdefault((s.workload, s.concurrency, s.arm, batch), []).append(ms)
+    out = []
+    for workload, concurrency in sorted({(s.workload, s.concurrency) for s in samples}):
+        for top, bottom in pairs:
+
+            def arm(name: str, cell: tuple[str, int] = (workload, concurrency)) -> dict[int, list[float]]:
+                return {k[3]: v for k, v in steps.items() if k[:3] == (*cell, name)}
+
+            rows = equal_batch(arm(top), arm(bottom))
+            if rows:
+                out.append(
+                    {
+                        "workload": workload,
+                        "concurrency": concurrency,
+                        "ratio": f"{top}/{bottom}",
+                        "by_batch": [asdict(r) for r in rows],
+                        "ratio_weighted": weighted_ratio(rows),
+                    }
+                )
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -745,6 +803,7 @@ def summarize(
         "paired": _paired(continuations, pairs=pairs),
         # every turn, the first included: the decode generates an answer on each
         "paired_decode_tpot": _paired(samples, "decode_tpot_ms", PAIRED_TPOT_RATIOS),
+        "decode_step_at_equal_batch": equal_batch_decode_steps(samples),
         "shared_prefix_new_conversations": _new_conversations(samples),
     }
 

@@ -393,6 +393,105 @@ def bench_slow_reads(
     )
 
 
+@bench_app.command("decode-tpot")
+def bench_decode_tpot(
+    rounds: Annotated[int, typer.Option(min=1, help="rounds (each runs every condition once)")] = 12,
+    sessions: Annotated[int, typer.Option(min=1, help="requests decoded together per condition")] = 4,
+    prompt_tokens: Annotated[int, typer.Option(min=64, help="tokens per prompt")] = 1536,
+    answer_tokens: Annotated[int, typer.Option(min=2, help="tokens each request decodes")] = 16,
+    stagger_ms: Annotated[
+        float, typer.Option(min=0, help="gap between arrivals in the staggered conditions")
+    ] = 100.0,
+    condition: Annotated[
+        list[str] | None, typer.Option(help="conditions to run (repeatable) [default: all]")
+    ] = None,
+    pin_engines: Annotated[
+        bool, typer.Option(help="prefill and decode compute on cores of their own")
+    ] = False,
+    workdir: Annotated[Path, typer.Option(help="model, logs")] = Path(".kvloop-bench/decode-tpot"),
+    output: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--output", "-o", help="write the results JSON here [default: WORKDIR/decode-tpot.json]"
+        ),
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Where a kvloop decode's time per output token goes: the same decode with and without retention,
+    incoming READs and staggered arrivals, interleaved and paired, its steps timed by what they held."""
+    from kvloop.clients.bench.decode_tpot import CONDITIONS, DecodeTpotConfig, run_decode_tpot
+    from kvloop.common.processes import supervisor
+
+    unknown = sorted(set(condition or ()) - set(CONDITIONS))
+    if unknown:
+        raise typer.BadParameter(
+            f"{', '.join(unknown)}: choose from {', '.join(CONDITIONS)}", param_hint="--condition"
+        )
+    config = DecodeTpotConfig(
+        workdir=workdir.resolve(),
+        rounds=rounds,
+        sessions=sessions,
+        prompt_tokens=prompt_tokens,
+        answer_tokens=answer_tokens,
+        stagger_ms=stagger_ms,
+        conditions=tuple(c for c in CONDITIONS if c in (condition or CONDITIONS)),
+        pin_engines=pin_engines,
+    )
+    with supervisor().stop_on_signals():
+        result = run_decode_tpot(config, progress=lambda line: err_console.print(line, highlight=False))
+    out = output or (config.workdir / "decode-tpot.json")
+    out.write_text(json.dumps(result, indent=2))
+    if state.json:
+        _emit_json(result)
+        return
+    summary = result["summary"]
+    table = Table(title="kvloop bench decode-tpot: the same decode under each condition")
+    for column in (
+        "condition",
+        "requests",
+        "TPOT ms p50 / mean",
+        "vLLM TPOT ms mean",
+        "batch (vLLM)",
+        "batch (client)",
+        "arrival steps",
+        "steps beside a prefill",
+        "retained runs",
+        "continuation prefills",
+    ):
+        table.add_column(column)
+    for c in summary["conditions"]:
+        table.add_row(
+            c["condition"],
+            str(c["requests"]),
+            f"{_blank(c['tpot_ms_p50'])} / {_blank(c['tpot_ms_mean'])}",
+            _blank(c["vllm_tpot_ms_mean"]),
+            _blank(c["vllm_batch_mean"]),
+            _blank(c["client_batch_mean"]),
+            _blank(c["arrival_step_share"]),
+            _blank(c["read_step_share"]),
+            str(c["retained_runs"]),
+            str(c["reads"]),
+        )
+    console.print(table)
+    table = Table(
+        title="paired effects: TPOT ratio per request (same round and slot), and step time at equal batch"
+    )
+    for column in ("factor", "ratio", "pairs", "median", "95% CI", "step ratio by batch (no arrival)"):
+        table.add_column(column)
+    for e in summary["effects"]:
+        t = e["tpot"] or {}
+        table.add_row(
+            e["factor"],
+            e["ratio"],
+            str(t.get("pairs", 0)),
+            _blank(t.get("median")),
+            "-".join(str(x) for x in t.get("median_ci95", ())),
+            ", ".join(f"{b['batch']}: {b['ratio']}" for b in e["step_at_equal_batch"]),
+        )
+    console.print(table)
+    console.print(f"results: {out}")
+
+
 @bench_app.command("directory")
 def bench_directory(
     entries: Annotated[int, typer.Option(help="directory entries to load")] = 1_000_000,
@@ -1087,6 +1186,12 @@ def _print_multiturn(summary: dict) -> None:
             f"{pair['q1']:.2f}-{pair['q3']:.2f}",
         )
     console.print(table)
+    for row in summary.get("decode_step_at_equal_batch", []):
+        console.print(
+            f"decode step at equal batch (steps without an arrival), {row['ratio']}, {row['workload']}, "
+            f"{row['concurrency']} sessions: {row['ratio_weighted']} weighted; by batch "
+            + ", ".join(f"{b['batch']}: {b['ratio']}" for b in row["by_batch"])
+        )
     for row in summary["shared_prefix_new_conversations"]:
         console.print(
             f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: "

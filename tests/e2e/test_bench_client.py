@@ -3,6 +3,8 @@ reports comes from an answer identical to the whole (not streamed) one."""
 
 from __future__ import annotations
 
+import urllib.request
+
 from kvloop.clients.bench.multiturn import MODEL, _post, _stream_chat
 
 
@@ -23,3 +25,30 @@ def test_a_streamed_answer_matches_the_whole_one_and_times_every_token(served_st
     assert streamed.content == choice["message"]["content"]
     assert streamed.prompt_token_ids == whole["prompt_token_ids"]
     assert streamed.tpot_ms is not None and streamed.tpot_ms > 0
+    # the chunk times the decode's steps are taken from: one per chunk that carried tokens, in order
+    assert streamed.stream is not None and sum(streamed.stream.tokens) == 24
+    assert streamed.stream.times == sorted(streamed.stream.times)
+
+
+def test_a_decode_request_can_decline_retention(served_stack, tmp_path):
+    """`kvloop_retain: false` (what `kvloop bench decode-tpot`'s no-retention conditions send): the decode
+    frees the request's blocks at once and announces nothing; the same request without it is retained."""
+    from kvloop.clients.bench.decode_tpot import DecodeTpotConfig, Driver
+    from kvloop.clients.bench.multiturn import engine_totals
+    from tests.support import wait_until
+
+    decode_url = served_stack.decodes[0].config.url
+    series = {"kvloop_connector_retained_runs_total": "retained"}
+
+    def retained() -> float:
+        page = urllib.request.urlopen(f"{decode_url}/metrics", timeout=10).read().decode()
+        return engine_totals(page, series)["retained"]
+
+    driver = Driver(served_stack.prefill.config.url, decode_url, DecodeTpotConfig(tmp_path, prompt_tokens=96))
+    before = retained()
+    for retain in (False, True):  # the retained one last: once it shows, the declined one had its chance
+        prompt = driver.prompt()
+        stream, ids = driver.decode(prompt, driver.prefill(prompt), retain, 0.0)
+        assert len(ids) == driver.cfg.answer_tokens and len(stream.times) == len(stream.tokens)
+    wait_until(lambda: retained() > before, timeout=15)
+    assert retained() == before + 1
