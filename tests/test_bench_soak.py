@@ -58,3 +58,41 @@ def test_compare_counts_lost_and_phantom_entries():
     assert verdict["count_mismatches"] == []
     listed["w"]["retained_runs"] = 2
     assert compare(expected, found, listed)["count_mismatches"]
+
+
+def test_link_that_overflows_while_connected_still_delivers_everything(daemon):
+    """Found building the soak: a connected link more than ``max_unacked_batches`` ahead of the
+    daemon's acks stopped queueing batches (only a *next* session would have snapshotted), so while
+    the stream stayed up every later event was silently dropped and ``wait_acked`` never returned."""
+    import asyncio
+    import hashlib
+
+    from kvloop.agents.sidecar.link import DirectoryLink
+    from kvloop.agents.sidecar.mirror import WorkerMirror
+    from kvloop.clients.bench.soak import MODEL, _registration
+    from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+
+    hashes = [hashlib.sha256(f"overflow-{i}".encode()).digest() for i in range(40)]
+
+    async def run() -> None:
+        async with AsyncDirectoryClient(daemon.address) as client:
+            mirror = WorkerMirror(32)
+            link = DirectoryLink(
+                client, _registration("soak-overflow", 3), mirror.snapshot, max_unacked_batches=8
+            )
+            runner = asyncio.create_task(link.run())
+            try:
+                await asyncio.wait_for(link.connected.wait(), 20)
+                for h in hashes:  # one loop turn: no ack can arrive in between
+                    event = mirror.convert_vllm({"type": "BlockStored", "block_hashes": [h]})
+                    assert event is not None
+                    link.publish([event])
+                await link.wait_acked(timeout=20)
+            finally:
+                runner.cancel()
+                await asyncio.gather(runner, return_exceptions=True)
+
+    asyncio.run(run())
+    with DirectoryClient(daemon.address) as client:
+        for h in (hashes[0], hashes[-1]):
+            assert [loc.worker_id for loc in client.find_block(MODEL, h)] == ["soak-overflow"]
