@@ -23,7 +23,7 @@ def test_short_soak_loses_nothing_and_invents_nothing(backend, request):
         restart_every_s=1.0,
         gap_every_s=0.5,
         clear_every_s=1.5,
-        probe_every_s=0.1,
+        probe_every_s=0.5,
     )
     result = run_soak(config)
     assert result["lost_events"] == 0, result["lost_samples"]

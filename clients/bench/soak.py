@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import multiprocessing
 import multiprocessing.connection
+import queue
 import random
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ BLOCK_SIZE = 16
 HASH_LENGTH = 32
 LEASE_MS = 3_600_000  # retained runs outlive any soak: expiry is not what is measured here
 PROBE_BLOCKS = 4
+PROBE_HOLD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class SoakConfig:
     restart_every_s: float = 2.0
     gap_every_s: float = 1.0
     clear_every_s: float = 3.0
-    probe_every_s: float = 0.05
+    probe_every_s: float = 0.2
     listen: str = "127.0.0.1:0"
     # Stop publishing after this many events in all (None: only the duration bounds the run).
     max_events: int | None = None
@@ -158,8 +160,11 @@ class _Agent:
         pool: list[list[bytes]],
         seed: int,
         config: SoakConfig,
+        probes: Any,
     ) -> None:
         self.worker = worker
+        self.probes = probes  # where a probe run goes to the prober: (handle, hashes, monotonic sent)
+        self.probe_sent: dict[str, float] = {}
         self.max_stored, self.max_runs, self.window = config.max_stored, config.max_runs, config.window
         self.probe_hashes: list[bytes] = []
         self.client = client
@@ -169,7 +174,6 @@ class _Agent:
         self.handles = 0
         self.next_block = 0
         self.pending: str | None = None  # a fault the schedule asked for: "restart", "gap", "clear"
-        self.probe: tuple[str, list[bytes], float] | None = None  # (handle, hashes, sent) awaiting a prober
         self.probing = False
         self.counts: Counter[str] = Counter()
         self.epochs = 0
@@ -259,7 +263,7 @@ class _Agent:
         return self.mirror.convert_vllm({"type": "BlockRemoved", "block_hashes": hashes, "lora_name": lora})
 
     def _release_one(self) -> pb.BlockEvent | None:
-        handles = [h for h in self.reference.runs if self.probe is None or h != self.probe[0]]
+        handles = [h for h in self.reference.runs if not self._probe_held(h)]
         if not handles:
             return None
         handle = self.rng.choice(handles)
@@ -267,11 +271,18 @@ class _Agent:
         self.counts["released"] += 1
         return self.mirror.convert_kvloop(KvloopRetentionReleased(retention_handle=handle, ts=time.time()))
 
+    def _probe_held(self, handle: str | None = None) -> bool:
+        """A probe run is left alone (not released, no fault) for a while, for the prober to see it."""
+        now = time.monotonic()
+        if handle is not None:
+            return now - self.probe_sent.get(handle, -PROBE_HOLD_S) < PROBE_HOLD_S
+        return any(now - t < PROBE_HOLD_S for t in self.probe_sent.values())
+
     async def step(self) -> int:
         """Publish one batch (or apply one scheduled fault); returns the events sent."""
         fault, self.pending = self.pending, None
-        if fault and self.probe is not None:
-            self.pending = fault  # not while a probe run waits to be seen
+        if fault and self._probe_held():
+            self.pending = fault
             fault = None
         if fault == "restart":
             await self.restart()
@@ -290,7 +301,7 @@ class _Agent:
             self.counts["cleared"] += 1
             if event is not None:
                 events.append(event)
-        elif self.probing and self.probe is None:
+        elif self.probing:
             self.probing = False
             hashes = [
                 hashlib.sha256(f"{self.worker}/probe/{self.handles}/{i}".encode()).digest()
@@ -300,14 +311,15 @@ class _Agent:
             if event is not None:
                 events.append(event)
                 self.probe_hashes.extend(hashes)
-                self.probe = (handle, hashes, time.perf_counter())
+                self.probe_sent[handle] = time.monotonic()
+                self.probes.put((handle, hashes, self.probe_sent[handle]))
         else:
             for _ in range(self.rng.randint(1, 4)):
                 event = self._event()
                 if event is not None:
                     events.append(event)
         if events:
-            self.link.publish(events)
+            self.link.publish(events)  # the probe's time was taken just before: publish is synchronous
         link = self.link
         if link.sequence - link.acked > self.window:
             await link.wait_acked(link.sequence - self.window // 2, timeout=120)
@@ -317,26 +329,18 @@ class _Agent:
 # ---- one process of agents ----------------------------------------------------------------------
 
 
-async def _fleet(config: SoakConfig, index: int, target: str, conn: Any) -> None:
+async def _fleet(config: SoakConfig, index: int, target: str, conn: Any, probes: Any) -> None:
     share = [i for i in range(config.agents) if i % config.processes == index]
-    callers = len([i for i in range(config.callers) if i % config.processes == index])
     pool = chain_pool(config.seed, config.chains, config.chain_blocks)
     rng = random.Random(config.seed * 1000 + index)
     event_budget = None if config.max_events is None else config.max_events // config.processes
     client = AsyncDirectoryClient(target, timeout=30)
-    lookup_client = AsyncDirectoryClient(target, timeout=30)
-    agents = []
-    for i in share:
-        agents.append(_Agent(f"soak-{i}", client, pool, config.seed * 100_000 + i, config))
+    agents = [_Agent(f"soak-{i}", client, pool, config.seed * 100_000 + i, config, probes) for i in share]
     await asyncio.wait_for(asyncio.gather(*(a.link.connected.wait() for a in agents)), 60)
     conn.send(("ready",))
     conn.recv()  # "go": every process starts together
     stop = asyncio.Event()
     sent = 0
-    lags_ms: list[float] = []
-    lookup_ms: list[float] = []
-    lookup_errors: Counter[str] = Counter()
-    probes_lost = 0
 
     async def agent_loop(agent: _Agent) -> None:
         nonlocal sent
@@ -354,65 +358,24 @@ async def _fleet(config: SoakConfig, index: int, target: str, conn: Any) -> None
         period = every * config.processes
         await asyncio.sleep(rng.uniform(0, period))
         while not stop.is_set():
-            rng.choice(agents).pending = kind
-            await asyncio.sleep(period)
-
-    async def prober() -> None:
-        nonlocal probes_lost
-        if config.probe_every_s <= 0 or not agents:
-            return
-        while not stop.is_set():
             agent = rng.choice(agents)
-            agent.probing = True
-            while agent.probe is None and not stop.is_set():
-                await asyncio.sleep(0.001)
-            if agent.probe is None:
-                return
-            handle, hashes, sent_at = agent.probe
-            seen = False
-            while time.perf_counter() - sent_at < 30:
-                try:
-                    answer = await lookup_client.lookup(MODEL, hashes, requester="soak-probe")
-                except KvloopError:
-                    continue
-                holders = [answer.holder, *answer.other_holders] if answer.HasField("holder") else []
-                if any(h.retention_handle == handle for h in holders):
-                    seen = True
-                    break
-            if seen:
-                lags_ms.append((time.perf_counter() - sent_at) * 1000)
+            if kind == "probe":
+                agent.probing = True
             else:
-                probes_lost += 1
-            agent.probe = None
-            await asyncio.sleep(config.probe_every_s * config.processes)
-
-    async def caller(n: int) -> None:
-        crng = random.Random(config.seed * 7 + index * 1000 + n)
-        while not stop.is_set():
-            chain = crng.choice(pool)
-            hashes = chain[: crng.randint(1, len(chain))]
-            t0 = time.perf_counter()
-            try:
-                await lookup_client.lookup(
-                    MODEL, hashes, requester="soak-prefill", lora_name=crng.choice(LORAS)
-                )
-            except KvloopError as exc:
-                lookup_errors[exc.code.name] += 1
-                continue
-            lookup_ms.append((time.perf_counter() - t0) * 1000)
+                agent.pending = kind
+            await asyncio.sleep(period)
 
     async def report() -> None:
         started = time.perf_counter()
         while not stop.is_set():
             await asyncio.sleep(0.5)
-            conn.send(("progress", sent, len(lookup_ms)))
+            conn.send(("progress", sent, 0))
             if time.perf_counter() - started >= config.duration_s:
                 stop.set()
 
     tasks = [asyncio.create_task(agent_loop(a)) for a in agents]
-    tasks += [asyncio.create_task(caller(n)) for n in range(callers)]
     tasks += [asyncio.create_task(schedule(k, e)) for k, e in _faults(config)]
-    tasks += [asyncio.create_task(prober()), asyncio.create_task(report())]
+    tasks += [asyncio.create_task(report())]
     await stop.wait()
     await asyncio.gather(*tasks)
     # Settle: every event sent has been acknowledged (applied) by the daemon.
@@ -435,10 +398,6 @@ async def _fleet(config: SoakConfig, index: int, target: str, conn: Any) -> None
                 "events_sent": sent,
                 "batches_sent": sum(link.sequence for a in agents for link in a.links),
                 "counts": dict(counts),
-                "lags_ms": lags_ms,
-                "lookup_ms": lookup_ms,
-                "lookup_errors": dict(lookup_errors),
-                "probes_lost": probes_lost,
                 "unacked": unacked,
                 "probe_hashes": [h for a in agents for h in a.probe_hashes],
             },
@@ -451,7 +410,92 @@ async def _fleet(config: SoakConfig, index: int, target: str, conn: Any) -> None
             agent.runner.cancel()
     await asyncio.gather(*(a.runner for a in agents if a.runner is not None), return_exceptions=True)
     await client.close()
-    await lookup_client.close()
+
+
+# ---- the Lookup callers and the lag prober, in a process of their own ----------------------------
+
+
+async def _lookups(config: SoakConfig, target: str, conn: Any, probes: Any) -> None:
+    """Lookups timed where the agents' work cannot delay them; probe runs polled until served.
+
+    Lag is measured on the system-wide monotonic clock, from the agent's publish() in its process."""
+    pool = chain_pool(config.seed, config.chains, config.chain_blocks)
+    client = AsyncDirectoryClient(target, timeout=30)
+    conn.send(("ready",))
+    conn.recv()
+    stop = asyncio.Event()
+    lags_ms: list[float] = []
+    lookup_ms: list[float] = []
+    errors: Counter[str] = Counter()
+    unseen = 0
+    loop = asyncio.get_running_loop()
+
+    async def poll(handle: str, hashes: list[bytes], sent_at: float) -> None:
+        nonlocal unseen
+        while time.monotonic() - sent_at < 30:
+            try:
+                answer = await client.lookup(MODEL, hashes, requester="soak-probe")
+            except KvloopError:
+                continue
+            holders = [answer.holder, *answer.other_holders] if answer.HasField("holder") else []
+            if any(h.retention_handle == handle for h in holders):
+                lags_ms.append((time.monotonic() - sent_at) * 1000)
+                return
+        unseen += 1  # a restart or clear of its agent took the run first: not a lag sample
+
+    async def prober() -> None:
+        polls: set[asyncio.Task] = set()
+        while not stop.is_set():
+            probe = await loop.run_in_executor(None, _next_probe, probes)
+            if probe is not None:
+                task = asyncio.create_task(poll(*probe))
+                polls.add(task)
+                task.add_done_callback(polls.discard)
+        await asyncio.gather(*polls)
+
+    async def caller(n: int) -> None:
+        rng = random.Random(config.seed * 7 + n)
+        while not stop.is_set():
+            chain = rng.choice(pool)
+            hashes = chain[: rng.randint(1, len(chain))]
+            t0 = time.perf_counter()
+            try:
+                await client.lookup(MODEL, hashes, requester="soak-prefill", lora_name=rng.choice(LORAS))
+            except KvloopError as exc:
+                errors[exc.code.name] += 1
+                continue
+            lookup_ms.append((time.perf_counter() - t0) * 1000)
+
+    async def report() -> None:
+        started = time.perf_counter()
+        while time.perf_counter() - started < config.duration_s:
+            await asyncio.sleep(0.5)
+            conn.send(("progress", 0, len(lookup_ms)))
+        stop.set()
+
+    tasks = [asyncio.create_task(caller(n)) for n in range(config.callers)]
+    tasks += [asyncio.create_task(prober()), asyncio.create_task(report())]
+    await asyncio.gather(*tasks)
+    conn.send(
+        (
+            "done",
+            {
+                "lags_ms": lags_ms,
+                "lookup_ms": lookup_ms,
+                "lookup_errors": dict(errors),
+                "probes_unseen": unseen,
+            },
+        )
+    )
+    await loop.run_in_executor(None, conn.recv)
+    await client.close()
+
+
+def _next_probe(probes: Any) -> tuple[str, list[bytes], float] | None:
+    try:
+        return probes.get(timeout=0.2)
+    except queue.Empty:
+        return None
 
 
 def _faults(config: SoakConfig) -> list[tuple[str, float]]:
@@ -459,16 +503,21 @@ def _faults(config: SoakConfig) -> list[tuple[str, float]]:
         ("restart", config.restart_every_s),
         ("gap", config.gap_every_s),
         ("clear", config.clear_every_s),
+        ("probe", config.probe_every_s),
     ]
 
 
-def _fleet_process(config: SoakConfig, index: int, target: str, conn: Any) -> None:
+def _fleet_process(config: SoakConfig, index: int, target: str, conn: Any, probes: Any) -> None:
+    """Process ``index`` of the agents; the one past the last runs the Lookup callers and the prober."""
     from kvloop.common.logging import configure_logging
 
     parent = multiprocessing.parent_process()
     die_with_parent(parent_pid=parent.pid if parent else None)
     configure_logging("error")
-    asyncio.run(_fleet(config, index, target, conn))
+    if index < config.processes:
+        asyncio.run(_fleet(config, index, target, conn, probes))
+    else:
+        asyncio.run(_lookups(config, target, conn, probes))
 
 
 # ---- reading the directory back -----------------------------------------------------------------
@@ -581,10 +630,13 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
     daemon, target = _start_daemon(config.listen, workdir, ["--store", store_url])
     ctx = multiprocessing.get_context("spawn")
     conns, procs = [], []
+    probes = ctx.Queue()
     try:
-        for index in range(config.processes):
+        for index in range(config.processes + 1):
             conn, child = ctx.Pipe()
-            proc = ctx.Process(target=_fleet_process, args=(config, index, target, child), daemon=True)
+            proc = ctx.Process(
+                target=_fleet_process, args=(config, index, target, child, probes), daemon=True
+            )
             proc.start()
             conns.append(conn)
             procs.append(proc)
@@ -640,20 +692,22 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
         progress({"elapsed": wall, "events": sum(sent), "lookups": sum(lookups), "settling": True})
         done = [r for r in results if r is not None]
         expected: dict[str, Reference] = {}
-        for r in done:
+        agents_done = [r for r in done if "expected" in r]
+        lookups_done = [r for r in done if "lookup_ms" in r]
+        for r in agents_done:
             expected.update(r["expected"])
         hashes = {h for chain in chain_pool(config.seed, config.chains, config.chain_blocks) for h in chain}
-        hashes.update(h for r in done for h in r["probe_hashes"])
+        hashes.update(h for r in agents_done for h in r["probe_hashes"])
         found, listed = asyncio.run(read_directory(target, hashes, set(expected)))
         for conn in conns:
             conn.send("stop")
         verdict = compare(expected, found, listed)
         counts: Counter[str] = Counter()
-        for r in done:
+        for r in agents_done:
             counts.update(r["counts"])
-        lags = sorted(x for r in done for x in r["lags_ms"])
-        lookup_ms = sorted(x for r in done for x in r["lookup_ms"])
-        events = sum(r["events_sent"] for r in done)
+        lags = sorted(x for r in lookups_done for x in r["lags_ms"])
+        lookup_ms = sorted(x for r in lookups_done for x in r["lookup_ms"])
+        events = sum(r["events_sent"] for r in agents_done)
         log_errors = [
             line for line in (workdir / "kvloopd.log").read_text().splitlines() if '"level": "error"' in line
         ]
@@ -665,23 +719,23 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
             "wall_s": round(wall, 2),
             "events_sent": events,
             "events_per_s": round(events / wall),
-            "batches_sent": sum(r["batches_sent"] for r in done),
+            "batches_sent": sum(r["batches_sent"] for r in agents_done),
             "faults_and_events": dict(sorted(counts.items())),
             "entries_expected": verdict["entries_expected"],
             "entries_found": verdict["entries_found"],
             "count_mismatches": verdict["count_mismatches"],
             "lost_samples": verdict["lost_samples"],
             "phantom_samples": verdict["phantom_samples"],
-            "unacked_links": [u for r in done for u in r["unacked"]],
+            "unacked_links": [u for r in agents_done for u in r["unacked"]],
             "event_lag_samples": len(lags),
             "event_lag_p50_ms": round(_percentile(lags, 0.5), 2) if lags else None,
             "event_lag_p99_ms": round(_percentile(lags, 0.99), 2) if lags else None,
-            "probes_not_seen_in_30s": sum(r["probes_lost"] for r in done),
+            "probes_not_seen_in_30s": sum(r["probes_unseen"] for r in lookups_done),
             "lookups": len(lookup_ms),
             "lookups_per_s": round(len(lookup_ms) / wall),
             "lookup_p50_ms": round(_percentile(lookup_ms, 0.5), 2) if lookup_ms else None,
             "lookup_p99_ms": round(_percentile(lookup_ms, 0.99), 2) if lookup_ms else None,
-            "lookup_errors": dict(sum((Counter(r["lookup_errors"]) for r in done), Counter())),
+            "lookup_errors": dict(sum((Counter(r["lookup_errors"]) for r in lookups_done), Counter())),
             "cpu_percent_of_one_core": cpu,
             "rss_mib": {name: [(t, round(m, 1)) for t, m in samples] for name, samples in rss.items()},
             "rss_growth_last_half_percent": {name: _growth(samples) for name, samples in rss.items()},
