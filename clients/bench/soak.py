@@ -56,6 +56,8 @@ HASH_LENGTH = 32
 LEASE_MS = 3_600_000  # retained runs outlive any soak: expiry is not what is measured here
 PROBE_BLOCKS = 4
 PROBE_HOLD_S = 1.0
+PROBE_POLL_S = 0.001
+MAX_PROBES_POLLED = 4
 
 
 @dataclass(frozen=True)
@@ -427,7 +429,7 @@ async def _lookups(config: SoakConfig, target: str, conn: Any, probes: Any) -> N
     lags_ms: list[float] = []
     lookup_ms: list[float] = []
     errors: Counter[str] = Counter()
-    unseen = 0
+    unseen = skipped = 0
     loop = asyncio.get_running_loop()
 
     async def poll(handle: str, hashes: list[bytes], sent_at: float) -> None:
@@ -441,16 +443,22 @@ async def _lookups(config: SoakConfig, target: str, conn: Any, probes: Any) -> N
             if any(h.retention_handle == handle for h in holders):
                 lags_ms.append((time.monotonic() - sent_at) * 1000)
                 return
-        unseen += 1  # a restart or clear of its agent took the run first: not a lag sample
+            await asyncio.sleep(PROBE_POLL_S)  # a poll every ~ms, not a flood of Lookups
+        unseen += 1  # a restart, gap or clear of its agent took the run first: not a lag sample
 
     async def prober() -> None:
+        nonlocal skipped
         polls: set[asyncio.Task] = set()
         while not stop.is_set():
             probe = await loop.run_in_executor(None, _next_probe, probes)
-            if probe is not None:
-                task = asyncio.create_task(poll(*probe))
-                polls.add(task)
-                task.add_done_callback(polls.discard)
+            if probe is None:
+                continue
+            if len(polls) >= MAX_PROBES_POLLED:
+                skipped += 1
+                continue
+            task = asyncio.create_task(poll(*probe))
+            polls.add(task)
+            task.add_done_callback(polls.discard)
         await asyncio.gather(*polls)
 
     async def caller(n: int) -> None:
@@ -484,6 +492,7 @@ async def _lookups(config: SoakConfig, target: str, conn: Any, probes: Any) -> N
                 "lookup_ms": lookup_ms,
                 "lookup_errors": dict(errors),
                 "probes_unseen": unseen,
+                "probes_skipped": skipped,
             },
         )
     )
@@ -731,6 +740,7 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
             "event_lag_p50_ms": round(_percentile(lags, 0.5), 2) if lags else None,
             "event_lag_p99_ms": round(_percentile(lags, 0.99), 2) if lags else None,
             "probes_not_seen_in_30s": sum(r["probes_unseen"] for r in lookups_done),
+            "probes_skipped_busy": sum(r["probes_skipped"] for r in lookups_done),
             "lookups": len(lookup_ms),
             "lookups_per_s": round(len(lookup_ms) / wall),
             "lookup_p50_ms": round(_percentile(lookup_ms, 0.5), 2) if lookup_ms else None,
