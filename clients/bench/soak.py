@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import multiprocessing
 import multiprocessing.connection
 import queue
@@ -717,9 +718,18 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
         lags = sorted(x for r in lookups_done for x in r["lags_ms"])
         lookup_ms = sorted(x for r in lookups_done for x in r["lookup_ms"])
         events = sum(r["events_sent"] for r in agents_done)
-        log_errors = [
-            line for line in (workdir / "kvloopd.log").read_text().splitlines() if '"level": "error"' in line
-        ]
+        log_lines = (workdir / "kvloopd.log").read_text().splitlines()
+        log_errors = [line for line in log_lines if '"level": "error"' in line]
+        warnings: Counter[str] = Counter()
+        warning_samples: dict[str, str] = {}
+        for line in log_lines:
+            if '"level": "warning"' in line:
+                try:
+                    what = json.loads(line).get("event", "?")
+                except json.JSONDecodeError:
+                    what = line[:80]
+                warnings[what] += 1
+                warning_samples.setdefault(what, line[:600])
         return {
             "lost_events": verdict["lost_events"],
             "phantom_entries": verdict["phantom_entries"],
@@ -750,6 +760,8 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
             "rss_mib": {name: [(t, round(m, 1)) for t, m in samples] for name, samples in rss.items()},
             "rss_growth_last_half_percent": {name: _growth(samples) for name, samples in rss.items()},
             "daemon_errors_logged": len(log_errors),
+            "daemon_warnings_logged": dict(warnings.most_common()),
+            "daemon_warning_samples": list(warning_samples.values())[:5],
             "daemon_error_samples": log_errors[:5],
             "cpu_count": psutil.cpu_count(),
         }
