@@ -539,6 +539,10 @@ def bench_soak(
         int, typer.Option(min=1, help="processes the agents and callers are spread over")
     ] = 2,
     seed: Annotated[int, typer.Option(help="seeds the agents' choices and the block-hash pool")] = 1,
+    max_events: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="stop sending after this many events in all (and the duration)"),
+    ] = None,
     daemon_listen: Annotated[
         str, typer.Option(help="where the benchmark's own kvloopd listens")
     ] = "127.0.0.1:0",
@@ -560,6 +564,7 @@ def bench_soak(
         processes=processes,
         seed=seed,
         listen=daemon_listen,
+        max_events=max_events,
     )
     with supervisor().stop_on_signals():
         try:
