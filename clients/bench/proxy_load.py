@@ -36,8 +36,8 @@ class ProxyLoadConfig:
     clients: int = 64
     duration_s: float = 60.0
     disconnect_fraction: float = 0.5
-    max_tokens: tuple[int, int] = (16, 256)
-    prompt_words: tuple[int, int] = (20, 400)
+    max_tokens: tuple[int, int] = (16, 128)
+    prompt_words: tuple[int, int] = (20, 200)
     seed: int = 1
     # Time the engines get to drop every request once the clients are gone.
     drain_timeout_s: float = 30.0
