@@ -188,3 +188,23 @@ async def test_sentinel_failover_fences_the_old_state_until_agents_have_re_pushe
                     assert time.monotonic() < deadline, "transfers did not resume after the failover"
                     await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
         assert redis.Redis.from_url(replica).info("replication")["role"] == "master"
+
+
+async def test_more_concurrent_calls_than_pooled_connections_wait_instead_of_failing(redis_url):
+    """Found by `kvloop bench soak --store redis` (64 agents, 32 callers): redis-py's asyncio pool
+    holds at most 100 connections and refuses the 101st call at once ("Too many connections"), so
+    under load Lookups answered UNAVAILABLE and closed streams went unrecorded. Calls beyond the pool
+    now wait for a connection."""
+    from kvloop.daemon.index import IndexConfig, Namespace
+    from kvloop.daemon.index.redis_store import RedisStore
+
+    store = await RedisStore.connect(redis_url, IndexConfig())
+    try:
+        await store.flush()
+        prompt = conversation("pool", 8)
+        answers = await asyncio.gather(
+            *(store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False) for _ in range(400))
+        )
+        assert len(answers) == 400 and all(a.best is None for a in answers)
+    finally:
+        await store.close()
