@@ -13,6 +13,7 @@ from kvloop.daemon.index import (
     Fence,
     IndexConfig,
     LeaseState,
+    MemoryStore,
     Namespace,
     Released,
     Removed,
@@ -335,3 +336,24 @@ async def test_stored_prefixes_count_each_workers_leading_cached_blocks(make_sto
     assert (await store.stored_prefixes(Namespace("m", "lora"), prompt, ["a"], 1.0)) == {"a": 0}
     # a worker whose lease lapsed counts nothing
     assert (await store.stored_prefixes(NS, prompt, ["a", "b"], 150.0)) == {"a": 0, "b": 0}
+
+
+async def test_memory_expiry_heap_is_bounded_by_live_runs_under_churn():
+    """Found by `kvloop bench soak`: every retained run left an entry in the memory store's expiry heap
+    until its lease ended, released or not, so under churn the daemon's memory grew with the event
+    rate (one entry per run ever retained within a lease) rather than with what is held. Reaping
+    compacts it; runs still held keep expiring on time."""
+    store = MemoryStore(IndexConfig(lease_s=1e9))
+    await store.register(spec("a"), 0, 0.0)
+    kept = conversation("kept", 4)
+    seq = 1
+    await store.apply("a", 1, seq, [retain(kept, "kept", ms=600_000)], 0.0)
+    for i in range(5000):
+        seq += 1
+        await store.apply("a", 1, seq, [retain(conversation(f"c{i % 50}", 2), f"h{i}", ms=3_600_000)], 0.0)
+        seq += 1
+        await store.apply("a", 1, seq, [Released(f"h{i}")], 0.0)
+    await store.reap(1.0)
+    assert len(store._expiry_heap) <= 2 * (await store.counts()).retained_runs + 1024
+    changes = await store.reap(601.0)
+    assert [(c.kind, c.detail) for c in changes] == [("expired", "retention kept lease ended")]

@@ -284,3 +284,23 @@ def test_daemon_addresses_name_one_replica_or_several():
         AgentSettings(model="m", block_size=16, daemon="a.example:1,b.example:2")
     with pytest.raises(ValidationError, match=r"kvloop_daemon: .*must be HOST:PORT"):
         KvloopConfig(daemon="nohost")
+
+
+async def test_more_concurrent_calls_than_pooled_connections_wait_instead_of_failing(redis_url):
+    """Found by `kvloop bench soak --store redis` (64 agents, 32 callers): redis-py's asyncio pool
+    holds at most 100 connections and refuses the 101st call at once ("Too many connections"), so
+    under load Lookups answered UNAVAILABLE and closed streams went unrecorded. Calls beyond the pool
+    now wait for a connection."""
+    from kvloop.daemon.index import IndexConfig, Namespace
+    from kvloop.daemon.index.redis_store import RedisStore
+
+    store = await RedisStore.connect(redis_url, IndexConfig())
+    try:
+        await store.flush()
+        prompt = conversation("pool", 8)
+        answers = await asyncio.gather(
+            *(store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False) for _ in range(400))
+        )
+        assert len(answers) == 400 and all(a.best is None for a in answers)
+    finally:
+        await store.close()

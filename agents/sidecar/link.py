@@ -82,7 +82,12 @@ class DirectoryLink:
         self._sequence += 1
         batch = pb.EventBatch(sequence=self._sequence, events=events)
         if len(self._pending) >= self._max_unacked:
-            # Too far behind: stop buffering; the next session sends a snapshot instead.
+            # Too far behind: stop buffering and send the state as a snapshot instead (it covers this
+            # batch: callers update the mirror before publishing). Connected, that is now: waiting
+            # for a next session would drop every event while this one stays up.
+            if self._outbox is not None:
+                self._queue_snapshot(self._outbox, f"over {self._max_unacked} batches unacknowledged")
+                return self._sequence
             self._pending.clear()
             self._overflowed = True
         if not self._overflowed:

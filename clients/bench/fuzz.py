@@ -29,7 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -480,6 +480,8 @@ class FuzzConfig:
     seed: int = 0
     listen: str = "127.0.0.1:0"
     call_timeout_s: float = 5.0
+    # memory, redis (a throwaway redis-server from PATH) or a redis:// URL (its database is flushed)
+    store: str = "memory"
     # Stop early after this long (the result says how many inputs ran); None: run them all.
     max_seconds: float | None = None
 
@@ -575,7 +577,7 @@ def _describe(case: Case) -> str:
 
 
 def start_fuzz_daemon(
-    workdir: Path, tokens: Tokens, listen: str = "127.0.0.1:0"
+    workdir: Path, tokens: Tokens, listen: str = "127.0.0.1:0", store: str = "memory"
 ) -> tuple[subprocess.Popen, str]:
     host, _, port = listen.rpartition(":")
     address = f"{host}:{free_port()}" if port == "0" else listen
@@ -594,7 +596,11 @@ def start_fuzz_daemon(
     )
     with (workdir / "kvloopd.log").open("w") as log:
         process = supervisor().spawn(
-            [kvloopd, "--listen", address, "--metrics-listen", "", "--log-json", "--log-level", "warning"],
+            [
+                kvloopd,
+                *("--listen", address, "--metrics-listen", "", "--store", store),
+                *("--log-json", "--log-level", "warning"),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=log,
             env=env,
@@ -814,16 +820,31 @@ def health_ok(channel: grpc.Channel) -> bool:
 
 
 @contextmanager
-def fuzz_target(listen: str = "127.0.0.1:0") -> Iterator[tuple[subprocess.Popen, str, Tokens, Path]]:
-    """A fresh kvloopd with tokens, and a workdir with its log; stopped and removed on exit."""
+def fuzz_target(
+    listen: str = "127.0.0.1:0", store: str = "memory"
+) -> Iterator[tuple[subprocess.Popen, str, Tokens, Path]]:
+    """A fresh kvloopd with tokens on ``store`` (memory, redis: a throwaway redis-server, or a redis://
+    URL, flushed), and a workdir with its log; stopped and removed on exit."""
+    if store not in ("memory", "redis") and not store.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"--store must be memory, redis or a redis:// URL, got {store!r}")
     workdir = Path(tempfile.mkdtemp(prefix="kvloop-fuzz-"))
     tokens = Tokens.fresh()
-    process, address = start_fuzz_daemon(workdir, tokens, listen)
-    try:
-        yield process, address, tokens, workdir
-    finally:
-        supervisor().stop(process, grace_s=10)
-        shutil.rmtree(workdir, ignore_errors=True)
+    with ExitStack() as stack:
+        if store == "redis":
+            from kvloop.daemon.index.redis_local import local_redis
+
+            store = stack.enter_context(local_redis(workdir))
+        elif store != "memory":
+            import redis
+
+            with redis.Redis.from_url(store) as client:
+                client.flushdb()
+        process, address = start_fuzz_daemon(workdir, tokens, listen, store)
+        try:
+            yield process, address, tokens, workdir
+        finally:
+            supervisor().stop(process, grace_s=10)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def fuzz_daemon(
@@ -885,7 +906,7 @@ def fuzz_daemon(
 
 def run_fuzz(config: FuzzConfig, on_input: Callable[[int], None] | None = None) -> dict:
     """Start kvloopd and the good agents, fuzz, then check health and the invariants."""
-    with fuzz_target(config.listen) as (process, address, tokens, workdir):
+    with fuzz_target(config.listen, config.store) as (process, address, tokens, workdir):
         with (
             GoodAgents(address, tokens) as agents,
             DirectoryClient(address, ClientSecurity(token=tokens.admin)) as client,
@@ -912,6 +933,7 @@ def run_fuzz(config: FuzzConfig, on_input: Callable[[int], None] | None = None) 
                 if '"level": "error"' in line
             ]
     out = asdict(result)
+    out["store"] = "memory" if config.store == "memory" else "redis"
     out["daemon_errors_logged"] = len(internal)
     out["daemon_error_samples"] = internal[:5]
     return out

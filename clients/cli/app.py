@@ -560,6 +560,10 @@ def bench_fuzz(
     daemon_listen: Annotated[
         str, typer.Option(help="where the benchmark's own kvloopd listens")
     ] = "127.0.0.1:0",
+    store: Annotated[
+        str,
+        typer.Option(help="memory, redis (a throwaway redis-server from PATH) or a redis:// URL (flushed)"),
+    ] = "memory",
     json_output: JsonFlag = False,
 ) -> None:
     """Fuzz a kvloopd it starts with well-formed, mutated and random messages on every RPC; exit 1 on a
@@ -571,8 +575,10 @@ def bench_fuzz(
     from kvloop.clients.bench.fuzz import FuzzConfig, run_fuzz
     from kvloop.common.processes import supervisor
 
-    config = FuzzConfig(inputs=inputs, seed=seed, listen=daemon_listen, max_seconds=max_seconds)
+    config = FuzzConfig(inputs=inputs, seed=seed, listen=daemon_listen, max_seconds=max_seconds, store=store)
     with supervisor().stop_on_signals():
+        if store not in ("memory", "redis") and not store.startswith(("redis://", "rediss://", "unix://")):
+            _fail(f"--store must be memory, redis or a redis:// URL, got {store!r}")
         if state.json:
             result = run_fuzz(config)
         else:
@@ -598,7 +604,7 @@ def bench_fuzz(
     if state.json:
         _emit_json(result)
     else:
-        table = Table(title=f"kvloop bench fuzz (seed {seed})")
+        table = Table(title=f"kvloop bench fuzz (seed {seed}, {result['store']} store)")
         table.add_column("figure")
         table.add_column("value", justify="right")
         ran = f"{result['inputs']:,}" + (" (stopped at the time limit)" if result["stopped_early"] else "")
@@ -615,6 +621,175 @@ def bench_fuzz(
             err_console.print(f"[red]{failure['status']}[/red] {failure['details']}\n  {failure['input']}")
         for violation in result["invariant_violations"]:
             err_console.print(f"[red]invariant[/red] {violation}")
+    if failed:
+        raise typer.Exit(1)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    agents: Annotated[int, typer.Option(min=1, help="simulated agents (one Connect stream each)")] = 64,
+    callers: Annotated[int, typer.Option(min=0, help="concurrent Lookup callers")] = 32,
+    duration: Annotated[float, typer.Option(min=0.1, help="seconds of load")] = 60.0,
+    store: Annotated[
+        str,
+        typer.Option(help="memory, redis (a throwaway redis-server from PATH) or a redis:// URL (flushed)"),
+    ] = "memory",
+    processes: Annotated[
+        int, typer.Option(min=1, help="processes the agents and callers are spread over")
+    ] = 2,
+    seed: Annotated[int, typer.Option(help="seeds the agents' choices and the block-hash pool")] = 1,
+    max_events: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="stop sending after this many events in all (and the duration)"),
+    ] = None,
+    daemon_listen: Annotated[
+        str, typer.Option(help="where the benchmark's own kvloopd listens")
+    ] = "127.0.0.1:0",
+    json_output: JsonFlag = False,
+) -> None:
+    """Stream block events from a fleet of agents (with restarts, gaps and clears) and Lookups into a
+    kvloopd it starts, then compare the directory with a reference model; exit 1 on a lost event or a
+    phantom entry."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvloop.clients.bench.soak import SoakConfig, run_soak
+    from kvloop.common.processes import supervisor
+
+    config = SoakConfig(
+        agents=agents,
+        callers=callers,
+        duration_s=duration,
+        store=store,
+        processes=processes,
+        seed=seed,
+        listen=daemon_listen,
+        max_events=max_events,
+    )
+    with supervisor().stop_on_signals():
+        try:
+            if state.json:
+                result = run_soak(config)
+            else:
+                with Progress(
+                    TextColumn("soak ({task.fields[phase]})"),
+                    BarColumn(),
+                    TextColumn("{task.fields[figures]}"),
+                    TimeElapsedColumn(),
+                    console=err_console,
+                    transient=True,
+                ) as bar:
+                    task = bar.add_task("soak", total=duration, phase="load", figures="")
+
+                    def on_progress(p: dict) -> None:
+                        bar.update(
+                            task,
+                            completed=min(p["elapsed"], duration),
+                            phase="reading the directory back" if p["settling"] else "load",
+                            figures=f"{p['events']:,} events, {p['lookups']:,} lookups",
+                        )
+
+                    result = run_soak(config, on_progress)
+        except (ValueError, FileNotFoundError, RuntimeError) as exc:
+            _fail(str(exc))
+    failed = bool(result["lost_events"] or result["phantom_entries"] or result["count_mismatches"])
+    if state.json:
+        _emit_json(result)
+    else:
+        table = Table(title=f"kvloop bench soak: {result['store']} store, {agents} agents, {callers} callers")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_column("target", justify="right")
+        table.add_row("lost events", str(result["lost_events"]), "0")
+        table.add_row("phantom entries", str(result["phantom_entries"]), "0")
+        table.add_row(
+            "entries at the end", f"{result['entries_found']:,} / {result['entries_expected']:,}", ""
+        )
+        table.add_row("events sent", f"{result['events_sent']:,} ({result['events_per_s']:,}/s)", "")
+        for kind in ("restarts", "gaps", "cleared", "snapshots_sent"):
+            table.add_row(f"  {kind}", str(result["faults_and_events"].get(kind, 0)), "")
+        table.add_row(
+            "event lag p50 / p99 (sent -> served by Lookup)",
+            f"{result['event_lag_p50_ms']} / {result['event_lag_p99_ms']} ms",
+            "",
+        )
+        table.add_row(
+            f"Lookup p50 / p99 under load ({result['lookups_per_s']:,}/s)",
+            f"{result['lookup_p50_ms']} / {result['lookup_p99_ms']} ms",
+            "",
+        )
+        for name, cpu in result["cpu_percent_of_one_core"].items():
+            table.add_row(f"{name} CPU (% of one core)", f"{cpu}", "")
+        for name, growth in result["rss_growth_last_half_percent"].items():
+            last = result["rss_mib"][name][-1][1] if result["rss_mib"][name] else "?"
+            table.add_row(
+                f"{name} RSS at the end / growth over the last half", f"{last} MiB / {growth}%", "< 5%"
+            )
+        console.print(table)
+        for line in result["count_mismatches"][:5] + result["lost_samples"] + result["phantom_samples"]:
+            err_console.print(f"[red]mismatch[/red] {line}")
+    if failed:
+        raise typer.Exit(1)
+
+
+@bench_app.command("proxy-load")
+def bench_proxy_load(
+    clients: Annotated[int, typer.Option(min=1, help="concurrent streaming clients")] = 64,
+    duration: Annotated[float, typer.Option(min=1, help="seconds of load")] = 60.0,
+    disconnect_fraction: Annotated[
+        float, typer.Option(min=0, max=1, help="share of requests whose client hangs up before the end")
+    ] = 0.5,
+    seed: Annotated[int, typer.Option(help="seeds prompts, lengths and hang-ups")] = 1,
+    workdir: Annotated[
+        Optional[Path], typer.Option(help="model and logs (default: a temporary folder)")
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Stream chat completions from many clients that hang up at random through `kvloop proxy` in front of
+    real `vllm serve` engines it starts; exit 1 if an upstream request is still running after they left."""
+    from rich.progress import Progress, TextColumn, TimeElapsedColumn
+
+    from kvloop.clients.bench.proxy_load import ProxyLoadConfig, run_proxy_load
+    from kvloop.common.processes import supervisor
+
+    config = ProxyLoadConfig(
+        clients=clients, duration_s=duration, disconnect_fraction=disconnect_fraction, seed=seed
+    )
+    with supervisor().stop_on_signals():
+        if state.json:
+            result = run_proxy_load(config, workdir)
+        else:
+            with Progress(
+                TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console, transient=True
+            ) as bar:
+                task = bar.add_task("starting kvloopd, vllm serve (prefill, decode), sidecars, proxy")
+
+                def on_progress(p: dict) -> None:
+                    if "outcomes" in p:
+                        what = "waiting for the engines to drop every request" if p["draining"] else "load"
+                        done = ", ".join(f"{k} {v}" for k, v in sorted(p["outcomes"].items()))
+                        bar.update(task, description=f"{what}: {p['elapsed']:.0f}/{duration:.0f} s; {done}")
+
+                result = run_proxy_load(config, workdir, on_progress)
+    failed = bool(result["upstream_requests_left_running"] or result["proxy_in_flight_left"])
+    if state.json:
+        _emit_json(result)
+    else:
+        table = Table(title=f"kvloop bench proxy-load: {clients} streaming clients, {duration:.0f} s")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_column("target", justify="right")
+        table.add_row("upstream requests left running", f"{result['upstream_requests_left_running']:g}", "0")
+        table.add_row("proxy in-flight left", str(result["proxy_in_flight_left"]), "0")
+        table.add_row("engines drained after the clients left", f"{result['upstream_drained_after_s']} s", "")
+        table.add_row("requests", f"{result['requests']:,}", "")
+        for outcome, count in sorted(result["outcomes"].items()):
+            table.add_row(f"  {outcome}", f"{count:,}", "")
+        table.add_row("TTFT p50 / p99", f"{result['ttft_p50_ms']} / {result['ttft_p99_ms']} ms", "")
+        table.add_row("proxy CPU (% of one core)", str(result["proxy_cpu_percent_of_one_core"]), "")
+        last = result["proxy_rss_mib"][-1][1]
+        growth = result["proxy_rss_growth_last_half_percent"]
+        table.add_row("proxy RSS at the end / growth over the last half", f"{last} MiB / {growth}%", "< 5%")
+        console.print(table)
     if failed:
         raise typer.Exit(1)
 

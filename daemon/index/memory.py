@@ -663,6 +663,11 @@ class MemoryStore:
     async def reap(self, now: float) -> list[Change]:
         changes: list[Change] = []
         heap = self._expiry_heap
+        if len(heap) > 2 * len(self._runs) + 1024:
+            # Released and replaced runs leave their entry behind until its deadline (a lease of
+            # minutes): under churn the heap would grow with the event rate, not with what is held.
+            heap[:] = [(run.deadline, rid) for rid, run in self._runs.items()]
+            heapq.heapify(heap)
         while heap and heap[0][0] <= now:
             _, rid = heapq.heappop(heap)
             run = self._runs.get(rid)

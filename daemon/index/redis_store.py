@@ -121,6 +121,11 @@ def _spec_from_json(raw: bytes | str) -> WorkerSpec:
     return WorkerSpec(**fields)
 
 
+# Connections to Redis per kvloopd process, and how long a call waits for one when all are busy.
+POOL_CONNECTIONS = 100
+POOL_WAIT_S = 2.0
+
+
 def redacted(url: str) -> str:
     """The URL without its password, for logs."""
     from urllib.parse import urlsplit, urlunsplit
@@ -171,7 +176,13 @@ class RedisStore:
 
         ``options`` go to redis-py (username, password, ssl_ca_certs...), so credentials need not be in
         the URL; neither is ever logged."""
-        client = aioredis.Redis.from_url(url, **options)
+        # redis-py's default asyncio pool refuses a call at once when its 100 connections are busy
+        # ("Too many connections"); under load (many agent streams and Lookups at once) that answered
+        # UNAVAILABLE. A blocking pool makes such a call wait for a connection instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S, **options
+        )
+        client = aioredis.Redis.from_pool(pool)
         try:
             await client.function_load(LIBRARY, replace=True)
         except Exception:

@@ -170,3 +170,22 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     assert (
         first[0]["attributes"]["kvloop.bytes"] == 0 and first[0]["attributes"]["kvloop.recompute_tokens"] > 0
     )
+
+
+def test_clients_hanging_up_under_load_leave_no_upstream_request(served_stack):
+    """`kvloop bench proxy-load`, small: 8 streaming clients, most hanging up before the first byte
+    (prefill step) or mid-stream, then all leaving at once: the engines' own running + waiting gauges
+    and the proxy's in-flight counters fall to 0."""
+    import asyncio
+
+    from kvloop.clients.bench.proxy_load import ProxyLoadConfig, load_proxy
+
+    config = ProxyLoadConfig(clients=8, duration_s=4, disconnect_fraction=0.75, max_tokens=(64, 512))
+    engines = [served_stack.prefill.config.url, *(d.config.url for d in served_stack.decodes)]
+    result = asyncio.run(
+        load_proxy(config, served_stack.proxy_url, engines, served_stack.proxy.pid, lambda p: None)
+    )
+    assert result["hung_up"] > 0 and result["upstream_requests_peak"] > 0, result["outcomes"]
+    assert result["errors"] == 0, result["outcomes"]
+    assert result["upstream_requests_left_running"] == 0
+    assert result["proxy_in_flight_left"] == 0
