@@ -84,6 +84,7 @@ UNARY = {
     "DrainWorker": (pb.DrainWorkerRequest, pb.DrainWorkerResponse),
     "ListPairs": (pb.ListPairsRequest, pb.ListPairsResponse),
     "ReleaseClaim": (pb.ReleaseClaimRequest, pb.ReleaseClaimResponse),
+    "Route": (pb.RouteRequest, pb.RouteResponse),
 }
 STREAMING = ("Connect", "Watch")
 SERVICE = "/kvloop.v1.Directory/"
@@ -352,8 +353,28 @@ def unary_requests() -> st.SearchStrategy[tuple[str, Any]]:
         kv_dtype=st.sampled_from(["", "bfloat16", "fp8_e4m3"]),
         kv_bytes_per_block=st.one_of(st.just(0), _u64),
     )
+    candidate = st.builds(
+        pb.RouteCandidate,
+        worker_id=worker_ids(),
+        http_endpoint=st.one_of(st.just(""), _text(), st.just("http://127.0.0.1:1")),
+        in_flight_requests=st.one_of(_small, _u32),
+        queued_tokens=st.one_of(st.just(0), _u64),
+    )
+    route = st.builds(
+        pb.RouteRequest,
+        model=models(),
+        lora_name=loras(),
+        block_hashes=st.one_of(st.just([]), hashes()),
+        packed_block_hashes=st.one_of(st.just(b""), hashes().map(b"".join), st.binary(max_size=200)),
+        token_ids=st.one_of(st.just([]), st.lists(st.one_of(_small, _u32), max_size=80)),
+        cache_salt=st.one_of(st.just(""), _text()),
+        candidates=st.lists(candidate, max_size=5),
+        block_size=st.one_of(st.sampled_from([0, BLOCK_SIZE]), _u32),
+        prompt_tokens=st.one_of(st.just(0), _u32),
+    )
     return st.one_of(
         st.tuples(st.just("Lookup"), lookup),
+        st.tuples(st.just("Route"), route),
         st.tuples(st.just("ListWorkers"), st.builds(pb.ListWorkersRequest, model=models())),
         st.tuples(
             st.just("FindBlock"),
