@@ -286,21 +286,31 @@ def test_daemon_addresses_name_one_replica_or_several():
         KvloopConfig(daemon="nohost")
 
 
-async def test_more_concurrent_calls_than_pooled_connections_wait_instead_of_failing(redis_url):
+@pytest.mark.parametrize("through", ["url", "sentinel"])
+async def test_more_concurrent_calls_than_pooled_connections_wait_instead_of_failing(
+    through, redis_url, tmp_path
+):
     """Found by `kvloop bench soak --store redis` (64 agents, 32 callers): redis-py's asyncio pool
     holds at most 100 connections and refuses the 101st call at once ("Too many connections"), so
     under load Lookups answered UNAVAILABLE and closed streams went unrecorded. Calls beyond the pool
-    now wait for a connection."""
+    now wait for a connection, on a plain URL and on the primary Sentinel names alike."""
     from kvloop.daemon.index import IndexConfig, Namespace
     from kvloop.daemon.index.redis_store import RedisStore
 
-    store = await RedisStore.connect(redis_url, IndexConfig())
-    try:
-        await store.flush()
-        prompt = conversation("pool", 8)
-        answers = await asyncio.gather(
-            *(store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False) for _ in range(400))
-        )
-        assert len(answers) == 400 and all(a.best is None for a in answers)
-    finally:
-        await store.close()
+    with ExitStack() as stack:
+        if through == "url":
+            store = await RedisStore.connect(redis_url, IndexConfig())
+        else:
+            port = free_port()
+            stack.enter_context(local_redis(tmp_path, port=port))
+            sentinel = stack.enter_context(local_sentinel(tmp_path, port))
+            store = await RedisStore.connect_sentinel([sentinel], "kvloop", "redis:///0", IndexConfig())
+        try:
+            await store.flush()
+            prompt = conversation("pool", 8)
+            answers = await asyncio.gather(
+                *(store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False) for _ in range(400))
+            )
+            assert len(answers) == 400 and all(a.best is None for a in answers)
+        finally:
+            await store.close()

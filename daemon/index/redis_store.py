@@ -32,6 +32,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -150,6 +151,11 @@ def _reachable(method: Callable) -> Callable:
     return call
 
 
+class _BlockingSentinelPool(SentinelConnectionPool, aioredis.BlockingConnectionPool):
+    """The primary Sentinel names, through a pool whose calls wait for a free connection (as
+    ``RedisStore.connect``'s) instead of failing at once when all are busy."""
+
+
 class RedisStore:
     """The DirectoryStore on a Redis server shared by any number of kvloopd replicas."""
 
@@ -215,7 +221,14 @@ class RedisStore:
             options["ssl"] = True
         addresses = [(h, int(p)) for h, _, p in (a.rpartition(":") for a in sentinels)]
         sentinel = Sentinel(addresses, socket_timeout=2.0, **options)
-        client = sentinel.master_for(master, db=db, socket_timeout=2.0)
+        client = sentinel.master_for(
+            master,
+            connection_pool_class=_BlockingSentinelPool,
+            max_connections=POOL_CONNECTIONS,
+            timeout=POOL_WAIT_S,
+            db=db,
+            socket_timeout=2.0,
+        )
         # No primary yet is an answer Sentinel gives while it fails over, or when none of them answered
         # in time (a busy host): ask again for a while before giving up.
         deadline = time.monotonic() + master_wait_s
