@@ -74,6 +74,12 @@ def _options(max_message_bytes: int) -> list[tuple[str, Any]]:
         # Several kvloopd replicas (a list of addresses or a name with several records): spread the
         # calls over the live ones, and a call made while one is down goes to another.
         ("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'),
+        # round_robin keeps reconnecting a replica that went away, backing off up to gRPC's default
+        # 120 s, and fails calls fast meanwhile: a kvloopd restarted after a few seconds would then be
+        # unreachable for longer than it was down. Retrying at least every second bounds that.
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
     ]
 
 

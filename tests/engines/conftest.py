@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kvloop.clients.client import DaemonUnavailable
 from kvloop.common.addresses import free_port_pair
 from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD, DaemonProcess, free_port, start_daemon
@@ -183,11 +184,11 @@ class KvloopStack:
         `servable` is given, judges it servable or not."""
 
         def listed():
-            return [
-                loc
-                for loc in self.locations(run.hashes[0], "retained", run.handle)
-                if servable is None or loc.servable == servable
-            ]
+            try:
+                found = self.locations(run.hashes[0], "retained", run.handle)
+            except DaemonUnavailable:  # a kvloopd just restarted: the client reconnects within a second
+                return []
+            return [loc for loc in found if servable is None or loc.servable == servable]
 
         return wait_until(listed, timeout, f"retained run {run.handle} in kvloopd (servable={servable})")[0]
 
