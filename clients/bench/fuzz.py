@@ -19,12 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import os
 import random
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -40,8 +38,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from kvloop.clients.bench.directory import _start_daemon
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
-from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
@@ -600,35 +598,16 @@ def _describe(case: Case) -> str:
 def start_fuzz_daemon(
     workdir: Path, tokens: Tokens, listen: str = "127.0.0.1:0", store: str = "memory"
 ) -> tuple[subprocess.Popen, str]:
-    host, _, port = listen.rpartition(":")
-    address = f"{host}:{free_port()}" if port == "0" else listen
-    kvloopd = str(Path(sys.executable).parent / "kvloopd")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
-    env.update(
-        {
-            "KVLOOP_TOKENS": json.dumps(tokens.grants()),
-            "KVLOOP_MAX_HASHES_PER_MESSAGE": str(MAX_HASHES),
-            "KVLOOP_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
-            # Fuzz workers lapse and are dropped quickly, so a long run's directory stays small.
-            "KVLOOP_LEASE_S": "10",
-            "KVLOOP_HEARTBEAT_INTERVAL_S": "1",
-            "KVLOOP_DROP_AFTER_S": "10",
-        }
-    )
-    with (workdir / "kvloopd.log").open("w") as log:
-        process = supervisor().spawn(
-            [
-                kvloopd,
-                *("--listen", address, "--metrics-listen", "", "--store", store),
-                *("--log-json", "--log-level", "warning"),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            env=env,
-        )
-    with DirectoryClient(address, timeout=2) as client:
-        client.wait_ready(30)
-    return process, address
+    env = {
+        "KVLOOP_TOKENS": json.dumps(tokens.grants()),
+        "KVLOOP_MAX_HASHES_PER_MESSAGE": str(MAX_HASHES),
+        "KVLOOP_MAX_MESSAGE_BYTES": str(MAX_MESSAGE_BYTES),
+        # Fuzz workers lapse and are dropped quickly, so a long run's directory stays small.
+        "KVLOOP_LEASE_S": "10",
+        "KVLOOP_HEARTBEAT_INTERVAL_S": "1",
+        "KVLOOP_DROP_AFTER_S": "10",
+    }
+    return _start_daemon(listen, workdir, ("--store", store, "--log-level", "warning"), env)
 
 
 def good_registration(worker_id: str, role: int, epoch: int) -> pb.WorkerRegistration:
