@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -233,20 +234,36 @@ class Engine:
     def agent_log(self) -> Path:
         return self.log_dir / f"{self.config.worker_id}.agent.log"
 
-    def launch(self) -> None:
+    def launch(self, vllm: bool = True, agent: bool = True) -> None:
         """Start vLLM and the sidecar, each in a process group of its own (vLLM's engine core is in
-        vLLM's group), through `self.children`: they stop when this process does."""
+        vLLM's group), through `self.children`: they stop when this process does. Called again after
+        a crash, it starts the named one(s) anew on the same ports, appending to their logs."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._t0 = time.monotonic()
-        with self.vllm_log.open("w") as log:
-            self.vllm = self.children.spawn(
-                self.config.vllm_command(), env=self.config.vllm_env(), stdout=log, stderr=subprocess.STDOUT
-            )
-        if self.config.mode == "kvloop":
-            with self.agent_log.open("w") as log:
+        if vllm:
+            self._t0 = time.monotonic()
+            self.started_s = None
+            with self.vllm_log.open("a" if self.vllm is not None else "w") as log:
+                self.vllm = self.children.spawn(
+                    self.config.vllm_command(),
+                    env=self.config.vllm_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        if agent and self.config.mode == "kvloop":
+            with self.agent_log.open("a" if self.agent is not None else "w") as log:
                 self.agent = self.children.spawn(
                     self.config.agent_command(), stdout=log, stderr=subprocess.STDOUT
                 )
+
+    def kill(self, vllm: bool = True, agent: bool = False) -> None:
+        """SIGKILL the named process group(s) at once, as a crash would, and reap them."""
+        for proc in (self.vllm if vllm else None, self.agent if agent else None):
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
 
     def ready(self) -> bool:
         """Poll once: True when the server answers /health; raises if a process died."""

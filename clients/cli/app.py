@@ -393,6 +393,76 @@ def bench_slow_reads(
     )
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    store: Annotated[str, typer.Option(help="memory, or redis (replicas, Sentinel failover)")] = "memory",
+    quick: Annotated[bool, typer.Option(help="every fault kind once (a few minutes)")] = False,
+    duration: Annotated[float, typer.Option(min=60, help="seconds of faults without --quick")] = 600.0,
+    conversations: Annotated[int, typer.Option(min=1, help="concurrent agent conversations")] = 3,
+    interval: Annotated[float, typer.Option(min=5, help="seconds between faults")] = 20.0,
+    seed: Annotated[int, typer.Option(help="the fault schedule's and the conversations' seed")] = 0,
+    workdir: Annotated[Path, typer.Option(help="model, logs")] = Path(".kvloop-bench/chaos"),
+    json_output: JsonFlag = False,
+) -> None:
+    """Faults (engines, sidecars, kvloopd, Redis killed; decodes stopped; streams reset) while
+    conversations flow; every answer checked against a recompute-only reference."""
+    from kvloop.clients.bench.chaos import ChaosConfig, run_chaos
+
+    if store not in ("memory", "redis"):
+        _fail(f"--store must be memory or redis, not {store!r}")
+    config = ChaosConfig(
+        workdir=workdir,
+        store=store,
+        quick=quick,
+        duration_s=duration,
+        conversations=conversations,
+        fault_interval_s=interval,
+        seed=seed,
+    )
+    result = run_chaos(config, progress=lambda line: err_console.print(line, highlight=False))
+    if state.json:
+        _emit_json(result)
+    else:
+        table = Table(title=f"chaos on the {store} store: {result['turns']} turns")
+        for column in (
+            "fault",
+            "target",
+            "at s",
+            "serving again s",
+            "transfer again s",
+            "turns",
+            "failed",
+            "wrong",
+        ):
+            table.add_column(column)
+        for f in result["faults"]:
+            table.add_row(
+                f["fault"],
+                f["target"],
+                f"{f['at_s']:.1f}",
+                "-" if f["restarted_s"] is None else f"{f['restarted_s']:.1f}",
+                "-" if f["transfer_again_s"] is None else f"{f['transfer_again_s']:.1f}",
+                str(f["turns"]),
+                str(f["failed_requests"]),
+                str(f["wrong_answers"]),
+            )
+        console.print(table)
+        console.print(
+            f"failed requests {result['failed_requests']}, wrong answers {result['wrong_answers']}, "
+            f"near-ties {result['near_ties']}; paths {result['paths']}"
+        )
+        for failure in result["failures"][:10]:
+            console.print(
+                f"  failed: conversation {failure['conversation']} turn {failure['turn']}: {failure['error']}"
+            )
+        for turn in result["wrong"][:10]:
+            console.print(
+                f"  wrong: conversation {turn['conversation']} turn {turn['turn']}: {turn['detail']}"
+            )
+    if result["failed_requests"] or result["wrong_answers"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("decode-tpot")
 def bench_decode_tpot(
     rounds: Annotated[int, typer.Option(min=1, help="rounds (each runs every condition once)")] = 12,

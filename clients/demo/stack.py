@@ -49,6 +49,9 @@ class StackConfig:
     # High availability on loopback: a Redis primary and replica, three Sentinels and two kvloopd
     # replicas sharing them; engines, sidecars and the proxy are given both replicas' addresses.
     ha: bool = False
+    # Maps each kvloopd address to the one engines, sidecars and the proxy are given (`bench chaos`
+    # puts a relay there that can cut or refuse their connections); None: the address itself.
+    daemon_front: Callable[[str], str] | None = None
 
 
 def engine_cores(role: str, cores: int | None = None) -> str:
@@ -70,12 +73,15 @@ class Stack:
     # Every process of the stack is started and stopped through this (see kvloop.common.processes).
     children: ChildProcesses = field(default_factory=supervisor)
     receiver: OtlpReceiver | None = None
-    # --ha: every kvloopd replica (address, process, log); the Redis primary apart (a fault kills it).
+    # Every kvloopd (address, process, log): the one daemon, or with --ha each replica.
     replicas: list[tuple[str, subprocess.Popen, Path]] = field(default_factory=list)
     # --ha: each redis-server by port (a fault stops the one Sentinel names primary), the Sentinels.
     _redis_servers: dict[int, ExitStack] = field(default_factory=dict)
     _redis: ExitStack = field(default_factory=ExitStack)
     sentinels: list[str] = field(default_factory=list)
+    # What engines, sidecars and the proxy dial (daemon_address, or its fronts).
+    agent_daemon_address: str = ""
+    _daemon_args: tuple[str, ...] = ()
 
     @property
     def prefill(self) -> Engine:
@@ -107,17 +113,19 @@ class Stack:
             progress("traces", f"OTLP receiver at {self.receiver.endpoint} writing {cfg.span_file}")
         bin_dir = Path(sys.executable).parent
         if cfg.ha:
-            config = self._start_redis(progress)
+            self._daemon_args = ("--config", str(self._start_redis(progress)))
             for name in ("kvloopd-a", "kvloopd-b"):
                 address = f"127.0.0.1:{free_port()}"
                 log_path = logs / f"{name}.log"
-                process = self._spawn_daemon(bin_dir, address, log_path, "--config", str(config))
-                self.replicas.append((address, process, log_path))
+                self.replicas.append((address, self._spawn_daemon(address, log_path), log_path))
             self.daemon = self.replicas[0][1]
             self.daemon_address = ",".join(address for address, _, _ in self.replicas)
         else:
             self.daemon_address = f"127.0.0.1:{free_port()}"
-            self.daemon = self._spawn_daemon(bin_dir, self.daemon_address, logs / "kvloopd.log")
+            self.daemon = self._spawn_daemon(self.daemon_address, logs / "kvloopd.log")
+            self.replicas.append((self.daemon_address, self.daemon, logs / "kvloopd.log"))
+        front = cfg.daemon_front or (lambda address: address)
+        self.agent_daemon_address = ",".join(front(a) for a in self.daemon_address.split(","))
         for address in self.daemon_address.split(","):
             with DirectoryClient(address, timeout=2) as client:
                 client.wait_ready(30)
@@ -143,7 +151,7 @@ class Stack:
                         port=free_port(),
                         nixl_port=free_port(),
                         kv_events_port=free_port_pair(),
-                        daemon=self.daemon_address,
+                        daemon=self.agent_daemon_address,
                         block_size=cfg.block_size,
                         dtype=cfg.dtype,
                         kv_cache_gib=cfg.kv_cache_gib,
@@ -188,7 +196,7 @@ class Stack:
                 [
                     str(bin_dir / "kvloop"),
                     "--daemon",
-                    self.daemon_address,
+                    self.agent_daemon_address,
                     "proxy",
                     "--route",
                     "--listen",
@@ -205,17 +213,17 @@ class Stack:
         _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
         progress("proxy", f"ready at {self.proxy_url}")
 
-    def _spawn_daemon(self, bin_dir: Path, address: str, log_path: Path, *args: str) -> subprocess.Popen:
-        with log_path.open("w") as log:
+    def _spawn_daemon(self, address: str, log_path: Path) -> subprocess.Popen:
+        with log_path.open("a") as log:
             return self.children.spawn(
                 [
-                    str(bin_dir / "kvloopd"),
+                    str(Path(sys.executable).parent / "kvloopd"),
                     "--listen",
                     address,
                     "--metrics-listen",
                     f"127.0.0.1:{free_port()}",
                     "--log-json",
-                    *args,
+                    *self._daemon_args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -287,16 +295,48 @@ class Stack:
         process.wait()
         return address
 
+    def restart_replica(self, index: int) -> subprocess.Popen:
+        """Start a killed kvloopd (replica) again on its address; returns the new process."""
+        address, _, log_path = self.replicas[index]
+        process = self._spawn_daemon(address, log_path)
+        self.replicas[index] = (address, process, log_path)
+        if index == 0:
+            self.daemon = process
+        return process
+
     def kill_redis_primary(self) -> str:
         """Stop the redis-server the Sentinels currently name primary; returns its address."""
+        primary = self.primary()
+        self._redis_servers.pop(int(primary.rsplit(":", 1)[1])).close()
+        return primary
+
+    def primary(self) -> str:
+        """HOST:PORT of the Redis primary, as the first Sentinel names it (--ha)."""
         import redis
 
         host, port = self.sentinels[0].rsplit(":", 1)
         with redis.Redis(host=host, port=int(port)) as sentinel:
             primary_host, primary_port = sentinel.sentinel_get_master_addr_by_name("kvloop")
-        self._redis_servers.pop(int(primary_port)).close()
         host_text = primary_host.decode() if isinstance(primary_host, bytes) else primary_host
         return f"{host_text}:{primary_port}"
+
+    def rejoin_redis(self, old_primary: str, timeout_s: float = 60.0) -> str:
+        """Once Sentinel has promoted another server, start the stopped ``old_primary`` again as a
+        replica of the new one (so a later failover has somewhere to go); returns the new primary."""
+        from kvloop.daemon.index.redis_local import local_redis
+
+        deadline = time.monotonic() + timeout_s
+        while (primary := self.primary()) == old_primary:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Sentinel named no new primary within {timeout_s:.0f}s")
+            time.sleep(0.1)  # polling Sentinel for the failover
+        new_host, new_port = primary.rsplit(":", 1)
+        port = int(old_primary.rsplit(":", 1)[1])
+        self._redis_servers[port] = ExitStack()
+        self._redis_servers[port].enter_context(
+            local_redis(self.config.workdir / "redis", port=port, extra=["--replicaof", new_host, new_port])
+        )
+        return primary
 
     def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
         """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a
@@ -317,10 +357,7 @@ class Stack:
         kvloopd (each process group: SIGTERM, a grace period, SIGKILL)."""
         self.children.stop(self.proxy, grace_s=10)
         self.children.stop(*(p for e in self.engines for p in (e.agent, e.vllm)))
-        if self.replicas:
-            self.children.stop(*(process for _, process, _ in self.replicas), grace_s=10)
-        else:
-            self.children.stop(self.daemon, grace_s=10)
+        self.children.stop(*(process for _, process, _ in self.replicas), grace_s=10)
         for server in self._redis_servers.values():
             server.close()
         self._redis.close()
