@@ -87,6 +87,7 @@ class Turn:
     path: str = ""
     reason: str = ""
     decode: str = ""
+    holder: str = ""  # the decode worker the prefill pulled from (a transfer)
     ttft_ms: float | None = None
     tokens: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -108,6 +109,7 @@ class Fault:
     fault: str
     at_s: float
     target: str = ""
+    worker: str = ""  # the worker a fault hit (decode_kill, sidecar_kill, decode_stop)
     restarted_s: float | None = None  # the killed process serving again, from the fault
     note: str = ""
     error: str = ""
@@ -121,7 +123,7 @@ def schedule(config: ChaosConfig) -> list[str]:
     )
     order: list[str] = []
     for _ in range(cycles):
-        kinds = [k for k in config.kinds if k != "redis_primary_kill" or not order.count(k)]
+        kinds = list(config.kinds)
         rnd.shuffle(kinds)
         order += kinds
     return order
@@ -145,6 +147,7 @@ def stream_chat(proxy_url: str, request: dict, timeout_s: float) -> dict:
                 path=headers.get("x-kvloop-path", ""),
                 reason=headers.get("x-kvloop-reason", ""),
                 decode=headers.get("x-kvloop-decode", ""),
+                holder=headers.get("x-kvloop-holder", ""),
             )
             for raw in response:
                 line = raw.decode().strip()
@@ -159,10 +162,11 @@ def stream_chat(proxy_url: str, request: dict, timeout_s: float) -> dict:
                     return out
                 for choice in chunk.get("choices", []):
                     content = choice.get("delta", {}).get("content")
-                    if content and "ttft_ms" not in out:
+                    items = (choice.get("logprobs") or {}).get("content") or []
+                    if (content or items) and "ttft_ms" not in out:
                         out["ttft_ms"] = round((time.perf_counter() - started) * 1e3, 1)
                     out["answer"] += content or ""
-                    for item in (choice.get("logprobs") or {}).get("content") or []:
+                    for item in items:
                         out["tokens"].append(item["token"])
                         out["logprobs"].append(item["logprob"])
     except urllib.error.HTTPError as exc:
@@ -232,6 +236,7 @@ class Conversations:
                     path=result.get("path", ""),
                     reason=result.get("reason", ""),
                     decode=result.get("decode", ""),
+                    holder=result.get("holder", ""),
                     ttft_ms=result.get("ttft_ms"),
                     tokens=result["tokens"],
                     logprobs=result["logprobs"],
@@ -282,7 +287,7 @@ class Injector:
 
     def decode_kill(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
         engine = self._decode()
-        fault.target = engine.config.worker_id
+        fault.target = fault.worker = engine.config.worker_id
         engine.kill(vllm=True)
         engine.launch(vllm=True, agent=False)
         self._wait_ready(engine, fault, clock)
@@ -290,9 +295,20 @@ class Injector:
     def sidecar_kill(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
         engine = self._decode()
         fault.target = f"{engine.config.worker_id} agent"
+        fault.worker = engine.config.worker_id
         engine.kill(vllm=False, agent=True)
         engine.launch(vllm=False, agent=True)
-        self._wait_ready(engine, fault, clock)
+        # serving again: the new agent streams to kvloopd (its /healthz answers 200)
+        health = f"http://127.0.0.1:{engine.config.agent_health_port}/healthz"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(health, timeout=2):
+                    fault.restarted_s = round(clock() - fault.at_s, 2)
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.05)  # polling the new agent's health while it starts and registers
+        fault.error = f"{engine.config.worker_id}'s agent not streaming to kvloopd 60s after restart"
 
     def daemon_kill(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
         worker = self.stack.decodes[0].config.worker_id
@@ -323,7 +339,7 @@ class Injector:
         engine = next(
             (e for e in self.stack.decodes if e.config.url == conversations.latest_decode), self._decode()
         )
-        fault.target = engine.config.worker_id
+        fault.target = fault.worker = engine.config.worker_id
         assert engine.vllm is not None
         group = os.getpgid(engine.vllm.pid)
         os.killpg(group, signal.SIGSTOP)
@@ -436,7 +452,15 @@ def summarize(
     for i, fault in enumerate(faults):
         until = faults[i + 1].at_s if i + 1 < len(faults) else float("inf")
         during = [t for t in turns if fault.at_s <= t.ended_s and t.started_s < until]
-        after = [t for t in turns if t.started_s >= fault.at_s and t.path == "transfer" and not t.error]
+        # transfers again: from the worker the fault hit, or (a fault of the directory) from anyone
+        after = [
+            t
+            for t in turns
+            if t.started_s >= fault.at_s
+            and t.path == "transfer"
+            and not t.error
+            and (not fault.worker or t.holder == fault.worker)
+        ]
         fault_records.append(
             {
                 **asdict(fault),
@@ -510,17 +534,17 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] = lambda line
         injector = Injector(stack, links, config, rnd)
         say(f"{config.conversations} conversations running; faults: {', '.join(order)}")
         try:
+            quiet_until = config.warmup_s
             for i, kind in enumerate(order):
-                at = (
-                    config.warmup_s
-                    + i * config.fault_interval_s
-                    + rnd.uniform(0, config.fault_interval_s / 4)
-                )
+                # one fault at a time: the next comes an interval (seeded jitter) after the last
+                # one's restart finished, so each recovery is seen on its own
+                at = quiet_until + rnd.uniform(0, config.fault_interval_s / 4)
                 if at > clock():
                     time.sleep(at - clock())  # the schedule: faults at seeded times while traffic flows
                 fault = Fault(kind, round(clock(), 2))
                 injector.inject(kind, fault, conversations, clock)
                 faults.append(fault)
+                quiet_until = clock() + config.fault_interval_s
                 done = len(conversations.turns)
                 failed = sum(1 for t in conversations.turns if t.error)
                 say(

@@ -53,8 +53,15 @@ def _header_int(headers, name: str) -> int:
 
 
 def chat_turn(
-    proxy_url: str, model: str, messages: list[dict], max_tokens: int, turn: int, timeout_s: float = 300.0
+    proxy_url: str,
+    model: str,
+    messages: list[dict],
+    max_tokens: int,
+    turn: int,
+    timeout_s: float = 300.0,
+    extra: dict | None = None,
 ) -> TurnResult:
+    """One streamed, greedy chat turn; ``extra`` adds request fields (``cache_salt``...)."""
     body = json.dumps(
         {
             "model": model,
@@ -63,6 +70,7 @@ def chat_turn(
             "temperature": 0.0,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **(extra or {}),
         }
     ).encode()
     request = urllib.request.Request(

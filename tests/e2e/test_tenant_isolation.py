@@ -1,0 +1,38 @@
+"""Tenant isolation through the proxy with real engines: a request under one `cache_salt` never pulls
+KV that a request under another salt left on a decode, even when its tokens are identical."""
+
+from __future__ import annotations
+
+from kvloop.clients.client import DirectoryClient
+from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+
+MODEL = "kvloop-tiny"
+
+
+def test_a_tenant_never_pulls_another_tenants_kv(served_stack):
+    with DirectoryClient(served_stack.daemon_address) as directory:
+        retained = directory.stats().retained_runs
+    conversation = AgentConversation(seed=41, system_words=400, tool_words=200)
+    first = chat_turn(
+        served_stack.proxy_url, MODEL, conversation.messages, 8, 1, extra={"cache_salt": "tenant-a"}
+    )
+    assert first.path in ("miss", "recompute"), first
+    conversation.record(first.answer)
+    assert served_stack.wait_retained(retained + 1), "tenant a's retained run never reached kvloopd"
+
+    # tenant b sends exactly tenant a's next prompt: nothing of a's may be pulled for it
+    other = chat_turn(
+        served_stack.proxy_url, MODEL, conversation.messages, 8, 2, extra={"cache_salt": "tenant-b"}
+    )
+    assert other.path != "transfer" and other.matched_tokens == 0 and other.bytes_moved == 0, other
+    # unsalted, the same tokens hash differently again: no pull either
+    plain = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, 2)
+    assert plain.path != "transfer" and plain.matched_tokens == 0, plain
+
+    # tenant a's own continuation pulls what it left (so the misses above were the salt's doing)
+    own = chat_turn(
+        served_stack.proxy_url, MODEL, conversation.messages, 8, 2, extra={"cache_salt": "tenant-a"}
+    )
+    assert own.path == "transfer" and own.matched_tokens >= 512 and own.bytes_moved > 0, own
+    # and every tenant got the same greedy answer to the same tokens
+    assert own.answer == other.answer == plain.answer
