@@ -33,6 +33,8 @@ def test_a_tenant_never_pulls_another_tenants_kv(served_stack):
     own = chat_turn(
         served_stack.proxy_url, MODEL, conversation.messages, 8, 2, extra={"cache_salt": "tenant-a"}
     )
-    assert own.path == "transfer" and own.matched_tokens >= 512 and own.bytes_moved > 0, own
+    assert (
+        own.path == "transfer" and own.matched_tokens >= first.prompt_tokens // 2 and own.bytes_moved > 0
+    ), own
     # and every tenant got the same greedy answer to the same tokens
     assert own.answer == other.answer == plain.answer
