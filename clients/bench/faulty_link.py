@@ -70,6 +70,10 @@ class FaultyLink:
             if self._server is not None:
                 self._server.close()
             await self._cut_all()
+            pipes = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
