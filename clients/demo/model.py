@@ -93,6 +93,7 @@ def _save_tokenizer(out: Path, vocab_size: int, seed: int, chat_template: str = 
         vocab_size=vocab_size,
         special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # it writes to stdout, which a --json command keeps for its JSON
     )
     tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
