@@ -649,8 +649,15 @@ def bench_fuzz(
     with supervisor().stop_on_signals():
         if store not in ("memory", "redis") and not store.startswith(("redis://", "rediss://", "unix://")):
             _fail(f"--store must be memory, redis or a redis:// URL, got {store!r}")
-        if state.json:
-            result = run_fuzz(config)
+        if state.json:  # stdout keeps the JSON: progress as a line on stderr now and then
+            started = time.perf_counter()
+
+            def say(n: int) -> None:
+                if n % 5000 == 0:
+                    rate = n / (time.perf_counter() - started)
+                    err_console.print(f"fuzz: {n:,}/{inputs:,} inputs, {rate:,.0f}/s", highlight=False)
+
+            result = run_fuzz(config, say)
         else:
             with Progress(
                 TextColumn("fuzzing kvloopd"),
