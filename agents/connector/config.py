@@ -36,8 +36,9 @@ class KvloopConfig(BaseModel):
     # never stalls the loop longer than this per new request.
     lookup_wait_ms: float = Field(default=50.0, ge=0, le=1000)
     # After a failed lookup, skip lookups (recompute) for this long: a dead daemon costs one
-    # timeout, not one per request.
-    lookup_backoff_s: float = Field(default=2.0, ge=0)
+    # timeout per half second, not one per request (the lookup runs off the engine loop), and a
+    # directory back from a failover is asked again within half a second.
+    lookup_backoff_s: float = Field(default=0.5, ge=0)
     # Lease of retained runs announced to the directory. None -> vLLM's decoder_kv_blocks_ttl.
     retention_ttl_s: float | None = Field(default=None, gt=0)
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until

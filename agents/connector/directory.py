@@ -125,7 +125,7 @@ class DirectoryLookups:
         target: str,
         constraints: PullerConstraints,
         timeout_ms: float = 20.0,
-        backoff_s: float = 2.0,
+        backoff_s: float = 0.5,
         traced: bool = False,
     ) -> None:
         self.target = target

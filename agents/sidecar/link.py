@@ -41,7 +41,9 @@ class DirectoryLink:
         *,
         max_unacked_batches: int = 4096,
         backoff_initial_s: float = 0.1,
-        backoff_max_s: float = 5.0,
+        # At most a second between attempts: a directory back from a failover waits for every agent
+        # to re-push its state before it serves transfers again, and one stream a second is nothing.
+        backoff_max_s: float = 1.0,
         on_drain: Callable[[str], None] | None = None,
     ) -> None:
         self._client = client
