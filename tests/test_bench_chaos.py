@@ -96,5 +96,7 @@ def test_summary_counts_failures_and_recovery_from_the_worker_the_fault_hit():
     assert report["failed_requests"] == 1 and report["wrong_answers"] == 1
     kill, reset = report["faults"]
     assert kill["failed_requests"] == 1 and kill["wrong_answers"] == 1 and kill["turns"] == 4
-    assert kill["transfer_again_s"] == 4.0  # decode-0's transfer at 11 s does not count
-    assert reset["transfer_again_s"] is None and reset["turns"] == 1
+    assert kill["transfer_again_s"] == 1.0  # decode-0's, at 11 s
+    assert kill["worker_transfer_again_s"] == 4.0  # from decode-1, the worker it hit
+    assert reset["transfer_again_s"] is None and reset["worker_transfer_again_s"] is None
+    assert reset["turns"] == 1

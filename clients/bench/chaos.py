@@ -452,15 +452,9 @@ def summarize(
     for i, fault in enumerate(faults):
         until = faults[i + 1].at_s if i + 1 < len(faults) else float("inf")
         during = [t for t in turns if fault.at_s <= t.ended_s and t.started_s < until]
-        # transfers again: from the worker the fault hit, or (a fault of the directory) from anyone
-        after = [
-            t
-            for t in turns
-            if t.started_s >= fault.at_s
-            and t.path == "transfer"
-            and not t.error
-            and (not fault.worker or t.holder == fault.worker)
-        ]
+        # transfers again: any turn, and (a fault that hit one worker) a turn pulling from that worker
+        transfers = [t for t in turns if t.started_s >= fault.at_s and t.path == "transfer" and not t.error]
+        from_worker = [t for t in transfers if t.holder == fault.worker] if fault.worker else []
         fault_records.append(
             {
                 **asdict(fault),
@@ -469,7 +463,10 @@ def summarize(
                 "turns": len(during),
                 "paths": dict(Counter(t.path or "error" for t in during)),
                 # from the fault to the start of the first turn after it that transferred
-                "transfer_again_s": round(after[0].started_s - fault.at_s, 2) if after else None,
+                "transfer_again_s": round(transfers[0].started_s - fault.at_s, 2) if transfers else None,
+                "worker_transfer_again_s": round(from_worker[0].started_s - fault.at_s, 2)
+                if from_worker
+                else None,
             }
         )
     ttft = [t.ttft_ms for t in turns if t.ttft_ms is not None and t.turn > 1]
