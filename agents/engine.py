@@ -13,8 +13,10 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -233,17 +235,18 @@ class Engine:
     def agent_log(self) -> Path:
         return self.log_dir / f"{self.config.worker_id}.agent.log"
 
-    def launch(self) -> None:
+    def launch(self, log_mode: str = "w") -> None:
         """Start vLLM and the sidecar, each in a process group of its own (vLLM's engine core is in
         vLLM's group), through `self.children`: they stop when this process does."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._t0 = time.monotonic()
-        with self.vllm_log.open("w") as log:
+        self.started_s = None
+        with self.vllm_log.open(log_mode) as log:
             self.vllm = self.children.spawn(
                 self.config.vllm_command(), env=self.config.vllm_env(), stdout=log, stderr=subprocess.STDOUT
             )
         if self.config.mode == "kvloop":
-            with self.agent_log.open("w") as log:
+            with self.agent_log.open(log_mode) as log:
                 self.agent = self.children.spawn(
                     self.config.agent_command(), stdout=log, stderr=subprocess.STDOUT
                 )
@@ -269,6 +272,19 @@ class Engine:
         if ok and self.started_s is None:
             self.started_s = time.monotonic() - self._t0
         return ok
+
+    def kill_vllm(self) -> None:
+        """SIGKILL the vLLM server's process group (a crash: no shutdown, no goodbye to clients)."""
+        assert self.vllm is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.vllm.pid, signal.SIGKILL)
+        self.vllm.wait(30)
+
+    def relaunch(self) -> None:
+        """Start the engine again on the same ports (what is left of it stopped first); the logs go on
+        after the old run's. Poll `ready()` after it."""
+        self.stop(grace_s=5.0)
+        self.launch(log_mode="a")
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM both process groups, SIGKILL what is left after `grace_s`."""
