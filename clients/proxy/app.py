@@ -472,7 +472,6 @@ async def _continue(
     another decode (again if that one breaks too, within max_attempts). False: it ended with an error
     event instead."""
     while True:
-        RETRIES.labels("resume", broken.reason).inc()
         log.warning(
             "decode stream broke mid-answer",
             reason=broken.reason,
@@ -490,6 +489,7 @@ async def _continue(
             why = f"{attempts} attempts made"
         if why is not None:
             return await _give_up(response, span, stream, f"cannot continue the answer: {why}")
+        RETRIES.labels("resume", broken.reason).inc()
         attempts += 1
         stream.resumed += 1
         span.set_attributes({"kvloop.proxy.attempts": attempts, "kvloop.proxy.resumed": stream.resumed})

@@ -63,6 +63,23 @@ class StreamedAnswer:
         self.headers = headers
 
 
+class ReadingStream:
+    """A streamed request read to its end in a thread; `read_some` is set once a few chunks are in."""
+
+    def __init__(self, proxy_url: str, body: dict) -> None:
+        self.proxy_url, self.body = proxy_url, body
+        self.read_some = threading.Event()
+
+    def read(self) -> tuple[list[dict | str], dict]:
+        with post(f"{self.proxy_url}/v1/chat/completions", self.body) as r:
+            payloads = []
+            for payload in events(r):
+                payloads.append(payload)
+                if len(payloads) == 5:
+                    self.read_some.set()
+            return payloads, dict(r.headers)
+
+
 def chat_body(messages: list[dict], max_tokens: int, stream: bool) -> dict:
     body: dict = {
         "model": MODEL,
@@ -98,7 +115,7 @@ def wait_proxy_sees(proxy_url: str, decode_url: str, healthy: bool) -> None:
     wait_until(seen, timeout=30, what=f"the proxy to see {decode_url} {'up' if healthy else 'down'}")
 
 
-def test_a_decode_killed_under_its_requests_then_relaunched(served_stack):
+def test_a_decode_killed_under_its_requests_then_relaunched(served_stack, otlp_receiver):
     proxy = served_stack.proxy_url
     # turn 1 leaves the conversation's blocks on one decode: the proxy sends turn 2 there (the holder)
     messages = [{"role": "user", "content": random_text(300, 41)}]
@@ -118,38 +135,51 @@ def test_a_decode_killed_under_its_requests_then_relaunched(served_stack):
     resumes = metric_total(proxy, "kvloop_proxy_retries_total", stage="resume")
     retries = metric_total(proxy, "kvloop_proxy_retries_total", stage="decode")
 
+    failed_streams = metric_total(proxy, "kvloop_proxy_requests_total", outcome="stream_failed")
     try:
-        with ThreadPoolExecutor(2) as pool:
-            # a non-streamed answer (no byte sent yet when its decode dies: the proxy runs it again)
-            # and a streamed one the client is reading (it continues elsewhere), both on the holder
+        with ThreadPoolExecutor(3) as pool:
+            # on the holder: a non-streamed answer (no byte sent yet when its decode dies: the proxy runs
+            # it again), a greedy stream the client is reading (it continues elsewhere) and a sampled
+            # one (no exact continuation exists: it ends with an error event)
             plain: Future = pool.submit(ask, proxy, messages, LONG_ANSWER_TOKENS)
             wait_until(
                 lambda: running_requests(holder_url) >= 1, timeout=60, what="the plain request running"
             )
-            read_some = threading.Event()
-
-            def stream_and_read() -> StreamedAnswer:
-                with post(
-                    f"{proxy}/v1/chat/completions", chat_body(messages, LONG_ANSWER_TOKENS, stream=True)
-                ) as r:
-                    payloads = []
-                    for payload in events(r):
-                        payloads.append(payload)
-                        if len(payloads) == 5:
-                            read_some.set()
-                    return StreamedAnswer(payloads, dict(r.headers))
-
-            streamed: Future = pool.submit(stream_and_read)
-            wait_until(read_some.is_set, timeout=60, what="the first chunks of the stream")
-            assert running_requests(holder_url) >= 2, "both requests must still be on the decode"
+            greedy = chat_body(messages, LONG_ANSWER_TOKENS, stream=True)
+            streams = [ReadingStream(proxy, greedy), ReadingStream(proxy, {**greedy, "temperature": 0.8})]
+            reading = [pool.submit(s.read) for s in streams]
+            for stream in streams:
+                wait_until(stream.read_some.is_set, timeout=60, what="the first chunks of a stream")
+            assert running_requests(holder_url) >= 3, "the requests must still be on the decode"
             victim.kill_vllm()
-            resumed = streamed.result(timeout=300)
+            resumed = StreamedAnswer(*reading[0].result(timeout=300))
+            sampled, _ = reading[1].result(timeout=300)
             plain_text, plain_headers = plain.result(timeout=300)
+        assert sampled[-1] == "[DONE]" and "temperature" in sampled[-2]["error"]["message"], sampled[-2:]
+        assert (
+            metric_total(proxy, "kvloop_proxy_requests_total", outcome="stream_failed") == failed_streams + 1
+        )
         assert resumed.headers["x-kvloop-decode"] == holder_url
         assert resumed.text == long_before.text  # token-exact continuation: the same greedy answer
         for count in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert resumed.usage[count] == long_before.usage[count], (resumed.usage, long_before.usage)
         assert metric_total(proxy, "kvloop_proxy_retries_total", stage="resume") == resumes + 1
+        proxy_span = wait_until(
+            lambda: next(
+                (
+                    span
+                    for span in otlp_receiver.spans()
+                    if span["trace_id"] == resumed.headers["x-kvloop-trace-id"]
+                    and span["service"] == "kvloop-proxy"
+                    and "kvloop.proxy.resumed" in span["attributes"]
+                ),
+                None,
+            ),
+            timeout=30,
+            what="the resumed stream's proxy span",
+        )
+        assert proxy_span["attributes"]["kvloop.proxy.attempts"] == 2
+        assert proxy_span["attributes"]["kvloop.proxy.resumed"] == 1
         assert plain_text == long_before.text
         assert plain_headers["x-kvloop-decode"] == survivor_url and plain_headers["x-kvloop-attempts"] == "2"
         assert metric_total(proxy, "kvloop_proxy_retries_total", stage="decode") == retries + 1
@@ -168,11 +198,15 @@ def test_a_decode_killed_under_its_requests_then_relaunched(served_stack):
         wait_until(victim.ready, timeout=240, what="the relaunched decode", interval=0.5)
         wait_proxy_sees(proxy, holder_url, healthy=True)
 
-    # relaunched on the same port, the proxy uses it again (least in-flight, round-robin among ties)
-    fresh = [{"role": "user", "content": random_text(100, 43)}]
-    answers = {}
-    for _ in range(4):
-        text, headers = ask(proxy, fresh, 8)
-        answers.setdefault(headers["x-kvloop-decode"], text)
-    assert set(answers) == {holder_url, survivor_url}, answers
-    assert answers[holder_url] == answers[survivor_url]
+    # relaunched on the same port, the proxy uses it again: new conversations (no holder yet) go to
+    # the least-loaded decode, round-robin among ties
+    served_by: dict[str, int] = {}
+    for seed in range(43, 47):
+        with post(
+            f"{proxy}/v1/chat/completions",
+            chat_body([{"role": "user", "content": random_text(100, seed)}], 8, stream=False),
+        ) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 8
+            decode = r.headers["x-kvloop-decode"]
+            served_by[decode] = served_by.get(decode, 0) + 1
+    assert set(served_by) == {holder_url, survivor_url}, served_by
