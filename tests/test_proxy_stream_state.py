@@ -104,3 +104,24 @@ def test_a_stream_without_prompt_token_ids_cannot_be_continued():
     stream = StreamState(chat=True, body=CHAT)
     stream.forward(chat_chunk({"index": 0, "delta": {"content": "a"}, "finish_reason": None}))
     assert "prompt token ids" in (stream.unresumable_reason() or "")
+
+
+def test_completions_streams_carry_prompt_token_ids_in_the_choice():
+    body = {"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0, "stream": True}
+    stream = StreamState(chat=False, body=body)
+    assert stream.upstream_body(body)["return_token_ids"] is True
+    out = stream.forward(
+        {
+            "id": "cmpl-1",
+            "created": 3,
+            "model": "m",
+            "choices": [{"index": 0, "text": "a", "prompt_token_ids": [1, 2], "token_ids": [9]}],
+        }
+    )
+    assert out["choices"][0] == {"index": 0, "text": "a"}
+    assert stream.continuation_body()["prompt"] == [1, 2, 9] and stream.continuation_body()["max_tokens"] == 4
+
+
+def test_streams_that_cannot_be_continued_are_not_asked_for_token_ids():
+    body = {"model": "m", "prompt": "hi", "echo": True, "temperature": 0, "stream": True}
+    assert "return_token_ids" not in StreamState(chat=False, body=body).upstream_body(body)

@@ -121,7 +121,11 @@ class StreamState:
         return isinstance(options, dict) and bool(options.get("include_usage"))
 
     def upstream_body(self, body: dict) -> dict:
-        """The decode request of the original stream: as the client sent it, with token ids in every chunk."""
+        """The decode request of the original stream: as the client sent it, with token ids in every
+        chunk when the stream could be continued (they change nothing else for chat; for completions
+        with `echo` they would blank the echoed prompt, but echo is not continued anyway)."""
+        if unresumable_reason(self.body, self.chat) is not None:
+            return body
         return {**body, "return_token_ids": True}
 
     def forward(self, chunk: dict) -> dict:
@@ -145,14 +149,17 @@ class StreamState:
         return out
 
     def _record(self, choice: dict) -> None:
+        if self.prompt_token_ids is None and choice.get("prompt_token_ids"):  # completions put them here
+            self.prompt_token_ids = list(choice["prompt_token_ids"])
         self.sent_token_ids.extend(choice.get("token_ids") or ())
         if choice.get("finish_reason") is not None:
             self.finished = True
 
     def unresumable_reason(self) -> str | None:
-        if self.prompt_token_ids is None:
+        why = unresumable_reason(self.body, self.chat)
+        if why is None and self.prompt_token_ids is None:
             return "the decode sent no prompt token ids"
-        return unresumable_reason(self.body, self.chat)
+        return why
 
     def remaining_tokens(self) -> int | None:
         limit = _max_tokens(self.body)
