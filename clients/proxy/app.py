@@ -6,7 +6,8 @@ no per-conversation state: which decode worker holds a conversation's blocks is 
 business: the prefill's connector returns the holder the directory named, with its HTTP endpoint
 (`kvloop_holder`, `kvloop_holder_http` in the returned kv_transfer_params), and the proxy prefers
 that server for the decode. W3C trace context flows
-client -> proxy -> prefill -> decode, so one trace shows the whole turn.
+client -> proxy -> prefill -> decode, so one trace shows the whole turn. A server failing under a
+request: the request runs again elsewhere, or its stream continues on another decode (failover.py).
 """
 
 from __future__ import annotations
