@@ -1147,6 +1147,14 @@ def proxy(
     route_timeout: Annotated[
         float, typer.Option(help="seconds for tokenize + Route per request before falling back to load")
     ] = 0.1,
+    max_attempts: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="runs of a request on different servers when one fails under it (continuations of a "
+            "broken stream included)",
+        ),
+    ] = 3,
     cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
     key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
     client_ca_file: Annotated[
@@ -1186,6 +1194,7 @@ def proxy(
         request_timeout_s=request_timeout,
         directory=state.daemon if route else None,
         route_timeout_s=route_timeout,
+        max_attempts=max_attempts,
     )
 
     async def run() -> None:

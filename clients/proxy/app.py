@@ -6,15 +6,18 @@ no per-conversation state: which decode worker holds a conversation's blocks is 
 business: the prefill's connector returns the holder the directory named, with its HTTP endpoint
 (`kvloop_holder`, `kvloop_holder_http` in the returned kv_transfer_params), and the proxy prefers
 that server for the decode. W3C trace context flows
-client -> proxy -> prefill -> decode, so one trace shows the whole turn.
+client -> proxy -> prefill -> decode, so one trace shows the whole turn. A server failing under a
+request: the request runs again elsewhere, or its stream continues on another decode (failover.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import time
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 
 from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
+from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, error_event, sse
 from kvloop.clients.proxy.routing import Router
 from kvloop.common.tracing import trace_id_hex
 
@@ -58,6 +62,9 @@ class ProxyConfig:
     directory: str | None = None
     # Deadline of tokenize + Route per request; past it the load rule decides.
     route_timeout_s: float = 0.1
+    # Runs of one request (prefill + decode) on different servers when a server fails under it,
+    # continuations of a broken stream included.
+    max_attempts: int = 3
 
 
 @dataclass
@@ -71,10 +78,42 @@ class _State:
 
 
 class UpstreamError(Exception):
-    def __init__(self, status: int, message: str, backend: Backend | None = None) -> None:
+    """A prefill or decode request that failed. `retryable`: the server failed (unreachable, dropped the
+    connection, answered 5xx), so another server may succeed; `reason` labels the retry metric."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        backend: Backend | None = None,
+        reason: str = "http_4xx",
+        retryable: bool = False,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.backend = backend
+        self.reason = reason
+        self.retryable = retryable
+
+
+def _status_error(backend: Backend, status: int, text: str) -> UpstreamError:
+    server_failed = status >= 500
+    return UpstreamError(
+        502 if server_failed else status,
+        f"{backend.role} server {backend.url} answered {status}: {text[:500]}",
+        backend,
+        reason="http_5xx" if server_failed else "http_4xx",
+        retryable=server_failed,
+    )
+
+
+def _connection_error(backend: Backend, exc: Exception) -> UpstreamError:
+    reason = "refused" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnected"
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        reason = "connect_timeout"
+    return UpstreamError(
+        502, f"{backend.role} server {backend.url} failed: {exc}", backend, reason=reason, retryable=True
+    )
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
@@ -116,15 +155,12 @@ async def _post_json(state: _State, backend: Backend, path: str, body: dict, hea
         async with state.session.post(f"{backend.url}{path}", json=body, headers=headers) as r:
             text = await r.text()
             if r.status != 200:
-                raise UpstreamError(
-                    r.status if 400 <= r.status < 500 else 502,
-                    f"{backend.role} server {backend.url} answered {r.status}: {text[:500]}",
-                    backend,
-                )
+                raise _status_error(backend, r.status, text)
             return json.loads(text)
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-        raise UpstreamError(502, f"{backend.role} server {backend.url} failed: {exc}", backend) from None
+        raise _connection_error(backend, exc) from None
     except TimeoutError:
+        # the whole request's time is spent: not worth another server's
         raise UpstreamError(504, f"{backend.role} server {backend.url} timed out", backend) from None
 
 
@@ -133,6 +169,123 @@ def _holder_backend(state: _State, kv: dict) -> Backend | None:
     (the directory's answer carries the holder's HTTP endpoint)."""
     url = kv.get("kvloop_holder_http")
     return state.decode.by_url(url) if isinstance(url, str) and url else None
+
+
+@dataclass
+class _Leg:
+    """One placement of a request: the prefill that ran it, the decode to finish it."""
+
+    prefill: Backend
+    decode: Backend
+    decode_body: dict
+    headers: dict[str, str]  # what the client is told about it (x-kvloop-*)
+
+
+async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: bool) -> _Leg:
+    """Route the request to a prefill, run the prefill step, pick the decode (the holder if healthy)."""
+    assert state.session is not None
+    started = time.perf_counter()
+    with tracer.start_as_current_span("kvloop.proxy.route") as rspan:
+        choice = await state.router.choose(state.session, body, chat)
+        rspan.set_attributes(_route_attributes(choice))
+    prefill = choice.backend
+    span.set_attributes(_route_attributes(choice))
+    queued = choice.queued_tokens
+    prefill.in_flight += 1
+    prefill.queued_tokens += queued
+    try:
+        with tracer.start_as_current_span("kvloop.proxy.prefill", kind=SpanKind.CLIENT) as pspan:
+            pspan.set_attribute("kvloop.backend", prefill.url)
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            answer = await _post_json(state, prefill, path, _prefill_body(body, chat), headers)
+    finally:
+        prefill.in_flight -= 1
+        prefill.queued_tokens -= queued
+    prefill_s = time.perf_counter() - started
+    PREFILL_SECONDS.observe(prefill_s)
+    kv = answer.get("kv_transfer_params")
+    if not isinstance(kv, dict) or not kv:
+        raise UpstreamError(
+            502,
+            f"prefill server {prefill.url} returned no kv_transfer_params: is it "
+            "started with the kvloop connector (kv_role kv_both)?",
+            prefill,
+        )
+    info = {k: v for k, v in kv.items() if k.startswith(KVLOOP_PREFIX)}
+    decode = state.decode.pick(prefer=_holder_backend(state, kv))
+    span.set_attributes(
+        {
+            "kvloop.prefill_backend": prefill.url,
+            "kvloop.decode_backend": decode.url,
+            "kvloop.prefill_ms": round(prefill_s * 1e3, 3),
+            **{
+                f"kvloop.{k[len(KVLOOP_PREFIX) :]}": v
+                for k, v in info.items()
+                if isinstance(v, (str, int, float, bool))
+            },
+        }
+    )
+    response_headers = {
+        "x-kvloop-route": choice.outcome,
+        "x-kvloop-prefill": prefill.url,
+        "x-kvloop-decode": decode.url,
+        "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}",
+    }
+    if trace_id := trace_id_hex(span):  # so a client can find its turn's trace
+        response_headers["x-kvloop-trace-id"] = trace_id
+    response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
+    # this prefill's handle goes to this decode only: a retry runs its own prefill
+    decode_body = {
+        **body,
+        "kv_transfer_params": {k: v for k, v in kv.items() if not k.startswith(KVLOOP_PREFIX)},
+    }
+    return _Leg(prefill, decode, decode_body, response_headers)
+
+
+def _mark_failed(state: _State, exc: UpstreamError) -> None:
+    if exc.backend is not None and exc.status in (502, 504):
+        pool = state.prefill if exc.backend.role == "prefill" else state.decode
+        pool.mark_failed(exc.backend, str(exc))
+
+
+def _may_retry(state: _State, exc: UpstreamError, attempts: int, stage: str) -> bool:
+    """Mark the failed server; True when the request may run again elsewhere (counted and logged)."""
+    _mark_failed(state, exc)
+    if not exc.retryable or attempts >= state.config.max_attempts:
+        return False
+    if not any(b.healthy for b in state.prefill.backends) or not any(
+        b.healthy for b in state.decode.backends
+    ):
+        return False
+    RETRIES.labels(stage, exc.reason).inc()
+    trace.get_current_span().add_event(
+        "kvloop.proxy.retry",
+        {
+            "kvloop.stage": stage,
+            "kvloop.reason": exc.reason,
+            "kvloop.backend": exc.backend.url if exc.backend else "",
+        },
+    )
+    log.warning(
+        "upstream failed; retrying on another server",
+        stage=stage,
+        reason=exc.reason,
+        attempt=attempts,
+        error=str(exc),
+    )
+    return True
+
+
+@contextlib.contextmanager
+def _decoding(decode: Backend) -> Iterator[trace.Span]:
+    decode.in_flight += 1
+    try:
+        with tracer.start_as_current_span("kvloop.proxy.decode", kind=SpanKind.CLIENT) as dspan:
+            dspan.set_attribute("kvloop.backend", decode.url)
+            yield dspan
+    finally:
+        decode.in_flight -= 1
 
 
 async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -155,85 +308,37 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         span.set_attributes(
             {"http.route": path, "kvloop.stream": stream, "gen_ai.request.model": str(body.get("model", ""))}
         )
+        attempts = 0
         try:
-            assert state.session is not None
-            with tracer.start_as_current_span("kvloop.proxy.route") as rspan:
-                choice = await state.router.choose(state.session, body, chat)
-                rspan.set_attributes(_route_attributes(choice))
-            prefill = choice.backend
-            span.set_attributes(_route_attributes(choice))
-            queued = choice.queued_tokens
-            prefill.in_flight += 1
-            prefill.queued_tokens += queued
-            try:
-                with tracer.start_as_current_span("kvloop.proxy.prefill", kind=SpanKind.CLIENT) as pspan:
-                    pspan.set_attribute("kvloop.backend", prefill.url)
-                    headers: dict[str, str] = {}
-                    propagate.inject(headers)
-                    answer = await _post_json(state, prefill, path, _prefill_body(body, chat), headers)
-            finally:
-                prefill.in_flight -= 1
-                prefill.queued_tokens -= queued
-            prefill_s = time.perf_counter() - started
-            PREFILL_SECONDS.observe(prefill_s)
-            kv = answer.get("kv_transfer_params")
-            if not isinstance(kv, dict) or not kv:
-                raise UpstreamError(
-                    502,
-                    f"prefill server {prefill.url} returned no kv_transfer_params: is it "
-                    "started with the kvloop connector (kv_role kv_both)?",
-                    prefill,
-                )
-            info = {k: v for k, v in kv.items() if k.startswith(KVLOOP_PREFIX)}
-            decode = state.decode.pick(prefer=_holder_backend(state, kv))
-            span.set_attributes(
-                {
-                    "kvloop.prefill_backend": prefill.url,
-                    "kvloop.decode_backend": decode.url,
-                    "kvloop.prefill_ms": round(prefill_s * 1e3, 3),
-                    **{
-                        f"kvloop.{k[len(KVLOOP_PREFIX) :]}": v
-                        for k, v in info.items()
-                        if isinstance(v, (str, int, float, bool))
-                    },
-                }
-            )
-            response_headers = {
-                "x-kvloop-route": choice.outcome,
-                "x-kvloop-prefill": prefill.url,
-                "x-kvloop-decode": decode.url,
-                "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}",
-            }
-            if trace_id := trace_id_hex(span):  # so a client can find its turn's trace
-                response_headers["x-kvloop-trace-id"] = trace_id
-            response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
-            decode_body = {
-                **body,
-                "kv_transfer_params": {k: v for k, v in kv.items() if not k.startswith(KVLOOP_PREFIX)},
-            }
-            decode.in_flight += 1
-            try:
-                with tracer.start_as_current_span("kvloop.proxy.decode", kind=SpanKind.CLIENT) as dspan:
-                    dspan.set_attribute("kvloop.backend", decode.url)
-                    headers = {}
-                    propagate.inject(headers)
-                    if not stream:
-                        result = await _post_json(state, decode, path, decode_body, headers)
-                        REQUESTS.labels(endpoint, "ok").inc()
-                        return web.json_response(result, headers=response_headers)
-                    return await _stream(
-                        request,
-                        state,
-                        decode,
-                        path,
-                        decode_body,
-                        headers,
-                        response_headers,
-                        started,
-                        endpoint,
-                    )
-            finally:
-                decode.in_flight -= 1
+            while True:
+                attempts += 1
+                span.set_attribute("kvloop.proxy.attempts", attempts)
+                stage = "prefill"
+                try:
+                    leg = await _place(state, span, path, body, chat)
+                    leg.headers["x-kvloop-attempts"] = str(attempts)
+                    stage = "decode"
+                    if stream:
+                        return await _stream(
+                            request,
+                            state,
+                            span,
+                            leg,
+                            path,
+                            StreamState(chat, body),
+                            started,
+                            endpoint,
+                            attempts,
+                        )
+                    with _decoding(leg.decode):
+                        headers: dict[str, str] = {}
+                        propagate.inject(headers)
+                        result = await _post_json(state, leg.decode, path, leg.decode_body, headers)
+                    REQUESTS.labels(endpoint, "ok").inc()
+                    return web.json_response(result, headers=leg.headers)
+                except UpstreamError as exc:
+                    if not _may_retry(state, exc, attempts, stage):
+                        raise
         except NoBackend as exc:
             REQUESTS.labels(endpoint, "no_backend").inc()
             span.set_status(Status(StatusCode.ERROR, str(exc)))
@@ -241,11 +346,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         except UpstreamError as exc:
             REQUESTS.labels(endpoint, f"upstream_{exc.status}").inc()
             span.set_status(Status(StatusCode.ERROR, str(exc)))
-            if exc.backend is not None and exc.status in (502, 504):
-                state.prefill.mark_failed(
-                    exc.backend, str(exc)
-                ) if exc.backend.role == "prefill" else state.decode.mark_failed(exc.backend, str(exc))
-            log.warning("upstream failed", error=str(exc), status=exc.status)
+            log.warning("upstream failed", error=str(exc), status=exc.status, attempts=attempts)
             return _error(exc.status, str(exc), "upstream_error")
 
 
@@ -263,51 +364,176 @@ def _route_attributes(choice) -> dict[str, str | int | float]:
     return attributes
 
 
+async def _events(state: _State, backend: Backend, path: str, body: dict) -> AsyncGenerator[dict, None]:
+    """The chunks of a streamed decode, parsed. UpstreamError: it never started (no chunk yet: the
+    request can run again elsewhere); StreamBroken: it ended before `data: [DONE]`."""
+    assert state.session is not None
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    try:
+        upstream = await state.session.post(f"{backend.url}{path}", json=body, headers=headers)
+    except aiohttp.ClientConnectionError as exc:
+        raise _connection_error(backend, exc) from None
+    except TimeoutError:
+        raise UpstreamError(504, f"decode server {backend.url} timed out", backend) from None
+    async with upstream:
+        if upstream.status != 200:
+            raise _status_error(backend, upstream.status, await upstream.text())
+        try:
+            async for line in upstream.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                yield json.loads(data)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            raise StreamBroken(
+                "disconnected", f"decode server {backend.url} broke the stream: {exc}"
+            ) from None
+        except TimeoutError:
+            raise StreamBroken("timeout", f"decode server {backend.url} timed out mid-stream") from None
+        except BaseException:
+            # the client left (GeneratorExit, cancellation): dropping the connection makes vLLM abort
+            upstream.close()
+            raise
+    raise StreamBroken("disconnected", f"decode server {backend.url} ended the stream without [DONE]")
+
+
 async def _stream(
     request: web.Request,
     state: _State,
-    decode: Backend,
+    span: trace.Span,
+    leg: _Leg,
     path: str,
-    body: dict,
-    headers: dict,
-    response_headers: dict,
+    stream: StreamState,
     started: float,
     endpoint: str,
+    attempts: int,
 ) -> web.StreamResponse:
-    assert state.session is not None
+    """Stream the decode's answer. Until its first chunk nothing has reached the client and a failure
+    is the caller's to retry; after it, a broken stream continues on another decode."""
+    broken: StreamBroken | None = None
     try:
-        upstream = await state.session.post(f"{decode.url}{path}", json=body, headers=headers)
-    except (TimeoutError, aiohttp.ClientConnectionError) as exc:
-        raise UpstreamError(502, f"decode server {decode.url} failed: {exc}", decode) from None
-    async with upstream:
-        if upstream.status != 200:
-            text = await upstream.text()
-            raise UpstreamError(
-                upstream.status if 400 <= upstream.status < 500 else 502,
-                f"decode server {decode.url} answered {upstream.status}: {text[:500]}",
-                decode,
-            )
-        response = web.StreamResponse(
-            headers={**response_headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        with _decoding(leg.decode):
+            async with contextlib.aclosing(
+                _events(state, leg.decode, path, stream.upstream_body(leg.decode_body))
+            ) as events:
+                try:
+                    first = await anext(events)
+                except (StopAsyncIteration, StreamBroken) as exc:
+                    reason = exc.reason if isinstance(exc, StreamBroken) else "disconnected"
+                    raise UpstreamError(
+                        502,
+                        f"decode server {leg.decode.url} failed before its first chunk: {exc}",
+                        leg.decode,
+                        reason=reason,
+                        retryable=True,
+                    ) from None
+                response = web.StreamResponse(
+                    headers={**leg.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await response.prepare(request)
+                TTFT.observe(time.perf_counter() - started)
+                span.add_event("first_chunk")
+                await response.write(sse(stream.forward(first)))
+                try:
+                    async for chunk in events:
+                        await response.write(sse(stream.forward(chunk)))
+                except StreamBroken as exc:
+                    broken = exc
+        if broken is not None:
+            _mark_failed(state, UpstreamError(502, str(broken), leg.decode))
+            if not await _continue(request, response, state, span, stream, broken, attempts):
+                REQUESTS.labels(endpoint, "stream_failed").inc()
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+                return response
+        await response.write(b"data: [DONE]\n\n")
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+        # The client went away: closing the upstream response (aclosing above) makes vLLM abort the request.
+        REQUESTS.labels(endpoint, "client_disconnected").inc()
+        log.info("client disconnected mid-stream; upstream request cancelled", decode=leg.decode.url)
+        raise
+    await response.write_eof()
+    REQUESTS.labels(endpoint, "ok").inc()
+    return response
+
+
+async def _continue(
+    request: web.Request,
+    response: web.StreamResponse,
+    state: _State,
+    span: trace.Span,
+    stream: StreamState,
+    broken: StreamBroken,
+    attempts: int,
+) -> bool:
+    """Finish a stream whose decode broke after the client got part of it: continue the answer on
+    another decode (again if that one breaks too, within max_attempts). False: it ended with an error
+    event instead."""
+    while True:
+        log.warning(
+            "decode stream broke mid-answer",
+            reason=broken.reason,
+            error=str(broken),
+            tokens_sent=len(stream.sent_token_ids),
+            attempt=attempts,
         )
-        await response.prepare(request)
-        first = True
+        span.add_event("kvloop.proxy.stream_broken", {"kvloop.reason": broken.reason})
+        if stream.finished or stream.remaining_tokens() == 0:
+            if not stream.finished:
+                await response.write(sse(stream.length_finish()))
+            break
+        why = stream.unresumable_reason()
+        if why is None and attempts >= state.config.max_attempts:
+            why = f"{attempts} attempts made"
+        if why is not None:
+            return await _give_up(response, span, stream, f"cannot continue the answer: {why}")
+        RETRIES.labels("resume", broken.reason).inc()
+        attempts += 1
+        stream.resumed += 1
+        span.set_attributes({"kvloop.proxy.attempts": attempts, "kvloop.proxy.resumed": stream.resumed})
         try:
-            async for chunk in upstream.content.iter_any():
-                if first:
-                    TTFT.observe(time.perf_counter() - started)
-                    trace.get_current_span().add_event("first_chunk")
-                    first = False
-                await response.write(chunk)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-            # The client went away: closing the upstream response makes vLLM abort the request.
-            REQUESTS.labels(endpoint, "client_disconnected").inc()
-            log.info("client disconnected mid-stream; upstream request cancelled", decode=decode.url)
-            upstream.close()
-            raise
-        await response.write_eof()
-        REQUESTS.labels(endpoint, "ok").inc()
-        return response
+            leg = await _place(state, span, "/v1/completions", stream.continuation_body(), chat=False)
+            log.info(
+                "continuing the answer",
+                decode=leg.decode.url,
+                prefill=leg.prefill.url,
+                attempt=attempts,
+                tokens_sent=len(stream.sent_token_ids),
+            )
+            with _decoding(leg.decode):
+                async with contextlib.aclosing(
+                    _events(state, leg.decode, "/v1/completions", leg.decode_body)
+                ) as events:
+                    async for chunk in events:
+                        if (out := stream.translate(chunk)) is not None:
+                            await response.write(sse(out))
+            break
+        except StreamBroken as exc:
+            _mark_failed(state, UpstreamError(502, str(exc), leg.decode))
+            broken = exc
+        except UpstreamError as exc:
+            _mark_failed(state, exc)
+            if not exc.retryable:
+                return await _give_up(response, span, stream, str(exc), exc.status)
+            broken = StreamBroken(exc.reason, str(exc))
+        except NoBackend as exc:
+            return await _give_up(response, span, stream, str(exc), 503)
+    if stream.client_wants_usage and not stream.usage_sent:
+        await response.write(sse(stream.usage_chunk()))
+    log.info("stream completed after a break", attempts=attempts, resumed=stream.resumed)
+    return True
+
+
+async def _give_up(
+    response: web.StreamResponse, span: trace.Span, stream: StreamState, message: str, status: int = 502
+) -> bool:
+    span.set_status(Status(StatusCode.ERROR, message))
+    log.error("stream ended with an error", error=message, tokens_sent=len(stream.sent_token_ids))
+    await response.write(error_event(message, status))
+    return False
 
 
 async def _models(request: web.Request) -> web.Response:

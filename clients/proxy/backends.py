@@ -85,5 +85,9 @@ class BackendPool:
             await asyncio.sleep(self.health_interval_s)
 
     def mark_failed(self, backend: Backend, error: str) -> None:
+        """Out of the pool until its health check passes again (the next check, every
+        `health_interval_s`: a server restarted on the same address comes back by itself)."""
+        if backend.healthy:
+            log.warning("backend marked failed", role=self.role, url=backend.url, error=error)
         backend.healthy = False
         backend.last_error = error

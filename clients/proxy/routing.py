@@ -121,6 +121,9 @@ class Router:
         the model's template there, as for the completion)."""
         # Round-robin of its own: taking the pool's would make every tie-break after it land on the
         # same server.
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt  # already token ids (a continuation of a broken stream)
         backend = healthy[next(self._tokenize_turn) % len(healthy)]
         request = {"model": body.get("model")}
         if chat:
