@@ -92,7 +92,7 @@ def test_token_ids_stay_when_the_client_asked_for_them():
         ({"temperature": None}, "sampled"),  # vLLM's default samples
         ({"stop": ["\n"]}, "'stop'"),
         ({"presence_penalty": 0.5}, "'presence_penalty'"),
-        ({"logprobs": True}, "'logprobs'"),
+        ({"echo": True}, "'echo'"),
     ],
 )
 def test_what_cannot_be_continued_exactly(change, fragment):
@@ -125,3 +125,39 @@ def test_completions_streams_carry_prompt_token_ids_in_the_choice():
 def test_streams_that_cannot_be_continued_are_not_asked_for_token_ids():
     body = {"model": "m", "prompt": "hi", "echo": True, "temperature": 0, "stream": True}
     assert "return_token_ids" not in StreamState(chat=False, body=body).upstream_body(body)
+
+
+def test_logprobs_continue_in_the_chat_format():
+    body = {**CHAT, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
+    stream = broken_after_three_tokens(body)
+    request = stream.continuation_body()
+    assert request["logprobs"] == 1 and request["return_tokens_as_token_ids"] is True
+    out = stream.translate(
+        {
+            "id": "cmpl-9",
+            "created": 99,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "de",
+                    "token_ids": [8, 9],
+                    "finish_reason": None,
+                    "logprobs": {
+                        "tokens": ["token_id:8", "token_id:9"],
+                        "token_logprobs": [-0.5, -1.5],
+                        "top_logprobs": [
+                            {"token_id:8": -0.5, "token_id:2": -2.0},
+                            {"token_id:4": -1.0, "token_id:9": -1.5},
+                        ],
+                    },
+                }
+            ],
+        }
+    )
+    assert out is not None
+    content = out["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [("token_id:8", -0.5), ("token_id:9", -1.5)]
+    # the best alternatives, best first, as many as the client asked for
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["token_id:8"]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["token_id:4"]

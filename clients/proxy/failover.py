@@ -40,6 +40,7 @@ _CARRIED_PARAMS = (
     "spaces_between_special_tokens",
     "cache_salt",
     "priority",
+    "return_tokens_as_token_ids",
 )
 # Present and set, each makes a continuation differ from an uninterrupted answer: penalties count only
 # the new request's output, stop strings hold text back that the client never got, the rest change the
@@ -48,8 +49,6 @@ _UNRESUMABLE_PARAMS = (
     "presence_penalty",
     "frequency_penalty",
     "stop",
-    "logprobs",
-    "top_logprobs",
     "echo",
     "suffix",
     "tools",
@@ -177,6 +176,11 @@ class StreamState:
                 "return_token_ids": True,
             }
         )
+        if self.chat and self.body.get("logprobs"):
+            # completions' `logprobs: k` gives each token's logprob and its k best alternatives
+            body["logprobs"] = self.body.get("top_logprobs") or 0
+        elif not self.chat and isinstance(self.body.get("logprobs"), int):
+            body["logprobs"] = self.body["logprobs"]
         remaining = self.remaining_tokens()
         if remaining is not None:
             body["max_tokens"] = remaining
@@ -194,9 +198,13 @@ class StreamState:
         self._record(choice)
         out_choice: dict[str, Any]
         if self.chat:
-            out_choice = {"index": 0, "delta": {"content": choice.get("text") or ""}, "logprobs": None}
+            out_choice = {
+                "index": 0,
+                "delta": {"content": choice.get("text") or ""},
+                "logprobs": self._chat_logprobs(choice.get("logprobs")),
+            }
         else:
-            out_choice = {"index": 0, "text": choice.get("text") or "", "logprobs": None}
+            out_choice = {"index": 0, "text": choice.get("text") or "", "logprobs": choice.get("logprobs")}
         out_choice["finish_reason"] = choice.get("finish_reason")
         if choice.get("finish_reason") is not None:
             out_choice["stop_reason"] = choice.get("stop_reason")
@@ -206,6 +214,30 @@ class StreamState:
         if chunk.get("usage") is not None:  # continuous usage stats: counted over the whole answer
             out["usage"] = self.usage()
         return out
+
+    def _chat_logprobs(self, completion: dict | None) -> dict | None:
+        """A completions chunk's logprobs (parallel lists; top alternatives as token -> logprob maps)
+        in the chat format (a list of tokens, each with its logprob and its best alternatives)."""
+        if not self.body.get("logprobs") or not completion:
+            return None
+        top_n = self.body.get("top_logprobs") or 0
+        content = []
+        tokens = completion.get("tokens") or []
+        logprobs = completion.get("token_logprobs") or []
+        tops = completion.get("top_logprobs") or [None] * len(tokens)
+        for token, logprob, top in zip(tokens, logprobs, tops, strict=False):
+            best = sorted((top or {}).items(), key=lambda item: item[1], reverse=True)[:top_n]
+            content.append(
+                {
+                    "token": token,
+                    "logprob": logprob,
+                    "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in best
+                    ],
+                }
+            )
+        return {"content": content}
 
     def length_finish(self) -> dict:
         """The last chunk of an answer that had all its tokens when its stream broke."""
