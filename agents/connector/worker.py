@@ -12,6 +12,12 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 * warm peers (prefill role, ``kvloop_warm_peers_s``): NIXL connections to holders are opened when
   kvloopd first lists them (:mod:`.peers`), through vLLM's own handshake machinery
   (``_ensure_handshake``), so no user turn pays the handshake;
+* a restarted holder (prefill role): when a holder's registration epoch changes, its engine process
+  was replaced behind the same engine id and side-channel port. vLLM would keep the dead process's
+  NIXL agent for good (NIXL keeps its metadata after failed READs), so the warmer's ``restarted``
+  marks the engine invalid (vLLM's own release path: reads decline, the agent goes once in-flight
+  reads drain) and handshakes the new process. A pull whose run was announced under another epoch
+  than the one last seen for its holder is not read (``_read_blocks_for_req``);
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
@@ -21,6 +27,7 @@ with a clear message instead of misbehaving.
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -116,6 +123,14 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._read_timings: dict[str, ReadTiming] = {}
         # Prefill role: pulls whose READ had to wait for a handshake with its holder (no warm peer).
         self._handshake_reads: set[str] = set()
+        # Prefill role: the holder epoch each pending pull's run was announced under ...
+        self._pull_holder_epochs: dict[str, int] = {}
+        # ... and the registration epoch last seen for each holder engine (set by the warmer thread).
+        self._peer_epochs: dict[str, int] = {}
+        # Holders registered under a new epoch (warmer thread -> this thread), and those whose old
+        # NIXL agent is not released yet (their reads decline until it is).
+        self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
+        self._replaced_peers: dict[str, Peer] = {}
         self._warmer: PeerWarmer | None = None
 
     def register_kv_caches(self, kv_caches: Any) -> None:
@@ -130,11 +145,13 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 cfg.model,
                 self._warm_peer,
                 cfg.warm_peers_s,
+                restarted=self._peer_restarted,
             ).start()
 
     def _warm_peer(self, peer: Peer) -> None:
         """Open the NIXL connection to ``peer`` in vLLM's handshake thread (as a first READ would)."""
         started = time.perf_counter()
+        self._peer_epochs[peer.engine_id] = peer.epoch
         future = self._ensure_handshake(peer.engine_id, peer.host, peer.port, peer.tp_size)
         if future is None:
             return  # already connected (a READ got there first)
@@ -148,9 +165,45 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 return
             tm.log.warning("kvloop.warm_peer_failed", peer=peer.worker_id, error=repr(f.exception()))
             if self._warmer is not None:
-                self._warmer.warmed.discard(peer.engine_id)  # try again next poll
+                self._warmer.warmed.pop(peer.engine_id, None)  # try again next poll
 
         future.add_done_callback(done)
+
+    def _peer_restarted(self, peer: Peer) -> None:
+        """(Warmer thread.) A new process serves ``peer``'s engine id: from now on only its runs are
+        read, and its old NIXL agent goes on this worker's thread (``_cleanup_remote_engines``)."""
+        self._peer_epochs[peer.engine_id] = peer.epoch
+        self._restarted_peers.put(peer)
+
+    def _cleanup_remote_engines(self) -> None:
+        """vLLM's release of replaced and invalid peers (once per step), after marking restarted
+        holders invalid; a released one is handshaken again, reaching its new process."""
+        now = time.perf_counter()
+        while True:
+            try:
+                peer = self._restarted_peers.get_nowait()
+            except queue.Empty:
+                break
+            self._replaced_peers[peer.engine_id] = peer
+            if peer.engine_id in self._remote_agents and peer.engine_id not in self._invalid_remote_engines:
+                self._mark_remote_engine_invalid(peer.engine_id, now)
+        super()._cleanup_remote_engines()
+        for engine_id, peer in list(self._replaced_peers.items()):
+            if engine_id not in self._remote_agents and engine_id not in self._handshake_futures:
+                del self._replaced_peers[engine_id]
+                tm.log.info(
+                    "kvloop.peer_agent_replaced", peer=peer.worker_id, engine_id=engine_id, epoch=peer.epoch
+                )
+                self._warm_peer(peer)
+
+    def _holder_restarted_since(self, req_id: str, engine_id: str) -> bool:
+        """The pull's run was announced by another process than the one this worker now reaches (or
+        is about to reach) for ``engine_id``: its block ids mean other data there."""
+        run_epoch = self._pull_holder_epochs.get(req_id)
+        if engine_id in self._replaced_peers:
+            return True
+        peer_epoch = self._peer_epochs.get(engine_id)
+        return run_epoch is not None and peer_epoch is not None and run_epoch != peer_epoch
 
     def shutdown(self) -> None:
         if self._warmer is not None:
@@ -165,9 +218,23 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             for req_id, dl in metadata.pull_deadlines.items():
                 # rebase from the scheduler's clock onto ours (as vLLM does for reqs_to_send)
                 self._pull_deadlines[req_id] = now + (dl - sched_clock)
+            self._pull_holder_epochs.update(metadata.pull_holder_epochs)
         super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        if meta.remote is not None and self._holder_restarted_since(req_id, meta.remote.engine_id):
+            # Never READ a dead process's run from its successor (wrong KV, no error anywhere).
+            tm.log.warning(
+                "kvloop.read_declined_holder_restarted",
+                request_id=req_id,
+                engine_id=meta.remote.engine_id,
+                run_epoch=self._pull_holder_epochs.get(req_id),
+                holder_epoch=self._peer_epochs.get(meta.remote.engine_id),
+            )
+            self._pull_deadlines.pop(req_id, None)
+            self._pull_holder_epochs.pop(req_id, None)
+            self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+            return
         deadline = self._pull_deadlines.get(req_id)
         if deadline is not None:
             if time.perf_counter() + self.cfg.read_margin_s >= deadline:
@@ -180,6 +247,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             assert meta.remote is not None
             if meta.remote.engine_id in self._remote_agents:
                 self._pull_deadlines.pop(req_id, None)  # the READ is posted now
+                self._pull_holder_epochs.pop(req_id, None)
         if meta.remote is not None and meta.remote.engine_id not in self._remote_agents:
             self._handshake_reads.add(req_id)  # vLLM handshakes first, then calls here again
         super()._read_blocks_for_req(req_id, meta)
@@ -262,6 +330,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         results = super().get_transfer_results()
         for req_id in results.finished_recving or ():
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
+            self._pull_holder_epochs.pop(req_id, None)
             self._handshake_reads.discard(req_id)
         return results
 

@@ -72,6 +72,10 @@ class DirectoryLink:
         return self._registration.worker_id
 
     @property
+    def epoch(self) -> int:
+        return self._registration.epoch
+
+    @property
     def sequence(self) -> int:
         return self._sequence
 
