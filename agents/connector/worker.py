@@ -12,12 +12,12 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 * warm peers (prefill role, ``kvloop_warm_peers_s``): NIXL connections to holders are opened when
   kvloopd first lists them (:mod:`.peers`), through vLLM's own handshake machinery
   (``_ensure_handshake``), so no user turn pays the handshake;
-* a restarted holder (prefill role): when a holder's registration epoch changes, its engine process
-  was replaced behind the same engine id and side-channel port. vLLM would keep the dead process's
-  NIXL agent for good (NIXL keeps its metadata after failed READs), so the warmer's ``restarted``
-  marks the engine invalid (vLLM's own release path: reads decline, the agent goes once in-flight
-  reads drain) and handshakes the new process. A pull whose run was announced under another epoch
-  than the one last seen for its holder is not read (``_read_blocks_for_req``);
+* a relaunched holder (prefill role): a holder's new registration epoch means a new engine process
+  behind the same engine id and side-channel port. vLLM would keep the dead process's NIXL agent
+  for good (NIXL keeps its metadata after failed READs, measured), so when the peer warmer or a pull
+  brings a new epoch the old agent is released (at once when nothing reads from it, else through
+  vLLM's invalid-peer path) and the new process handshaken. Each pull carries its run's holder epoch;
+  a run of an epoch seen replaced is never read (``_holder_epoch_veto``);
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
@@ -125,8 +125,10 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._handshake_reads: set[str] = set()
         # Prefill role: the holder epoch each pending pull's run was announced under ...
         self._pull_holder_epochs: dict[str, int] = {}
-        # ... and the registration epoch last seen for each holder engine (set by the warmer thread).
+        # ... the registration epoch last seen for each holder engine (the process its NIXL agent
+        # reaches), and the epochs it had before (processes that ended: their runs are never read).
         self._peer_epochs: dict[str, int] = {}
+        self._retired_epochs: dict[str, set[int]] = {}
         # Holders registered under a new epoch (warmer thread -> this thread), and those whose old
         # NIXL agent is not released yet (their reads decline until it is).
         self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
@@ -151,7 +153,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
     def _warm_peer(self, peer: Peer) -> None:
         """Open the NIXL connection to ``peer`` in vLLM's handshake thread (as a first READ would)."""
         started = time.perf_counter()
-        self._peer_epochs[peer.engine_id] = peer.epoch
+        self._peer_epochs.setdefault(peer.engine_id, peer.epoch)
         future = self._ensure_handshake(peer.engine_id, peer.host, peer.port, peer.tp_size)
         if future is None:
             return  # already connected (a READ got there first)
@@ -170,40 +172,80 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         future.add_done_callback(done)
 
     def _peer_restarted(self, peer: Peer) -> None:
-        """(Warmer thread.) A new process serves ``peer``'s engine id: from now on only its runs are
-        read, and its old NIXL agent goes on this worker's thread (``_cleanup_remote_engines``)."""
-        self._peer_epochs[peer.engine_id] = peer.epoch
+        """(Warmer thread.) ``peer`` is registered under a new epoch: handled on the worker's thread."""
         self._restarted_peers.put(peer)
 
-    def _cleanup_remote_engines(self) -> None:
-        """vLLM's release of replaced and invalid peers (once per step), after marking restarted
-        holders invalid; a released one is handshaken again, reaching its new process."""
-        now = time.perf_counter()
+    def _holder_replaced(self, engine_id: str, epoch: int, peer: Peer | None = None) -> bool:
+        """A new process (registration ``epoch``) serves ``engine_id``: the old epoch's runs are never
+        read again, and the old process's NIXL agent goes - now when nothing reads from it (True),
+        else through vLLM's invalid-peer path once its reads drain (False: reads decline meanwhile).
+        ``peer``: handshake the new process once the old agent is gone (a pull handshakes itself)."""
+        old = self._peer_epochs.get(engine_id)
+        if old == epoch:
+            return engine_id not in self._replaced_peers
+        if old is not None:
+            self._retired_epochs.setdefault(engine_id, set()).add(old)
+        self._peer_epochs[engine_id] = epoch
+        tm.log.warning("kvloop.holder_replaced", engine_id=engine_id, old_epoch=old, epoch=epoch)
+        if engine_id not in self._remote_agents:
+            self._replaced_peers.pop(engine_id, None)
+            if peer is not None:
+                self._warm_peer(peer)
+            return True
+        # vLLM defers releases while a handshake may be loading native metadata; so do we.
+        if not self._handshake_futures and engine_id not in self._engines_with_inflight_transfers():
+            self._cleanup_remote_engine(engine_id, log_eviction=False)
+            self._replaced_peers.pop(engine_id, None)
+            tm.log.info("kvloop.holder_agent_released", engine_id=engine_id, epoch=epoch)
+            if peer is not None:
+                self._warm_peer(peer)
+            return True
+        if engine_id not in self._invalid_remote_engines:
+            self._mark_remote_engine_invalid(engine_id, time.perf_counter())
+        if peer is not None:
+            self._replaced_peers[engine_id] = peer
+        return False
+
+    def _take_restarted_peers(self) -> None:
         while True:
             try:
                 peer = self._restarted_peers.get_nowait()
             except queue.Empty:
-                break
-            self._replaced_peers[peer.engine_id] = peer
-            if peer.engine_id in self._remote_agents and peer.engine_id not in self._invalid_remote_engines:
-                self._mark_remote_engine_invalid(peer.engine_id, now)
+                return
+            self._holder_replaced(peer.engine_id, peer.epoch, peer)
+
+    def _cleanup_remote_engines(self) -> None:
+        """vLLM's release of replaced and invalid peers (once per step), with restarted holders
+        marked invalid first; a released one is handshaken again, reaching its new process."""
+        self._take_restarted_peers()
         super()._cleanup_remote_engines()
         for engine_id, peer in list(self._replaced_peers.items()):
             if engine_id not in self._remote_agents and engine_id not in self._handshake_futures:
                 del self._replaced_peers[engine_id]
-                tm.log.info(
-                    "kvloop.peer_agent_replaced", peer=peer.worker_id, engine_id=engine_id, epoch=peer.epoch
-                )
+                tm.log.info("kvloop.holder_agent_released", engine_id=engine_id, epoch=peer.epoch)
                 self._warm_peer(peer)
 
-    def _holder_restarted_since(self, req_id: str, engine_id: str) -> bool:
-        """The pull's run was announced by another process than the one this worker now reaches (or
-        is about to reach) for ``engine_id``: its block ids mean other data there."""
+    def _holder_epoch_veto(self, req_id: str, engine_id: str) -> str | None:
+        """Why the pull's run must not be read from ``engine_id`` as this worker reaches it now, or None.
+
+        A run's block ids are only meaningful in the process that announced it, known by the holder's
+        registration epoch (a new agent epoch = a new engine process). The epoch last seen for the
+        holder (from the warmer, or from a newer pull) is the process the cached NIXL agent reaches, or
+        the next handshake will."""
+        self._take_restarted_peers()
         run_epoch = self._pull_holder_epochs.get(req_id)
-        if engine_id in self._replaced_peers:
-            return True
-        peer_epoch = self._peer_epochs.get(engine_id)
-        return run_epoch is not None and peer_epoch is not None and run_epoch != peer_epoch
+        if run_epoch is None:
+            return None
+        if run_epoch in self._retired_epochs.get(engine_id, ()):
+            return "the run's holder process ended"
+        current = self._peer_epochs.get(engine_id)
+        if current is None:
+            self._peer_epochs[engine_id] = run_epoch
+        elif current != run_epoch and not self._holder_replaced(engine_id, run_epoch):
+            return "the holder was relaunched; its old NIXL agent is released once its reads drain"
+        if engine_id in self._invalid_remote_engines and engine_id in self._remote_agents:
+            return "the holder's old NIXL agent is not released yet"
+        return None
 
     def shutdown(self) -> None:
         if self._warmer is not None:
@@ -222,14 +264,16 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
-        if meta.remote is not None and self._holder_restarted_since(req_id, meta.remote.engine_id):
-            # Never READ a dead process's run from its successor (wrong KV, no error anywhere).
+        declined = None if meta.remote is None else self._holder_epoch_veto(req_id, meta.remote.engine_id)
+        if declined is not None:
+            # Never READ a dead process's run from its successor: wrong KV, and no error anywhere.
             tm.log.warning(
                 "kvloop.read_declined_holder_restarted",
                 request_id=req_id,
                 engine_id=meta.remote.engine_id,
                 run_epoch=self._pull_holder_epochs.get(req_id),
                 holder_epoch=self._peer_epochs.get(meta.remote.engine_id),
+                reason=declined,
             )
             self._pull_deadlines.pop(req_id, None)
             self._pull_holder_epochs.pop(req_id, None)

@@ -10,11 +10,13 @@ empty state) as soon as any of these says the engine ended:
 * ``health``: the engine's HTTP ``/health`` failed (refused, error status, timeout) for
   ``engine_down_after_s``; the signal that also covers a host that vanished without closing sockets.
 
-Correctness rests on ordering, not on a handshake check: the new epoch is registered (and the old
-runs are gone from the directory) long before a relaunched engine listens on its NIXL side channel -
-vLLM takes 13-40 s to start here, the agent reacts in milliseconds (publisher) or about one second
-(health). A prefill only re-handshakes a holder once it saw the new epoch (agents/connector/peers.py),
-and declines a READ of a run from another epoch than the one it handshook under.
+What keeps a READ of a dead process's run off its successor (agents/connector/worker.py): a prefill
+tags each pull with the holder epoch its run was announced under, never reads a run of an epoch it
+has seen replaced, and releases the holder's cached NIXL agent (handshaking again) only when it sees a
+new epoch (from its peer warmer or a newer run). The one ordering it relies on: the agent registers
+the new epoch before the relaunched engine announces anything and, for a handshake made without any
+epoch known yet, before that engine listens on its NIXL side channel - vLLM takes 13-40 s to start
+here, the agent reacts in milliseconds (publisher) or about one second (health).
 """
 
 from __future__ import annotations
