@@ -318,6 +318,22 @@ def test_engine_restarted_under_the_agent_never_leaves_its_old_blocks_served(dae
             assert health["engine_restarts"] == 1 and health["retained_runs"] == 1 and health["connected"]
             metrics = urllib.request.urlopen(f"http://127.0.0.1:{agent_health_port}/metrics").read().decode()
             assert 'kvloop_agent_engine_restarts_total{signal="publisher"} 1.0' in metrics
+
+            # /health alone failing ends the engine too (a host gone without closing its sockets
+            # looks like this): everything is dropped under a new epoch. This publisher still
+            # answers its replay, so it is alive and its history (valid runs) is read again at once.
+            second_epoch = epoch(client)
+            engine_health.stop()
+            wait_until(lambda: epoch(client) != second_epoch, what="a new epoch on /health failing")
+            assert agent_health()["engine_restarts"] == 2
+            answer = wait_until(
+                lambda: (a := client.lookup(MODEL, new_run)).decision == pb.DECISION_TRANSFER and a,
+                what="the live publisher's runs read again",
+            )
+            assert answer.holder.epoch == epoch(client) != second_epoch
+            engine_health.start()
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{agent_health_port}/metrics").read().decode()
+            assert 'kvloop_agent_engine_restarts_total{signal="health"} 1.0' in metrics
     finally:
         agent.terminate()
         agent.wait(15)

@@ -7,8 +7,10 @@ empty state) as soon as any of these says the engine ended:
 
 * ``publisher``: the KV-event PUB connection closed, or its seq went back (a new publisher counts from
   0). Milliseconds after the death on one host.
-* ``health``: the engine's HTTP ``/health`` failed (refused, error status, timeout) for
-  ``engine_down_after_s``; the signal that also covers a host that vanished without closing sockets.
+* ``health``: the engine's HTTP ``/health``, once seen answering, failed (refused, reset, an error
+  status) for ``engine_down_after_s``. A probe that times out proves nothing (a busy engine on a
+  small host answers late) and a /health never seen answering is not trusted (a wrong URL must not
+  drop the state of a working engine every second).
 
 What keeps a READ of a dead process's run off its successor (agents/connector/worker.py): a prefill
 tags each pull with the holder epoch its run was announced under, never reads a run of an epoch it
@@ -55,12 +57,19 @@ def health_url(http_endpoint: str) -> str | None:
     return f"{base}/health"
 
 
-def engine_healthy(url: str, timeout_s: float) -> bool:
-    """One blocking probe: True on a 2xx answer."""
+def engine_healthy(url: str, timeout_s: float) -> bool | None:
+    """One blocking probe: True on a 2xx answer, False when refused, reset or answered with an error,
+    None when it timed out (inconclusive)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return 200 <= response.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
+    except urllib.error.HTTPError:
+        return False
+    except urllib.error.URLError as exc:
+        return None if isinstance(exc.reason, TimeoutError) else False
+    except TimeoutError:
+        return None
+    except (OSError, ValueError):
         return False
 
 
@@ -85,8 +94,11 @@ class EngineIncarnation:
         ENGINE_UP.set(1)
 
     def mark_down(self, signal: EngineSignal, reason: str) -> bool:
-        """Record the engine as gone; True when this ends a process whose blocks must be dropped
-        (it was seen up or published something since the last reset), False for a repeat."""
+        """Record the engine as gone; True when this ends a process whose blocks must be dropped,
+        False for a repeat. /health speaks only for an engine it was seen answering for; the
+        publisher for any that published since the last reset."""
+        if signal == "health" and self.state != "up":
+            return False
         ends = self.state == "up" or self.batches > 0
         self.state = "down"
         ENGINE_UP.set(0)
@@ -110,11 +122,13 @@ async def watch_health(
     it has failed for ``down_after_s`` and at least two probes, ``on_up`` on each success."""
     failing_since: float | None = None
     failures = 0
-    timeout_s = max(interval_s, down_after_s / 2)
+    timeout_s = max(2.0, interval_s)
     while True:
         started = time.monotonic()
         healthy = await asyncio.to_thread(engine_healthy, url, timeout_s)
-        if healthy:
+        if healthy is None:
+            log.debug("engine /health probe timed out", url=url, timeout_s=timeout_s)
+        elif healthy:
             failing_since, failures = None, 0
             on_up()
         else:
