@@ -413,7 +413,7 @@ def test_dead_decode_engine_recomputes(engines):
     (SIGSTOP); once it runs again it drops every run of the dead process under a new epoch."""
     # A transfer first: the prefill then holds a NIXL agent of this decode process (the relaunch
     # test below needs it replaced).
-    _rnd, earlier = _history(engines, 5)
+    _rnd, earlier = _history(engines, 25)
     assert prefill_and_check(engines, earlier).span["kvloop.path"] == "transfer"
     _rnd, prompt = _history(engines, 6)
     run = engines.kvloop.runs[-1]
