@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvloop.agents.connector.peers import Peer, PeerWarmer
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
 from kvloop.v1 import directory_pb2 as pb
@@ -13,7 +15,11 @@ from tests.support import conversation, retained, running_agent
 MODEL = "m-holder-restart"
 
 
-async def test_new_holder_epoch_drops_its_runs_and_is_handed_to_the_warmers_restarted(daemon):
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_new_holder_epoch_drops_its_runs_and_is_handed_to_the_warmers_restarted(
+    daemon_factory, store, request
+):
+    daemon = daemon_factory(*(("--store", request.getfixturevalue("redis_url")) if store == "redis" else ()))
     prompt = conversation("holder-restart", 12)
     warmed: list[Peer] = []
     restarted: list[Peer] = []
