@@ -290,6 +290,7 @@ def test_engine_restarted_under_the_agent_never_leaves_its_old_blocks_served(dae
             # kill -9: the publisher's sockets close and /health refuses connections.
             pub.shutdown()
             engine_health.stop()
+            killed = time.perf_counter()
             wait_until(
                 lambda: (
                     client.lookup(MODEL, old_run).reason == pb.DECISION_REASON_MISS
@@ -297,6 +298,7 @@ def test_engine_restarted_under_the_agent_never_leaves_its_old_blocks_served(dae
                 ),
                 what="the dead engine's runs and stored blocks dropped",
             )
+            print(f"engine ended -> its blocks dropped: {(time.perf_counter() - killed) * 1000:.0f} ms")
             assert epoch(client) != first_epoch
             wait_until(lambda: agent_health().get("engine") == "down", what="engine health failing")
             assert agent_health()["engine_restarts"] == 1  # both signals fired: one restart
@@ -324,7 +326,9 @@ def test_engine_restarted_under_the_agent_never_leaves_its_old_blocks_served(dae
             # answers its replay, so it is alive and its history (valid runs) is read again at once.
             second_epoch = epoch(client)
             engine_health.stop()
+            health_gone = time.perf_counter()
             wait_until(lambda: epoch(client) != second_epoch, what="a new epoch on /health failing")
+            print(f"/health refused -> new epoch: {(time.perf_counter() - health_gone) * 1000:.0f} ms")
             assert agent_health()["engine_restarts"] == 2
             answer = wait_until(
                 lambda: (a := client.lookup(MODEL, new_run)).decision == pb.DECISION_TRANSFER and a,
