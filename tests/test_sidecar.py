@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -354,3 +355,39 @@ def test_agent_refuses_bad_configuration_clearly():
     )
     assert result.returncode == 2
     assert "block_size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_engine_health_probe_tells_dead_from_busy():
+    """Refused or not HTTP at all: the engine is gone (False). No answer in time: inconclusive (None),
+    a busy engine on a small host answers late and must not lose its blocks for it."""
+    from kvloop.agents.sidecar.engine_watch import engine_healthy, health_url
+
+    def listener(reply: bytes | None) -> int:
+        sock = socket.create_server(("127.0.0.1", 0))
+
+        def serve() -> None:
+            while True:
+                conn, _ = sock.accept()
+                conn.recv(1024)
+                if reply is not None:
+                    conn.sendall(reply)
+                    conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        return sock.getsockname()[1]
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    ok = listener(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    failing = listener(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+    not_http = listener(b"not http\r\n\r\n")
+    assert engine_healthy(f"http://127.0.0.1:{ok}/health", 2) is True
+    assert engine_healthy(f"http://127.0.0.1:{failing}/health", 2) is False
+    assert engine_healthy(f"http://127.0.0.1:{not_http}/health", 2) is False
+    assert engine_healthy(f"http://127.0.0.1:{closed_port}/health", 2) is False
+    assert engine_healthy(f"http://127.0.0.1:{listener(None)}/health", 0.3) is None
+    assert (
+        health_url("http://10.0.0.1:8000/v1/") == health_url("10.0.0.1:8000") == "http://10.0.0.1:8000/health"
+    )
+    assert health_url("") is None

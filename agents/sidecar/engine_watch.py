@@ -24,6 +24,7 @@ here, the agent reacts in milliseconds (publisher) or about one second (health).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import time
 import urllib.error
 import urllib.request
@@ -69,7 +70,7 @@ def engine_healthy(url: str, timeout_s: float) -> bool | None:
         return None if isinstance(exc.reason, TimeoutError) else False
     except TimeoutError:
         return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):  # refused, reset, not HTTP at all
         return False
 
 
