@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -59,7 +63,9 @@ def publisher():
     pub.shutdown()
 
 
-def start_agent(daemon_address: str, ports, tmp_path: Path, health_port: int) -> subprocess.Popen:
+def start_agent(
+    daemon_address: str, ports, tmp_path: Path, health_port: int, *extra_args: str
+) -> subprocess.Popen:
     log = (tmp_path / f"agent-{time.monotonic_ns()}.log").open("w")
     return subprocess.Popen(
         [
@@ -82,6 +88,7 @@ def start_agent(daemon_address: str, ports, tmp_path: Path, health_port: int) ->
             f"tcp://127.0.0.1:{ports[1]}",
             "--health-listen",
             f"127.0.0.1:{health_port}",
+            *extra_args,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -193,6 +200,152 @@ def test_agent_forwards_engine_events_and_recovers_after_restart(daemon, publish
         agent.wait(15)
 
 
+class EngineHealthStandIn:
+    """The engine's HTTP /health: a real HTTP server on a fixed port that can go away and come back."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self) -> None:
+        class Health(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                return
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Health)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        assert self._server is not None
+        self._server.shutdown()
+        self._server.server_close()  # from now on: connection refused, as after kill -9
+
+
+def stored_and_retained(hashes: list[bytes], handle: str):
+    return kv_events.KVEventBatch(
+        ts=time.time(),
+        events=[
+            kv_events.BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=[1] * 16 * len(hashes),
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            ),
+            retained_event(hashes, handle),
+        ],
+    )
+
+
+def test_engine_restarted_under_the_agent_never_leaves_its_old_blocks_served(daemon, publisher, tmp_path):
+    """kill -9 of the engine, relaunched on the same ports: the directory drops every block the dead
+    process announced (a relaunched engine keeps other data at those block ids) and then serves
+    the new process's, although the new publisher counts its seq from 0 again."""
+    pub, ports = publisher
+    old_run, new_run = conversation("restart-old", 10), conversation("restart-new", 6)
+    engine_health = EngineHealthStandIn()
+    engine_health.start()
+    agent_health_port = free_port()
+    agent = start_agent(
+        daemon.address,
+        ports,
+        tmp_path,
+        agent_health_port,
+        "--http-endpoint",
+        f"http://127.0.0.1:{engine_health.port}",
+    )
+
+    def agent_health() -> dict:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{agent_health_port}/healthz") as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as unhealthy:  # 503 while not streaming to kvloopd
+            return json.loads(unhealthy.read())
+        except urllib.error.URLError:  # the agent is still starting
+            return {}
+
+    def epoch(client: DirectoryClient) -> int:
+        (worker,) = [w for w in client.list_workers(MODEL) if w.registration.worker_id == "dec-s"]
+        return worker.registration.epoch
+
+    replacement = None
+    try:
+        with DirectoryClient(daemon.address) as client:
+            # A few batches first, so the new publisher's seq 0..1 are below the old one's last seq.
+            for n in range(3):
+                pub.publish(stored_and_retained(old_run, f"old-{n}"))
+            wait_until(lambda: agent_health().get("engine_batches") == 3, what="old engine's events taken")
+            answer = client.lookup(MODEL, old_run)
+            assert answer.decision == pb.DECISION_TRANSFER
+            assert answer.holder.retention_handle.startswith("old")
+            wait_until(lambda: agent_health().get("engine") == "up", what="engine health seen")
+            first_epoch = epoch(client)
+
+            # kill -9: the publisher's sockets close and /health refuses connections.
+            pub.shutdown()
+            engine_health.stop()
+            killed = time.perf_counter()
+            wait_until(
+                lambda: (
+                    client.lookup(MODEL, old_run).reason == pb.DECISION_REASON_MISS
+                    and not client.find_block(MODEL, old_run[0])
+                ),
+                what="the dead engine's runs and stored blocks dropped",
+            )
+            print(f"engine ended -> its blocks dropped: {(time.perf_counter() - killed) * 1000:.0f} ms")
+            assert epoch(client) != first_epoch
+            wait_until(lambda: agent_health().get("engine") == "down", what="engine health failing")
+            assert agent_health()["engine_restarts"] == 1  # both signals fired: one restart
+
+            # Relaunch on the same ports; its publisher starts again at seq 0.
+            replacement = kv_events.ZmqEventPublisher(
+                0, endpoint=f"tcp://*:{ports[0]}", replay_endpoint=f"tcp://*:{ports[1]}"
+            )
+            engine_health.start()
+            replacement.publish(stored_and_retained(new_run, "new-0"))
+            answer = wait_until(
+                lambda: (a := client.lookup(MODEL, new_run)).decision == pb.DECISION_TRANSFER and a,
+                what="the relaunched engine's run served",
+            )
+            assert answer.holder.retention_handle == "new-0" and answer.holder.epoch == epoch(client)
+            assert client.lookup(MODEL, old_run).reason == pb.DECISION_REASON_MISS
+            wait_until(lambda: agent_health().get("engine") == "up", what="relaunched engine healthy")
+            health = agent_health()
+            assert health["engine_restarts"] == 1 and health["retained_runs"] == 1 and health["connected"]
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{agent_health_port}/metrics").read().decode()
+            assert 'kvloop_agent_engine_restarts_total{signal="publisher"} 1.0' in metrics
+
+            # /health alone failing ends the engine too (a host gone without closing its sockets
+            # looks like this): everything is dropped under a new epoch. This publisher still
+            # answers its replay, so it is alive and its history (valid runs) is read again at once.
+            second_epoch = epoch(client)
+            engine_health.stop()
+            health_gone = time.perf_counter()
+            wait_until(lambda: epoch(client) != second_epoch, what="a new epoch on /health failing")
+            print(f"/health refused -> new epoch: {(time.perf_counter() - health_gone) * 1000:.0f} ms")
+            assert agent_health()["engine_restarts"] == 2
+            answer = wait_until(
+                lambda: (a := client.lookup(MODEL, new_run)).decision == pb.DECISION_TRANSFER and a,
+                what="the live publisher's runs read again",
+            )
+            assert answer.holder.epoch == epoch(client) != second_epoch
+            engine_health.start()
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{agent_health_port}/metrics").read().decode()
+            assert 'kvloop_agent_engine_restarts_total{signal="health"} 1.0' in metrics
+    finally:
+        agent.terminate()
+        agent.wait(15)
+        if replacement is not None:
+            replacement.shutdown()
+
+
 def test_agent_refuses_bad_configuration_clearly():
     result = subprocess.run(
         [str(BIN / "kvloop-agent"), "--model", "m", "--block-size", "0"],
@@ -202,3 +355,39 @@ def test_agent_refuses_bad_configuration_clearly():
     )
     assert result.returncode == 2
     assert "block_size" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_engine_health_probe_tells_dead_from_busy():
+    """Refused or not HTTP at all: the engine is gone (False). No answer in time: inconclusive (None),
+    a busy engine on a small host answers late and must not lose its blocks for it."""
+    from kvloop.agents.sidecar.engine_watch import engine_healthy, health_url
+
+    def listener(reply: bytes | None) -> int:
+        sock = socket.create_server(("127.0.0.1", 0))
+
+        def serve() -> None:
+            while True:
+                conn, _ = sock.accept()
+                conn.recv(1024)
+                if reply is not None:
+                    conn.sendall(reply)
+                    conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+        return sock.getsockname()[1]
+
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    ok = listener(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    failing = listener(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+    not_http = listener(b"not http\r\n\r\n")
+    assert engine_healthy(f"http://127.0.0.1:{ok}/health", 2) is True
+    assert engine_healthy(f"http://127.0.0.1:{failing}/health", 2) is False
+    assert engine_healthy(f"http://127.0.0.1:{not_http}/health", 2) is False
+    assert engine_healthy(f"http://127.0.0.1:{closed_port}/health", 2) is False
+    assert engine_healthy(f"http://127.0.0.1:{listener(None)}/health", 0.3) is None
+    assert (
+        health_url("http://10.0.0.1:8000/v1/") == health_url("10.0.0.1:8000") == "http://10.0.0.1:8000/health"
+    )
+    assert health_url("") is None

@@ -36,6 +36,9 @@ class HolderInfo:
     tail_block_ids: tuple[int, ...] = ()
     # The directory epoch the handle was minted under (LookupResponse.directory_epoch).
     directory_epoch: int = 0
+    # The holder's registration epoch the run was announced under: its agent registers a new one
+    # when the engine process behind it ended (another process's KV then sits at these block ids).
+    holder_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ def holder_from_proto(h: pb.Holder, directory_epoch: int = 0) -> HolderInfo:
         tail_token_ids=tuple(h.tail_token_ids),
         tail_block_ids=tuple(h.tail_block_ids),
         directory_epoch=directory_epoch,
+        holder_epoch=int(h.epoch),
     )
 
 

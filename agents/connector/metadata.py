@@ -15,23 +15,31 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
     * ``multi_reader``: retained runs (decode role) the worker keeps until their lease ends
       instead of freeing them after the first READ notice;
     * ``pull_deadlines``: for each pull this step (prefill role), when the holder's lease ends, in
-      the scheduler's ``perf_counter`` clock (rebased by the worker like vLLM's ``reqs_to_send``).
+      the scheduler's ``perf_counter`` clock (rebased by the worker like vLLM's ``reqs_to_send``);
+    * ``pull_holder_epochs``: for each pull this step, the holder's registration epoch its run was
+      announced under (the worker does not read it from a holder process of another epoch).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.multi_reader: set[str] = set()
         self.pull_deadlines: dict[str, float] = {}
+        self.pull_holder_epochs: dict[str, int] = {}
 
     @classmethod
     def extend(
-        cls, base: NixlConnectorMetadata, multi_reader: set[str], pull_deadlines: dict[str, float]
+        cls,
+        base: NixlConnectorMetadata,
+        multi_reader: set[str],
+        pull_deadlines: dict[str, float],
+        pull_holder_epochs: dict[str, int] | None = None,
     ) -> KvloopConnectorMetadata:
         """The metadata vLLM's scheduler built, with kvloop's fields added."""
         meta = cls()
         meta.__dict__.update(base.__dict__)
         meta.multi_reader = multi_reader
         meta.pull_deadlines = pull_deadlines
+        meta.pull_holder_epochs = pull_holder_epochs or {}
         return meta
 
 

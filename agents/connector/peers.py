@@ -7,6 +7,13 @@ registered workers every ``interval_s`` and hands each new holder (a decode or b
 same model) to ``warm`` - the worker's vLLM handshake machinery, which runs it in vLLM's own
 handshake thread and keeps the connection for later READs.
 
+A holder whose registration epoch changed is a new process behind the same engine id and NIXL
+port (its agent re-registers when its engine was killed and relaunched, agents/sidecar/engine_watch.py).
+vLLM keeps the dead process's NIXL agent for that engine id: NIXL keeps a remote agent's metadata
+after a READ to it failed with ``nixlRemoteDisconnectError`` (measured), so vLLM's own failed-peer
+check never releases it and every later READ fails. ``restarted`` hands such a peer to the worker,
+which drops the old agent and handshakes the new process.
+
 ListWorkers is polled rather than Watched (a prefill's token may list workers but not Watch), with
 the sampled flag off, so the polls start no traces at kvloopd.
 """
@@ -34,6 +41,8 @@ class Peer:
     host: str
     port: int
     tp_size: int
+    # The holder's registration epoch: a new one means a new agent (and engine process) behind it.
+    epoch: int = 0
 
 
 def peers_to_warm(
@@ -54,7 +63,9 @@ def peers_to_warm(
         host, sep, port = r.nixl_endpoint.rpartition(":")
         if not sep or not port.isdigit():
             continue
-        peers.append(Peer(r.worker_id, r.engine_id, host, int(port), r.parallel.tensor_parallel_size or 1))
+        peers.append(
+            Peer(r.worker_id, r.engine_id, host, int(port), r.parallel.tensor_parallel_size or 1, r.epoch)
+        )
     return peers
 
 
@@ -67,14 +78,16 @@ class PeerWarmer:
         model: str,
         warm: Callable[[Peer], None],
         interval_s: float = 2.0,
+        restarted: Callable[[Peer], None] | None = None,
     ) -> None:
         self.daemon = daemon
         self.worker_id = worker_id
         self.engine_id = engine_id
         self.model = model
         self.warm = warm
+        self.restarted = restarted
         self.interval_s = interval_s
-        self.warmed: set[str] = set()  # engine ids handed to `warm`
+        self.warmed: dict[str, int] = {}  # engine id handed to `warm` -> its registration epoch then
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvloop-warm-peers", daemon=True)
 
@@ -86,21 +99,36 @@ class PeerWarmer:
         self._stop.set()
 
     def poll_once(self, client: DirectoryClient) -> list[Peer]:
-        """Warm the peers not seen before; returns them."""
-        new = [
-            p
-            for p in peers_to_warm(
-                client.list_workers(self.model), self.worker_id, self.engine_id, self.model
+        """Warm the peers not seen before, hand those registered under a new epoch to ``restarted``;
+        returns both."""
+        new: list[Peer] = []
+        restarted: list[Peer] = []
+        for peer in peers_to_warm(
+            client.list_workers(self.model), self.worker_id, self.engine_id, self.model
+        ):
+            known = self.warmed.get(peer.engine_id)
+            if known is None:
+                new.append(peer)
+            elif known != peer.epoch:
+                restarted.append(peer)
+        for peer in restarted:
+            tm.log.warning(
+                "kvloop.peer_restarted",
+                peer=peer.worker_id,
+                engine_id=peer.engine_id,
+                old_epoch=self.warmed[peer.engine_id],
+                epoch=peer.epoch,
             )
-            if p.engine_id not in self.warmed
-        ]
+            self.warmed[peer.engine_id] = peer.epoch
+            if self.restarted is not None:
+                self.restarted(peer)
         for peer in new:
-            self.warmed.add(peer.engine_id)
+            self.warmed[peer.engine_id] = peer.epoch
             try:
                 self.warm(peer)
             except Exception as e:  # a peer we cannot reach now is handshaken on its first READ
                 tm.log.warning("kvloop.warm_peer_failed", peer=peer.worker_id, error=repr(e))
-        return new
+        return new + restarted
 
     def _run(self) -> None:
         with TracedDirectoryClient(self.daemon, timeout=5.0) as client:

@@ -104,6 +104,8 @@ class PrefillSide:
         self._holders_read: set[str] = set()
         # For the worker: when each new pull's holder lease ends (this process's perf_counter).
         self.pull_deadlines: dict[str, float] = {}
+        # ... and the holder's registration epoch the run was announced under.
+        self.pull_holder_epochs: dict[str, int] = {}
 
     def wants(self, params: dict[str, Any] | None) -> bool:
         return params is not None and bool(params.get("do_remote_decode"))
@@ -258,19 +260,21 @@ class PrefillSide:
             directory_epoch=self.directory.epoch,
         )
 
-    def take_pull_deadlines(self) -> dict[str, float]:
-        """This step's new pulls for the worker, with the lease end it checks before posting each READ.
+    def take_pulls(self) -> tuple[dict[str, float], dict[str, int]]:
+        """This step's new pulls for the worker, with the lease end it checks before posting each READ
+        and the holder epoch the run belongs to.
 
         A pull whose handle predates a directory failover seen since the answer (another lookup
         brought the new epoch) gets a deadline already past: the worker does not post its READ, vLLM
         recomputes the blocks, and the outcome names the stale epoch."""
         deadlines, self.pull_deadlines = self.pull_deadlines, {}
+        holder_epochs, self.pull_holder_epochs = self.pull_holder_epochs, {}
         for request_id in deadlines:
             pull = self._pulls.get(request_id)
             if pull is not None and self.directory.stale(pull.holder):
                 pull.stale = True
                 deadlines[request_id] = float("-inf")
-        return deadlines
+        return deadlines, holder_epochs
 
     def _pull(
         self,
@@ -304,6 +308,7 @@ class PrefillSide:
         count, is_async = vllm_match(request, num_computed_tokens)
         if count:
             self.pull_deadlines[request.request_id] = time.perf_counter() + h.expires_in_ms / 1000.0
+            self.pull_holder_epochs[request.request_id] = h.holder_epoch
         else:
             for k in HANDLE_KEYS:
                 params.pop(k, None)

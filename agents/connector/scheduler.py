@@ -190,10 +190,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvloopConnectorMetadata:
         base = super().build_connector_meta(scheduler_output)
         deadlines: dict[str, float] = {}
+        holder_epochs: dict[str, int] = {}
         if self.prefill is not None:
-            deadlines = self.prefill.take_pull_deadlines()
+            deadlines, holder_epochs = self.prefill.take_pulls()
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
-        return KvloopConnectorMetadata.extend(base, multi, deadlines)
+        return KvloopConnectorMetadata.extend(base, multi, deadlines, holder_epochs)
 
     def take_events(self) -> list[Any]:
         events = self._events[:]

@@ -12,6 +12,12 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 * warm peers (prefill role, ``kvloop_warm_peers_s``): NIXL connections to holders are opened when
   kvloopd first lists them (:mod:`.peers`), through vLLM's own handshake machinery
   (``_ensure_handshake``), so no user turn pays the handshake;
+* a relaunched holder (prefill role): a holder's new registration epoch means a new engine process
+  behind the same engine id and side-channel port. vLLM would keep the dead process's NIXL agent
+  for good (NIXL keeps its metadata after failed READs, measured), so when the peer warmer or a pull
+  brings a new epoch the old agent is released (at once when nothing reads from it, else through
+  vLLM's invalid-peer path) and the new process handshaken. Each pull carries its run's holder epoch;
+  a run of an epoch seen replaced is never read (``_holder_epoch_veto``);
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
@@ -21,6 +27,7 @@ with a clear message instead of misbehaving.
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -116,6 +123,16 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._read_timings: dict[str, ReadTiming] = {}
         # Prefill role: pulls whose READ had to wait for a handshake with its holder (no warm peer).
         self._handshake_reads: set[str] = set()
+        # Prefill role: the holder epoch each pending pull's run was announced under ...
+        self._pull_holder_epochs: dict[str, int] = {}
+        # ... the registration epoch last seen for each holder engine (the process its NIXL agent
+        # reaches), and the epochs it had before (processes that ended: their runs are never read).
+        self._peer_epochs: dict[str, int] = {}
+        self._retired_epochs: dict[str, set[int]] = {}
+        # Holders registered under a new epoch (warmer thread -> this thread), and those whose old
+        # NIXL agent is not released yet (their reads decline until it is).
+        self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
+        self._replaced_peers: dict[str, Peer] = {}
         self._warmer: PeerWarmer | None = None
 
     def register_kv_caches(self, kv_caches: Any) -> None:
@@ -130,11 +147,13 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 cfg.model,
                 self._warm_peer,
                 cfg.warm_peers_s,
+                restarted=self._peer_restarted,
             ).start()
 
     def _warm_peer(self, peer: Peer) -> None:
         """Open the NIXL connection to ``peer`` in vLLM's handshake thread (as a first READ would)."""
         started = time.perf_counter()
+        self._peer_epochs.setdefault(peer.engine_id, peer.epoch)
         future = self._ensure_handshake(peer.engine_id, peer.host, peer.port, peer.tp_size)
         if future is None:
             return  # already connected (a READ got there first)
@@ -148,9 +167,85 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 return
             tm.log.warning("kvloop.warm_peer_failed", peer=peer.worker_id, error=repr(f.exception()))
             if self._warmer is not None:
-                self._warmer.warmed.discard(peer.engine_id)  # try again next poll
+                self._warmer.warmed.pop(peer.engine_id, None)  # try again next poll
 
         future.add_done_callback(done)
+
+    def _peer_restarted(self, peer: Peer) -> None:
+        """(Warmer thread.) ``peer`` is registered under a new epoch: handled on the worker's thread."""
+        self._restarted_peers.put(peer)
+
+    def _holder_replaced(self, engine_id: str, epoch: int, peer: Peer | None = None) -> bool:
+        """A new process (registration ``epoch``) serves ``engine_id``: the old epoch's runs are never
+        read again, and the old process's NIXL agent goes - now when nothing reads from it (True),
+        else through vLLM's invalid-peer path once its reads drain (False: reads decline meanwhile).
+        ``peer``: handshake the new process once the old agent is gone (a pull handshakes itself)."""
+        old = self._peer_epochs.get(engine_id)
+        if old == epoch:
+            return engine_id not in self._replaced_peers
+        if old is not None:
+            self._retired_epochs.setdefault(engine_id, set()).add(old)
+        self._peer_epochs[engine_id] = epoch
+        tm.log.warning("kvloop.holder_replaced", engine_id=engine_id, old_epoch=old, epoch=epoch)
+        if engine_id not in self._remote_agents:
+            self._replaced_peers.pop(engine_id, None)
+            if peer is not None:
+                self._warm_peer(peer)
+            return True
+        # vLLM defers releases while a handshake may be loading native metadata; so do we.
+        if not self._handshake_futures and engine_id not in self._engines_with_inflight_transfers():
+            self._cleanup_remote_engine(engine_id, log_eviction=False)
+            self._replaced_peers.pop(engine_id, None)
+            tm.log.info("kvloop.holder_agent_released", engine_id=engine_id, epoch=epoch)
+            if peer is not None:
+                self._warm_peer(peer)
+            return True
+        if engine_id not in self._invalid_remote_engines:
+            self._mark_remote_engine_invalid(engine_id, time.perf_counter())
+        if peer is not None:
+            self._replaced_peers[engine_id] = peer
+        return False
+
+    def _take_restarted_peers(self) -> None:
+        while True:
+            try:
+                peer = self._restarted_peers.get_nowait()
+            except queue.Empty:
+                return
+            self._holder_replaced(peer.engine_id, peer.epoch, peer)
+
+    def _cleanup_remote_engines(self) -> None:
+        """vLLM's release of replaced and invalid peers (once per step), with restarted holders
+        marked invalid first; a released one is handshaken again, reaching its new process."""
+        self._take_restarted_peers()
+        super()._cleanup_remote_engines()
+        for engine_id, peer in list(self._replaced_peers.items()):
+            if engine_id not in self._remote_agents and engine_id not in self._handshake_futures:
+                del self._replaced_peers[engine_id]
+                tm.log.info("kvloop.holder_agent_released", engine_id=engine_id, epoch=peer.epoch)
+                self._warm_peer(peer)
+
+    def _holder_epoch_veto(self, req_id: str, engine_id: str) -> str | None:
+        """Why the pull's run must not be read from ``engine_id`` as this worker reaches it now, or None.
+
+        A run's block ids are only meaningful in the process that announced it, known by the holder's
+        registration epoch (a new agent epoch = a new engine process). The epoch last seen for the
+        holder (from the warmer, or from a newer pull) is the process the cached NIXL agent reaches, or
+        the next handshake will."""
+        self._take_restarted_peers()
+        run_epoch = self._pull_holder_epochs.get(req_id)
+        if run_epoch is None:
+            return None
+        if run_epoch in self._retired_epochs.get(engine_id, ()):
+            return "the run's holder process ended"
+        current = self._peer_epochs.get(engine_id)
+        if current is None:
+            self._peer_epochs[engine_id] = run_epoch
+        elif current != run_epoch and not self._holder_replaced(engine_id, run_epoch):
+            return "the holder was relaunched; its old NIXL agent is released once its reads drain"
+        if engine_id in self._invalid_remote_engines and engine_id in self._remote_agents:
+            return "the holder's old NIXL agent is not released yet"
+        return None
 
     def shutdown(self) -> None:
         if self._warmer is not None:
@@ -165,9 +260,25 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             for req_id, dl in metadata.pull_deadlines.items():
                 # rebase from the scheduler's clock onto ours (as vLLM does for reqs_to_send)
                 self._pull_deadlines[req_id] = now + (dl - sched_clock)
+            self._pull_holder_epochs.update(metadata.pull_holder_epochs)
         super().start_load_kv(metadata)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        declined = None if meta.remote is None else self._holder_epoch_veto(req_id, meta.remote.engine_id)
+        if declined is not None:
+            # Never READ a dead process's run from its successor: wrong KV, and no error anywhere.
+            tm.log.warning(
+                "kvloop.read_declined_holder_restarted",
+                request_id=req_id,
+                engine_id=meta.remote.engine_id,
+                run_epoch=self._pull_holder_epochs.get(req_id),
+                holder_epoch=self._peer_epochs.get(meta.remote.engine_id),
+                reason=declined,
+            )
+            self._pull_deadlines.pop(req_id, None)
+            self._pull_holder_epochs.pop(req_id, None)
+            self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
+            return
         deadline = self._pull_deadlines.get(req_id)
         if deadline is not None:
             if time.perf_counter() + self.cfg.read_margin_s >= deadline:
@@ -180,6 +291,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             assert meta.remote is not None
             if meta.remote.engine_id in self._remote_agents:
                 self._pull_deadlines.pop(req_id, None)  # the READ is posted now
+                self._pull_holder_epochs.pop(req_id, None)
         if meta.remote is not None and meta.remote.engine_id not in self._remote_agents:
             self._handshake_reads.add(req_id)  # vLLM handshakes first, then calls here again
         super()._read_blocks_for_req(req_id, meta)
@@ -262,6 +374,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         results = super().get_transfer_results()
         for req_id in results.finished_recving or ():
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
+            self._pull_holder_epochs.pop(req_id, None)
             self._handshake_reads.discard(req_id)
         return results
 

@@ -52,6 +52,11 @@ class AgentSettings(BaseSettings):
     kv_events_topic: str = ""
     # Say so when no KV event arrives this long after start (engine without kv_events_config?).
     silent_engine_warning_s: float = Field(60.0, gt=0)
+    # Poll the engine's /health (beside http_endpoint) this often; 0 disables. Failing this long
+    # (refused, reset, error status; not a timeout) after answering once means the engine process
+    # ended: its blocks leave the directory.
+    engine_health_interval_s: float = Field(0.5, ge=0)
+    engine_down_after_s: float = Field(1.0, gt=0)
     # /healthz and /metrics; empty disables.
     health_listen: OptionalHostPort = "127.0.0.1:9470"
     # HTTPS for /healthz and /metrics, as kvloopd's [tls]: a client CA requires client certificates.

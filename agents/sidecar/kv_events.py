@@ -12,6 +12,7 @@ known event with fields of the wrong type) is refused with :class:`EngineEventEr
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import structlog
 import zmq
 import zmq.asyncio
 from prometheus_client import Counter
+from zmq.utils.monitor import parse_monitor_message
 
 from kvloop.agents.connector.events import KVLOOP_EVENT_TYPES, DecodedBatch, KvloopEvents
 
@@ -132,6 +134,16 @@ def read_or_count(payload: bytes, seq: int) -> DecodedBatch | None:
         return None
 
 
+class PublisherRestarted(Exception):
+    """The engine's publisher went away (its connection closed) or started a new sequence: what
+    follows is another engine process's, and nothing the old one announced can be trusted."""
+
+
+# Batches kept to tell a replayed duplicate (same seq, same bytes) from a restarted publisher's
+# reused seq; duplicates only arrive right after a replay, so a short window covers them.
+_RECENT_BATCHES = 4096
+
+
 class KvEventSubscriber:
     def __init__(
         self, endpoint: str, replay_endpoint: str | None, topic: str = "", replay_timeout_s: float = 2.0
@@ -142,6 +154,7 @@ class KvEventSubscriber:
         self._topic = topic.encode()
         self._replay_timeout_s = replay_timeout_s
         self.last_seq: int | None = None
+        self._recent: OrderedDict[int, int] = OrderedDict()  # seq -> hash of its payload
         self.messages = 0
         self.unrecoverable_gaps = 0
 
@@ -166,15 +179,34 @@ class KvEventSubscriber:
         finally:
             sock.close()
 
+    def _taken(self, seq: int, payload: bytes) -> None:
+        self.last_seq = seq
+        self.messages += 1
+        self._recent[seq] = hash(payload)
+        if len(self._recent) > _RECENT_BATCHES:
+            self._recent.popitem(last=False)
+
     async def batches(self) -> AsyncIterator[tuple[int, bytes, bool]]:
-        """Yield (seq, payload, gap_before) in order, forever.
+        """Yield (seq, payload, gap_before) in order, until the publisher restarts.
 
         gap_before is True when batches before this one were lost for good: the caller must not
         trust state (a release may be among the lost batches).
+
+        Raises PublisherRestarted when the publisher's connection closes (its process ended: vLLM
+        binds the PUB socket for its whole life) or a seq arrives again with other contents (a new
+        publisher counts from 0 again). A new call starts over: fresh socket, the new engine's
+        history replayed from 0.
         """
+        self.last_seq = None
+        self._recent.clear()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        # Before connect: the monitor must see this connection's disconnect.
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(self._endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         gap = False
         try:
             # Catch up on what the engine published before we started; live messages arriving
@@ -186,15 +218,23 @@ class KvEventSubscriber:
                 )
                 gap = history[0][0] != 0
                 for seq, payload in history:
-                    self.last_seq = seq
-                    self.messages += 1
+                    self._taken(seq, payload)
                     yield seq, payload, gap
                     gap = False
             while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        raise PublisherRestarted(f"KV-event publisher disconnected ({self._endpoint})")
+                if sub not in ready:
+                    continue
                 _topic, seq_bytes, payload = await sub.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
                 if self.last_seq is not None and seq <= self.last_seq:
-                    continue
+                    if self._recent.get(seq) == hash(payload):
+                        continue  # replayed, then received live as well
+                    raise PublisherRestarted(f"KV-event seq went back from {self.last_seq} to {seq}")
                 expected = 0 if self.last_seq is None else self.last_seq + 1
                 if seq != expected:
                     replayed = [
@@ -206,12 +246,12 @@ class KvEventSubscriber:
                         log.warning("kv-event gap could not be replayed", missing_from=expected, received=seq)
                         replayed = []
                     for replayed_seq, replayed_payload in replayed:
-                        self.last_seq = replayed_seq
-                        self.messages += 1
+                        self._taken(replayed_seq, replayed_payload)
                         yield replayed_seq, replayed_payload, False
-                self.last_seq = seq
-                self.messages += 1
+                self._taken(seq, payload)
                 yield seq, payload, gap
                 gap = False
         finally:
+            sub.disable_monitor()
+            monitor.close()
             sub.close()

@@ -66,10 +66,16 @@ class DirectoryLink:
         self.sessions = 0
         self.snapshots_sent = 0
         self.last_error: str | None = None
+        self._session_task: asyncio.Task | None = None
+        self._new_epoch_pending = False
 
     @property
     def worker_id(self) -> str:
         return self._registration.worker_id
+
+    @property
+    def epoch(self) -> int:
+        return self._registration.epoch
 
     @property
     def sequence(self) -> int:
@@ -105,6 +111,25 @@ class DirectoryLink:
         else:
             self._overflowed = True  # the next session snapshots
 
+    def restart_epoch(self, epoch: int, why: str) -> None:
+        """Register again under `epoch` with an empty state: kvloopd drops everything the old epoch
+        published (a new epoch replaces the worker) and the first batch of the new one is 1.
+
+        Callers empty their mirror first: ``snapshot()`` must describe the new epoch's state.
+        """
+        old = self._registration.epoch
+        self._registration.epoch = epoch
+        self._sequence = 0
+        self._acked = 0
+        self._pending.clear()
+        self._overflowed = False
+        self._outbox = None  # batches published from now on wait for the new session
+        self.connected.clear()
+        log.info("registering under a new epoch", worker_id=self.worker_id, old=old, new=epoch, reason=why)
+        if self._session_task is not None and not self._session_task.done():
+            self._new_epoch_pending = True
+            self._session_task.cancel()
+
     async def wait_acked(self, sequence: int | None = None, timeout: float | None = None) -> None:
         target = self._sequence if sequence is None else sequence
 
@@ -130,12 +155,22 @@ class DirectoryLink:
         delay = self._backoff_initial
         while True:
             started = time.monotonic()
+            self._session_task = asyncio.create_task(self._session())
             try:
-                await self._session()
+                await self._session_task
             except RegistrationRefused:
                 raise
             except asyncio.CancelledError:
-                raise
+                current = asyncio.current_task()
+                if not self._new_epoch_pending or (current is not None and current.cancelling()):
+                    self._session_task.cancel()
+                    raise
+                # restart_epoch() ended the session: register the new epoch at once.
+                self._new_epoch_pending = False
+                self.connected.clear()
+                self._outbox = None
+                delay = self._backoff_initial
+                continue
             except grpc.aio.AioRpcError as exc:
                 self.last_error = f"{exc.code().name}: {exc.details()}"
                 if (

@@ -33,8 +33,9 @@ _ROLES = {"prefill": 1, "decode": 2, "both": 3}
 
 
 async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | None = None) -> int:
+    from kvloop.agents.sidecar.engine_watch import EngineIncarnation, health_url, watch_health
     from kvloop.agents.sidecar.health import serve_health
-    from kvloop.agents.sidecar.kv_events import KvEventSubscriber, read_or_count
+    from kvloop.agents.sidecar.kv_events import KvEventSubscriber, PublisherRestarted, read_or_count
     from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
     from kvloop.agents.sidecar.mirror import WorkerMirror
     from kvloop.clients.client import AsyncDirectoryClient
@@ -71,6 +72,9 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     )
     subscriber = KvEventSubscriber(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
     started = time.monotonic()
+    engine = EngineIncarnation()
+    engine_gone = asyncio.Event()  # set by the health watch; the pump drops the engine's state
+    engine_gone_reason = ""
 
     def status() -> tuple[bool, dict]:
         connected = link.connected.is_set()
@@ -83,6 +87,8 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
             "engine_batches": subscriber.messages,
             "engine_gaps": subscriber.unrecoverable_gaps,
             "retained_runs": len(mirror.retained),
+            "engine": engine.state,
+            "engine_restarts": engine.restarts,
             "last_error": link.last_error,
             "drained": link.drain_reason,
         }
@@ -92,8 +98,9 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         host, port = parse_host_port(settings.health_listen, "health_listen")
         health = serve_health(host, port, status, health_tls)
 
-    async def pump() -> None:
+    async def take_engine_events() -> None:
         async for seq, payload, gap in subscriber.batches():
+            engine.batch_taken()
             if gap:
                 ENGINE_GAPS.inc()
                 mirror.forget_retained()
@@ -117,6 +124,50 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
                 FORWARDED.labels(event.WhichOneof("event")).inc()
             if events:
                 link.publish(events)
+
+    def forget_engine(signal: str, reason: str) -> None:
+        """The engine process ended: the directory must drop every block it announced (their ids
+        mean other data in a relaunched engine). A new epoch replaces the worker with an empty one."""
+        old_epoch = registration.epoch
+        mirror.clear()
+        link.restart_epoch(random.getrandbits(63) | 1, f"engine ended ({signal})")
+        log.warning(
+            "engine process ended: its blocks are dropped from the directory",
+            worker_id=settings.worker_id,
+            signal=signal,
+            reason=reason,
+            old_epoch=old_epoch,
+            epoch=registration.epoch,
+            engine_restarts=engine.restarts,
+        )
+
+    async def pump() -> None:
+        """The engine's events, one engine process at a time: each ends with its publisher (or its
+        /health), and the next is read from a fresh subscription and replay from seq 0."""
+        while True:
+            consumer = asyncio.create_task(take_engine_events(), name="engine events")
+            gone = asyncio.create_task(engine_gone.wait())
+            try:
+                await asyncio.wait({consumer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                consumer.cancel()
+                outcome = (await asyncio.gather(consumer, return_exceptions=True))[0]
+            # Only now, with no batch of the old engine left in flight, is its state dropped.
+            if engine_gone.is_set():
+                engine_gone.clear()
+                forget_engine("health", engine_gone_reason)
+            elif isinstance(outcome, PublisherRestarted):
+                if engine.mark_down("publisher", str(outcome)):
+                    forget_engine("publisher", str(outcome))
+            elif isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                raise outcome
+
+    def engine_down(reason: str) -> None:
+        nonlocal engine_gone_reason
+        if engine.mark_down("health", reason):
+            engine_gone_reason = reason
+            engine_gone.set()
 
     async def watch_silence() -> None:
         await asyncio.sleep(settings.silent_engine_warning_s)
@@ -146,6 +197,15 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     )
     # These run for the agent's whole life: the first to end (or SIGTERM) ends the agent.
     named = {"directory link": link.run(), "event pump": pump(), "connection tracker": track_connection()}
+    engine_health = health_url(settings.http_endpoint) if settings.engine_health_interval_s else None
+    if engine_health is not None:
+        named["engine health watch"] = watch_health(
+            engine_health,
+            settings.engine_health_interval_s,
+            settings.engine_down_after_s,
+            on_up=engine.mark_up,
+            on_down=engine_down,
+        )
     tasks = [asyncio.create_task(coro, name=name) for name, coro in named.items()]
     warner = asyncio.create_task(watch_silence())
     stopper = asyncio.create_task(stop.wait())

@@ -139,6 +139,11 @@ class WorkerMirror:
         """After an unrecoverable event gap a release may have been missed: serve nothing older."""
         self.retained.clear()
 
+    def clear(self) -> None:
+        """The engine process ended: none of its blocks exist any more."""
+        self.retained.clear()
+        self.stored.clear()
+
     def snapshot(self) -> list[pb.BlockEvent]:
         """The full state, with leases recomputed for now (expired runs left out)."""
         now = time.monotonic()

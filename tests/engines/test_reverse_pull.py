@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 import uuid
 import zlib
@@ -397,18 +398,44 @@ def test_release_after_lease(engines):
     assert ans.decision != pb.DECISION_TRANSFER or ans.holder.retention_handle != run.handle
 
 
+def decode_epoch(engines) -> int:
+    (worker,) = [
+        w for w in engines.kvloop.client.list_workers(MODEL) if w.registration.worker_id == DECODE_WORKER
+    ]
+    return worker.registration.epoch
+
+
 def test_dead_decode_engine_recomputes(engines):
-    """LAST TEST (kills the decode engine): the agent still announces its runs, the prefill's
-    READ from the dead peer fails and vLLM's recompute policy recomputes, with the right answer."""
+    """LAST TEST to use the first decode engine (kills it). Until its agent notices, the directory
+    still offers the dead engine's runs: the prefill's READ from the dead peer fails and vLLM's
+    recompute policy recomputes, with the right answer. The agent notices the KV-event publisher's
+    connection close within milliseconds, so that window is held open by freezing the agent
+    (SIGSTOP); once it runs again it drops every run of the dead process under a new epoch."""
+    # A transfer first: the prefill then holds a NIXL agent of this decode process (the relaunch
+    # test below needs it replaced).
+    _rnd, earlier = _history(engines, 25)
+    assert prefill_and_check(engines, earlier).span["kvloop.path"] == "transfer"
     _rnd, prompt = _history(engines, 6)
-    engines.decode.kill()
-    engines.prefill.timeout_s = 120  # a hung READ must fail the test, not stall the session
-    t = time.perf_counter()
-    pf = prefill_and_check(engines, prompt)
-    elapsed = time.perf_counter() - t
+    run = engines.kvloop.runs[-1]
+    old_epoch = decode_epoch(engines)
+    agent = engines.kvloop.agent
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        engines.decode.kill()
+        engines.prefill.timeout_s = 120  # a hung READ must fail the test, not stall the session
+        t = time.perf_counter()
+        pf = prefill_and_check(engines, prompt)
+        elapsed = time.perf_counter() - t
+    finally:
+        agent.send_signal(signal.SIGCONT)
     assert pf.span["kvloop.path"] in ("failed", "recompute"), pf.span
     assert pf.span["kvloop.bytes"] == 0
     print(f"dead peer: path {pf.span['kvloop.path']}, answered correctly after {elapsed:.1f}s")
+    wait_until(
+        lambda: not engines.kvloop.locations(run.hashes[0]) and decode_epoch(engines) != old_epoch,
+        what="the dead engine's blocks dropped under a new epoch",
+    )
+    assert "engine process ended" in engines.kvloop.agent_log()
 
 
 def test_every_path_reached_the_otlp_receiver(engines, otlp_receiver):
@@ -434,3 +461,26 @@ def test_every_path_reached_the_otlp_receiver(engines, otlp_receiver):
     ):
         assert key in transfer["attributes"], key
     assert transfer["attributes"]["kvloop.bytes"] > 0 and transfer["duration_ns"] > 0
+
+
+def test_relaunched_decode_engine_serves_pulls_again(engines):
+    """AFTER the dead-decode test: the decode engine relaunched on the same NIXL side-channel and
+    KV-event ports under the same engine id, its agent still running. The prefill's connector drops
+    the dead process's NIXL agent (vLLM alone would keep it and every READ would fail) and
+    handshakes the new one: the next turn transfers from the new engine, KV equal to recompute."""
+    from engine_harness import EngineHandle
+
+    if engines.decode.proc.is_alive():  # run alone: the dead-decode test did not kill it
+        old_epoch = decode_epoch(engines)
+        engines.decode.kill()
+        wait_until(lambda: decode_epoch(engines) != old_epoch, what="the agent's new epoch")
+    engines.decode = EngineHandle(engines.decode.spec)
+    engines.decode.wait_ready()
+    engines.kvloop.wait_agent_connected()
+    engines.prefill.timeout_s = 120
+    _rnd, prompt = _history(engines, 21)
+    assert engines.kvloop.runs[-1].handle  # announced by the new process, under the agent's epoch
+    pf = prefill_and_check(engines, prompt)
+    assert pf.span["kvloop.path"] == "transfer", pf.span
+    assert pf.span["kvloop.bytes"] > 0
+    assert pf.out["num_cached_tokens"] == pf.span["kvloop.matched_tokens"] == len(prompt) - 64 - 1

@@ -78,7 +78,7 @@ async def test_a_handle_from_an_older_directory_epoch_is_never_read(daemon, seen
                     count, is_async = _match(side, request)
                     assert count == 8 * BLOCK and is_async  # vLLM allocated the pull
                     side.directory.epoch = 7  # a failover seen between the answer and the READ
-                    deadlines = side.take_pull_deadlines()
+                    deadlines, _holder_epochs = side.take_pulls()
                     # the worker posts no READ past its deadline: it reports the pull failed
                     assert deadlines == {"r1": float("-inf")}
                     side.reads_done(set(), {"r1"}, {})
