@@ -13,7 +13,6 @@ it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -59,14 +58,6 @@ class EngineConfig:
     mode: str = "kvloop"
     extra_vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    # vLLM's NIXL engine id (empty: the worker id). A prefill keeps its NIXL connection to a peer by
-    # engine id: an engine restarted under the same id would be read through the dead run's
-    # connection (NIXL_ERR_REMOTE_DISCONNECT on every READ), so a relaunch takes a new one.
-    engine_id: str = ""
-
-    @property
-    def nixl_engine_id(self) -> str:
-        return self.engine_id or self.worker_id
 
     @property
     def url(self) -> str:
@@ -95,7 +86,7 @@ class EngineConfig:
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
             "kv_buffer_device": "cpu",
-            "engine_id": self.nixl_engine_id,
+            "engine_id": self.worker_id,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }
@@ -193,7 +184,7 @@ class EngineConfig:
             "--model",
             self.served_model_name,
             "--engine-id",
-            self.nixl_engine_id,
+            self.worker_id,
             "--nixl-endpoint",
             f"{self.host}:{self.nixl_port}",
             "--http-endpoint",
@@ -234,7 +225,6 @@ class Engine:
         self.vllm: subprocess.Popen | None = None
         self.agent: subprocess.Popen | None = None
         self.started_s: float | None = None
-        self.relaunches = 0
 
     @property
     def vllm_log(self) -> Path:
@@ -301,8 +291,6 @@ class Engine:
         """Start the engine again on the same ports (what is left of it stopped first); the logs go on
         after the old run's. Poll `ready()` after it."""
         self.stop(grace_s=5.0)
-        self.relaunches += 1
-        self.config = dataclasses.replace(self.config, engine_id=f"{self.config.worker_id}.{self.relaunches}")
         self.launch()
 
     def stop(self, grace_s: float = 20.0) -> None:
