@@ -3,6 +3,9 @@ lease, epoch, fence, expiry and bound rules (`store_factory` runs each test on e
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -114,6 +117,25 @@ async def test_worker_lease_lapse_stops_serving_then_drops(make_store):
     assert (await store.lookup(NS, prompt, 0, "p", 1.7, False)).best is not None
     assert [c.kind for c in await store.reap(5.0)] == ["lease", "dropped"]
     assert await store.workers(5.0) == [] and (await store.counts()).entries == 0
+
+
+async def test_a_worker_streaming_batches_without_heartbeats_stays_live(make_store):
+    """A busy agent's stream is all batches (heartbeats only fill idle gaps): over several leases of
+    real time, its batches alone keep it serving (on Redis the liveness key expires in real time)."""
+    lease = 0.5
+    store = await make_store(IndexConfig(lease_s=lease, drop_after_s=30))
+    started = time.monotonic()
+    await store.register(spec("a"), 0, 0.0)
+    prompt = conversation("c", 4)
+    await store.apply("a", 1, 1, [retain(prompt, "h")], 0.0)
+    sequence, elapsed = 2, 0.0
+    while elapsed < 3 * lease:
+        await asyncio.sleep(lease / 5)  # the pace of a busy engine's batches, not a synchronisation
+        elapsed = time.monotonic() - started
+        await store.apply("a", 1, sequence, [Stored(conversation(f"s{sequence}", 1))], elapsed)
+        sequence += 1
+    match = await store.lookup(NS, prompt, 0, "p", elapsed, False)
+    assert match.best is not None, match.unservable_reason
 
 
 async def test_new_epoch_replaces_state_atomically_and_live_duplicate_is_refused(make_store):

@@ -341,6 +341,9 @@ local function apply(keys, args)
     last = sequence
   end
   redis.call('HSET', wkey, 'seen', args[5])
+  -- A batch is as good a sign of life as a heartbeat: an agent streaming without pause sends no
+  -- heartbeats (they fill idle gaps), and its liveness key must not lapse under it.
+  redis.call('SET', base .. 'alive:' .. w, epoch, 'PX', args[6])
   redis.call('HINCRBY', wkey, 'events', touched)
   if retained_blocks ~= 0 then redis.call('HINCRBY', wkey, 'rblocks', retained_blocks) end
   if stored_blocks ~= 0 then redis.call('HINCRBY', wkey, 'sblocks', stored_blocks) end
