@@ -72,7 +72,9 @@ class PackedHashes(Sequence[bytes]):
         return self._data[i * w : (i + 1) * w]
 
 
-def check_hashes(hashes: Sequence[bytes], width: int, limit: int, where: str) -> None:
+def check_hashes(
+    hashes: Sequence[bytes], width: int, limit: int, where: str, registered: bool = True
+) -> None:
     if not hashes:
         raise BadInput("empty", f"{where}: no block hashes")
     if len(hashes) > limit:
@@ -82,7 +84,8 @@ def check_hashes(hashes: Sequence[bytes], width: int, limit: int, where: str) ->
         bad = sorted(lengths - {width})
         raise BadInput(
             "hash_length",
-            f"{where}: block hashes must be {width} bytes (registered hash_length), got lengths {bad}",
+            f"{where}: block hashes must be {width} bytes "
+            f"({'registered hash_length' if registered else 'all of one length'}), got lengths {bad}",
         )
 
 
@@ -282,8 +285,10 @@ def _prompt_hashes(
             raise BadInput("too_many_hashes", f"{len(hashes)} block hashes exceed the limit of {max_hashes}")
     else:
         hashes = list(request.block_hashes)
-        if hashes and width:
-            check_hashes(hashes, width, max_hashes, rpc)
+        if hashes:
+            # A model nobody registered yet has no hash_length: its hashes must still agree with
+            # each other (a store packs them at one width; mixed lengths failed with UNKNOWN).
+            check_hashes(hashes, width or len(hashes[0]), max_hashes, rpc, registered=bool(width))
     if request.block_size and block_size and request.block_size != block_size:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -160,6 +160,23 @@ def test_lookup_whose_tokens_overflow_uint32_is_invalid_argument(daemon):
         stream.status()
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_lookup_with_hashes_of_mixed_lengths_is_invalid_argument(store, daemon_factory, request):
+    """A Lookup for a model nobody registered, with hashes of 32, 32 and 10 bytes: the Redis store
+    packed them at one width and failed with UNKNOWN (found by `bench fuzz --store redis`)."""
+    args = ("--store", request.getfixturevalue("redis_url")) if store == "redis" else ()
+    daemon = daemon_factory(*args)
+    hashes = [hashlib.sha256(b"a").digest(), hashlib.sha256(b"b").digest(), b"0123456789"]
+    with DirectoryClient(daemon.address) as client:
+        with pytest.raises(KvloopError) as raised:
+            client.lookup("fuzz-nobody", hashes, requester="p", block_size=16)
+        assert raised.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "all of one length" in str(raised.value) and "[10]" in str(raised.value)
+        # one length, any length, for a model nobody registered: a plain miss
+        answer = client.lookup("fuzz-nobody", hashes[:2], requester="p", block_size=16)
+    assert answer.decision == pb.DECISION_RECOMPUTE
+
+
 def test_stream_of_a_dropped_worker_is_aborted(daemon_factory):
     """The reaper dropped a silent worker under its open stream; its next heartbeat raised KeyError
     (INTERNAL). Now the stream ends with ABORTED and the agent registers again."""
