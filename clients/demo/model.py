@@ -156,6 +156,42 @@ def build_tiny_llama(
     return _build(out, spec, lambda: LlamaForCausalLM(config))
 
 
+def build_tiny_lora(model_dir: Path, out: Path, *, rank: int = 8, seed: int = 0) -> Path:
+    """A random LoRA adapter (PEFT layout: q_proj and v_proj of every layer) for a tiny model
+    built by :func:`build_tiny_llama`; returns its directory. Its B matrices are not zero, so a
+    request through it computes other KV than the base model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    out.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for proj in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(hidden, rank, generator=generator) * 0.05
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": str(model_dir),
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "fan_in_fan_out": False,
+            }
+        )
+    )
+    return out
+
+
 # Sliding window of the tiny hybrid model, in tokens: 4 blocks of 32, so a conversation of a few
 # hundred tokens already leaves most of its sliding-window KV outside the window.
 HYBRID_SLIDING_WINDOW = 128

@@ -52,6 +52,8 @@ class StackConfig:
     # Maps each kvloopd address to the one engines, sidecars and the proxy are given (`bench chaos`
     # puts a relay there that can cut or refuse their connections); None: the address itself.
     daemon_front: Callable[[str], str] | None = None
+    # LoRA adapters every engine serves (name -> directory), as models of their own through the proxy.
+    lora_modules: dict[str, Path] = field(default_factory=dict)
 
 
 def engine_cores(role: str, cores: int | None = None) -> str:
@@ -163,6 +165,7 @@ class Stack:
                         prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
                         mode=cfg.mode,
                         env=engine_env,
+                        extra_vllm_args=_lora_args(cfg.lora_modules),
                     ),
                     logs,
                     self.children,
@@ -364,6 +367,21 @@ class Stack:
         if self.receiver is not None:  # last: the processes flush their spans to it as they exit
             self.receiver.stop()
             self.receiver = None
+
+
+def _lora_args(modules: dict[str, Path], max_rank: int = 8) -> list[str]:
+    if not modules:
+        return []
+    served = [f"{name}={path}" for name, path in modules.items()]
+    return [
+        "--enable-lora",
+        "--max-lora-rank",
+        str(max_rank),
+        "--max-loras",
+        str(len(modules)),
+        "--lora-modules",
+        *served,
+    ]
 
 
 def _otlp_configured() -> bool:

@@ -1,10 +1,12 @@
 """Tenant isolation through the proxy with real engines: a request under one `cache_salt` never pulls
-KV that a request under another salt left on a decode, even when its tokens are identical."""
+KV that a request under another salt (or through another LoRA adapter) left on a decode, even when
+its tokens are identical."""
 
 from __future__ import annotations
 
 from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from tests.e2e.conftest import LORAS
 
 MODEL = "kvloop-tiny"
 
@@ -38,3 +40,28 @@ def test_a_tenant_never_pulls_another_tenants_kv(served_stack):
     ), own
     # and every tenant got the same greedy answer to the same tokens
     assert own.answer == other.answer == plain.answer
+
+
+def test_a_lora_adapter_never_pulls_another_adapters_or_the_base_models_kv(served_stack):
+    """Two tenants' LoRA adapters of one base model: the same tokens through another adapter (or the
+    base model) compute other KV, so nothing one left on a decode may be pulled for another."""
+    lora_a, lora_b = LORAS
+    with DirectoryClient(served_stack.daemon_address) as directory:
+        retained = directory.stats().retained_runs
+    conversation = AgentConversation(seed=43, system_words=400, tool_words=200)
+    # a first block of its own: every AgentConversation opens with the same words, whose base-model
+    # KV other tests leave on the decodes (and the base model may rightly pull)
+    conversation.messages[0]["content"] = "Tenant 43. " + conversation.messages[0]["content"]
+    first = chat_turn(served_stack.proxy_url, lora_a, conversation.messages, 8, 1)
+    assert first.path in ("miss", "recompute"), first
+    conversation.record(first.answer)
+    assert served_stack.wait_retained(retained + 1), "adapter a's retained run never reached kvloopd"
+
+    for model in (lora_b, MODEL):
+        other = chat_turn(served_stack.proxy_url, model, conversation.messages, 8, 2)
+        assert other.path != "transfer" and other.matched_tokens == 0 and other.bytes_moved == 0, (
+            model,
+            other,
+        )
+    own = chat_turn(served_stack.proxy_url, lora_a, conversation.messages, 8, 2)
+    assert own.path == "transfer" and own.matched_tokens >= first.prompt_tokens // 2, own
