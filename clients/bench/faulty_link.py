@@ -70,10 +70,14 @@ class FaultyLink:
             if self._server is not None:
                 self._server.close()
             await self._cut_all()
+            # the aborted connections end their pipes; cancel only what is still running after that
+            # (asyncio's stream callback reports a cancelled handler as an error)
             pipes = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in pipes:
-                task.cancel()
-            await asyncio.gather(*pipes, return_exceptions=True)
+            if pipes:
+                _, stragglers = await asyncio.wait(pipes, timeout=2)
+                for task in stragglers:
+                    task.cancel()
+                await asyncio.gather(*stragglers, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
