@@ -287,6 +287,17 @@ class Engine:
             self.started_s = time.monotonic() - self._t0
         return ok
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll ``ready()`` until the server answers; EngineStartError if a process died or it is not
+        serving after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise EngineStartError(
+                    f"{self.config.worker_id} not serving after {timeout_s:.0f}s (log {self.vllm_log})"
+                )
+            time.sleep(0.5)  # polling /health while vLLM loads
+
     def relaunch(self) -> None:
         """Start the engine again on the same ports (what is left of it stopped first); the logs go on
         after the old run's. Poll `ready()` after it."""

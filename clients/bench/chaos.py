@@ -45,6 +45,7 @@ from typing import Any
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.bench.faulty_link import FaultyLink
+from kvloop.clients.client import DaemonUnavailable, DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation
 from kvloop.clients.demo.model import build_tiny_llama
 from kvloop.clients.demo.stack import Stack, StackConfig
@@ -127,6 +128,21 @@ def schedule(config: ChaosConfig) -> list[str]:
         rnd.shuffle(kinds)
         order += kinds
     return order
+
+
+def checked_request(model: str, messages: list[dict], max_tokens: int) -> dict:
+    """A greedy streamed chat request whose answer can be checked against a reference: token ids
+    (not text, which two token sequences can share) and each token's logprob."""
+    return {
+        "model": model,
+        "messages": [dict(m) for m in messages],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
 
 
 def stream_chat(proxy_url: str, request: dict, timeout_s: float) -> dict:
@@ -215,16 +231,7 @@ class Conversations:
             for turn in range(1, self.config.turns_per_conversation + 1):
                 if self._stop.is_set():
                     return
-                request = {
-                    "model": self.model,
-                    "messages": [dict(m) for m in conversation.messages],
-                    "max_tokens": self.config.max_tokens,
-                    "temperature": 0.0,
-                    "stream": True,
-                    "logprobs": True,
-                    "top_logprobs": 2,
-                    "return_tokens_as_token_ids": True,
-                }
+                request = checked_request(self.model, conversation.messages, self.config.max_tokens)
                 started = self.clock()
                 result = stream_chat(self.proxy_url, request, self.config.request_timeout_s)
                 record = Turn(
@@ -271,19 +278,11 @@ class Injector:
         return self.rnd.choice(self.stack.decodes)
 
     def _wait_ready(self, engine: Engine, fault: Fault, clock: Callable[[], float]) -> None:
-        deadline = time.monotonic() + self.stack.config.start_timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if engine.ready():
-                    fault.restarted_s = round(clock() - fault.at_s, 2)
-                    return
-            except EngineStartError as exc:
-                fault.error = str(exc)[-500:]
-                return
-            time.sleep(0.5)  # polling the restarted engine's /health while it loads
-        fault.error = (
-            f"{engine.config.worker_id} not serving {self.stack.config.start_timeout_s:.0f}s after restart"
-        )
+        try:
+            engine.wait_ready(self.stack.config.start_timeout_s)
+            fault.restarted_s = round(clock() - fault.at_s, 2)
+        except EngineStartError as exc:
+            fault.error = str(exc)[-500:]
 
     def decode_kill(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
         engine = self._decode()
@@ -316,8 +315,6 @@ class Injector:
         index = 0 if index is None else index
         fault.target = self.stack.kill_replica(index)
         self.stack.restart_replica(index)
-        from kvloop.clients.client import DaemonUnavailable, DirectoryClient
-
         with DirectoryClient(fault.target, timeout=2) as client:
             try:
                 client.wait_ready(30)
@@ -416,11 +413,7 @@ def check_against_reference(
     engine = reference_engine(config, stack_config, children)
     engine.launch()
     try:
-        deadline = time.monotonic() + stack_config.start_timeout_s
-        while not engine.ready():
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"the reference engine did not start (log {engine.vllm_log})")
-            time.sleep(0.5)  # polling the reference engine's /health while it loads
+        engine.wait_ready(stack_config.start_timeout_s)
         answered = [t for t in turns if not t.error]
         say(f"reference: {len(answered)} answered turns to recompute on {engine.config.url}")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvloop.clients.bench.chaos import stream_chat
+from kvloop.clients.bench.chaos import checked_request, stream_chat
 from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation
 from tests.e2e.conftest import HAVE_ENGINES
@@ -46,15 +46,7 @@ class Turns:
         self.conversation = AgentConversation(seed=seed, system_words=300, tool_words=120)
 
     def request(self, salt: str | None = None) -> dict:
-        body = {
-            "model": MODEL,
-            "messages": [dict(m) for m in self.conversation.messages],
-            "max_tokens": 8,
-            "temperature": 0.0,
-            "stream": True,
-            "logprobs": True,
-            "return_tokens_as_token_ids": True,
-        }
+        body = checked_request(MODEL, self.conversation.messages, 8)
         return body | ({"cache_salt": salt} if salt else {})
 
     def ask(self, salt: str | None = None) -> dict:
