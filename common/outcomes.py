@@ -15,26 +15,34 @@ from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 from kvloop.v1 import directory_pb2 as pb
 
 
-def _short(enum: EnumTypeWrapper, prefix: str, value: int) -> str:
-    try:
-        return enum.Name(value).removeprefix(prefix).lower()
-    except ValueError:  # a value from a newer protocol: keep it visible as a number
-        return str(value)
+def _names(enum: EnumTypeWrapper, prefix: str) -> dict[int, str]:
+    # Built once: every Lookup names its decision, reason and path (the daemon's hot path).
+    return {value: name.removeprefix(prefix).lower() for name, value in enum.items()}
+
+
+_PATHS = _names(pb.TurnPath, "TURN_PATH_")
+_REASONS = _names(pb.DecisionReason, "DECISION_REASON_")
+_DECISIONS = _names(pb.Decision, "DECISION_")
+
+
+def _short(names: dict[int, str], value: int) -> str:
+    name = names.get(value)
+    return name if name is not None else str(value)  # a value from a newer protocol: keep it visible
 
 
 def path_name(path: int) -> str:
     """``pb.TURN_PATH_TRANSFER`` -> ``"transfer"``."""
-    return _short(pb.TurnPath, "TURN_PATH_", path)
+    return _short(_PATHS, path)
 
 
 def reason_name(reason: int) -> str:
     """``pb.DECISION_REASON_MISS`` -> ``"miss"``."""
-    return _short(pb.DecisionReason, "DECISION_REASON_", reason)
+    return _short(_REASONS, reason)
 
 
 def decision_name(decision: int) -> str:
     """``pb.DECISION_TRANSFER`` -> ``"transfer"``."""
-    return _short(pb.Decision, "DECISION_", decision)
+    return _short(_DECISIONS, decision)
 
 
 PATH_NAMES: tuple[str, ...] = tuple(path_name(v) for v in pb.TurnPath.values() if v)

@@ -45,11 +45,20 @@ class DaemonCounters:
         self.rejected = 0
         self.resyncs = 0
         self._evictions_reported = 0
+        # (decision, reason) -> (its labelled counter, its GetStats key): resolved once per pair,
+        # not on every Lookup.
+        self._decision_series: dict[tuple[str, str], tuple[Counter, str]] = {}
 
     def lookup(self, seconds: float, decision: str, reason: str) -> None:
         LOOKUP_LATENCY.observe(seconds)
-        DECISIONS.labels(decision, reason).inc()
-        key = f"{decision}/{reason}"
+        series = self._decision_series.get((decision, reason))
+        if series is None:
+            series = self._decision_series[decision, reason] = (
+                DECISIONS.labels(decision, reason),
+                f"{decision}/{reason}",
+            )
+        counter, key = series
+        counter.inc()
         self.decisions[key] = self.decisions.get(key, 0) + 1
         self.lookups += 1
 

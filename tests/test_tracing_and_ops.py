@@ -41,6 +41,12 @@ def test_lookup_span_reaches_otlp_receiver_with_kvloop_attributes(daemon_factory
     assert span["attributes"]["kvloop.decision"] == "recompute"
     assert span["attributes"]["kvloop.reason"] == "miss"
     assert span["attributes"]["kvloop.matched_tokens"] == 0
+    # The store call the decision waited on is a child of the request's span.
+    store_spans = otlp_receiver.wait_for(
+        lambda s: s["name"] == "kvloop.store.lookup" and s["trace_id"] == span["trace_id"]
+    )
+    assert store_spans[0]["parent_span_id"] == span["span_id"]
+    assert store_spans[0]["attributes"]["kvloop.store.backend"] == "memory"
 
 
 def test_metrics_endpoint_and_graceful_sigterm(daemon_factory):

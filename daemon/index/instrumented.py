@@ -2,14 +2,17 @@
 
 Every call is timed into ``kvloop_store_call_seconds{backend, op}``; the calls a request waits on
 (lookup, claims, find, registration) also get a span ``kvloop.store.<op>`` with the attribute
-``kvloop.store.backend``. Ingest (apply, heartbeat) is timed but not traced: one span per event
-batch would cost more than the batch on the in-memory store.
+``kvloop.store.backend``, when the request they serve is itself recorded (a span whose parent is not
+sampled would be dropped anyway, and starting one costs more than an in-memory lookup's probe).
+Ingest (apply, heartbeat) is timed but not traced: one span per event batch would cost more than
+the batch on the in-memory store.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from opentelemetry import trace
 from prometheus_client import Histogram
@@ -25,6 +28,7 @@ STORE_CALL = Histogram(
 )
 
 tracer = trace.get_tracer("kvloop.daemon.store")
+_UNTRACED: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
 
 
 class InstrumentedStore:
@@ -60,6 +64,11 @@ class InstrumentedStore:
         }
         self._attributes = {"kvloop.store.backend": inner.name}
 
+    def _span(self, op: str) -> AbstractContextManager[trace.Span]:
+        if not trace.get_current_span().is_recording():
+            return _UNTRACED
+        return tracer.start_as_current_span(f"kvloop.store.{op}", attributes=self._attributes)
+
     def clock(self) -> float:
         return self.inner.clock()
 
@@ -73,7 +82,7 @@ class InstrumentedStore:
     # ---- worker registry ---------------------------------------------------------------------
 
     async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
-        with tracer.start_as_current_span("kvloop.store.register", attributes=self._attributes):
+        with self._span("register"):
             with self._timers["register"].time():
                 return await self.inner.register(spec, last_sequence, now)
 
@@ -102,7 +111,7 @@ class InstrumentedStore:
             await self.inner.mark_resyncing(worker_id)
 
     async def set_draining(self, worker_id: str) -> bool:
-        with tracer.start_as_current_span("kvloop.store.set_draining", attributes=self._attributes):
+        with self._span("set_draining"):
             with self._timers["set_draining"].time():
                 return await self.inner.set_draining(worker_id)
 
@@ -147,7 +156,7 @@ class InstrumentedStore:
         accept: Callable[[WorkerSpec], bool] | None = None,
     ) -> PrefixMatch:
         started = time.perf_counter()
-        with tracer.start_as_current_span("kvloop.store.lookup", attributes=self._attributes) as span:
+        with self._span("lookup") as span:
             match = await self.inner.lookup(
                 namespace, hashes, local_blocks, requester, now, claim, margin_s=margin_s, accept=accept
             )
@@ -165,17 +174,17 @@ class InstrumentedStore:
     async def stored_prefixes(
         self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
     ) -> dict[str, int]:
-        with tracer.start_as_current_span("kvloop.store.stored_prefixes", attributes=self._attributes):
+        with self._span("stored_prefixes"):
             with self._timers["stored_prefixes"].time():
                 return await self.inner.stored_prefixes(namespace, hashes, workers, now)
 
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
-        with tracer.start_as_current_span("kvloop.store.release_claim", attributes=self._attributes):
+        with self._span("release_claim"):
             with self._timers["release_claim"].time():
                 return await self.inner.release_claim(namespace, holder, handle, requester)
 
     async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
-        with tracer.start_as_current_span("kvloop.store.find", attributes=self._attributes):
+        with self._span("find"):
             with self._timers["find"].time():
                 return await self.inner.find(namespace, block_hash, now)
 
