@@ -20,10 +20,12 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(level: str = "info", json_logs: bool | None = None) -> None:
+def configure_logging(level: str = "info", json_logs: bool | None = None, *, stdlib: bool = True) -> None:
     """Route structlog and stdlib logging (grpc, otel) to stderr in one format.
 
-    ``json_logs=None`` picks JSON when stderr is not a terminal (systemd, CI, pipes).
+    ``json_logs=None`` picks JSON when stderr is not a terminal (systemd, CI, pipes). ``stdlib=False``
+    configures structlog only: inside another program's process (the connector in vLLM's engine
+    core), whose own stdlib logging stays as that program set it up.
     """
     if json_logs is None:
         json_logs = not sys.stderr.isatty()
@@ -42,6 +44,8 @@ def configure_logging(level: str = "info", json_logs: bool | None = None) -> Non
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
+    if not stdlib:
+        return
     handler = logging.StreamHandler(_CurrentStderr())
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 
 from kvloop.agents.connector.scheduler import declines_retention
-from kvloop.clients.bench.decode_tpot import Trial, equal_batch_ratios, paired_ratios, step_table, summarize
+from kvloop.clients.bench.decode_tpot import (
+    Trial,
+    equal_batch_ratios,
+    paired_ratios,
+    step_table,
+    summarize,
+    thread_cpu_s,
+)
 from kvloop.clients.bench.steps import Gap, Stream, step_gaps
 
 
@@ -115,3 +126,31 @@ def test_decode_cpu_per_token_is_paired_by_round():
     out = paired_cpu_ratios(trials, "reads", "base")
     assert out is not None and (out["rounds"], out["median"]) == (3, 1.1)
     assert paired_cpu_ratios(trials, "reads", "base", group="kvloopd") is None
+
+
+def test_thread_cpu_adds_up_to_the_process():
+    """The per-thread split of a process's CPU (where a condition's extra decode CPU goes) accounts
+    for all of it, the other threads' included."""
+    release = threading.Event()
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def worker_burn() -> None:
+        burn(0.2)
+        release.wait()  # alive while the split is read: a thread that has ended has no schedstat
+
+    worker = threading.Thread(target=worker_burn)
+    before_threads, before = thread_cpu_s(os.getpid()), time.process_time()
+    worker.start()
+    burn(0.2)
+    while worker.is_alive() and time.process_time() - before < 0.4:
+        time.sleep(0.01)
+    after_threads, after = thread_cpu_s(os.getpid()), time.process_time()
+    release.set()
+    worker.join()
+    used = sum(after_threads.values()) - sum(before_threads.values())
+    assert used == pytest.approx(after - before, abs=0.05)
+    assert used >= 0.35

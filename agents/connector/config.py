@@ -69,6 +69,9 @@ class KvloopConfig(BaseModel):
     # NIXL progress-thread delay in microseconds (NIXL's Python API hard-codes 0 = busy spin).
     # None leaves NIXL alone.
     nixl_progress_delay_us: int | None = Field(default=1000, ge=0)
+    # The connector's own log lines in the engine process (vLLM's logging is vLLM's): "debug" adds a
+    # line per retained run and per READ, on the engine loop's path. JSON unless stderr is a terminal.
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("daemon", mode="before")
     @classmethod

@@ -27,6 +27,7 @@ connector's retained runs) are read before and after every condition, as a secon
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import threading
@@ -278,10 +279,41 @@ class CpuClock:
     def read(self) -> dict[str, float]:
         from kvloop.clients.bench.idle import CLK_TCK, _ticks
 
-        return {
+        totals = {
             group: sum(t for pid in pids if (t := _ticks(pid)) is not None) / CLK_TCK
             for group, pids in self.groups.items()
         }
+        for pid in self.groups.get(THREADS_OF, []):
+            for name, seconds in thread_cpu_s(pid).items():
+                key = f"{THREADS_OF} / {name}"
+                totals[key] = totals.get(key, 0.0) + seconds
+        return totals
+
+
+# The process whose threads are timed one by one (name -> CPU seconds, in Trial.cpu_s as
+# "decode engine-core / <thread name>"): where a condition's extra decode CPU goes (the model's
+# forward in the main thread, NIXL's progress thread, the KV-event publisher, torch's workers).
+THREADS_OF = "decode engine-core"
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` by thread name (several threads of one name summed),
+    from /proc/<pid>/task/*/schedstat: nanoseconds on a CPU, finer than stat's clock ticks."""
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+        out[name] = out.get(name, 0.0) + ns / 1e9
+    return out
 
 
 class Driver:

@@ -41,6 +41,12 @@ def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
     # the prefill opened its NIXL connection to the decode before any turn read from it, and its
     # directory polls for peers (ListWorkers) left no traces
     assert "kvloop.peer_warmed" in (workdir / "logs" / "prefill-0.vllm.log").read_text()
+    # the connector's lines in the engine logs are JSON at its log level (info): no debug line per
+    # retained run on the engine loop's path (structlog unconfigured printed every one)
+    decode_log = (workdir / "logs" / "decode-0.vllm.log").read_text().splitlines()
+    connector_lines = [json.loads(line) for line in decode_log if line.startswith('{"') and "kvloop." in line]
+    assert any(c["event"] == "kvloop.scheduler_init" for c in connector_lines), decode_log[-20:]
+    assert not [line for line in decode_log if "kvloop.retained" in line]
     # so no READ waited for a handshake: each is steady state, and the cost model learns from it
     reads = [s for s in spans if s["name"] == "kvloop.nixl_read"]
     assert reads, "no turn read from the decode"
