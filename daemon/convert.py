@@ -22,6 +22,7 @@ from kvloop.daemon.index import (
     LeaseState,
     Location,
     Namespace,
+    PackedHashes,
     Released,
     Removed,
     Retained,
@@ -50,26 +51,6 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class PackedHashes(Sequence[bytes]):
-    """A view of concatenated fixed-length hashes; slices only the hashes a lookup probes."""
-
-    __slots__ = ("_data", "_n", "_width")
-
-    def __init__(self, data: bytes, width: int) -> None:
-        self._data, self._width, self._n = data, width, len(data) // width
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, i):
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
-            raise IndexError(i)
-        w = self._width
-        return self._data[i * w : (i + 1) * w]
 
 
 def check_hashes(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -13,6 +13,42 @@ class LeaseState(IntEnum):
     RESYNCING = 2
     EXPIRED = 3
     DRAINING = 4
+
+
+class PackedHashes(Sequence[bytes]):
+    """A view of concatenated fixed-length hashes (a Lookup's ``packed_block_hashes``): the in-memory
+    index slices only the hashes its search probes; a store that ships the whole prompt elsewhere
+    takes :attr:`data` at once (a per-item walk through ``__getitem__`` cost ~1 us a block)."""
+
+    __slots__ = ("_data", "_n", "_width")
+
+    def __init__(self, data: bytes, width: int) -> None:
+        self._width, self._n = width, len(data) // width
+        self._data = data if len(data) == self._n * width else data[: self._n * width]
+
+    @property
+    def data(self) -> bytes:
+        """The hashes, concatenated (``len(self) * width`` bytes)."""
+        return self._data
+
+    @property
+    def width(self) -> int:
+        return self._width
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        w = self._width
+        return self._data[i * w : (i + 1) * w]
+
+    def __iter__(self) -> Iterator[bytes]:
+        data, w = self._data, self._width
+        return (data[i : i + w] for i in range(0, len(data), w))
 
 
 @dataclass(frozen=True, slots=True)

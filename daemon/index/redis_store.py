@@ -45,6 +45,7 @@ from kvloop.daemon.index.model import (
     LeaseState,
     Location,
     Namespace,
+    PackedHashes,
     PrefixMatch,
     Released,
     Removed,
@@ -89,15 +90,18 @@ def _keys(hashes: Sequence[bytes]) -> bytes:
     """The blocks' keys, concatenated (KEY_BYTES each)."""
     if not hashes:
         return b""
-    width = len(hashes[0])
+    if isinstance(hashes, PackedHashes):
+        data, width = hashes.data, hashes.width  # a Lookup's packed prompt: no walk per block
+    else:
+        data, width = b"".join(hashes), len(hashes[0])
     if width == KEY_BYTES:
-        return b"".join(hashes)
+        return data
     if width % KEY_BYTES == 0:
         # every hash's first 8 bytes, by a strided slice in C rather than a Python loop per block
         words = array("Q")
-        words.frombytes(b"".join(hashes))
+        words.frombytes(data)
         return words[:: width // KEY_BYTES].tobytes()
-    return b"".join(h[:KEY_BYTES] for h in hashes)
+    return b"".join(data[i : i + KEY_BYTES] for i in range(0, len(data), width))
 
 
 def _ids(raw: bytes) -> array:
