@@ -11,6 +11,7 @@ import pytest
 from kvloop.agents.connector.scheduler import declines_retention
 from kvloop.clients.bench.decode_tpot import (
     Trial,
+    across_stacks,
     equal_batch_ratios,
     paired_ratios,
     step_table,
@@ -76,6 +77,30 @@ def test_paired_ratios_pair_the_same_round_and_slot():
     assert out["median"] == pytest.approx(1.2)
     assert out["median_ci95"] == [pytest.approx(1.2), pytest.approx(1.2)]
     assert paired_ratios(trials, "staggered", "base") is None
+
+
+def test_pairs_never_cross_stacks_and_the_spread_over_stacks_is_reported():
+    """Round r of stack 0 pairs with round r of stack 0 only; each stack's median, their mean and its
+    t interval come out of across_stacks."""
+
+    def on(stack: int, trial: Trial) -> Trial:
+        trial.stack = stack
+        return trial
+
+    stacks = [
+        [on(0, _trial("base", 0, 0.011)), on(0, _trial("no_retention", 0, 0.010))],
+        [on(1, _trial("base", 0, 0.010)), on(1, _trial("no_retention", 0, 0.010))],
+        [on(2, _trial("no_retention", 0, 0.010))],  # its base never ran: nothing to pair
+    ]
+    pooled = paired_ratios([t for s in stacks for t in s], "base", "no_retention")
+    assert pooled is not None and pooled["pairs"] == 4  # not 2 x 2 cross-stack pairs more
+    rows = across_stacks([summarize(s) for s in stacks[:2]])
+    assert rows[0]["factor"] == "retention"
+    assert rows[0]["stack_medians"] == [pytest.approx(1.1), pytest.approx(1.0)]
+    assert rows[0]["mean"] == pytest.approx(1.05)
+    low, high = rows[0]["mean_ci95"]
+    assert low < 1.0 < 1.1 < high  # two stacks 0.1 apart: t(1) makes the interval wide
+    assert across_stacks([]) == []
 
 
 def test_equal_batch_ratios_leave_arrival_steps_out():

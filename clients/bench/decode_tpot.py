@@ -88,6 +88,9 @@ class DecodeTpotConfig:
     prompt_tokens: int = 1536
     answer_tokens: int = 16
     rounds: int = 12
+    # fresh stacks, one after another, each running every round: the spread over stacks is the honest
+    # error bar (one stack's paired CI misses what differs between stacks)
+    stacks: int = 1
     stagger_ms: float = 100.0
     conditions: tuple[str, ...] = tuple(CONDITIONS)
     pin_engines: bool = False
@@ -134,6 +137,8 @@ class Trial:
     # CPU seconds each process group used over the trial (idle.process_groups: "decode engine-core",
     # "decode api-server", "prefill engine-core", sidecars, kvloopd, ...)
     cpu_s: dict[str, float] = field(default_factory=dict)
+    # which fresh stack (engines, sidecars, kvloopd) of a --stacks run it ran on: pairs never cross stacks
+    stack: int = 0
 
 
 def paired_ratios(trials: Sequence[Trial], top: str, bottom: str) -> dict | None:
@@ -141,12 +146,15 @@ def paired_ratios(trials: Sequence[Trial], top: str, bottom: str) -> dict | None
     slot of the same round, seconds apart on the same engine. Median, quartiles and the median's 95%
     bootstrap interval."""
     tpot = {
-        (t.round, t.condition, i): s.tpot_ms() for t in trials for i, s in enumerate(t.streams) if s.tpot_ms()
+        (t.stack, t.round, t.condition, i): s.tpot_ms()
+        for t in trials
+        for i, s in enumerate(t.streams)
+        if s.tpot_ms()
     }
     ratios = [
         value / base
-        for (rnd, condition, i), value in tpot.items()
-        if condition == top and (base := tpot.get((rnd, bottom, i)))
+        for (stack, rnd, condition, i), value in tpot.items()
+        if condition == top and (base := tpot.get((stack, rnd, bottom, i)))
     ]
     if not ratios:
         return None
@@ -167,11 +175,15 @@ def paired_cpu_ratios(
     """CPU seconds per decoded token of a process group, `top` over `bottom`, paired by round: whether a
     condition makes the decode do more work, or only wait longer for a core."""
     per = {
-        (t.round, t.condition): t.cpu_s[group] / tokens
+        (t.stack, t.round, t.condition): t.cpu_s[group] / tokens
         for t in trials
         if group in t.cpu_s and (tokens := sum(sum(s.tokens) for s in t.streams))
     }
-    ratios = [v / per[(rnd, bottom)] for (rnd, c), v in per.items() if c == top and per.get((rnd, bottom))]
+    ratios = [
+        v / per[(stack, rnd, bottom)]
+        for (stack, rnd, c), v in per.items()
+        if c == top and per.get((stack, rnd, bottom))
+    ]
     if not ratios:
         return None
     low, high = median_ci95(ratios)
@@ -250,6 +262,37 @@ def summarize(trials: Sequence[Trial]) -> dict:
                 }
             )
     return {"conditions": conditions, "effects": effects}
+
+
+# Two-sided 95% Student t quantiles by degrees of freedom (a few stacks are few samples).
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+
+
+def across_stacks(summaries: Sequence[dict]) -> list[dict]:
+    """Each effect's paired median per stack, and their mean with its 95% t interval.
+
+    One stack's paired CI counts only the noise between rounds: identical runs on fresh stacks (the
+    same prompts and order) gave retention medians from 0.95 to 1.12, each with a CI excluding 1 on
+    its own side. The spread over stacks is the figure to read."""
+    out = []
+    for factor in [e["factor"] for e in summaries[0]["effects"]] if summaries else []:
+        medians = [
+            e["tpot"]["median"]
+            for summary in summaries
+            for e in summary["effects"]
+            if e["factor"] == factor and e["tpot"]
+        ]
+        row: dict = {"factor": factor, "stack_medians": medians}
+        if medians:
+            mean = statistics.fmean(medians)
+            row["mean"] = round(mean, 3)
+            if len(medians) > 1:
+                sd = statistics.stdev(medians)
+                half = _T95.get(len(medians) - 1, 1.96) * sd / len(medians) ** 0.5
+                row["sd"] = round(sd, 3)
+                row["mean_ci95"] = [round(mean - half, 3), round(mean + half, 3)]
+        out.append(row)
+    return out
 
 
 # ------------------------------------------------------------------------------------ engines
@@ -467,11 +510,37 @@ class Driver:
 
 
 def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lambda line: None) -> dict:
+    """Every round on each of ``cfg.stacks`` fresh stacks in turn (the same prompts and order on each):
+    ``summary`` pools their trials (pairs within a stack), ``stacks`` has each stack's own summary and
+    ``across_stacks`` the spread of each effect over them."""
     from kvloop.clients.demo.model import build_tiny_llama
-    from kvloop.clients.demo.stack import Stack, StackConfig
 
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(cfg.workdir / "model", hidden_size=cfg.hidden_size, layers=cfg.layers)
+    started = time.monotonic()
+    trials: list[Trial] = []
+    per_stack = []
+    for index in range(cfg.stacks):
+        if cfg.stacks > 1:
+            progress(f"stack {index + 1}/{cfg.stacks}")
+        mine = _run_stack(cfg, model, index, progress)
+        trials += mine
+        per_stack.append(summarize(mine))
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "summary": summarize(trials),
+        "stacks": per_stack,
+        "across_stacks": across_stacks(per_stack),
+        "trials": [asdict(t) for t in trials],
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+
+
+def _run_stack(
+    cfg: DecodeTpotConfig, model: Path, index: int, progress: Callable[[str], None]
+) -> list[Trial]:
+    from kvloop.clients.demo.stack import Stack, StackConfig
+
     stack = Stack(
         StackConfig(
             model_dir=model,
@@ -487,7 +556,6 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
             start_timeout_s=600,  # 2 cores shared with other work: engines have taken 4 minutes to start
         )
     )
-    started = time.monotonic()
     trials: list[Trial] = []
     try:
         stack.start(lambda what, state: progress(f"{what}: {state}"))
@@ -501,7 +569,9 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
             # (a busier prefill engine, the directory's work) would land on it alone
             order = random.Random(cfg.seed * 1000 + rnd).sample(names, len(names))
             for name in order:
-                trials.append(driver.trial(name, rnd))
+                trial = driver.trial(name, rnd)
+                trial.stack = index
+                trials.append(trial)
             progress(
                 f"round {rnd + 1}/{cfg.rounds}: "
                 + ", ".join(
@@ -510,11 +580,6 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
                 )
                 + " ms/token"
             )
-        return {
-            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
-            "summary": summarize(trials),
-            "trials": [asdict(t) for t in trials],
-            "wall_s": round(time.monotonic() - started, 1),
-        }
+        return trials
     finally:
         stack.stop()

@@ -468,6 +468,12 @@ def bench_chaos(
 @bench_app.command("decode-tpot")
 def bench_decode_tpot(
     rounds: Annotated[int, typer.Option(min=1, help="rounds (each runs every condition once)")] = 12,
+    stacks: Annotated[
+        int,
+        typer.Option(
+            min=1, help="fresh stacks in turn, each running every round: effects get an error bar over stacks"
+        ),
+    ] = 1,
     sessions: Annotated[int, typer.Option(min=1, help="requests decoded together per condition")] = 4,
     prompt_tokens: Annotated[int, typer.Option(min=64, help="tokens per prompt")] = 1536,
     answer_tokens: Annotated[int, typer.Option(min=2, help="tokens each request decodes")] = 16,
@@ -502,6 +508,7 @@ def bench_decode_tpot(
     config = DecodeTpotConfig(
         workdir=workdir.resolve(),
         rounds=rounds,
+        stacks=stacks,
         sessions=sessions,
         prompt_tokens=prompt_tokens,
         answer_tokens=answer_tokens,
@@ -561,6 +568,18 @@ def bench_decode_tpot(
             ", ".join(f"{b['batch']}: {b['ratio']}" for b in e["step_at_equal_batch"]),
         )
     console.print(table)
+    if len(result["stacks"]) > 1:
+        table = Table(title="each effect over stacks: each stack's paired median, their mean, its 95% CI")
+        for column in ("factor", "stack medians", "mean", "95% CI"):
+            table.add_column(column)
+        for row in result["across_stacks"]:
+            table.add_row(
+                row["factor"],
+                ", ".join(str(m) for m in row["stack_medians"]),
+                _blank(row.get("mean")),
+                "-".join(str(x) for x in row.get("mean_ci95", ())),
+            )
+        console.print(table)
     console.print(f"results: {out}")
 
 
