@@ -15,6 +15,9 @@ def test_a_tenant_never_pulls_another_tenants_kv(served_stack):
     with DirectoryClient(served_stack.daemon_address) as directory:
         retained = directory.stats().retained_runs
     conversation = AgentConversation(seed=41, system_words=400, tool_words=200)
+    # a first block of its own: the unsalted turn below may rightly pull the unsalted KV of other
+    # tests' conversations (seed 41 opens test_metrics' too), and must find none of tenant a's
+    conversation.messages[0]["content"] = "Tenant 41. " + conversation.messages[0]["content"]
     first = chat_turn(
         served_stack.proxy_url, MODEL, conversation.messages, 8, 1, extra={"cache_salt": "tenant-a"}
     )
