@@ -497,6 +497,7 @@ def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -
             compute_tokens=score.compute_tokens,
             queue_ms=score.queue_ms,
             transfer_ms=score.transfer_ms,
+            pull_wait_ms=score.pull_wait_ms,
             compute_ms=score.compute_ms,
             expected_ttft_ms=score.expected_ttft_ms,
             prefill_tokens_per_s=score.prefill_tokens_per_s,

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
+from kvloop.common.route_estimate import queue_ms, tie_margin_ms
 from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
 from kvloop.v1 import directory_pb2 as pb
@@ -95,8 +96,10 @@ class _Pair:
     verdicts: Counter[str] = field(default_factory=Counter)
     recompute_streak: int = 0  # measured "recompute is faster" verdicts in a row
     last_transfer: float | None = None  # monotonic time of the last TRANSFER verdict
-    wait_s: float = 0.0  # engine-step waits around READs, summed (shown, not learnt from)
-    waits: int = 0
+    wait_s: float = 0.0  # engine-step waits around READs, summed (not in Lookup's estimate)
+    waits: int = 0  # READs reported (those that did not wait included)
+    # The latest READs' step waits: Route adds their mean to a pull's cost (a local prefix hit has none).
+    recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +192,7 @@ class RouteScore:
     compute_tokens: int = 0
     queue_ms: float = 0.0
     transfer_ms: float = 0.0
+    pull_wait_ms: float = 0.0
     compute_ms: float = 0.0
     expected_ttft_ms: float = 0.0
     prefill_tokens_per_s: float = 0.0
@@ -268,9 +272,10 @@ class CostModel:
         """Learn from a READ measured by NIXL itself; a failed READ says nothing about bandwidth, a
         first READ includes the one-time handshake, and the engine's view includes step waits."""
         pair = self.pair(holder, puller, model)
-        if report.wait_us:
+        if not report.first_contact:  # a handshake's wait is paid once, and no longer at start-up
             pair.wait_s += report.wait_us / 1e6
             pair.waits += 1
+            pair.recent_waits.append(report.wait_us / 1e6)
         if not report.ok or report.duration_us <= 0 or report.first_contact or not report.nixl_measured:
             return
         pair.bandwidth.add(report.bytes / (report.duration_us / 1e6))
@@ -286,6 +291,16 @@ class CostModel:
     def prefill_tokens_per_s(self, worker: str) -> float:
         window = self._prefill.get(worker)
         return statistics.median(window.samples) if window and window.samples else 0.0
+
+    def step_wait_ms(self, holder: str, puller: str) -> float:
+        """Mean engine-step wait of this pair's latest READs: the pulling engine issues a READ at a
+        step and schedules the request after the step that saw it done, while a local prefix hit is
+        scheduled at once. Lookup leaves it out (recomputing waits for steps too); Route, comparing a
+        pull on one prefill with a local hit on another, counts it."""
+        pair = self._pairs.get((holder, puller))
+        if pair is None or not pair.recent_waits:
+            return 0.0
+        return statistics.fmean(pair.recent_waits) * 1e3
 
     def measured(self, holder: str, puller: str) -> bool:
         pair = self._pairs.get((holder, puller))
@@ -537,27 +552,34 @@ class Policy:
                     pulled = match.best.matched_blocks - score.local_blocks
                     assert verdict.cost is not None
                     score.transfer_ms = verdict.cost.transfer_ms
+                    score.pull_wait_ms = self.cost.step_wait_ms(score.pull_holder, c.worker_id)
             elif score.local_blocks:
                 score.pull_reason = pb.DECISION_REASON_LOCAL_PREFIX
             score.pull_blocks = pulled
             covered = (score.local_blocks + pulled) * query.block_size
             score.compute_tokens = max(0, query.prompt_tokens - covered)
             score.compute_ms = score.compute_tokens / rate * 1e3
-            queued = c.queued_tokens or c.in_flight_requests * query.prompt_tokens
-            score.queue_ms = queued / rate * 1e3
-            score.expected_ttft_ms = score.queue_ms + score.transfer_ms + score.compute_ms
+            score.queue_ms = queue_ms(c.queued_tokens, c.in_flight_requests, query.prompt_tokens, rate)
+            score.expected_ttft_ms = (
+                score.queue_ms + score.transfer_ms + score.pull_wait_ms + score.compute_ms
+            )
             scores.append(score)
         # Stable: equal estimates keep the caller's order (its own tie-break).
         scores.sort(key=lambda s: s.expected_ttft_ms)
         return scores
 
+    def tie_rule(self, model: str) -> tuple[float, float]:
+        """The model's (route_tie_ms, route_tie_ratio): Route answers them, so a router that re-ranks
+        ties as kvloopd does."""
+        config = self.config_for(model)
+        return config.route_tie_ms, config.route_tie_ratio
+
     def tied(self, model: str, ranked: Sequence[RouteScore]) -> int:
         """How many leading candidates are within the model's tie margin of the best."""
         if not ranked:
             return 0
-        config = self.config_for(model)
         best = ranked[0].expected_ttft_ms
-        margin = max(config.route_tie_ms, best * config.route_tie_ratio)
+        margin = tie_margin_ms(best, *self.tie_rule(model))
         return sum(1 for s in ranked if s.expected_ttft_ms - best <= margin)
 
     def pairs(self) -> pb.ListPairsResponse:

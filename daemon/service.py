@@ -145,6 +145,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         ranked = await self.policy.route(self.store, query, now)
         tied = self.policy.tied(request.model, ranked)
         response = convert.route_response(query, ranked, tied)
+        response.tie_floor_ms, response.tie_ratio = self.policy.tie_rule(request.model)
         elapsed = time.perf_counter() - started
         response.route_us = int(elapsed * 1e6)
         self.counters.route(elapsed, tied > 1)

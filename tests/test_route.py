@@ -125,6 +125,43 @@ async def test_a_pull_that_makes_up_for_the_missing_cache_ties(routed_daemon):
     assert (scores["p-b"].local_blocks, scores["p-b"].pull_blocks) == (0, 40)
 
 
+async def test_a_pull_costs_its_pairs_step_wait_and_a_local_hit_does_not(routed_daemon):
+    """The pulling prefill schedules the request a step after its READ is done; a local prefix hit is
+    scheduled at once. With equal coverage, the pair's measured step wait decides for the local hit."""
+    model = "m-route-wait"
+    prompt = conversation("wait", 64)
+    # p-b's READs from d, each timed by NIXL at 2 ms and waiting 150-250 ms for engine steps
+    reads = [
+        pb.BlockEvent(
+            transfer=pb.TransferReport(
+                source_worker_id="d",
+                bytes=4 << 20,
+                duration_us=2_000,
+                ok=True,
+                nixl_measured=True,
+                wait_us=wait_us,
+            )
+        )
+        for wait_us in (150_000, 250_000)
+    ]
+    async with AsyncDirectoryClient(routed_daemon.address) as client:
+        workers = {
+            "p-a": (pb.WORKER_ROLE_PREFILL, [stored(prompt[:40])]),
+            "p-b": (pb.WORKER_ROLE_PREFILL, reads),
+            "d": (pb.WORKER_ROLE_DECODE, [retained(prompt[:40], "h")]),
+        }
+        async with fleet(client, model, workers):
+            after = await client.route(model, ["p-b", "p-a"], block_hashes=prompt)
+    # both end at block 40 (with no waits measured they tie: the test above)
+    scores = by_worker(after)
+    assert (scores["p-b"].pull_blocks, scores["p-b"].pull_wait_ms) == (40, 200.0)
+    assert scores["p-a"].pull_wait_ms == 0
+    assert [s.worker_id for s in after.ranked] == ["p-a", "p-b"] and after.tied == 1
+    assert scores["p-b"].expected_ttft_ms == pytest.approx(
+        scores["p-b"].queue_ms + scores["p-b"].transfer_ms + 200.0 + scores["p-b"].compute_ms
+    )
+
+
 async def test_route_hashes_token_ids_with_the_models_registered_settings(daemon):
     model = "m-route-tokens"
     tokens = list(range(3, 3 + 10 * BS + 5))
@@ -196,6 +233,44 @@ async def test_bad_routes_are_refused_precisely(daemon, kwargs, code, fragment):
             with pytest.raises(KvloopError) as failure:
                 await client.route(model, candidates, **arguments)
     assert failure.value.code == code and fragment in str(failure.value)
+
+
+async def test_a_burst_the_proxy_routes_at_once_is_spread_by_the_queues_it_adds(daemon):
+    """Four requests routed together, each best on the same prefill when the queues are empty: each
+    choice is counted into its prefill's queue before the next is ranked, so they alternate (ranked on
+    the queues the Route requests were sent with, all four would go to the one prefill)."""
+    import asyncio
+
+    import aiohttp
+
+    from kvloop.clients.proxy.backends import BackendPool
+    from kvloop.clients.proxy.routing import Router
+
+    model = "m-route-burst"
+    tokens = list(range(3, 3 + 20 * BS))
+    hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
+    pool = BackendPool("prefill", ["http://burst-a", "http://burst-b"])
+    for backend in pool.backends:
+        backend.healthy = True
+    async with AsyncDirectoryClient(daemon.address) as client:
+        # burst-a holds 4 of the 20 blocks: idle, it computes 256 tokens against burst-b's 320
+        workers = {"burst-a": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:4])]), "burst-b": (1, [])}
+        async with fleet(client, model, workers, hash_seed="0"), aiohttp.ClientSession() as session:
+            router = Router(pool, client, timeout_s=5.0)
+            body = {"model": model, "prompt": tokens}  # token ids already: no tokenizing
+            alone = await router.choose(session, body, chat=False)
+            assert (alone.outcome, alone.backend.url, alone.queued_tokens) == ("route", "http://burst-a", 256)
+            alone.release()
+            burst = await asyncio.gather(*(router.choose(session, body, chat=False) for _ in range(4)))
+    chosen = [c.backend.url for c in burst]
+    assert sorted(chosen) == ["http://burst-a"] * 2 + ["http://burst-b"] * 2, chosen
+    # each request counted where it went, with what it computes there
+    assert {b.url: (b.in_flight, b.queued_tokens) for b in pool.backends} == {
+        "http://burst-a": (2, 512),
+        "http://burst-b": (2, 640),
+    }
+    # the expected TTFT each was chosen with includes the queue the earlier ones of the burst made
+    assert sorted(c.expected_ttft_ms for c in burst)[-1] > alone.expected_ttft_ms
 
 
 async def test_the_python_example_scores_candidates_from_token_ids(daemon):

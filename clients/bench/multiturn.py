@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
+from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
 from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
@@ -127,6 +128,8 @@ class TurnSample:
     prefill_worker: str | None = None
     route: str | None = None
     route_ms: float | None = None
+    # kvloop and prefix_route: each candidate as Route estimated it, queues as they were when chosen.
+    route_estimates: list[dict] | None = None
     # This turn's decode steps as [batch, arrival, step ms] (see steps.step_gaps; the batch counts the
     # arm's sessions streaming at the same time): TPOT compared at equal batch.
     decode_steps: list[list] = field(default_factory=list)
@@ -311,6 +314,7 @@ class TurnOutcome:
     route: str | None = None
     route_ms: float | None = None
     decode_stream: Stream | None = None
+    route_estimates: list[dict] | None = None
 
 
 class ArmClient:
@@ -460,20 +464,29 @@ class RoutedArmClient(ArmClient):
     carry the arm's own cache_salt: the fleet is shared, the caches are not."""
 
     def __init__(
-        self, arm: str, prefill_urls: list[str], decode_urls: list[str], daemon: str, block_size: int
+        self,
+        arm: str,
+        prefill_urls: list[str],
+        decode_urls: list[str],
+        daemon: str,
+        block_size: int,
+        tokenizer: PromptTokenizer,
     ) -> None:
         from kvloop.clients.client import DirectoryClient
+        from kvloop.clients.proxy.app import ProxyConfig
 
         super().__init__(arm, prefill_urls[0], decode_urls[0])
         self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
         self.block_size = block_size
+        self.tokenizer = tokenizer  # the proxy's: the model's own, in this process
         self.salt = f"kvloop-bench-{arm}"
         self.pull = arm in ("kvloop", "load_pull")
-        self.directory = DirectoryClient(daemon, timeout=2.0)  # one channel, shared by the arm's threads
-        self._lock = threading.Lock()
+        # One channel, shared by the arm's threads; the proxy's deadline (past it, the load rule).
+        self.directory = DirectoryClient(daemon, timeout=ProxyConfig.route_timeout_s)
+        self._lock = threading.RLock()  # re-entered: choose() holds it around _least_loaded()
         # A counter per pool (as the proxy's BackendPool has): one shared counter would alternate
         # between pools and send every round-robin pick of a pool to the same server.
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count(), "tokenize": itertools.count()}
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self.in_flight = dict.fromkeys(prefill_urls + decode_urls, 0)
         self.queued = dict.fromkeys(prefill_urls, 0)  # prompt tokens in-flight requests compute there
 
@@ -487,18 +500,21 @@ class RoutedArmClient(ArmClient):
             ties = [u for u in among if self.in_flight[u] == least]
             return ties[next(self._rr[pool]) % len(ties)]
 
-    def choose(self, messages: list[dict]) -> tuple[str, str, int]:
-        """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated)."""
+    def choose(self, messages: list[dict]) -> tuple[str, str, int, list[dict] | None]:
+        """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated, each
+        candidate's estimates), counted into that prefill's queue before any other thread of the arm
+        chooses (as the proxy does)."""
         if self.arm in ("load_pull", "recompute"):
-            return self._least_loaded(self.prefill_urls), "load", 0
+            with self._lock:
+                return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None)
         from kvloop.clients.client import KvloopError
+        from kvloop.clients.proxy.routing import rank_now
         from kvloop.v1 import directory_pb2 as pb
 
         try:
-            tokenizer = self.prefill_urls[next(self._rr["tokenize"]) % len(self.prefill_urls)]
-            tokens = _post(f"{tokenizer}/tokenize", {"model": MODEL, "messages": messages}, timeout=30)[
-                "tokens"
-            ]
+            tokens = self.tokenizer.tokens({"model": MODEL, "messages": messages}, chat=True)
+            if not tokens:
+                raise KeyError("the bench's own messages did not tokenize")
             with self._lock:
                 candidates = [
                     pb.RouteCandidate(
@@ -508,23 +524,51 @@ class RoutedArmClient(ArmClient):
                 ]
             answer = self.directory.route(MODEL, candidates, token_ids=tokens, cache_salt=self.salt)
         except (KvloopError, OSError, KeyError) as exc:
-            return self._least_loaded(self.prefill_urls), f"load_{type(exc).__name__}", 0
-        ranked = list(answer.ranked)
-        if self.arm == "kvloop":
-            best = ranked[: max(answer.tied, 1)]
-            how = "route" if len(best) == 1 else "tie"
-        else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
-            longest = max(s.local_blocks for s in ranked)
-            best = [s for s in ranked if s.local_blocks == longest]
-            how = "prefix" if longest and len(best) == 1 else "prefix_tie" if longest else "prefix_miss"
-        url = self._least_loaded([s.http_endpoint for s in best]) if len(best) > 1 else best[0].http_endpoint
-        score = next(s for s in ranked if s.http_endpoint == url)
-        queued = (
-            score.compute_tokens
-            if self.arm == "kvloop"
-            else len(tokens) - score.local_blocks * self.block_size
-        )
-        return url, how, queued
+            with self._lock:
+                return (
+                    *self._reserve(self._least_loaded(self.prefill_urls), f"load_{type(exc).__name__}", 0),
+                    None,
+                )
+        with self._lock:
+            ranked, tied = rank_now(answer, lambda u: (self.in_flight[u], self.queued[u]))
+            estimates = [
+                {
+                    "prefill": r.score.http_endpoint,
+                    "local_blocks": r.score.local_blocks,
+                    "pull_blocks": r.score.pull_blocks,
+                    "transfer_ms": round(r.score.transfer_ms, 2),
+                    "pull_wait_ms": round(r.score.pull_wait_ms, 2),
+                    "compute_ms": round(r.score.compute_ms, 2),
+                    "expected_ttft_ms": round(r.expected_ttft_ms, 2),
+                    "prefill_tokens_per_s": round(r.score.prefill_tokens_per_s),
+                }
+                for r in ranked
+            ]
+            if self.arm == "kvloop":
+                best = [r.score for r in ranked[: max(tied, 1)]]
+                how = "route" if len(best) == 1 else "tie"
+            else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
+                longest = max(s.local_blocks for s in answer.ranked)
+                best = [s for s in answer.ranked if s.local_blocks == longest]
+                how = "prefix" if longest and len(best) == 1 else "prefix_tie" if longest else "prefix_miss"
+            url = (
+                self._least_loaded([s.http_endpoint for s in best])
+                if len(best) > 1
+                else best[0].http_endpoint
+            )
+            score = next(s for s in answer.ranked if s.http_endpoint == url)
+            queued = (
+                score.compute_tokens
+                if self.arm == "kvloop"
+                else len(tokens) - score.local_blocks * self.block_size
+            )
+            return (*self._reserve(url, how, queued), estimates)
+
+    def _reserve(self, prefill: str, how: str, queued: int) -> tuple[str, str, int]:
+        """Count a request into its prefill's queue (the caller holds the lock)."""
+        self.in_flight[prefill] += 1
+        self.queued[prefill] += queued
+        return prefill, how, queued
 
     def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
         kv: dict = {"do_remote_decode": True}
@@ -538,11 +582,8 @@ class RoutedArmClient(ArmClient):
             "cache_salt": self.salt,
         }
         t0 = time.perf_counter()
-        prefill, how, queued = self.choose(session.messages)
+        prefill, how, queued, estimates = self.choose(session.messages)
         route_ms = (time.perf_counter() - t0) * 1e3
-        with self._lock:
-            self.in_flight[prefill] += 1
-            self.queued[prefill] += queued
         try:
             pre = _post(
                 f"{prefill}/v1/chat/completions",
@@ -584,6 +625,7 @@ class RoutedArmClient(ArmClient):
             how,
             route_ms,
             decode_stream=streamed.stream,
+            route_estimates=estimates,
         )
 
 
@@ -660,6 +702,7 @@ def run_workload(
                         r.prefill_worker,
                         r.route,
                         r.route_ms,
+                        r.route_estimates,
                         decode_steps=decode_steps_of(r.decode_stream, streams),
                     )
                 )
@@ -1126,6 +1169,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                         [d.config.url for d in fleet.decodes],
                         fleet.daemon_address,
                         config.block_size,
+                        PromptTokenizer(str(model)),
                     )
                     for arm in config.arms
                 }

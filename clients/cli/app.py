@@ -1166,6 +1166,14 @@ def proxy(
     route_timeout: Annotated[
         float, typer.Option(help="seconds for tokenize + Route per request before falling back to load")
     ] = 0.1,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="where --route gets token ids: auto (the model's tokenizer, from the model directory the "
+            "servers report, when it is on this host), remote (a prefill's /tokenize), or a tokenizer path "
+            "or Hugging Face id"
+        ),
+    ] = "auto",
     max_attempts: Annotated[
         int,
         typer.Option(
@@ -1213,6 +1221,7 @@ def proxy(
         request_timeout_s=request_timeout,
         directory=state.daemon if route else None,
         route_timeout_s=route_timeout,
+        tokenizer=tokenizer,
         max_attempts=max_attempts,
     )
 

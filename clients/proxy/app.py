@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
 from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, error_event, sse
+from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
 from kvloop.common.tracing import trace_id_hex
 
@@ -62,6 +63,10 @@ class ProxyConfig:
     directory: str | None = None
     # Deadline of tokenize + Route per request; past it the load rule decides.
     route_timeout_s: float = 0.1
+    # Where Route's token ids come from: auto (the model's tokenizer from the directory the servers
+    # report as its root, when it is on this host), remote (a prefill's /tokenize), or a tokenizer
+    # path or Hugging Face id.
+    tokenizer: str = "auto"
     # Runs of one request (prefill + decode) on different servers when a server fails under it,
     # continuations of a broken stream included.
     max_attempts: int = 3
@@ -190,9 +195,6 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
         rspan.set_attributes(_route_attributes(choice))
     prefill = choice.backend
     span.set_attributes(_route_attributes(choice))
-    queued = choice.queued_tokens
-    prefill.in_flight += 1
-    prefill.queued_tokens += queued
     try:
         with tracer.start_as_current_span("kvloop.proxy.prefill", kind=SpanKind.CLIENT) as pspan:
             pspan.set_attribute("kvloop.backend", prefill.url)
@@ -200,8 +202,7 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
             propagate.inject(headers)
             answer = await _post_json(state, prefill, path, _prefill_body(body, chat), headers)
     finally:
-        prefill.in_flight -= 1
-        prefill.queued_tokens -= queued
+        choice.release()
     prefill_s = time.perf_counter() - started
     PREFILL_SECONDS.observe(prefill_s)
     kv = answer.get("kv_transfer_params")
@@ -355,7 +356,7 @@ def _route_attributes(choice) -> dict[str, str | int | float]:
     if choice.score is not None:
         attributes.update(
             {
-                "kvloop.route.expected_ttft_ms": round(choice.score.expected_ttft_ms, 3),
+                "kvloop.route.expected_ttft_ms": round(choice.expected_ttft_ms, 3),
                 "kvloop.route.local_blocks": choice.score.local_blocks,
                 "kvloop.route.pull_blocks": choice.score.pull_blocks,
                 "kvloop.route.compute_tokens": choice.score.compute_tokens,
@@ -569,7 +570,7 @@ def build_app(config: ProxyConfig) -> web.Application:
         config,
         prefill,
         BackendPool("decode", config.decode, config.health_interval_s),
-        Router(prefill, None, config.route_timeout_s),
+        Router(prefill, None, config.route_timeout_s, PromptTokenizers(config.tokenizer)),
     )
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["state"] = state

@@ -21,6 +21,8 @@ class Backend:
     queued_tokens: int = 0
     last_error: str = ""
     models: list[str] = field(default_factory=list)
+    # Served model name -> the model's path or Hugging Face id as the server loaded it (`root`).
+    roots: dict[str, str] = field(default_factory=dict)
 
 
 class NoBackend(Exception):
@@ -62,7 +64,9 @@ class BackendPool:
                     f"{backend.url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)
                 ) as r:
                     if r.status == 200:
-                        backend.models = [m["id"] for m in (await r.json()).get("data", [])]
+                        served = (await r.json()).get("data", [])
+                        backend.models = [m["id"] for m in served]
+                        backend.roots = {m["id"]: m["root"] for m in served if m.get("root")}
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             ok = False
             backend.last_error = f"unreachable: {exc.__class__.__name__}: {exc}"

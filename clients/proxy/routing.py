@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,6 +22,8 @@ from prometheus_client import Counter, Histogram
 
 from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, KvloopError
 from kvloop.clients.proxy.backends import Backend, BackendPool
+from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
+from kvloop.common.route_estimate import queue_ms, tie_margin_ms
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.proxy")
@@ -32,11 +35,47 @@ ROUTES = Counter(
     "unavailable, error, unknown_candidate)",
     ["outcome"],
 )
+TOKENIZED = Counter(
+    "kvloop_proxy_tokenized_total",
+    "Where the proxy tokenized prompts for Route: local (the model's tokenizer in the proxy) or server "
+    "(a prefill's /tokenize: no local tokenizer, or a prompt it does not render as vLLM would)",
+    ["where"],
+)
 ROUTE_SECONDS = Histogram(
     "kvloop_proxy_route_seconds",
     "Tokenize + Route time per request, as the proxy waited for it",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class RankedCandidate:
+    score: pb.RouteScore
+    expected_ttft_ms: float  # Route's transfer + pull wait + compute, after the candidate's queue now
+
+
+def rank_now(
+    answer: pb.RouteResponse, queue: Callable[[str], tuple[int, int]]
+) -> tuple[list[RankedCandidate], int]:
+    """Route's ranking again with each candidate's queue as the router knows it now, and how many
+    lead within Route's tie margin. kvloopd ranked with the queues the request was sent with; the
+    requests routed while it was in flight are not in them, so every request of a burst (sessions
+    that send together) would go to the same best candidate. `queue(http_endpoint)` gives (requests
+    in flight, prompt tokens they still compute)."""
+    prompt_tokens = answer.prompt_tokens
+    ranked = []
+    for score in answer.ranked:
+        in_flight, queued = queue(score.http_endpoint)
+        waiting = queue_ms(queued, in_flight, prompt_tokens, score.prefill_tokens_per_s)
+        ranked.append(
+            RankedCandidate(score, waiting + score.transfer_ms + score.pull_wait_ms + score.compute_ms)
+        )
+    ranked.sort(key=lambda r: r.expected_ttft_ms)  # stable: equal estimates keep Route's order
+    if not ranked:
+        return ranked, 0
+    best = ranked[0].expected_ttft_ms
+    margin = tie_margin_ms(best, answer.tie_floor_ms, answer.tie_ratio)
+    return ranked, sum(1 for r in ranked if r.expected_ttft_ms - best <= margin)
 
 
 @dataclass
@@ -45,18 +84,35 @@ class Choice:
     outcome: str  # "route", "tie" or "load_<why>"
     score: pb.RouteScore | None = None  # Route's estimate for the chosen backend
     prompt_tokens: int = 0
+    expected_ttft_ms: float = 0.0  # with the queue as it was when chosen
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens this request adds to its prefill's queue (what it will compute there)."""
         return self.score.compute_tokens if self.score is not None else self.prompt_tokens
 
+    def reserve(self) -> None:
+        self.backend.in_flight += 1
+        self.backend.queued_tokens += self.queued_tokens
+
+    def release(self) -> None:
+        """The request's prefill step is over (done or failed): out of its prefill's queue."""
+        self.backend.in_flight -= 1
+        self.backend.queued_tokens -= self.queued_tokens
+
 
 class Router:
-    def __init__(self, pool: BackendPool, directory: AsyncDirectoryClient | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        directory: AsyncDirectoryClient | None,
+        timeout_s: float,
+        tokenizers: PromptTokenizers | None = None,
+    ) -> None:
         self.pool = pool
         self.directory = directory
         self.timeout_s = timeout_s
+        self.tokenizers = tokenizers or PromptTokenizers()
         self._tokenize_turn = itertools.count()
 
     def _load(self, why: str, among: list[Backend] | None = None, prompt_tokens: int = 0) -> Choice:
@@ -66,6 +122,14 @@ class Router:
         return Choice(backend, outcome, prompt_tokens=prompt_tokens)
 
     async def choose(self, session: aiohttp.ClientSession, body: dict, chat: bool) -> Choice:
+        """The request's prefill, already counted into that prefill's queue (in-flight requests and
+        the tokens it computes there) when this returns, so the next request is ranked with it; the
+        caller releases it when the prefill step ends."""
+        choice = await self._choose(session, body, chat)
+        choice.reserve()  # no await since the choice: no other request was ranked in between
+        return choice
+
+    async def _choose(self, session: aiohttp.ClientSession, body: dict, chat: bool) -> Choice:
         if self.directory is None:
             return self._load("no_directory")
         healthy = [b for b in self.pool.backends if b.healthy]
@@ -100,30 +164,49 @@ class Router:
             return self._load("error")
         finally:
             ROUTE_SECONDS.observe(loop.time() - started)
+        # From here to the caller's reservation of the chosen backend nothing awaits: the queues
+        # this ranks with are the ones the choice is counted into.
         by_url = {b.url: b for b in healthy}
-        tied = [by_url.get(s.http_endpoint.rstrip("/")) for s in answer.ranked[: max(answer.tied, 1)]]
-        if any(b is None for b in tied):
+        if any(by_url.get(s.http_endpoint.rstrip("/")) is None for s in answer.ranked):
             return self._load("unknown_candidate", prompt_tokens=len(tokens))
-        scores = {s.http_endpoint.rstrip("/"): s for s in answer.ranked}
-        if len(tied) > 1:
-            choice = self._load("tie", among=[b for b in tied if b is not None], prompt_tokens=len(tokens))
-            choice.score = scores[choice.backend.url]
-            return choice
-        best = tied[0]
-        assert best is not None
-        ROUTES.labels("route").inc()
-        return Choice(best, "route", scores[best.url], len(tokens))
+
+        def queue(endpoint: str) -> tuple[int, int]:
+            backend = by_url[endpoint.rstrip("/")]
+            return backend.in_flight, backend.queued_tokens
+
+        ranked, tied = rank_now(answer, queue)
+        best = [by_url[r.score.http_endpoint.rstrip("/")] for r in ranked[:tied]]
+        if len(best) > 1:
+            choice = self._load("tie", among=best, prompt_tokens=len(tokens))
+        else:
+            ROUTES.labels("route").inc()
+            choice = Choice(best[0], "route", prompt_tokens=len(tokens))
+        chosen = next(r for r in ranked if r.score.http_endpoint.rstrip("/") == choice.backend.url)
+        choice.score, choice.expected_ttft_ms = chosen.score, chosen.expected_ttft_ms
+        return choice
 
     async def _tokenize(
         self, session: aiohttp.ClientSession, healthy: list[Backend], body: dict, chat: bool
     ) -> list[int] | None:
-        """The prompt's token ids from a prefill server's /tokenize (vLLM renders chat messages with
-        the model's template there, as for the completion)."""
-        # Round-robin of its own: taking the pool's would make every tie-break after it land on the
-        # same server.
+        """The prompt's token ids: rendered here with the model's tokenizer when it can be (see
+        prompt_tokens), else from a prefill server's /tokenize (vLLM renders chat messages with the
+        model's template there, as for the completion)."""
         prompt = body.get("prompt")
         if not chat and isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt  # already token ids (a continuation of a broken stream)
+        model = str(body.get("model", ""))
+        root = next((b.roots[model] for b in healthy if model in b.roots), None)
+        tokenizer = self.tokenizers.loaded(model)
+        if tokenizer is None and not self.tokenizers.tried(model):
+            tokenizer = await asyncio.to_thread(self.tokenizers.get, model, root)
+        if tokenizer is not None:
+            local = await asyncio.to_thread(tokenizer.tokens, body, chat)
+            if local:
+                TOKENIZED.labels("local").inc()
+                return local
+        TOKENIZED.labels("server").inc()
+        # Round-robin of its own: taking the pool's would make every tie-break after it land on the
+        # same server.
         backend = healthy[next(self._tokenize_turn) % len(healthy)]
         request = {"model": body.get("model")}
         if chat:

@@ -105,6 +105,8 @@ def test_the_route_answer_decides_the_prefill(served_stack, tmp_path):
             assert headers["x-kvloop-prefill"] == warm
         metrics = post_get(f"{proxy}/metrics")
     assert 'kvloop_proxy_route_total{outcome="route"} 2.0' in metrics
+    # the proxy tokenized both prompts itself (the model's directory is on this host)
+    assert 'kvloop_proxy_tokenized_total{where="local"} 2.0' in metrics
 
 
 def test_a_dead_directory_falls_back_to_load(served_stack, tmp_path):
@@ -120,3 +122,39 @@ def test_a_dead_directory_falls_back_to_load(served_stack, tmp_path):
     # the load rule round-robins over the idle candidates
     assert chosen == {served_stack.prefill.config.url, served_stack.decodes[1].config.url}
     assert 'kvloop_proxy_route_total{outcome="load_unavailable"} 2.0' in metrics
+
+
+def test_the_proxy_tokenizes_prompts_as_the_server_does(served_stack):
+    """Route's token ids come from the model's tokenizer in the proxy's process (no /tokenize round
+    trip per request); they are the ones vLLM's /tokenize gives for the same request, and a request it
+    cannot render as vLLM would is left to the server."""
+    from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
+
+    server = served_stack.prefill.config.url
+    models = json.loads(post_get(f"{server}/v1/models"))["data"]
+    root = next(m["root"] for m in models if m["id"] == MODEL)
+    tokenizer = PromptTokenizers("auto").get(MODEL, root)
+    assert tokenizer is not None, f"no tokenizer loaded from {root}"
+    history = [
+        {"role": "system", "content": random_text(120, 33)},
+        {"role": "user", "content": random_text(200, 34)},
+        {"role": "assistant", "content": "<think>" + random_text(30, 35) + "</think> " + random_text(20, 36)},
+        {"role": "user", "content": random_text(50, 37)},
+    ]
+    requests = [
+        ({"messages": history[1:2]}, True),
+        ({"messages": history}, True),
+        ({"messages": history, "add_generation_prompt": False}, True),
+        ({"prompt": random_text(300, 38)}, False),
+    ]
+    for request, chat in requests:
+        body = {"model": MODEL, **request}
+        with post(f"{server}/tokenize", body) as r:
+            expected = json.loads(r.read())["tokens"]
+        assert tokenizer.tokens(body, chat) == expected, request
+    tool_call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    }
+    assert tokenizer.tokens({"model": MODEL, "messages": [*history, tool_call]}, True) is None

@@ -732,7 +732,7 @@ class RouteRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteScore(_message.Message):
-    __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis")
+    __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis", "pull_wait_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HTTP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -749,6 +749,7 @@ class RouteScore(_message.Message):
     EXPECTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BASIS_FIELD_NUMBER: _ClassVar[int]
+    PULL_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     http_endpoint: str
     registered: bool
@@ -765,18 +766,23 @@ class RouteScore(_message.Message):
     expected_ttft_ms: float
     prefill_tokens_per_s: float
     prefill_basis: str
-    def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., registered: _Optional[bool] = ..., local_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., pull_holder_worker_id: _Optional[str] = ..., pull_holder_blocks: _Optional[int] = ..., pull_reason: _Optional[_Union[DecisionReason, str]] = ..., pull_cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., compute_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., expected_ttft_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_basis: _Optional[str] = ...) -> None: ...
+    pull_wait_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., registered: _Optional[bool] = ..., local_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., pull_holder_worker_id: _Optional[str] = ..., pull_holder_blocks: _Optional[int] = ..., pull_reason: _Optional[_Union[DecisionReason, str]] = ..., pull_cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., compute_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., expected_ttft_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_basis: _Optional[str] = ..., pull_wait_ms: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us")
+    __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us", "tie_floor_ms", "tie_ratio")
     RANKED_FIELD_NUMBER: _ClassVar[int]
     TIED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUTE_US_FIELD_NUMBER: _ClassVar[int]
+    TIE_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
+    TIE_RATIO_FIELD_NUMBER: _ClassVar[int]
     ranked: _containers.RepeatedCompositeFieldContainer[RouteScore]
     tied: int
     prompt_blocks: int
     prompt_tokens: int
     route_us: int
-    def __init__(self, ranked: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., tied: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., route_us: _Optional[int] = ...) -> None: ...
+    tie_floor_ms: float
+    tie_ratio: float
+    def __init__(self, ranked: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., tied: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., route_us: _Optional[int] = ..., tie_floor_ms: _Optional[float] = ..., tie_ratio: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,119 @@
+"""A request's prompt as token ids, rendered and tokenized in the router's own process.
+
+Route needs the prompt's token ids. Asking a prefill server (vLLM's ``/tokenize``) costs an HTTP
+round trip on a server that is busy computing prefills: 15-70 ms per request measured on a loaded
+host, inside every turn's time to first token. The model's own Hugging Face tokenizer renders and
+tokenizes the same prompt in a few milliseconds, as vLLM does for its HF renderer: the chat template
+with the generation prompt, then the tokenizer without added special tokens (chat); the tokenizer
+with its special tokens (completions).
+
+What this does not render as vLLM would (content parts, tool calls whose arguments vLLM re-parses,
+a template vLLM resolves otherwise) is left to ``/tokenize``: ``tokens`` answers None and the caller
+asks the server. Route's answer only advises: a prompt tokenized differently costs a worse choice,
+never a wrong answer, because the prefill's own Lookup matches the prompt the engine computes.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("kvloop.proxy")
+
+_CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template")
+
+
+class PromptTokenizer:
+    """One model's tokenizer (thread-safe to call: Hugging Face fast tokenizers are)."""
+
+    def __init__(self, source: str) -> None:
+        # transformers (and jinja2, its template engine) come with vLLM, not with kvloop's base install.
+        import jinja2
+        from transformers import AutoTokenizer
+
+        self.source = source
+        self._tokenizer: Any = AutoTokenizer.from_pretrained(source)
+        self._refusals: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, jinja2.TemplateError)
+
+    def tokens(self, body: dict, chat: bool) -> list[int] | None:
+        """The prompt's token ids as the server would compute them, or None when this request's
+        rendering is not certainly vLLM's or the template refuses it (the caller then asks the server,
+        which gives the client the template's error properly)."""
+        try:
+            return self._render(body, chat)
+        except self._refusals as exc:
+            log.debug("prompt not tokenized here", error=str(exc))
+            return None
+
+    def _render(self, body: dict, chat: bool) -> list[int] | None:
+        if not chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                return list(self._tokenizer.encode(prompt, add_special_tokens=True))
+            return None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(_plain(m) for m in messages):
+            return None
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.update({k: body[k] for k in _CHAT_KEYS if body.get(k) is not None})
+        kwargs.setdefault("add_generation_prompt", True)
+        ids = self._tokenizer.apply_chat_template(
+            messages, tools=body.get("tools"), tokenize=True, return_dict=False, **kwargs
+        )
+        return list(ids)
+
+
+def _plain(message: object) -> bool:
+    """A message vLLM passes to the template as it is: a role and a string content, no tool calls."""
+    return (
+        isinstance(message, dict)
+        and isinstance(message.get("role"), str)
+        and isinstance(message.get("content"), str)
+        and not message.get("tool_calls")
+    )
+
+
+class PromptTokenizers:
+    """Tokenizers by served model name, loaded on first use from ``source``: a path or Hugging Face
+    id for every model, or ``auto`` (the model directory the servers report in ``/v1/models`` as the
+    model's ``root``, when it exists on this host), or ``remote`` (none: always ``/tokenize``). A model
+    whose tokenizer cannot be loaded is asked of the server, and said once in the log."""
+
+    def __init__(self, source: str = "auto") -> None:
+        self.source = source
+        self._loaded: dict[str, PromptTokenizer | None] = {}
+        self._lock = threading.Lock()
+
+    def tried(self, model: str) -> bool:
+        return model in self._loaded
+
+    def loaded(self, model: str) -> PromptTokenizer | None:
+        return self._loaded.get(model)
+
+    def get(self, model: str, root: str | None) -> PromptTokenizer | None:
+        """The model's tokenizer, loading it on first use (blocking: call it from a thread)."""
+        with self._lock:
+            if model in self._loaded:
+                return self._loaded[model]
+        source = self._source_for(root)
+        tokenizer = None
+        if source is not None:
+            try:
+                tokenizer = PromptTokenizer(source)
+                log.info("prompt tokenizer loaded", model=model, source=source)
+            except (OSError, ValueError, ImportError) as exc:
+                log.warning(
+                    "prompt tokenizer not loaded: tokenizing on the servers", model=model, error=str(exc)
+                )
+        with self._lock:
+            return self._loaded.setdefault(model, tokenizer)
+
+    def _source_for(self, root: str | None) -> str | None:
+        if self.source == "remote":
+            return None
+        if self.source != "auto":
+            return self.source
+        return root if root and Path(root).is_dir() else None
