@@ -11,7 +11,7 @@ peer frees blocks nobody read. The READ itself starts in the worker
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 
 from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.compute_time import ComputeTime
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import NULL_BLOCK
 from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer
@@ -95,8 +96,10 @@ class PrefillSide:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvloop-lookup")
         self._lookups: dict[str, _Lookup] = {}
         self._pulls: dict[str, _Pull] = {}
-        # Requests computing their prompt here -> (decided at, tokens), for the prefill report.
+        # Requests computing their prompt here -> (decided at, tokens), for the prefill report, and
+        # the engine steps' time charged to them (the report's duration: compute, not queueing).
         self._computing: dict[str, tuple[float, int]] = {}
+        self._compute_time = ComputeTime()
         # Each request's recorded outcome, returned to the caller in kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
         # Holders read from, for READs NIXL did not time: the first one from a holder may have paid
@@ -243,6 +246,7 @@ class PrefillSide:
         outcome.recompute_tokens = max(0, request.num_prompt_tokens - num_computed_tokens)
         if outcome.recompute_tokens:
             self._computing[request.request_id] = (answered, outcome.recompute_tokens)
+            self._compute_time.track(request.request_id)
         self._outcomes[request.request_id] = record(request.request_id, outcome, span, time.perf_counter())
         return 0, False
 
@@ -477,16 +481,19 @@ class PrefillSide:
         ):
             self.directory.release_claim(answer.holder)
 
+    def step(self, scheduled: Mapping[str, int], total_tokens: int) -> None:
+        """An engine step starts (the scheduler built its metadata) with these tokens per request."""
+        self._compute_time.step(scheduled, total_tokens)
+
     def _report_prefill(self, request: Request) -> None:
         computing = self._computing.pop(request.request_id, None)
+        compute_s = self._compute_time.finish(request.request_id)
         if computing is None or request.num_computed_tokens < request.num_prompt_tokens:
             return  # nothing computed here, or aborted before its prefill ended
         decided, tokens = computing
-        self._emit(
-            KvloopPrefillReport(
-                tokens=tokens, duration_us=int((time.perf_counter() - decided) * 1e6), ts=time.time()
-            )
-        )
+        # No step seen (a scheduler that never built metadata): the wall time since the decision.
+        duration_s = compute_s or time.perf_counter() - decided
+        self._emit(KvloopPrefillReport(tokens=tokens, duration_us=int(duration_s * 1e6), ts=time.time()))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

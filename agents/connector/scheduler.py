@@ -193,6 +193,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         holder_epochs: dict[str, int] = {}
         if self.prefill is not None:
             deadlines, holder_epochs = self.prefill.take_pulls()
+            self.prefill.step(
+                scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
+            )
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
         return KvloopConnectorMetadata.extend(base, multi, deadlines, holder_epochs)
 
