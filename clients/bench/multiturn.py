@@ -1140,7 +1140,8 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     with_proxy=False,
                 )
             )
-        with Progress(disable=not progress, transient=True, console=make_console()) as bar:
+        # On stderr: stdout keeps the results (a table, or the JSON with --json).
+        with Progress(disable=not progress, transient=True, console=make_console(stderr=True)) as bar:
             task = bar.add_task(f"starting {len(stacks)} arms' engines", total=None)
 
             def say(text: str) -> None:

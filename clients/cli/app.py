@@ -1283,6 +1283,9 @@ def bench_multiturn(
         ),
     ] = False,
     repeats: Annotated[int, typer.Option(min=1, help="repeat every workload")] = 1,
+    seed: Annotated[
+        int, typer.Option(help="conversations' seed: runs with other seeds replay other conversations")
+    ] = 1,
     dtype: Annotated[
         str,
         typer.Option(
@@ -1329,6 +1332,7 @@ def bench_multiturn(
         decodes=decodes,
         pin_engines=pin_engines,
         repeats=repeats,
+        seed=seed,
         quick=quick,
         system_tokens=system_tokens or (800 if quick else 1500),
         tool_tokens=tool_tokens or (400 if quick else 600),
@@ -1336,7 +1340,7 @@ def bench_multiturn(
         warmup_turns=warmup_turns,
     )
     with supervisor().stop_on_signals():
-        result = run_multiturn(config, progress=not state.json)
+        result = run_multiturn(config)  # progress on stderr (a line per stage off a terminal)
     out = output or (config.workdir / "multiturn.json")
     out.write_text(json.dumps(result, indent=2))
     if state.json:

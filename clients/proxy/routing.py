@@ -1,12 +1,13 @@
 """The proxy's prefill choice: kvloopd's Route ranking when it answers in time, the load rule otherwise.
 
-Per request the proxy tokenizes the prompt on a prefill server (vLLM's ``/tokenize``, the same
-rendering the completion will use), asks Route with the token ids and every healthy prefill with its
-in-flight requests and the prompt tokens they still compute (as this proxy estimated them), and takes
-the best. Ties (Route's ``tied`` > 1) are decided by the load rule among the tied; no directory, an
-error, a deadline missed or a prefill Route does not know fall back to the load rule over all, and
-the outcome names which (``kvloop_proxy_route_total{outcome}``, span attribute ``kvloop.route``,
-header ``x-kvloop-route``).
+Per request the proxy tokenizes the prompt (with the model's own tokenizer in this process when it
+can, see prompt_tokens; else on a prefill server, vLLM's ``/tokenize``), asks Route with the token ids
+and every healthy prefill with its in-flight requests and the prompt tokens they still compute (as
+this proxy estimated them), re-ranks the answer with those queues as they are when it arrives
+(``rank_now``) and counts the request into its prefill's queue before another request is ranked.
+Ties are decided by the load rule among the tied; no directory, an error, a deadline missed or a
+prefill Route does not know fall back to the load rule over all, and the outcome names which
+(``kvloop_proxy_route_total{outcome}``, span attribute ``kvloop.route``, header ``x-kvloop-route``).
 """
 
 from __future__ import annotations
