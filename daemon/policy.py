@@ -33,6 +33,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,6 +69,11 @@ class PolicyConfig(BaseModel):
     # of the best are tied (the router picks among them by load).
     route_tie_ms: float = Field(1.0, ge=0)
     route_tie_ratio: float = Field(0.05, ge=0)
+    # Route's prefill rate. "pooled": one rate for every registered candidate, the median of their
+    # latest samples together (a pool of like prefills: a worker's own median moves with its recent
+    # batch-mates and co-tenants, noise that would decide rankings, and its queue is counted apart).
+    # "per_worker": each candidate's own (a pool mixing prefills of different speeds).
+    route_prefill_rate: Literal["pooled", "per_worker"] = "pooled"
 
 
 class _Window:
@@ -287,6 +293,16 @@ class CostModel:
             return
         window = self._prefill.setdefault(worker, _Window(config.window_samples))
         window.add(tokens / (duration_us / 1e6))
+
+    def pooled_prefill_rate(self, workers: Sequence[str], config: PolicyConfig) -> tuple[float, str]:
+        """One rate for these workers: the median of their latest samples together (the default
+        filling a short pool, as for one worker)."""
+        samples = [x for w in workers if (window := self._prefill.get(w)) for x in window.samples]
+        if not samples:
+            return config.default_prefill_tokens_per_s, "default"
+        missing = max(0, config.min_samples - len(samples))
+        rate = statistics.median([*samples, *([config.default_prefill_tokens_per_s] * missing)])
+        return rate, f"pooled ({len(samples)} prefills of {len(workers)} workers)"
 
     def prefill_tokens_per_s(self, worker: str) -> float:
         window = self._prefill.get(worker)
@@ -518,10 +534,20 @@ class Policy:
         n = len(query.hashes)
         registered = [c.worker_id for c in query.candidates if c.spec is not None]
         local = await store.stored_prefixes(query.namespace, query.hashes, registered, now)
+        pooled = (
+            self.cost.pooled_prefill_rate(registered, config)
+            if config.route_prefill_rate == "pooled"
+            else None
+        )
         scores = []
         for c in query.candidates:
             score = RouteScore(c, local_blocks=local.get(c.worker_id, 0) if c.spec is not None else 0)
-            rate, score.prefill_basis = self.cost.prefill_rate(c.worker_id, config)
+            if c.spec is None:  # not a worker of the model: nothing measured of it
+                rate, score.prefill_basis = config.default_prefill_tokens_per_s, "default"
+            elif pooled is not None:
+                rate, score.prefill_basis = pooled
+            else:
+                rate, score.prefill_basis = self.cost.prefill_rate(c.worker_id, config)
             score.prefill_tokens_per_s = rate
             pulled = 0
             if c.spec is not None and score.local_blocks < n:

@@ -162,6 +162,40 @@ async def test_a_pull_costs_its_pairs_step_wait_and_a_local_hit_does_not(routed_
     )
 
 
+@pytest.mark.parametrize("rate", ["pooled", "per_worker"])
+async def test_route_ranks_a_pool_of_like_prefills_with_one_rate(daemon_factory, rate):
+    """Two prefills whose latest prefills ran at 1,000 and 3,000 tokens/s (one had busy co-tenants):
+    pooled (the default), both are ranked with the rate of all their samples, so the one with the
+    longer local prefix wins; per_worker, the faster one wins despite it."""
+    model = "m-route-rate"
+    prompt = conversation("rate", 64)  # 1024 tokens
+    daemon = daemon_factory(env={"KVLOOP_POLICY__ROUTE_PREFILL_RATE": rate})
+
+    def prefills(tokens_per_s: int) -> list[pb.BlockEvent]:
+        return [
+            pb.BlockEvent(prefill=pb.PrefillReport(tokens=1000, duration_us=int(1000 / tokens_per_s * 1e6)))
+            for _ in range(5)
+        ]
+
+    async with AsyncDirectoryClient(daemon.address) as client:
+        workers = {
+            "p-slow": (pb.WORKER_ROLE_PREFILL, [stored(prompt[:8]), *prefills(1000)]),
+            "p-fast": (pb.WORKER_ROLE_PREFILL, prefills(3000)),
+        }
+        async with fleet(client, model, workers):
+            answer = await client.route(model, ["p-fast", "p-slow"], block_hashes=prompt)
+    scores = by_worker(answer)
+    if rate == "pooled":
+        assert scores["p-slow"].prefill_tokens_per_s == scores["p-fast"].prefill_tokens_per_s
+        assert scores["p-fast"].prefill_tokens_per_s == pytest.approx(2000, rel=1e-4)
+        assert scores["p-slow"].prefill_basis.startswith("pooled (10 prefills")
+        assert answer.ranked[0].worker_id == "p-slow"  # 896 tokens to compute against 1024
+    else:
+        rates = (scores["p-slow"].prefill_tokens_per_s, scores["p-fast"].prefill_tokens_per_s)
+        assert rates == pytest.approx((1000, 3000), rel=1e-4)
+        assert answer.ranked[0].worker_id == "p-fast"
+
+
 async def test_route_hashes_token_ids_with_the_models_registered_settings(daemon):
     model = "m-route-tokens"
     tokens = list(range(3, 3 + 10 * BS + 5))
