@@ -555,7 +555,10 @@ async def _health(request: web.Request) -> web.Response:
         for pool in (state.prefill, state.decode)
     }
     ok = any(b.healthy for b in state.prefill.backends) and any(b.healthy for b in state.decode.backends)
-    return web.json_response({"status": "ok" if ok else "unavailable", **detail}, status=200 if ok else 503)
+    body = {"status": "ok" if ok else "unavailable", **detail}
+    if state.router.directory is not None:  # --route: where its token ids come from, per model
+        body["tokenizers"] = state.router.tokenizers.status()
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -584,6 +587,10 @@ def build_app(config: ProxyConfig) -> web.Application:
         if config.directory:
             state.router.directory = AsyncDirectoryClient(config.directory, timeout=config.route_timeout_s)
         await asyncio.gather(state.prefill.check_all(state.session), state.decode.check_all(state.session))
+        if state.router.directory is not None:  # load the served models' tokenizers before requests come
+            for backend in state.prefill.backends:
+                for model, root in backend.roots.items():
+                    state.router.tokenizers.get(model, root)
         state.tasks = [
             asyncio.create_task(state.prefill.keep_checking(state.session)),
             asyncio.create_task(state.decode.keep_checking(state.session)),

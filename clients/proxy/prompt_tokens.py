@@ -77,27 +77,41 @@ def _plain(message: object) -> bool:
 
 
 class PromptTokenizers:
-    """Tokenizers by served model name, loaded on first use from ``source``: a path or Hugging Face
-    id for every model, or ``auto`` (the model directory the servers report in ``/v1/models`` as the
-    model's ``root``, when it exists on this host), or ``remote`` (none: always ``/tokenize``). A model
-    whose tokenizer cannot be loaded is asked of the server, and said once in the log."""
+    """Tokenizers by served model name, loaded in the background from ``source``: a path or Hugging
+    Face id for every model, or ``auto`` (the model directory the servers report in ``/v1/models``
+    as the model's ``root``, when it exists on this host), or ``remote`` (none: always
+    ``/tokenize``). Loading takes seconds (importing transformers), so no request waits for it: until
+    a model's tokenizer is loaded, and for good when it cannot be (said once in the log), its
+    prompts are tokenized by the servers."""
 
     def __init__(self, source: str = "auto") -> None:
         self.source = source
-        self._loaded: dict[str, PromptTokenizer | None] = {}
+        self._loaded: dict[str, PromptTokenizer | None] = {}  # None: cannot be loaded
+        self._loading: set[str] = set()
         self._lock = threading.Lock()
 
-    def tried(self, model: str) -> bool:
-        return model in self._loaded
-
-    def loaded(self, model: str) -> PromptTokenizer | None:
-        return self._loaded.get(model)
-
     def get(self, model: str, root: str | None) -> PromptTokenizer | None:
-        """The model's tokenizer, loading it on first use (blocking: call it from a thread)."""
+        """The model's tokenizer when it is loaded; else None, and its loading starts (once)."""
+        tokenizer = self._loaded.get(model)
+        if tokenizer is not None or model in self._loaded:
+            return tokenizer
         with self._lock:
-            if model in self._loaded:
-                return self._loaded[model]
+            if model in self._loading or model in self._loaded:
+                return None
+            self._loading.add(model)
+        threading.Thread(
+            target=self._load, args=(model, root), name=f"tokenizer-{model}", daemon=True
+        ).start()
+        return None
+
+    def status(self) -> dict[str, str]:
+        """Per model: loaded (with its source), loading, or server (tokenized by the servers)."""
+        with self._lock:
+            out = {m: "loading" for m in self._loading}
+            out.update({m: f"loaded from {t.source}" if t else "server" for m, t in self._loaded.items()})
+        return out
+
+    def _load(self, model: str, root: str | None) -> None:
         source = self._source_for(root)
         tokenizer = None
         if source is not None:
@@ -109,7 +123,8 @@ class PromptTokenizers:
                     "prompt tokenizer not loaded: tokenizing on the servers", model=model, error=str(exc)
                 )
         with self._lock:
-            return self._loaded.setdefault(model, tokenizer)
+            self._loaded[model] = tokenizer
+            self._loading.discard(model)
 
     def _source_for(self, root: str | None) -> str | None:
         if self.source == "remote":

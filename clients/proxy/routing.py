@@ -197,9 +197,7 @@ class Router:
             return prompt  # already token ids (a continuation of a broken stream)
         model = str(body.get("model", ""))
         root = next((b.roots[model] for b in healthy if model in b.roots), None)
-        tokenizer = self.tokenizers.loaded(model)
-        if tokenizer is None and not self.tokenizers.tried(model):
-            tokenizer = await asyncio.to_thread(self.tokenizers.get, model, root)
+        tokenizer = self.tokenizers.get(model, root)
         if tokenizer is not None:
             local = await asyncio.to_thread(tokenizer.tokens, body, chat)
             if local:

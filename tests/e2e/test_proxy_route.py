@@ -57,6 +57,11 @@ def routing_proxy(stack, daemon: str, log_dir: Path) -> Iterator[str]:
             lambda: all(b["healthy"] for b in json.loads(post_get(f"{url}/health"))["prefill"]),
             what="both prefill candidates healthy",
         )
+        # the model's tokenizer loads in the background (until then the servers tokenize)
+        wait_until(
+            lambda: json.loads(post_get(f"{url}/health"))["tokenizers"].get(MODEL, "").startswith("loaded"),
+            what="the proxy's tokenizer loaded",
+        )
         yield url
     finally:
         supervisor().stop(process, grace_s=10)
@@ -78,28 +83,36 @@ def chat(url: str, messages: list[dict]):
         return dict(r.headers)
 
 
-def test_the_route_answer_decides_the_prefill(served_stack, tmp_path):
-    warm = served_stack.decodes[1].config.url
-    messages = [{"role": "user", "content": random_text(600, 31)}]
-    # decode-1 computes the prompt once (a plain request): its prefix cache holds it
-    with post(f"{warm}/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}) as r:
+def warmed_on(stack, server: str, seed: int) -> list[dict]:
+    """A prompt `server` computed once (a plain request: its prefix cache holds it), once kvloopd's
+    Route ranks `server` first for it (its BlockStored events indexed)."""
+    messages = [{"role": "user", "content": random_text(600, seed)}]
+    with post(f"{server}/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}) as r:
         r.read()
-    with post(f"{warm}/tokenize", {"model": MODEL, "messages": messages}) as r:
+    with post(f"{server}/tokenize", {"model": MODEL, "messages": messages}) as r:
         tokens = json.loads(r.read())["tokens"]
     candidates = [
-        pb.RouteCandidate(http_endpoint=served_stack.prefill.config.url),
-        pb.RouteCandidate(http_endpoint=warm),
+        pb.RouteCandidate(http_endpoint=stack.prefill.config.url),
+        pb.RouteCandidate(http_endpoint=server),
     ]
-    with DirectoryClient(served_stack.daemon_address) as directory:
+    with DirectoryClient(stack.daemon_address) as directory:
 
-        def warm_ranked_first() -> bool:
+        def ranked_first() -> bool:
             answer = directory.route(MODEL, candidates, token_ids=tokens)
-            return answer.ranked[0].http_endpoint == warm and answer.ranked[0].local_blocks > 0
+            return answer.ranked[0].http_endpoint == server and answer.ranked[0].local_blocks > 0
 
-        wait_until(warm_ranked_first, what="decode-1's BlockStored events indexed")
+        wait_until(ranked_first, what="the warm server's BlockStored events indexed")
+    return messages
+
+
+def test_the_route_answer_decides_the_prefill(served_stack, tmp_path):
+    warm = served_stack.decodes[1].config.url
+    # Two prompts, each in decode-1's prefix cache only. (One prompt twice would not do: the first
+    # turn leaves its KV retained on decode-0, and the prefill's pull of it ties with the cache.)
+    prompts = [warmed_on(served_stack, warm, seed) for seed in (31, 39)]
     with routing_proxy(served_stack, served_stack.daemon_address, tmp_path) as proxy:
         # the load rule alternates between two idle candidates; Route sends both turns to the cache
-        for _ in range(2):
+        for messages in prompts:
             headers = chat(proxy, messages)
             assert headers["x-kvloop-route"] == "route", headers
             assert headers["x-kvloop-prefill"] == warm
@@ -128,13 +141,11 @@ def test_the_proxy_tokenizes_prompts_as_the_server_does(served_stack):
     """Route's token ids come from the model's tokenizer in the proxy's process (no /tokenize round
     trip per request); they are the ones vLLM's /tokenize gives for the same request, and a request it
     cannot render as vLLM would is left to the server."""
-    from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
+    from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
 
     server = served_stack.prefill.config.url
     models = json.loads(post_get(f"{server}/v1/models"))["data"]
-    root = next(m["root"] for m in models if m["id"] == MODEL)
-    tokenizer = PromptTokenizers("auto").get(MODEL, root)
-    assert tokenizer is not None, f"no tokenizer loaded from {root}"
+    tokenizer = PromptTokenizer(next(m["root"] for m in models if m["id"] == MODEL))
     history = [
         {"role": "system", "content": random_text(120, 33)},
         {"role": "user", "content": random_text(200, 34)},
