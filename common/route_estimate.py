@@ -9,7 +9,9 @@ def queue_ms(queued_tokens: int, in_flight_requests: int, prompt_tokens: int, to
     in-flight requests still compute, or, when the router does not know them, each in-flight request
     counted as long as this prompt."""
     queued = queued_tokens or in_flight_requests * prompt_tokens
-    return queued / tokens_per_s * 1e3
+    if not queued:
+        return 0.0
+    return queued / tokens_per_s * 1e3 if tokens_per_s > 0 else float("inf")  # no rate: unknown, last
 
 
 def tie_margin_ms(best_ms: float, floor_ms: float, ratio: float) -> float:

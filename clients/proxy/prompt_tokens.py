@@ -3,14 +3,15 @@
 Route needs the prompt's token ids. Asking a prefill server (vLLM's ``/tokenize``) costs an HTTP
 round trip on a server that is busy computing prefills: 15-70 ms per request measured on a loaded
 host, inside every turn's time to first token. The model's own Hugging Face tokenizer renders and
-tokenizes the same prompt in a few milliseconds, as vLLM does for its HF renderer: the chat template
+tokenizes the same prompt in milliseconds, as vLLM does for its HF renderer: the chat template
 with the generation prompt, then the tokenizer without added special tokens (chat); the tokenizer
 with its special tokens (completions).
 
-What this does not render as vLLM would (content parts, tool calls whose arguments vLLM re-parses,
-a template vLLM resolves otherwise) is left to ``/tokenize``: ``tokens`` answers None and the caller
-asks the server. Route's answer only advises: a prompt tokenized differently costs a worse choice,
-never a wrong answer, because the prefill's own Lookup matches the prompt the engine computes.
+What this does not render certainly as vLLM would (content parts, tool calls whose arguments vLLM
+re-parses, tool definitions vLLM dumps with its defaults, roles it may rewrite) is left to
+``/tokenize``: ``tokens`` answers None and the caller asks the server. Route's answer only advises:
+a prompt tokenized differently costs a worse choice, never a wrong answer, because the prefill's own
+Lookup matches the prompt the engine computes.
 """
 
 from __future__ import annotations
@@ -57,20 +58,20 @@ class PromptTokenizer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(_plain(m) for m in messages):
             return None
+        if body.get("tools") or body.get("documents"):
+            return None  # vLLM hands the template its own dump of them (defaults filled in)
         kwargs = dict(body.get("chat_template_kwargs") or {})
         kwargs.update({k: body[k] for k in _CHAT_KEYS if body.get(k) is not None})
         kwargs.setdefault("add_generation_prompt", True)
-        ids = self._tokenizer.apply_chat_template(
-            messages, tools=body.get("tools"), tokenize=True, return_dict=False, **kwargs
-        )
-        return list(ids)
+        return list(self._tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
 
 
 def _plain(message: object) -> bool:
-    """A message vLLM passes to the template as it is: a role and a string content, no tool calls."""
+    """A message vLLM passes to the template as it is: a system, user or assistant role and a string
+    content, no tool calls (vLLM re-parses their arguments; a developer role it may turn into system)."""
     return (
         isinstance(message, dict)
-        and isinstance(message.get("role"), str)
+        and message.get("role") in ("system", "user", "assistant")
         and isinstance(message.get("content"), str)
         and not message.get("tool_calls")
     )

@@ -168,4 +168,12 @@ def test_the_proxy_tokenizes_prompts_as_the_server_does(served_stack):
         "content": "",
         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
     }
-    assert tokenizer.tokens({"model": MODEL, "messages": [*history, tool_call]}, True) is None
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    left_to_the_server = [
+        {"messages": [*history, tool_call]},
+        {"messages": history, "tools": [tool]},
+        {"messages": [{"role": "developer", "content": "be brief"}, *history[1:]]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    ]
+    for request in left_to_the_server:
+        assert tokenizer.tokens({"model": MODEL, **request}, True) is None, request
