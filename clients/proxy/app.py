@@ -360,6 +360,8 @@ def _route_attributes(choice) -> dict[str, str | int | float]:
                 "kvloop.route.local_blocks": choice.score.local_blocks,
                 "kvloop.route.pull_blocks": choice.score.pull_blocks,
                 "kvloop.route.compute_tokens": choice.score.compute_tokens,
+                "kvloop.route.pull_wait_ms": round(choice.score.pull_wait_ms, 3),
+                "kvloop.route.prefill_tokens_per_s": round(choice.score.prefill_tokens_per_s, 1),
             }
         )
     return attributes
