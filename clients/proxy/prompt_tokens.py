@@ -22,6 +22,8 @@ from typing import Any
 
 import structlog
 
+from kvloop.clients.proxy.piece_cache import PieceCache
+
 log = structlog.get_logger("kvloop.proxy")
 
 _CHAT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template")
@@ -38,6 +40,12 @@ class PromptTokenizer:
         self.source = source
         self._tokenizer: Any = AutoTokenizer.from_pretrained(source)
         self._refusals: tuple[type[Exception], ...] = (ValueError, TypeError, KeyError, jinja2.TemplateError)
+        try:
+            samples = [self._tokenizer.apply_chat_template(c, tokenize=False) for c in _SAMPLE_CHATS]
+        except self._refusals:
+            samples = []
+        # The history a conversation resends every turn is tokenized once (None: not exact for it).
+        self.pieces = PieceCache.for_tokenizer(self._tokenizer, samples) if samples else None
 
     def tokens(self, body: dict, chat: bool) -> list[int] | None:
         """The prompt's token ids as the server would compute them, or None when this request's
@@ -63,7 +71,24 @@ class PromptTokenizer:
         kwargs = dict(body.get("chat_template_kwargs") or {})
         kwargs.update({k: body[k] for k in _CHAT_KEYS if body.get(k) is not None})
         kwargs.setdefault("add_generation_prompt", True)
-        return list(self._tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
+        # As apply_chat_template(tokenize=True) does: the rendered text, no special tokens added.
+        text = self._tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        if self.pieces is not None:
+            return self.pieces.encode(text)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+# Texts the piece cache must encode exactly as the whole before it is used: whitespace at the edges
+# of messages, runs of spaces, tabs, newlines and accents, around the template's added tokens.
+_SAMPLE_CHATS = [
+    [
+        {"role": "system", "content": "  You are terse.\n\nKeep it short. "},
+        {"role": "user", "content": "héllo wörld  two  spaces\t and a tab\n"},
+        {"role": "assistant", "content": " ok.  Done\n\n"},
+        {"role": "user", "content": "12 345 6789!? (x) [y] {z} -- end"},
+    ],
+    [{"role": "user", "content": "\n leading newline, trailing spaces   "}],
+]
 
 
 def _plain(message: object) -> bool:
