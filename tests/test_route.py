@@ -307,6 +307,37 @@ async def test_a_burst_the_proxy_routes_at_once_is_spread_by_the_queues_it_adds(
     assert sorted(c.expected_ttft_ms for c in burst)[-1] > alone.expected_ttft_ms
 
 
+async def test_the_proxy_breaks_a_tie_for_the_candidate_that_pulls_less(daemon):
+    """Route ties a prefill with 10 blocks of its own + 30 pulled and one pulling all 40; the proxy,
+    both idle, takes the one that pulls less every time rather than alternating (a READ also costs
+    the holder's decode time, which the estimate leaves out)."""
+    import aiohttp
+
+    from kvloop.clients.proxy.backends import BackendPool
+    from kvloop.clients.proxy.routing import Router
+
+    model = "m-route-tie-break"
+    tokens = list(range(5, 5 + 64 * BS))
+    hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
+    pool = BackendPool("prefill", ["http://tb-a", "http://tb-b"])
+    for backend in pool.backends:
+        backend.healthy = True
+    async with AsyncDirectoryClient(daemon.address) as client:
+        workers = {
+            "tb-a": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:10])]),
+            "tb-b": (pb.WORKER_ROLE_PREFILL, []),
+            "tb-d": (pb.WORKER_ROLE_DECODE, [retained(hashes[:40], "h-tb")]),
+        }
+        async with fleet(client, model, workers, hash_seed="0"), aiohttp.ClientSession() as session:
+            router = Router(pool, client, timeout_s=5.0)
+            chosen = []
+            for _ in range(3):
+                choice = await router.choose(session, {"model": model, "prompt": tokens}, chat=False)
+                chosen.append((choice.outcome, choice.backend.url, choice.score.pull_blocks))
+                choice.release()
+    assert chosen == [("tie", "http://tb-a", 30)] * 3
+
+
 async def test_the_python_example_scores_candidates_from_token_ids(daemon):
     """examples/score_candidates.py, run as a user would, against a real kvloopd."""
     import asyncio

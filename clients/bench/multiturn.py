@@ -508,7 +508,7 @@ class RoutedArmClient(ArmClient):
             with self._lock:
                 return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None)
         from kvloop.clients.client import KvloopError
-        from kvloop.clients.proxy.routing import rank_now
+        from kvloop.clients.proxy.routing import among_tied, rank_now
         from kvloop.v1 import directory_pb2 as pb
 
         try:
@@ -547,6 +547,8 @@ class RoutedArmClient(ArmClient):
             if self.arm == "kvloop":
                 best = [r.score for r in ranked[: max(tied, 1)]]
                 how = "route" if len(best) == 1 else "tie"
+                if len(best) > 1:  # as the proxy breaks ties
+                    best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
             else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
                 longest = max(s.local_blocks for s in answer.ranked)
                 best = [s for s in answer.ranked if s.local_blocks == longest]

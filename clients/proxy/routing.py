@@ -79,6 +79,16 @@ def rank_now(
     return ranked, sum(1 for r in ranked if r.expected_ttft_ms - best <= margin)
 
 
+def among_tied(tied: list[RankedCandidate], in_flight: Callable[[str], int]) -> list[RankedCandidate]:
+    """Of candidates Route cannot tell apart, those to pick from round-robin: the least loaded, then
+    of those the ones that pull the fewest blocks (a READ also costs the holder's decode time, which
+    the estimate leaves out, and a local prefix keeps the conversation where its cache is)."""
+    least = min(in_flight(r.score.http_endpoint) for r in tied)
+    idle = [r for r in tied if in_flight(r.score.http_endpoint) == least]
+    fewest = min(r.score.pull_blocks for r in idle)
+    return [r for r in idle if r.score.pull_blocks == fewest]
+
+
 @dataclass
 class Choice:
     backend: Backend
@@ -178,7 +188,12 @@ class Router:
         ranked, tied = rank_now(answer, queue)
         best = [by_url[r.score.http_endpoint.rstrip("/")] for r in ranked[:tied]]
         if len(best) > 1:
-            choice = self._load("tie", among=best, prompt_tokens=len(tokens))
+            among = among_tied(ranked[:tied], lambda url: by_url[url.rstrip("/")].in_flight)
+            choice = self._load(
+                "tie",
+                among=[by_url[r.score.http_endpoint.rstrip("/")] for r in among],
+                prompt_tokens=len(tokens),
+            )
         else:
             ROUTES.labels("route").inc()
             choice = Choice(best[0], "route", prompt_tokens=len(tokens))
