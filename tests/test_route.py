@@ -3,12 +3,16 @@ prefix caches, the pull Lookup would add and their queues; token ids hashed as v
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
+import aiohttp
 import grpc
 import pytest
 
 from kvloop.clients.client import AsyncDirectoryClient, KvloopError
+from kvloop.clients.proxy.backends import BackendPool
+from kvloop.clients.proxy.routing import Router
 from kvloop.common import block_hash
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, retained, running_agent
@@ -38,6 +42,14 @@ async def fleet(client, model: str, workers: dict[str, tuple[int, list[pb.BlockE
                 )
             )
         yield
+
+
+def proxy_pool(*urls: str) -> BackendPool:
+    """The proxy's prefill pool over these candidates, all healthy (no health checks run)."""
+    pool = BackendPool("prefill", list(urls))
+    for backend in pool.backends:
+        backend.healthy = True
+    return pool
 
 
 def by_worker(answer: pb.RouteResponse) -> dict[str, pb.RouteScore]:
@@ -273,19 +285,10 @@ async def test_a_burst_the_proxy_routes_at_once_is_spread_by_the_queues_it_adds(
     """Four requests routed together, each best on the same prefill when the queues are empty: each
     choice is counted into its prefill's queue before the next is ranked, so they alternate (ranked on
     the queues the Route requests were sent with, all four would go to the one prefill)."""
-    import asyncio
-
-    import aiohttp
-
-    from kvloop.clients.proxy.backends import BackendPool
-    from kvloop.clients.proxy.routing import Router
-
     model = "m-route-burst"
     tokens = list(range(3, 3 + 20 * BS))
     hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
-    pool = BackendPool("prefill", ["http://burst-a", "http://burst-b"])
-    for backend in pool.backends:
-        backend.healthy = True
+    pool = proxy_pool("http://burst-a", "http://burst-b")
     async with AsyncDirectoryClient(daemon.address) as client:
         # burst-a holds 4 of the 20 blocks: idle, it computes 256 tokens against burst-b's 320
         workers = {"burst-a": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:4])]), "burst-b": (1, [])}
@@ -311,17 +314,10 @@ async def test_the_proxy_breaks_a_tie_for_the_candidate_that_pulls_less(daemon):
     """Route ties a prefill with 10 blocks of its own + 30 pulled and one pulling all 40; the proxy,
     both idle, takes the one that pulls less every time rather than alternating (a READ also costs
     the holder's decode time, which the estimate leaves out)."""
-    import aiohttp
-
-    from kvloop.clients.proxy.backends import BackendPool
-    from kvloop.clients.proxy.routing import Router
-
     model = "m-route-tie-break"
     tokens = list(range(5, 5 + 64 * BS))
     hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
-    pool = BackendPool("prefill", ["http://tb-a", "http://tb-b"])
-    for backend in pool.backends:
-        backend.healthy = True
+    pool = proxy_pool("http://tb-a", "http://tb-b")
     async with AsyncDirectoryClient(daemon.address) as client:
         workers = {
             "tb-a": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:10])]),
