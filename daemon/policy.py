@@ -88,8 +88,13 @@ class _Window:
         self.samples.append(sample)
 
     def estimate(self, prior: float, min_samples: int) -> float:
-        missing = max(0, min_samples - len(self.samples))
-        return statistics.median([*self.samples, *([prior] * missing)])
+        return _median_with_prior(self.samples, prior, min_samples)
+
+
+def _median_with_prior(samples: Sequence[float], prior: float, min_samples: int) -> float:
+    """The samples' median, the prior standing in for each one short of min_samples."""
+    missing = max(0, min_samples - len(samples))
+    return statistics.median([*samples, *([prior] * missing)])
 
 
 @dataclass(slots=True)
@@ -300,8 +305,7 @@ class CostModel:
         samples = [x for w in workers if (window := self._prefill.get(w)) for x in window.samples]
         if not samples:
             return config.default_prefill_tokens_per_s, "default"
-        missing = max(0, config.min_samples - len(samples))
-        rate = statistics.median([*samples, *([config.default_prefill_tokens_per_s] * missing)])
+        rate = _median_with_prior(samples, config.default_prefill_tokens_per_s, config.min_samples)
         return rate, f"pooled ({len(samples)} prefills of {len(workers)} workers)"
 
     def prefill_tokens_per_s(self, worker: str) -> float:
