@@ -181,22 +181,18 @@ class Router:
         if any(by_url.get(s.http_endpoint.rstrip("/")) is None for s in answer.ranked):
             return self._load("unknown_candidate", prompt_tokens=len(tokens))
 
-        def queue(endpoint: str) -> tuple[int, int]:
-            backend = by_url[endpoint.rstrip("/")]
-            return backend.in_flight, backend.queued_tokens
+        def backend(endpoint: str) -> Backend:
+            return by_url[endpoint.rstrip("/")]
 
-        ranked, tied = rank_now(answer, queue)
-        best = [by_url[r.score.http_endpoint.rstrip("/")] for r in ranked[:tied]]
-        if len(best) > 1:
-            among = among_tied(ranked[:tied], lambda url: by_url[url.rstrip("/")].in_flight)
+        ranked, tied = rank_now(answer, lambda e: (backend(e).in_flight, backend(e).queued_tokens))
+        if tied > 1:
+            among = among_tied(ranked[:tied], lambda e: backend(e).in_flight)
             choice = self._load(
-                "tie",
-                among=[by_url[r.score.http_endpoint.rstrip("/")] for r in among],
-                prompt_tokens=len(tokens),
+                "tie", among=[backend(r.score.http_endpoint) for r in among], prompt_tokens=len(tokens)
             )
         else:
             ROUTES.labels("route").inc()
-            choice = Choice(best[0], "route", prompt_tokens=len(tokens))
+            choice = Choice(backend(ranked[0].score.http_endpoint), "route", prompt_tokens=len(tokens))
         chosen = next(r for r in ranked if r.score.http_endpoint.rstrip("/") == choice.backend.url)
         choice.score, choice.expected_ttft_ms = chosen.score, chosen.expected_ttft_ms
         return choice
