@@ -94,6 +94,9 @@ class DaemonSettings(BaseSettings):
     max_message_bytes: int = Field(16 * 1024 * 1024, gt=1024)
     max_hashes_per_message: int = Field(262_144, gt=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
+    # Objects allocated between young-generation garbage collections (Python's default is 700; see
+    # kvloop.daemon.gc_tuning for why kvloopd collects less often).
+    gc_young_threshold: int = Field(10_000, gt=0)
 
     store: StoreSettings = StoreSettings()
     policy: PolicyConfig = PolicyConfig()

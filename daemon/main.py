@@ -68,8 +68,10 @@ def run(
         typer.echo(settings.model_dump_json(indent=2, exclude={"tokens"}))
         return
     configure_logging(settings.log_level, settings.log_json)
+    from kvloop.daemon.gc_tuning import tune_gc
     from kvloop.daemon.server import DaemonStartError, serve
 
+    tune_gc(settings.gc_young_threshold)  # after the imports: what is alive now lives for good
     try:
         asyncio.run(serve(settings))
     except DaemonStartError as exc:

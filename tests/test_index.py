@@ -18,6 +18,7 @@ from kvloop.daemon.index import (
     LeaseState,
     MemoryStore,
     Namespace,
+    PackedHashes,
     Released,
     Removed,
     Retained,
@@ -308,8 +309,9 @@ run_strategy = st.tuples(
     trunk=st.integers(0, 2),
     length=st.integers(1, 12),
     local=st.integers(0, 12),
+    packed=st.booleans(),
 )
-async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local):
+async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local, packed):
     store = await make_store()
     for w in ("w1", "w2", "w3"):
         await store.register(spec(w), 0, 0.0)
@@ -330,7 +332,9 @@ async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local)
         await store.apply(worker, 1, seq[worker], [event], 0.0)
     prompt = TRUNKS[trunk][:length]
     local = min(local, length)
-    match = await store.lookup(NS, prompt, local, "p", 0.0, claim=False)
+    # a Lookup's packed prompt (the daemon's fast path) must find what a list of hashes finds
+    asked = PackedHashes(b"".join(prompt), len(prompt[0])) if packed else prompt
+    match = await store.lookup(NS, asked, local, "p", 0.0, claim=False)
     expected = model_longest(model, prompt, local)
     assert (match.best.matched_blocks if match.best else 0) == expected
     if match.best:

@@ -29,6 +29,7 @@ from kvloop.daemon.index.model import (
     LeaseState,
     Location,
     Namespace,
+    PackedHashes,
     PrefixMatch,
     Released,
     Removed,
@@ -160,6 +161,34 @@ def _discard(index: dict, key: bytes, value: int) -> bool:
 
 def _values(entry: int | list[int]) -> Iterable[int]:
     return entry if isinstance(entry, list) else (entry,)
+
+
+def _hash_at(hashes: Sequence[bytes]) -> Callable[[int], bytes]:
+    """The prompt's i-th hash; a packed prompt is sliced directly (no per-probe method dispatch)."""
+    if isinstance(hashes, PackedHashes):
+        data, width = hashes.data, hashes.width
+        return lambda i: data[i * width : i * width + width]
+    return hashes.__getitem__
+
+
+def _holds_at(run_hashes: list[bytes], at: Callable[[int], bytes], position: int) -> bool:
+    return len(run_hashes) > position and run_hashes[position] == at(position)
+
+
+def _common_prefix(run_hashes: list[bytes], at: Callable[[int], bytes], known: int, n: int) -> int:
+    """Blocks the run shares with the prompt, given that both hold block ``known``: chained hashes
+    make equality at block i imply it for every block before i, so a binary search finds the end."""
+    top = min(len(run_hashes), n) - 1
+    if run_hashes[top] == at(top):  # the usual continuation: the prompt extends the whole run
+        return top + 1
+    lo, hi = known, top - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if run_hashes[mid] == at(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo + 1
 
 
 class MemoryStore:
@@ -487,6 +516,7 @@ class MemoryStore:
         floor = now + max(self.config.expiry_margin_s, margin_s)
         verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
         accepted: dict[str, bool] = {}
+        at = _hash_at(hashes)
 
         def servable(rid: int) -> bool:
             verdict = verdicts.get(rid)
@@ -501,8 +531,23 @@ class MemoryStore:
                 verdicts[rid] = verdict
             return verdict
 
+        first = index.get(at(local_blocks))
+        if first is None:
+            return PrefixMatch(None, [])
+        if isinstance(first, int):
+            # Runs start at their sequence's first block and hashes chain, so a run holding any later
+            # block of this prompt also holds this one: a single holder here is the only candidate,
+            # and its match is found by comparing its own hashes (no index probes).
+            run = runs[first]
+            if servable(first) and _holds_at(run.hashes, at, local_blocks):
+                matched = _common_prefix(run.hashes, at, local_blocks, n)
+                best = self._holding(run, matched, now)
+                if claim and run.single_use:
+                    run.claimed_by = requester
+                return PrefixMatch(best, [])
+
         def any_servable(position: int) -> bool:
-            entry = index.get(hashes[position])
+            entry = index.get(at(position))
             if entry is None:
                 return False
             if isinstance(entry, int):
@@ -510,10 +555,7 @@ class MemoryStore:
             return any(map(servable, entry))
 
         if not any_servable(local_blocks):
-            entry = index.get(hashes[local_blocks])
-            if entry is None:
-                return PrefixMatch(None, [])
-            held = [runs[r] for r in _values(entry)]
+            held = [runs[r] for r in _values(first)]
             return PrefixMatch(None, [], self._why_unservable(held, floor, now, requester, accepted))
         lo, hi = local_blocks, n - 1
         while lo < hi:
@@ -523,10 +565,11 @@ class MemoryStore:
             else:
                 hi = mid - 1
         matched = lo + 1
+        last = at(lo)
         candidates = [
             run
-            for rid in _values(index[hashes[lo]])
-            if servable(rid) and len((run := runs[rid]).hashes) >= matched and run.hashes[lo] == hashes[lo]
+            for rid in _values(index[last])
+            if servable(rid) and len((run := runs[rid]).hashes) >= matched and run.hashes[lo] == last
         ]
         if not candidates:
             return PrefixMatch(None, [])
