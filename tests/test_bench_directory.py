@@ -1,0 +1,24 @@
+"""`kvloop bench directory` on a small fleet: its JSON keys (a contract with scripts that read it) and
+the relations between its figures."""
+
+from __future__ import annotations
+
+from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
+
+
+def test_bench_directory_reports_a_paired_floor_and_every_figure():
+    config = BenchConfig(entries=4096, workers=2, prompt_blocks=256, lookups=100, concurrency=2)
+    figures = run_directory_bench(config, progress=False)["stores"]["memory"]
+    assert figures["entries"] == 4096
+    assert figures["ingest_block_events"] == 4096 and figures["ingest_block_events_per_s"] > 0
+    # every Lookup hits a retained run's prefix (of random length), so most are worth a transfer
+    assert 0 < figures["transfer_decisions"] <= 100
+    assert 0 < figures["lookup_server_p50_us"] <= figures["lookup_server_p99_us"]
+    # the server's part of a call is inside its round trip
+    assert (
+        figures["lookup_server_p50_us"] / 1e3 < figures["lookup_e2e_p50_ms"] <= figures["lookup_e2e_p99_ms"]
+    )
+    ratio = figures["lookup_e2e_p50_ms"] / figures["grpc_health_check_e2e_p50_ms"]
+    assert abs(figures["lookup_e2e_p50_over_health_check"] - ratio) < 0.01
+    assert figures["grpc_health_check_alone_e2e_p50_ms"] > 0
+    assert figures["lookups_per_s_concurrent"] > 0 and figures["bytes_per_entry"] > 0
