@@ -14,6 +14,7 @@ from kvloop.clients.client import AsyncDirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
 from kvloop.clients.proxy.routing import Router
 from kvloop.common import block_hash
+from kvloop.common.route_estimate import settled_without_pull
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, retained, running_agent
 
@@ -64,6 +65,7 @@ async def test_route_weighs_local_prefix_pull_and_queue(routed_daemon):
         workers = {
             "p-warm": (prefill, [stored(prompt[:50])]),
             "p-cold": (prefill, []),
+            "p-near": (prefill, [stored(prompt[:38])]),
             "d-hold": (decode, [retained(prompt[:40], "h-1", single_use=True)]),
         }
         async with fleet(client, model, workers):
@@ -86,6 +88,18 @@ async def test_route_weighs_local_prefix_pull_and_queue(routed_daemon):
                 assert s.compute_ms == pytest.approx(s.compute_tokens / s.prefill_tokens_per_s * 1e3)
             assert not nobody.registered and nobody.local_blocks == 0 and nobody.compute_tokens == 1024
             assert answer.ranked[-1].worker_id == "nobody"
+            # Route settles the warm one (no peer holds more than its own prefix: its connector may skip
+            # the Lookup), not one that pulls, nor an unknown one
+            assert settled_without_pull(warm) == "local_prefix"
+            assert settled_without_pull(cold) is None and settled_without_pull(nobody) is None
+            # a holder with 2 blocks more is below the threshold, but the connector still asks: its
+            # Lookup may re-measure the pair
+            near = by_worker(await client.route(model, ["p-near"], block_hashes=prompt))["p-near"]
+            assert near.pull_reason == pb.DECISION_REASON_BELOW_THRESHOLD and near.pull_holder_worker_id
+            assert settled_without_pull(near) is None
+            # a prompt nobody holds is settled as a miss for a prefill without it
+            unheld = await client.route(model, ["p-cold"], block_hashes=conversation("unheld", 8))
+            assert settled_without_pull(unheld.ranked[0]) == "miss"
 
             # a queue outweighs the cache: 1000 tokens queued on the warm one
             queued = await client.route(
@@ -117,6 +131,8 @@ async def test_route_weighs_local_prefix_pull_and_queue(routed_daemon):
             # ... and once claimed, Route no longer counts on it
             after = by_worker(await client.route(model, ["p-cold"], block_hashes=prompt))["p-cold"]
             assert after.pull_blocks == 0 and after.compute_tokens == 1024
+            # held but claimed: not settled, the claim may come back before this prefill asks
+            assert after.pull_reason == pb.DECISION_REASON_CLAIMED and settled_without_pull(after) is None
 
 
 async def test_a_pull_that_makes_up_for_the_missing_cache_ties(routed_daemon):

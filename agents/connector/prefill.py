@@ -1,7 +1,8 @@
 """The prefill role of the kvloop connector's scheduler side.
 
 For each request that asks for a disaggregated prefill (``do_remote_decode``), :meth:`PrefillSide.match`
-asks kvloopd (off the engine loop) for the longest prefix a peer holds, and applies the answer:
+asks kvloopd (off the engine loop) for the longest prefix a peer holds (unless the router's Route
+already found none beyond this prefill's own prefix, ``kvloop_route_settled``), and applies the answer:
 on TRANSFER it rewrites ``kv_transfer_params`` into a hash-matched NixlConnector reverse pull
 (truncated per KV-cache group) and lets vLLM allocate it; otherwise it strips any handle, so no
 peer frees blocks nobody read. The READ itself starts in the worker
@@ -27,6 +28,7 @@ from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferRe
 from kvloop.agents.connector.metadata import ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
 from kvloop.common.outcomes import path_name
+from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, SETTLED_REASONS
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
 
@@ -50,6 +52,15 @@ NO_PULL_KEY = "kvloop_pull"
 _DECIDED = "_kvloop_decided"
 
 VllmMatch = Callable[["Request", int], tuple[int | None, bool]]
+
+
+def _settled_reason(value: Any) -> int | None:
+    """The DecisionReason a router's ROUTE_SETTLED_KEY names; anything else (a value from a newer
+    router, a typo) is ignored and the connector asks kvloopd as usual."""
+    for reason, name in SETTLED_REASONS.items():
+        if value == name:
+            return reason
+    return None
 
 
 @dataclass
@@ -139,6 +150,21 @@ class PrefillSide:
             )
             return self._apply(
                 request, params, num_computed_tokens, declined, time.perf_counter(), vllm_match
+            )
+        settled = _settled_reason(params.get(ROUTE_SETTLED_KEY))
+        if settled is not None:
+            # The router's Route found no peer holding more than this prefill's own prefix: a Lookup
+            # would find the same, a few milliseconds and possibly an engine step later.
+            params[_DECIDED] = True
+            if num_computed_tokens:
+                path, reason = pb.TURN_PATH_LOCAL, pb.DECISION_REASON_LOCAL_PREFIX
+            else:
+                path = pb.TURN_PATH_MISS if settled == pb.DECISION_REASON_MISS else pb.TURN_PATH_RECOMPUTE
+                reason = settled
+            detail = "the router's Route found no peer holding more than this prefill's prefix: no Lookup"
+            answer_from_route = LookupAnswer(path, reason, 0, None, detail)
+            return self._apply(
+                request, params, num_computed_tokens, answer_from_route, time.perf_counter(), vllm_match
             )
         bs = self.block_size
         hashes = [bytes(h) for h in request.block_hashes[: request.num_prompt_tokens // bs]]

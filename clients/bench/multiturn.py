@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
+from kvloop.common.route_estimate import ROUTE_SETTLED_KEY
 from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
@@ -500,15 +501,16 @@ class RoutedArmClient(ArmClient):
             ties = [u for u in among if self.in_flight[u] == least]
             return ties[next(self._rr[pool]) % len(ties)]
 
-    def choose(self, messages: list[dict]) -> tuple[str, str, int, list[dict] | None]:
+    def choose(self, messages: list[dict]) -> tuple[str, str, int, list[dict] | None, str | None]:
         """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated, each
-        candidate's estimates), counted into that prefill's queue before any other thread of the arm
-        chooses (as the proxy does)."""
+        candidate's estimates, Route's reason when it left nothing to pull there), counted into that
+        prefill's queue before any other thread of the arm chooses (as the proxy does)."""
         if self.arm in ("load_pull", "recompute"):
             with self._lock:
-                return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None)
+                return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None)
         from kvloop.clients.client import KvloopError
         from kvloop.clients.proxy.routing import among_tied, rank_now
+        from kvloop.common.route_estimate import settled_without_pull
         from kvloop.v1 import directory_pb2 as pb
 
         try:
@@ -527,6 +529,7 @@ class RoutedArmClient(ArmClient):
             with self._lock:
                 return (
                     *self._reserve(self._least_loaded(self.prefill_urls), f"load_{type(exc).__name__}", 0),
+                    None,
                     None,
                 )
         with self._lock:
@@ -564,7 +567,8 @@ class RoutedArmClient(ArmClient):
                 if self.arm == "kvloop"
                 else len(tokens) - score.local_blocks * self.block_size
             )
-            return (*self._reserve(url, how, queued), estimates)
+            settled = settled_without_pull(score) if self.arm == "kvloop" else None  # as the proxy does
+            return (*self._reserve(url, how, queued), estimates, settled)
 
     def _reserve(self, prefill: str, how: str, queued: int) -> tuple[str, str, int]:
         """Count a request into its prefill's queue (the caller holds the lock)."""
@@ -584,7 +588,9 @@ class RoutedArmClient(ArmClient):
             "cache_salt": self.salt,
         }
         t0 = time.perf_counter()
-        prefill, how, queued, estimates = self.choose(session.messages)
+        prefill, how, queued, estimates, settled = self.choose(session.messages)
+        if settled is not None:
+            kv[ROUTE_SETTLED_KEY] = settled  # Route left nothing to pull: the connector skips its Lookup
         route_ms = (time.perf_counter() - t0) * 1e3
         try:
             pre = _post(

@@ -33,6 +33,7 @@ from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
 from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, error_event, sse
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
+from kvloop.common.route_estimate import ROUTE_SETTLED_KEY
 from kvloop.common.tracing import trace_id_hex
 
 log = structlog.get_logger("kvloop.proxy")
@@ -144,13 +145,15 @@ def _validate(body: Any, chat: bool) -> str | None:
     return None
 
 
-def _prefill_body(body: dict, chat: bool) -> dict:
+def _prefill_body(body: dict, chat: bool, settled: str | None) -> dict:
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
     out["max_tokens"] = 1
     if chat:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out["kv_transfer_params"] = {"do_remote_decode": True}
+    if settled is not None:  # Route found nothing to pull beyond this prefill's own prefix
+        out["kv_transfer_params"][ROUTE_SETTLED_KEY] = settled
     return out
 
 
@@ -200,7 +203,9 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
             pspan.set_attribute("kvloop.backend", prefill.url)
             headers: dict[str, str] = {}
             propagate.inject(headers)
-            answer = await _post_json(state, prefill, path, _prefill_body(body, chat), headers)
+            answer = await _post_json(
+                state, prefill, path, _prefill_body(body, chat, choice.settled), headers
+            )
     finally:
         choice.release()
     prefill_s = time.perf_counter() - started
@@ -364,6 +369,8 @@ def _route_attributes(choice) -> dict[str, str | int | float]:
                 "kvloop.route.prefill_tokens_per_s": round(choice.score.prefill_tokens_per_s, 1),
             }
         )
+        if choice.settled is not None:
+            attributes["kvloop.route.settled"] = choice.settled
     return attributes
 
 

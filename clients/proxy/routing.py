@@ -24,7 +24,7 @@ from prometheus_client import Counter, Histogram
 from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, KvloopError
 from kvloop.clients.proxy.backends import Backend, BackendPool
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
-from kvloop.common.route_estimate import queue_ms, tie_margin_ms
+from kvloop.common.route_estimate import queue_ms, settled_without_pull, tie_margin_ms
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.proxy")
@@ -96,6 +96,12 @@ class Choice:
     score: pb.RouteScore | None = None  # Route's estimate for the chosen backend
     prompt_tokens: int = 0
     expected_ttft_ms: float = 0.0  # with the queue as it was when chosen
+
+    @property
+    def settled(self) -> str | None:
+        """Route's reason when it left nothing to pull for the chosen prefill: its connector then
+        skips the Lookup (see route_estimate.ROUTE_SETTLED_KEY)."""
+        return settled_without_pull(self.score) if self.score is not None else None
 
     @property
     def queued_tokens(self) -> int:

@@ -116,6 +116,9 @@ def test_the_route_answer_decides_the_prefill(served_stack, tmp_path):
             headers = chat(proxy, messages)
             assert headers["x-kvloop-route"] == "route", headers
             assert headers["x-kvloop-prefill"] == warm
+            # no peer holds more than the warm cache: Route said so, and the prefill asked no Lookup
+            assert (headers["x-kvloop-path"], headers["x-kvloop-reason"]) == ("local", "local_prefix")
+            assert "Route found no peer" in headers["x-kvloop-detail"], headers
         metrics = post_get(f"{proxy}/metrics")
     assert 'kvloop_proxy_route_total{outcome="route"} 2.0' in metrics
     # the proxy tokenized both prompts itself (the model's directory is on this host)

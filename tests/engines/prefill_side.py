@@ -1,0 +1,54 @@
+"""The connector's prefill side driven as vLLM's scheduler drives it, against a real kvloopd: a
+request with the fields the side reads, and the engine's own calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
+from kvloop.agents.connector.prefill import PrefillSide
+
+BLOCK = 16
+
+
+@dataclass
+class Request:
+    """The fields of vllm.v1.request.Request the prefill side reads."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    kv_transfer_params: dict[str, Any] = field(default_factory=lambda: {"do_remote_decode": True})
+    lora_request: Any = None
+    num_computed_tokens: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.block_hashes) * BLOCK + 1
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return [1] * self.num_prompt_tokens
+
+
+def prefill_side(daemon_address: str, model: str, worker_id: str) -> PrefillSide:
+    cfg = KvloopConfig(daemon=daemon_address, model=model, lookup_wait_ms=1000, publish_events=False)
+    lookups = DirectoryLookups(
+        daemon_address, PullerConstraints(model, worker_id, BLOCK, 0, 0, 0, "", 0), timeout_ms=5000
+    )
+    return PrefillSide(cfg, lookups, BLOCK, 65536, 1, emit=lambda event: None)
+
+
+def match(side: PrefillSide, request: Request, num_computed_tokens: int = 0) -> tuple[int | None, bool]:
+    """The scheduler asks again each step until the lookup answered (bounded per call by its wait)."""
+    for _ in range(30):
+        result = side.match(request, num_computed_tokens, vllm_match)
+        if result[0] is not None:
+            return result
+    raise AssertionError("the lookup never answered")
+
+
+def vllm_match(request, num_computed_tokens: int) -> tuple[int, bool]:
+    """NixlConnector's answer for a reverse pull it accepts: every remote token, asynchronously."""
+    return request.kv_transfer_params["remote_num_tokens"] - num_computed_tokens, True
