@@ -10,7 +10,9 @@ Layout, chosen for lookup speed and memory per entry:
 Every retained run starts at the first block of its sequence and block hashes are chained, so the
 runs holding block i of a prompt also hold blocks 0..i-1: "some servable run holds block i" is
 monotone in i, and the longest servable prefix is found by binary search (O(log n) dict probes for
-an n-block prompt) instead of a walk over every block.
+an n-block prompt) instead of a walk over every block. When one run alone holds the prompt's first new
+block (the usual continuation), no other run can hold more, and that run's own hashes are compared
+instead: no dict probes past the first.
 """
 
 from __future__ import annotations
