@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,7 @@ class ChildProcesses:
         self._pending: int | None = None  # a signal that arrived inside a critical section
         self._signalled: int | None = None  # the first stop signal seen by stop_on_signals
         self._hurry = False  # a second stop signal: skip the rest of the grace period
+        self._redeliver: int | None = None  # a Terminated swallowed where exceptions are ignored
 
     # ---- starting --------------------------------------------------------------------------
 
@@ -250,6 +251,9 @@ class ChildProcesses:
                 raise Terminated(signum)
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if self._redeliver is not None:  # the stop a finalizer swallowed, raised again (see below)
+            signum, self._redeliver = self._redeliver, None
+            raise Terminated(signum)
         if self._signalled is not None:  # a second signal: stop without the rest of the grace period
             self._hurry = True
             return
@@ -267,6 +271,8 @@ class ChildProcesses:
         to stop: a command run in-process must not stop a test session's daemon); a `Terminated`
         leaving the block becomes ``SystemExit(128 + signum)``. Call from the main thread."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+        previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable(previous_hook)
         with self._lock:
             first = self._spawned
         try:
@@ -280,7 +286,26 @@ class ChildProcesses:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._signalled, self._pending, self._hurry = None, None, False
+            sys.unraisablehook = previous_hook
+            self._signalled, self._pending, self._hurry, self._redeliver = None, None, False, None
+
+    def _unraisable(self, previous: Callable[[Any], object]) -> Callable[[Any], object]:
+        """A signal handler runs between any two bytecodes of the main thread, so its `Terminated`
+        can be raised inside a finalizer (a gRPC call object's ``__del__``, a weakref callback), where
+        Python prints an exception and drops it: the stop would be lost and the command run on. Such
+        a `Terminated` is raised again: the signal is sent to the main thread once more, from another
+        thread a moment later (raised from this hook, it would be dropped the same way)."""
+        main = threading.main_thread().ident
+        assert main is not None
+
+        def hook(unraisable: Any) -> None:
+            if isinstance(unraisable.exc_value, Terminated):
+                self._redeliver = unraisable.exc_value.signum
+                threading.Timer(0.01, signal.pthread_kill, (main, self._redeliver)).start()
+                return
+            previous(unraisable)
+
+        return hook
 
 
 _supervisor: ChildProcesses | None = None

@@ -205,3 +205,33 @@ def test_a_stop_on_signals_block_stops_only_what_it_started():
     finally:
         children.stop_all(grace_s=1)
     assert before.poll() is not None
+
+
+SWALLOWED_STOP = """
+import os, signal, sys, time
+from kvloop.common.processes import ChildProcesses
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(10_000):  # the Python handler runs here, inside the finalizer
+            pass
+
+with ChildProcesses(watchdog=False).stop_on_signals():
+    Finalized()  # dropped at once: its __del__ runs now
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("the stop was lost")
+    sys.exit(3)
+"""
+
+
+def test_a_stop_signal_handled_inside_a_finalizer_still_stops():
+    """A signal's `Terminated` raised inside a ``__del__`` is printed and dropped by Python (seen with
+    gRPC call objects under `kvloop bench fuzz`): it must be raised again, not lost."""
+    result = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_STOP], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 128 + signal.SIGTERM, (result.stdout, result.stderr)
+    assert "Exception ignored" not in result.stderr and "the stop was lost" not in result.stdout
