@@ -9,9 +9,10 @@ average, middle ones 0.9 ms, and Lookup's server-side p99 was 140-250 us against
 A threshold of 10,000 makes them 14 times rarer (p99 105-130 us); each is longer but lands on well
 under 1% of calls. The garbage a collection waits for is a few MB at most.
 
-The objects alive once the daemon is ready (modules, classes, gRPC and protobuf descriptors: ~75K)
-never become garbage; ``gc.freeze`` moves them out of every collection, which makes a full one
-about three times shorter. The directory's own runs are not frozen: they are freed when dropped.
+The objects alive once kvloopd's modules are imported, before it serves (modules, classes, gRPC and
+protobuf descriptors: ~75K), never become garbage; ``gc.freeze`` moves them out of every collection,
+which makes a full one about three times shorter. The directory's own runs are not frozen: they are
+freed when dropped.
 """
 
 from __future__ import annotations
