@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
-from kvloop.common.route_estimate import ROUTE_SETTLED_KEY
+from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, settled_without_pull
 from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
@@ -510,7 +510,6 @@ class RoutedArmClient(ArmClient):
                 return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None)
         from kvloop.clients.client import KvloopError
         from kvloop.clients.proxy.routing import among_tied, rank_now
-        from kvloop.common.route_estimate import settled_without_pull
         from kvloop.v1 import directory_pb2 as pb
 
         try:
