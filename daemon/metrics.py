@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge
 
-LOOKUP_LATENCY = Histogram(
+from kvloop.daemon.histogram import LoopHistogram
+
+LOOKUP_LATENCY = LoopHistogram(
     "kvloop_lookup_latency_seconds",
     "Server-side Lookup time (index probe + policy), excluding gRPC transport",
     buckets=(10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3),
@@ -25,7 +27,7 @@ CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect 
 CLAIMS_RELEASED = Counter(
     "kvloop_claims_released_total", "Single-use runs a TRANSFER answer claimed and the puller gave back"
 )
-ROUTE_LATENCY = Histogram(
+ROUTE_LATENCY = LoopHistogram(
     "kvloop_route_latency_seconds",
     "Server-side Route time (prefix-cache walk, one lookup per candidate, estimates)",
     buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3),

@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
 from opentelemetry import trace
-from prometheus_client import Histogram
 
+from kvloop.daemon.histogram import LoopHistogram
 from kvloop.daemon.index.model import Change, Event, Location, Namespace, PrefixMatch, WorkerSpec, WorkerView
 from kvloop.daemon.index.store import Applied, DirectoryStore, IndexConfig, StoreCounts
 
-STORE_CALL = Histogram(
+STORE_CALL = LoopHistogram(
     "kvloop_store_call_seconds",
     "Time of one directory-store call, by backend and operation",
     ["backend", "op"],
