@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+
+import pytest
+
 from kvloop.daemon.index import Holding, Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.policy import LookupQuery, Policy, PolicyConfig
 from kvloop.v1 import directory_pb2 as pb
@@ -177,3 +181,24 @@ def test_a_pair_losing_to_recompute_is_remeasured_within_the_interval():
     view = model.pairs().pairs[0]
     assert dict(view.verdicts) == {"probe": 2, "recompute_faster": 4}
     assert len(view.sample_gbytes_per_s) == 1 and view.sample_gbytes_per_s[0] < 0.001
+
+
+def test_the_estimate_follows_every_new_sample_and_each_models_defaults():
+    """Estimates are kept between samples (not re-sorted per Lookup): each READ must still move them,
+    and a model with other defaults must not be answered from another model's kept estimate."""
+    slow_prior = PolicyConfig(
+        min_samples=20, default_transfer_gbytes_per_s=0.001, default_transfer_setup_ms=1.0
+    )
+    policy = Policy(PolicyConfig(min_samples=1), {"big": slow_prior})
+    mib = 1 << 20
+    durations: list[int] = []
+    for us in (4_000, 1_000, 2_000, 8_000, 500):
+        read(policy, "prefill-0", mib, us)
+        durations.append(us)
+        expected_s = statistics.median(mib / (d / 1e6) for d in durations)
+        cost = policy.decide(Q100, match(100)).cost
+        assert cost.transfer_ms == pytest.approx((100 * mib / expected_s) * 1e3, rel=1e-9)
+    # the same pair under "big": 5 samples and 15 priors (1 MB/s, 1 ms setup) make the medians
+    big = policy.decide(query("big", 100, 0, "prefill-0"), match(100)).cost
+    assert big.transfer_ms == pytest.approx((1e-3 + 100 * mib / 1e6) * 1e3, rel=1e-9)
+    assert policy.decide(Q100, match(100)).cost.transfer_ms == pytest.approx(cost.transfer_ms, rel=1e-9)
