@@ -51,18 +51,22 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
         parse = handler.request_deserializer
         on_reject = self._on_reject
 
-        async def parsed_or_abort(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return parse(raw)
-            except DecodeError as exc:
-                on_reject(rpc, "undecodable")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(rpc, exc))
+        async def refuse(exc: DecodeError, context: grpc.aio.ServicerContext) -> None:
+            on_reject(rpc, "undecodable")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(rpc, exc))
 
+        # Parsed inline in each handler, with a coroutine only for the refusal: every Lookup goes
+        # through here.
         if handler.unary_unary is not None:
             unary_behavior = handler.unary_unary
 
             async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-                return await unary_behavior(await parsed_or_abort(raw, context), context)
+                try:
+                    request = parse(raw)
+                except DecodeError as exc:
+                    await refuse(exc, context)
+                    raise  # abort() raised already
+                return await unary_behavior(request, context)
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, response_serializer=handler.response_serializer
@@ -71,7 +75,12 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
             server_streaming = handler.unary_stream
 
             async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async for response in server_streaming(await parsed_or_abort(raw, context), context):
+                try:
+                    request = parse(raw)
+                except DecodeError as exc:
+                    await refuse(exc, context)
+                    raise  # abort() raised already
+                async for response in server_streaming(request, context):
                     yield response
 
             return grpc.unary_stream_rpc_method_handler(

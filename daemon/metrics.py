@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
+from kvloop.common.outcomes import decision_name, reason_name
 from kvloop.daemon.histogram import LoopHistogram
 
 LOOKUP_LATENCY = LoopHistogram(
@@ -47,18 +48,17 @@ class DaemonCounters:
         self.rejected = 0
         self.resyncs = 0
         self._evictions_reported = 0
-        # (decision, reason) -> (its labelled counter, its GetStats key): resolved once per pair,
+        # (decision, reason) -> (its labelled counter, its GetStats key): named once per pair,
         # not on every Lookup.
-        self._decision_series: dict[tuple[str, str], tuple[Counter, str]] = {}
+        self._decision_series: dict[tuple[int, int], tuple[Counter, str]] = {}
 
-    def lookup(self, seconds: float, decision: str, reason: str) -> None:
+    def lookup(self, seconds: float, decision: int, reason: int) -> None:
+        """One Lookup answered: ``decision`` and ``reason`` are the proto enum values."""
         LOOKUP_LATENCY.observe(seconds)
         series = self._decision_series.get((decision, reason))
         if series is None:
-            series = self._decision_series[decision, reason] = (
-                DECISIONS.labels(decision, reason),
-                f"{decision}/{reason}",
-            )
+            names = decision_name(decision), reason_name(reason)
+            series = self._decision_series[decision, reason] = (DECISIONS.labels(*names), "/".join(names))
         counter, key = series
         counter.inc()
         self.decisions[key] = self.decisions.get(key, 0) + 1

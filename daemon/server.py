@@ -62,7 +62,8 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
 
 async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> None:
     """Run kvloopd until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
-    if configure_tracing("kvloopd", settings.span_file):
+    traced = configure_tracing("kvloopd", settings.span_file)
+    if traced:
         from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorServer
 
         GrpcAioInstrumentorServer().instrument()
@@ -84,7 +85,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     server = grpc.aio.server(options=options, interceptors=interceptors)
     relay = backend.change_relay() if isinstance(backend, RedisStore) else None
     changes = ChangeFeed(relay=relay)
-    store = InstrumentedStore(backend)
+    store = InstrumentedStore(backend, traced=traced)
     service = DirectoryService(
         store,
         Policy(settings.policy, settings.models),
@@ -92,6 +93,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         max_hashes=settings.max_hashes_per_message,
         counters=counters,
         changes=changes,
+        traced=traced,
     )
     pb_grpc.add_DirectoryServicer_to_server(service, server)
     health = health_aio.HealthServicer()

@@ -34,8 +34,9 @@ _UNTRACED: AbstractContextManager[trace.Span] = nullcontext(trace.INVALID_SPAN)
 class InstrumentedStore:
     """A DirectoryStore that times (and for request-path calls traces) every call of ``inner``."""
 
-    def __init__(self, inner: DirectoryStore) -> None:
+    def __init__(self, inner: DirectoryStore, *, traced: bool = True) -> None:
         self.inner = inner
+        self.traced = traced  # False: this process exports no spans, so none is ever started
         self.name = inner.name
         self.config: IndexConfig = inner.config
         self._timers = {
@@ -65,7 +66,7 @@ class InstrumentedStore:
         self._attributes = {"kvloop.store.backend": inner.name}
 
     def _span(self, op: str) -> AbstractContextManager[trace.Span]:
-        if not trace.get_current_span().is_recording():
+        if not self.traced or not trace.get_current_span().is_recording():
             return _UNTRACED
         return tracer.start_as_current_span(f"kvloop.store.{op}", attributes=self._attributes)
 
