@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -118,6 +119,21 @@ async def test_worker_lease_lapse_stops_serving_then_drops(make_store):
     assert (await store.lookup(NS, prompt, 0, "p", 1.7, False)).best is not None
     assert [c.kind for c in await store.reap(5.0)] == ["lease", "dropped"]
     assert await store.workers(5.0) == [] and (await store.counts()).entries == 0
+
+
+async def test_the_models_layout_follows_its_registered_workers(make_store):
+    """model_spec (read on every Lookup) answers from the live registry: a re-registration's new
+    spec, another worker once the first is dropped, nothing once none is left."""
+    store = await make_store(IndexConfig(lease_s=1.0, drop_after_s=3.0))
+    await store.register(spec("a", model="n"), 0, 0.0)
+    assert (await store.model_spec("n")).kv_bytes_per_block == 1024
+    await store.register(replace(spec("a", model="n"), kv_bytes_per_block=4096), 0, 0.1)  # same epoch
+    assert (await store.model_spec("n")).kv_bytes_per_block == 4096
+    await store.register(spec("b", model="n"), 0, 2.0)
+    await store.reap(5.0)  # a's lease lapsed at 1.1 and it is dropped; b registered at 2.0 is not
+    assert (await store.model_spec("n")).worker_id == "b"
+    await store.reap(10.0)
+    assert await store.model_spec("n") is None
 
 
 async def test_a_worker_streaming_batches_without_heartbeats_stays_live(make_store):

@@ -204,6 +204,9 @@ class MemoryStore:
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
         self._workers: dict[str, _Worker] = {}
+        # model -> a registered worker's spec, for model_spec on every Lookup without a scan of
+        # the workers; forgotten whenever a worker registers or is dropped
+        self._model_specs: dict[str, WorkerSpec] = {}
         self._slots: dict[int, _Worker] = {}
         self._next_slot = itertools.count(1)
         self._next_run = itertools.count(1)
@@ -234,6 +237,7 @@ class MemoryStore:
 
     async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
         self._check_model_compatible(spec)
+        self._model_specs.clear()
         worker = self._workers.get(spec.worker_id)
         # A live worker may be taken over only by its own agent (same epoch: a reconnect whose old
         # stream has not been noticed as closed yet); another agent waits for the lease to lapse.
@@ -309,7 +313,12 @@ class MemoryStore:
 
     async def model_spec(self, model: str) -> WorkerSpec | None:
         """Any registered worker of the model (they agree on block size and hash layout)."""
-        return next((w.spec for w in self._workers.values() if w.spec.model == model), None)
+        spec = self._model_specs.get(model)
+        if spec is None:
+            spec = next((w.spec for w in self._workers.values() if w.spec.model == model), None)
+            if spec is not None:
+                self._model_specs[model] = spec
+        return spec
 
     async def mark_resyncing(self, worker_id: str) -> None:
         worker = self._workers[worker_id]
@@ -460,6 +469,7 @@ class MemoryStore:
     def _drop_worker(self, worker: _Worker) -> None:
         self._purge(worker)
         self._workers.pop(worker.spec.worker_id, None)
+        self._model_specs.clear()
         self._slots.pop(worker.slot, None)
 
     def _evict(self) -> None:

@@ -327,6 +327,7 @@ class RedisStore:
 
     @_reachable
     async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+        self._model_specs.pop(spec.model, None)  # this replica's cache follows its own writes at once
         base = self._base(spec.model)
         layout = f"{spec.block_size}|{spec.hash_algorithm}|{spec.hash_length}"
         await self._r.hset(_MODELS, spec.model, base)
@@ -530,7 +531,10 @@ class RedisStore:
                 repr(self.config.lease_s),
                 repr(self.config.drop_after_s),
             )
-            changes.extend(Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d in reply)
+            reaped = [Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d in reply]
+            if any(change.kind == "dropped" for change in reaped):
+                self._model_specs.pop(model, None)
+            changes.extend(reaped)
         return changes
 
     # ---- block index -------------------------------------------------------------------------
