@@ -57,9 +57,11 @@ def routing_proxy(stack, daemon: str, log_dir: Path) -> Iterator[str]:
             lambda: all(b["healthy"] for b in json.loads(post_get(f"{url}/health"))["prefill"]),
             what="both prefill candidates healthy",
         )
-        # the model's tokenizer loads in the background (until then the servers tokenize)
+        # the model's tokenizer loads in the background (until then the servers tokenize); importing
+        # transformers alone took over 20 s on a busy 2-core host
         wait_until(
             lambda: json.loads(post_get(f"{url}/health"))["tokenizers"].get(MODEL, "").startswith("loaded"),
+            timeout=120,
             what="the proxy's tokenizer loaded",
         )
         yield url
