@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from kvloop.clients.bench.multiturn import (
     Session,
     TurnOutcome,
     TurnSample,
+    arm_order,
     build_sessions,
     context_bucket,
     engine_totals,
@@ -381,3 +384,15 @@ def test_decode_steps_are_compared_at_equal_batch_without_arrival_steps():
     (row,) = summarize(samples, BS)["decode_step_at_equal_batch"]
     assert [(b["batch"], b["ratio"]) for b in row["by_batch"]] == [(1, 1.1), (2, 1.0)]  # the arrival left out
     assert row["ratio_weighted"] == pytest.approx((1.1 * 1 + 1.0 * 3) / 4, abs=1e-3)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_the_arms_order_balances_positions_and_predecessors(n):
+    arms = [f"arm{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    rows = [arm_order(arms, turn) for turn in range(1, cycle + 1)]
+    assert all(sorted(row) == arms for row in rows)
+    positions = Counter((position, arm) for row in rows for position, arm in enumerate(row))
+    assert set(positions.values()) == {cycle // n}  # every arm in every position equally often
+    follows = Counter(pair for row in rows for pair in itertools.pairwise(row))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1  # every ordered pair alike

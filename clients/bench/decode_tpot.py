@@ -2,7 +2,7 @@
 
 One stack (kvloopd, a prefill and a decode `vllm serve` with the kvloop connector, their sidecars), and
 the SAME decode engine decoding sets of requests under conditions that differ in one factor each,
-interleaved round by round (the order rotated every round) so that the host's noise lands on all alike:
+interleaved round by round (a seeded shuffle every round) so that the host's noise lands on all alike:
 
 - ``base``: the requests arrive together, the decode retains each finished run, nothing reads from it;
 - ``no_retention``: as base, each request asks not to be retained (``kvloop_retain: false``);

@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -207,6 +208,27 @@ def session_seed_base(seed: int, workload: str, concurrency: int, repeat: int) -
     kvloop pull an earlier run's KV (a longer matching prefix than any real continuation has), and
     hand the builtin arm a cached handle of another workload's conversation for a new one."""
     return seed + 101 * concurrency + 7919 * repeat + 104729 * WORKLOADS.index(workload)
+
+
+def arm_order(arms: Sequence[str], turn: int) -> list[str]:
+    """The arms' order in ``turn``: a row of a Williams design. Over len(arms) consecutive turns (twice
+    that for an odd number of arms) each arm runs in each position equally often and right after
+    each other arm equally often. Rotating one order instead would keep each arm's predecessor fixed
+    in all but one turn of the cycle, so the after-effects of one arm's turn (its decode, its
+    sidecar's events, freed memory) would always land on the same other arm."""
+    n = len(arms)
+    sequence = [0]  # 0, 1, n-1, 2, n-2, ...
+    low, high = 1, n - 1
+    while len(sequence) < n:
+        sequence.append(low)
+        low += 1
+        if len(sequence) < n:
+            sequence.append(high)
+            high -= 1
+    row = [arms[(position + turn) % n] for position in sequence]
+    if n % 2 and (turn // n) % 2:
+        row.reverse()
+    return row
 
 
 def next_turn_messages(session: Session, answer: str, turn: int, workload: str, tool_tokens: int) -> None:
@@ -658,9 +680,9 @@ def run_workload(
     for turn in range(1, config.turns + 1):
         answers: dict[str, list[str]] = {}
         active = [i for i in range(concurrency) if not stagger or i < turn]
-        # Arms interleaved turn by turn, and the order rotated every turn so that no arm always runs
-        # right after another's turn (whose decode and sidecar work may still be winding down).
-        order = arms[turn % len(arms) :] + arms[: turn % len(arms)]
+        # Arms interleaved turn by turn, in an order that changes every turn so that no arm always
+        # runs right after another's turn (whose decode and sidecar work may still be winding down).
+        order = arm_order(arms, turn)
         for arm in order:
             client = clients[arm]
             sessions = [per_arm[arm][i] for i in active]
