@@ -7,8 +7,11 @@ from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
 
 
 def test_bench_directory_reports_a_paired_floor_and_every_figure():
-    config = BenchConfig(entries=4096, workers=2, prompt_blocks=256, lookups=100, concurrency=2)
-    figures = run_directory_bench(config, progress=False)["stores"]["memory"]
+    config = BenchConfig(
+        entries=4096, workers=2, prompt_blocks=256, lookups=100, concurrency=2, stores=("memory", "redis")
+    )
+    stores = run_directory_bench(config, progress=False)["stores"]
+    figures = stores["memory"]
     assert figures["entries"] == 4096
     assert figures["ingest_block_events"] == 4096 and figures["ingest_block_events_per_s"] > 0
     # every Lookup hits a retained run's prefix (of random length), so most are worth a transfer
@@ -22,3 +25,9 @@ def test_bench_directory_reports_a_paired_floor_and_every_figure():
     assert abs(figures["lookup_e2e_p50_over_health_check"] - ratio) < 0.01
     assert figures["grpc_health_check_alone_e2e_p50_ms"] > 0
     assert figures["lookups_per_s_concurrent"] > 0 and figures["bytes_per_entry"] > 0
+    # both stores measured in one run: Redis is compared with memory's figures of the same run
+    redis = stores["redis"]
+    assert redis["entries"] == 4096 and redis["memory_measured"] == "redis used_memory"
+    expected = redis["lookup_e2e_p50_ms"] / figures["lookup_e2e_p50_ms"]
+    assert abs(redis["lookup_e2e_p50_over_memory"] - expected) < 0.01
+    assert "lookup_e2e_p50_over_memory" not in figures

@@ -341,9 +341,13 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
             (
                 f"lookup server p99 ({config.prompt_blocks} blocks)",
                 f"{result['lookup_server_p99_us']} us",
-                "<= 100 us",
+                "" if redis_url else "<= 100 us",  # Redis's target is relative: see its last row
             ),
-            ("lookup end-to-end p50 (gRPC, loopback)", f"{result['lookup_e2e_p50_ms']} ms", "<= 0.5 ms"),
+            (
+                "lookup end-to-end p50 (gRPC, loopback)",
+                f"{result['lookup_e2e_p50_ms']} ms",
+                "" if redis_url else "<= 0.5 ms",
+            ),
             (
                 "  gRPC floor: empty health Check p50 (interleaved)",
                 f"{result['grpc_health_check_e2e_p50_ms']} ms",
@@ -412,4 +416,14 @@ def run_directory_bench(config: BenchConfig, progress: bool = True) -> dict:
             if bar is not None:
                 bar.add_task(f"[{_store_name(store)}]", total=None)
             results[_store_name(store)] = asyncio.run(_run(config, url, bar))
+    if "memory" in results and "redis" in results:
+        _compare_to_memory(results["redis"], results["memory"])
     return {"stores": results}
+
+
+def _compare_to_memory(redis: dict, memory: dict) -> None:
+    """The Redis store's end-to-end Lookup against the in-memory store's of the same run (the issue's
+    target is at most 1.5x): the host's speed moves between runs, so only figures of one run compare."""
+    ratio = round(redis["lookup_e2e_p50_ms"] / memory["lookup_e2e_p50_ms"], 3)
+    redis["lookup_e2e_p50_over_memory"] = ratio
+    redis["table"].append(("  lookup end-to-end p50 / the memory store's (this run)", f"{ratio}x", "<= 1.5x"))
