@@ -3,12 +3,16 @@ request with the fields the side reads, and the engine's own calls."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
 from kvloop.agents.connector.prefill import PrefillSide
+from kvloop.clients.client import AsyncDirectoryClient
+from tests.support import conversation, retained, running_agent
 
 BLOCK = 16
 
@@ -38,6 +42,22 @@ def prefill_side(daemon_address: str, model: str, worker_id: str) -> PrefillSide
         daemon_address, PullerConstraints(model, worker_id, BLOCK, 0, 0, 0, "", 0), timeout_ms=5000
     )
     return PrefillSide(cfg, lookups, BLOCK, 65536, 1, emit=lambda event: None)
+
+
+@asynccontextmanager
+async def beside_a_holder(
+    daemon_address: str, model: str, prefill_id: str, decode_id: str, blocks: int = 8
+) -> AsyncIterator[tuple[PrefillSide, AsyncDirectoryClient, list[bytes]]]:
+    """A prefill side, and a decode streaming to kvloopd that retains a prompt of ``blocks`` blocks:
+    (the side, a client of kvloopd, the prompt's block hashes)."""
+    prompt = conversation(model, blocks)
+    side = prefill_side(daemon_address, model, prefill_id)
+    try:
+        async with AsyncDirectoryClient(daemon_address) as client:
+            async with running_agent(client, decode_id, model, retained(prompt, f"h-{decode_id}")):
+                yield side, client, prompt
+    finally:
+        side.shutdown()
 
 
 def match(side: PrefillSide, request: Request, num_computed_tokens: int = 0) -> tuple[int | None, bool]:

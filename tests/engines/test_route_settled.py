@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.common.route_estimate import ROUTE_SETTLED_KEY
-from tests.engines.prefill_side import BLOCK, Request, match, prefill_side
-from tests.support import conversation, retained, running_agent
+from tests.engines.prefill_side import BLOCK, Request, beside_a_holder, match
 
 
 @pytest.mark.parametrize(
@@ -22,19 +20,13 @@ from tests.support import conversation, retained, running_agent
 )
 async def test_a_route_settled_prefill_skips_its_lookup(daemon, settled, local_blocks, path, reason):
     model = f"m-settled-{settled.replace(' ', '-')}"
-    prompt = conversation(model, 8)
-    side = prefill_side(daemon.address, model, "pre-settled")
-    try:
-        async with AsyncDirectoryClient(daemon.address) as client:
-            async with running_agent(client, "dec-settled", model, retained(prompt, "h-settled")):
-                before = (await client.stats()).lookups
-                request = Request("r1", prompt)
-                request.kv_transfer_params[ROUTE_SETTLED_KEY] = settled
-                count, is_async = match(side, request, local_blocks * BLOCK)
-                lookups = (await client.stats()).lookups - before
-                outcome = side.finished(request) if path is not None else None
-    finally:
-        side.shutdown()
+    async with beside_a_holder(daemon.address, model, "pre-settled", "dec-settled") as (side, client, prompt):
+        before = (await client.stats()).lookups
+        request = Request("r1", prompt)
+        request.kv_transfer_params[ROUTE_SETTLED_KEY] = settled
+        count, is_async = match(side, request, local_blocks * BLOCK)
+        lookups = (await client.stats()).lookups - before
+        outcome = side.finished(request) if path is not None else None
     if path is None:
         assert lookups == 1 and count == 8 * BLOCK and is_async
         assert request.kv_transfer_params["remote_block_ids"]

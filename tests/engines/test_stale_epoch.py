@@ -5,38 +5,30 @@ from __future__ import annotations
 
 import pytest
 
-from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.v1 import directory_pb2 as pb
-from tests.engines.prefill_side import BLOCK, Request, match, prefill_side
-from tests.support import conversation, retained, running_agent
+from tests.engines.prefill_side import BLOCK, Request, beside_a_holder, match
 
 
 @pytest.mark.parametrize("seen", ["before_the_answer_is_applied", "before_the_read_is_posted"])
 async def test_a_handle_from_an_older_directory_epoch_is_never_read(daemon, seen):
     model = f"m-stale-{seen}"
-    prompt = conversation(model, 8)
-    side = prefill_side(daemon.address, model, "pre-stale")
-    try:
-        async with AsyncDirectoryClient(daemon.address) as client:
-            async with running_agent(client, "dec-stale", model, retained(prompt, "h-stale")):
-                request = Request("r1", prompt)
-                if seen == "before_the_answer_is_applied":
-                    # another lookup of this engine already brought a later epoch (the memory store
-                    # mints under 0): the answer's handle is refused before vLLM allocates anything
-                    side.directory.epoch = 7
-                    assert match(side, request) == (0, False)
-                    assert "remote_block_ids" not in request.kv_transfer_params
-                else:
-                    count, is_async = match(side, request)
-                    assert count == 8 * BLOCK and is_async  # vLLM allocated the pull
-                    side.directory.epoch = 7  # a failover seen between the answer and the READ
-                    deadlines, _holder_epochs = side.take_pulls()
-                    # the worker posts no READ past its deadline: it reports the pull failed
-                    assert deadlines == {"r1": float("-inf")}
-                    side.reads_done(set(), {"r1"}, {})
-                outcome = side.finished(request)
-    finally:
-        side.shutdown()
+    async with beside_a_holder(daemon.address, model, "pre-stale", "dec-stale") as (side, _client, prompt):
+        request = Request("r1", prompt)
+        if seen == "before_the_answer_is_applied":
+            # another lookup of this engine already brought a later epoch (the memory store
+            # mints under 0): the answer's handle is refused before vLLM allocates anything
+            side.directory.epoch = 7
+            assert match(side, request) == (0, False)
+            assert "remote_block_ids" not in request.kv_transfer_params
+        else:
+            count, is_async = match(side, request)
+            assert count == 8 * BLOCK and is_async  # vLLM allocated the pull
+            side.directory.epoch = 7  # a failover seen between the answer and the READ
+            deadlines, _holder_epochs = side.take_pulls()
+            # the worker posts no READ past its deadline: it reports the pull failed
+            assert deadlines == {"r1": float("-inf")}
+            side.reads_done(set(), {"r1"}, {})
+        outcome = side.finished(request)
     assert outcome is not None
     assert outcome["kvloop_path"] == "recompute" and outcome["kvloop_reason"] == "stale_epoch"
     assert outcome["kvloop_pulled_tokens"] == 0 and "directory epoch 0" in outcome["kvloop_detail"]
