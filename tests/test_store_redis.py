@@ -331,3 +331,63 @@ def test_a_packed_prompt_gives_the_same_keys_as_its_hashes(width):
     packed = PackedHashes(b"".join(hashes) + b"\x00" * (width - 1), width)  # a stray tail is not a block
     assert list(packed) == hashes and len(packed) == 2048
     assert _keys(packed) == _keys(hashes) == b"".join(h[:8] for h in hashes)
+
+
+async def _store_holding_two_runs(redis_url):
+    """A store on the session Redis where prompt A matches 6 blocks of a run and prompt B 3 of another."""
+    from kvloop.daemon.index import IndexConfig
+    from kvloop.daemon.index.redis_store import RedisStore
+    from tests.test_index import retain, spec
+
+    store = await RedisStore.connect(redis_url, IndexConfig())
+    await store.flush()
+    now = store.clock()
+    await store.register(spec("a"), 0, now)
+    a, b = conversation("lane-a", 8), conversation("lane-b", 8)
+    await store.apply("a", 1, 1, [retain(a[:6], "ha"), retain(b[:3], "hb")], now)
+    return store, a, b
+
+
+async def test_a_lookup_cancelled_before_its_reply_leaves_nothing_for_the_next_lookup(redis_url):
+    """Lookups go to Redis on connections of their own (the lane), not through redis-py's client. A
+    call cancelled after sending (the RPC's deadline passed) leaves its reply unread on the
+    connection; reading on from there would answer the next Lookup with this one's blocks."""
+    from kvloop.daemon.index import Namespace
+
+    store, a, b = await _store_holding_two_runs(redis_url)
+    control = redis.Redis.from_url(redis_url)
+    try:
+        assert (await store.lookup(Namespace("m"), a, 0, "p", store.clock(), False)).best.matched_blocks == 6
+        control.client_pause(20_000, all=False)  # WRITE: holds the FCALL (a write) but not INFO
+        try:
+            pending = asyncio.create_task(store.lookup(Namespace("m"), a, 0, "p", store.clock(), False))
+            await wait_for_async(lambda: control.info("clients")["blocked_clients"] >= 1)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+        finally:
+            control.client_unpause()
+        match = await store.lookup(Namespace("m"), b, 0, "p", store.clock(), False)
+        assert match.best is not None and match.best.matched_blocks == 3 and match.best.handle == "hb"
+    finally:
+        control.close()
+        await store.close()
+
+
+async def test_a_lookup_whose_connection_was_closed_is_answered_through_the_client(redis_url):
+    """A lane connection the server closed (a restart, a failover, `CLIENT KILL`) fails the send or
+    the read; the Lookup is answered through redis-py's client, which reconnects, and the next one
+    opens a fresh lane connection."""
+    from kvloop.daemon.index import Namespace
+
+    store, a, b = await _store_holding_two_runs(redis_url)
+    control = redis.Redis.from_url(redis_url)
+    try:
+        assert (await store.lookup(Namespace("m"), a, 0, "p", store.clock(), False)).best.matched_blocks == 6
+        assert control.client_kill_filter(_type="normal", skipme=True) >= 1
+        for prompt, blocks in ((b, 3), (a, 6)):
+            match = await store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False)
+            assert match.best is not None and match.best.matched_blocks == blocks
+    finally:
+        control.close()
+        await store.close()
