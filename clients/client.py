@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 
 from kvloop.common.addresses import grpc_target
+from kvloop.common.block_keys import KEY_BYTES, packed_keys
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -60,6 +61,24 @@ def holder_block_ids(holder: pb.Holder) -> list[int]:
             ids.byteswap()
         return ids.tolist()
     return list(holder.block_ids)
+
+
+def _set_prompt(
+    request: pb.LookupRequest | pb.RouteRequest, block_hashes: Sequence[bytes] | bytes, hash_length: int
+) -> None:
+    """Concatenated hashes of a stated ``hash_length`` travel as their keys (kvloop.common.block_keys);
+    a list goes whole, so the daemon checks each hash's length against the model's."""
+    if not isinstance(block_hashes, (bytes, bytearray)):
+        request.block_hashes.extend(block_hashes)
+    elif hash_length:
+        if len(block_hashes) % hash_length:
+            raise ValueError(
+                f"{len(block_hashes)} bytes of hashes are not a multiple of hash_length {hash_length}"
+            )
+        request.packed_block_hashes = packed_keys(bytes(block_hashes), hash_length)
+        request.packed_hash_bytes = KEY_BYTES
+    else:
+        request.packed_block_hashes = bytes(block_hashes)
 
 
 def _identity(response: Any) -> Any:
@@ -130,12 +149,15 @@ class _ClientBase:
         kv_dtype: str = "",
         kv_bytes_per_block: int = 0,
         kv_group_windows: Sequence[int] = (),
+        hash_length: int = 0,
         timeout: float | None = None,
     ) -> pb.LookupResponse:
         """Ask for the longest servable prefix.
 
-        `block_hashes` may be a list or the hashes concatenated (the fast path); with
-        `pack_block_ids` holders carry `packed_block_ids` (read them with `holder_block_ids`).
+        `block_hashes` may be a list or the hashes concatenated (the fast path); concatenated hashes
+        with their `hash_length` given travel as each hash's leading 8 bytes, all the directory
+        compares. With `pack_block_ids` holders carry `packed_block_ids` (read them with
+        `holder_block_ids`).
         A puller states its constraints (minimum pull, lease margin, its KV layout): the daemon
         answers within them.
         """
@@ -154,10 +176,7 @@ class _ClientBase:
             kv_bytes_per_block=kv_bytes_per_block,
             kv_group_windows=kv_group_windows,
         )
-        if isinstance(block_hashes, (bytes, bytearray)):
-            request.packed_block_hashes = bytes(block_hashes)
-        else:
-            request.block_hashes.extend(block_hashes)
+        _set_prompt(request, block_hashes, hash_length)
         return self._invoke("Lookup", request, timeout=timeout)
 
     def route(
@@ -171,6 +190,7 @@ class _ClientBase:
         lora_name: str = "",
         prompt_tokens: int = 0,
         block_size: int = 0,
+        hash_length: int = 0,
         timeout: float | None = None,
     ) -> pb.RouteResponse:
         """Rank candidate prefill workers for a prompt by expected time to first token (read-only).
@@ -186,10 +206,8 @@ class _ClientBase:
             block_size=block_size,
             candidates=[pb.RouteCandidate(worker_id=c) if isinstance(c, str) else c for c in candidates],
         )
-        if isinstance(block_hashes, (bytes, bytearray)):
-            request.packed_block_hashes = bytes(block_hashes)
-        else:
-            request.block_hashes.extend(block_hashes)
+        if block_hashes:
+            _set_prompt(request, block_hashes, hash_length)
         return self._invoke("Route", request, timeout=timeout)
 
     def release_claim(

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from kvloop.common import block_hash
+from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.daemon.index import (
     Cleared,
     Event,
@@ -184,11 +185,11 @@ def events_from_batch(
         elif kind == "stored":
             hashes = list(event.stored.block_hashes)
             check_hashes(hashes, width, max_hashes, where)
-            events.append(Stored(hashes, event.stored.lora_name, event.stored.tier))
+            events.append(Stored(block_keys(hashes), event.stored.lora_name, event.stored.tier))
         elif kind == "removed":
             hashes = list(event.removed.block_hashes)
             check_hashes(hashes, width, max_hashes, where)
-            events.append(Removed(hashes, event.removed.lora_name))
+            events.append(Removed(block_keys(hashes), event.removed.lora_name))
         elif kind == "released":
             if not event.released.retention_handle:
                 raise BadInput("handle", f"{where}: retention_handle must be set")
@@ -228,7 +229,7 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
         if len(r.tail_block_ids) != groups:
             raise BadInput("tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups")
     return Retained(
-        hashes,
+        block_keys(hashes),
         list(r.block_ids),
         groups,
         r.retention_handle,
@@ -255,21 +256,36 @@ def _prompt_hashes(
         raise BadInput("hashes", "give block_hashes or packed_block_hashes, not both")
     hashes: Sequence[bytes]
     if packed:
-        if width and len(packed) % width:
+        given = request.packed_hash_bytes or width
+        if given and not KEY_BYTES <= given <= (width or given):
+            raise BadInput(
+                "packed_hash_bytes",
+                f"packed_hash_bytes must be {KEY_BYTES}..{width or 'hash_length'} (0: the model's "
+                f"hash_length), got {given}",
+            )
+        given = given or 32  # a model nobody registered yet: a Lookup finds nothing anyway
+        if len(packed) % given:
             raise BadInput(
                 "hash_length",
-                f"packed_block_hashes is {len(packed)} bytes, "
-                f"not a multiple of the model's hash_length {width}",
+                f"packed_block_hashes is {len(packed)} bytes, not a multiple of "
+                + (
+                    f"packed_hash_bytes {given}"
+                    if request.packed_hash_bytes
+                    else f"the model's hash_length {given}"
+                ),
             )
-        hashes = PackedHashes(packed, width or 32)
-        if len(hashes) > max_hashes:
-            raise BadInput("too_many_hashes", f"{len(hashes)} block hashes exceed the limit of {max_hashes}")
+        if len(packed) // given > max_hashes:
+            raise BadInput(
+                "too_many_hashes", f"{len(packed) // given} block hashes exceed the limit of {max_hashes}"
+            )
+        hashes = PackedHashes(packed_keys(packed, given), KEY_BYTES)
     else:
-        hashes = list(request.block_hashes)
-        if hashes:
+        listed = list(request.block_hashes)
+        if listed:
             # A model nobody registered yet has no hash_length: its hashes must still agree with
             # each other (a store packs them at one width; mixed lengths failed with UNKNOWN).
-            check_hashes(hashes, width or len(hashes[0]), max_hashes, rpc, registered=bool(width))
+            check_hashes(listed, width or len(listed[0]), max_hashes, rpc, registered=bool(width))
+        hashes = PackedHashes(b"".join(block_keys(listed)), KEY_BYTES)
     if request.block_size and block_size and request.block_size != block_size:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -443,7 +459,7 @@ def route_query(
                 f"model {request.model!r} uses block_size {model_spec.block_size}, the route asked "
                 f"{request.block_size}",
             )
-        hashes, block_size = _token_hashes(request, model_spec, max_hashes), model_spec.block_size
+        hashes, block_size = block_keys(_token_hashes(request, model_spec, max_hashes)), model_spec.block_size
         prompt_tokens = request.prompt_tokens or len(request.token_ids)
     else:
         hashes, block_size = _prompt_hashes(request, model_spec, max_hashes, "Route")

@@ -18,6 +18,7 @@ import grpc
 import structlog
 from opentelemetry import trace
 
+from kvloop.common.block_keys import KEY_BYTES
 from kvloop.common.outcomes import decision_name, path_name, reason_name
 from kvloop.common.security import Role
 from kvloop.daemon import convert, metrics
@@ -222,7 +223,13 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             self.counters.rejected_message("FindBlock", "missing_field")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model and block_hash must be set")
         namespace = Namespace(request.model, request.lora_name)
-        found = await self.store.find(namespace, request.block_hash, self.store.clock())
+        if len(request.block_hash) < KEY_BYTES:
+            self.counters.rejected_message("FindBlock", "hash_length")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block_hash is {len(request.block_hash)} bytes; a block hash has at least {KEY_BYTES}",
+            )
+        found = await self.store.find(namespace, request.block_hash[:KEY_BYTES], self.store.clock())
         return pb.FindBlockResponse(locations=[convert.block_location(loc) for loc in found])
 
     async def GetStats(

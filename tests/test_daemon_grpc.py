@@ -369,6 +369,49 @@ async def test_lookup_bad_input(daemon):
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
+async def test_a_prompt_sent_as_block_keys_is_answered_as_by_whole_hashes(daemon):
+    """The directory compares each hash's leading 8 bytes, so a puller may send only those (the
+    connector does: a 2,048-block prompt is 16 KiB on the wire instead of 64). The answer is the same
+    as for the whole hashes, listed or packed; a key width outside 8..hash_length is refused."""
+    model, prompt = "m-keys", conversation("keys", 10)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-keys", model, retained(prompt[:7], "k")):
+            whole = await client.lookup(model, prompt, pack_block_ids=True)
+            answers = [
+                await client.lookup(model, b"".join(prompt), pack_block_ids=True),
+                await client.lookup(model, b"".join(prompt), pack_block_ids=True, hash_length=32),
+                await client.stub.Lookup(
+                    pb.LookupRequest(
+                        model=model,
+                        packed_block_hashes=b"".join(h[:8] for h in prompt),
+                        packed_hash_bytes=8,
+                        pack_block_ids=True,
+                    )
+                ),
+            ]
+            assert whole.decision == pb.DECISION_TRANSFER and whole.matched_blocks == 7
+            for answer in answers:
+                assert (answer.decision, answer.matched_blocks) == (whole.decision, whole.matched_blocks)
+                assert holder_block_ids(answer.holder) == holder_block_ids(whole.holder)
+                assert answer.holder.retention_handle == "k"
+            for width, data, fragment in [
+                (4, b"x" * 40, "packed_hash_bytes must be 8..32"),
+                (33, b"x" * 66, "packed_hash_bytes must be 8..32"),
+                (8, b"x" * 12, "not a multiple of packed_hash_bytes 8"),
+            ]:
+                request = pb.LookupRequest(model=model, packed_block_hashes=data, packed_hash_bytes=width)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.stub.Lookup(request)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert fragment in refused.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.stub.FindBlock(pb.FindBlockRequest(model=model, block_hash=b"short"))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "a block hash has at least 8" in refused.value.details()
+            with pytest.raises(ValueError, match="not a multiple of hash_length 32"):
+                await client.lookup(model, b"x" * 40, hash_length=32)
+
+
 async def test_lease_expiry_and_epoch_replacement(daemon_factory):
     proc = daemon_factory(
         env={

@@ -14,6 +14,7 @@ import redis
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
 from kvloop.clients.client import AsyncDirectoryClient, KvloopError
 from kvloop.common.addresses import free_port
+from kvloop.common.block_keys import block_keys, packed_keys
 from kvloop.daemon.index import PackedHashes
 from kvloop.daemon.index.redis_local import local_redis, local_sentinel
 from kvloop.daemon.index.redis_store import _keys
@@ -331,6 +332,11 @@ def test_a_packed_prompt_gives_the_same_keys_as_its_hashes(width):
     packed = PackedHashes(b"".join(hashes) + b"\x00" * (width - 1), width)  # a stray tail is not a block
     assert list(packed) == hashes and len(packed) == 2048
     assert _keys(packed) == _keys(hashes) == b"".join(h[:8] for h in hashes)
+    # what a client sends (kvloop.common.block_keys): the same keys, whatever the stray tail
+    assert packed_keys(packed.data, width) == packed_keys(b"".join(hashes) + b"\x07" * (width - 1), width)
+    assert packed_keys(packed.data, width) == b"".join(block_keys(hashes))
+    with pytest.raises(ValueError, match="shorter than a key"):
+        packed_keys(b"x" * 14, 7)
 
 
 async def _store_holding_two_runs(redis_url):

@@ -171,6 +171,7 @@ class DirectoryLookups:
                 kv_dtype=c.kv_dtype,
                 kv_bytes_per_block=c.kv_bytes_per_block,
                 kv_group_windows=c.kv_group_windows,
+                hash_length=len(block_hashes[0]) if block_hashes else 0,  # vLLM's: one length
             )
         except KvloopError as e:
             self._down_until = time.monotonic() + self.backoff_s

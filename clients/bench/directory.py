@@ -38,6 +38,9 @@ from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
 
 MODEL = "bench-model"
+HASH_LENGTH = 32  # sha256_cbor, vLLM's default
+# A Lookup as the prefill connector makes it: block ids packed, hashes sent as their 8-byte keys.
+_LOOKUP = {"requester": "bench-prefill", "pack_block_ids": True, "hash_length": HASH_LENGTH}
 
 
 @dataclass
@@ -141,7 +144,7 @@ def _registration(worker: int) -> pb.WorkerRegistration:
         nixl_endpoint=f"10.0.0.{worker % 250}:5600",
         block_size=16,
         hash_algorithm="sha256_cbor",
-        hash_length=32,
+        hash_length=HASH_LENGTH,
         epoch=random.getrandbits(63) | 1,
         kv_bytes_per_block=160 * 1024,
     )
@@ -202,9 +205,7 @@ async def _concurrent_lookups(target: str, prompts: list[bytes], concurrency: in
             nonlocal done
             while done < count:
                 done += 1
-                await client.lookup(
-                    MODEL, prompts[(i + done) % len(prompts)], requester="bench-prefill", pack_block_ids=True
-                )
+                await client.lookup(MODEL, prompts[(i + done) % len(prompts)], **_LOOKUP)
 
         started = time.perf_counter()
         await asyncio.gather(*(caller(i) for i in range(concurrency)))
@@ -275,16 +276,14 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
             redis_after = _redis_used_memory(redis_url)
             prompts = _prompts(fleet, config, min(config.lookups, 500))
             for p in prompts[:50]:  # warm up
-                sync.lookup(MODEL, p, requester="bench-prefill", pack_block_ids=True)
+                sync.lookup(MODEL, p, **_LOOKUP)
             server_us, e2e_us, floor_us, transfers = [], [], [], 0
             task = progress.add_task("lookups (sequential)", total=config.lookups) if progress else None
             for i in range(config.lookups):
                 t0 = time.perf_counter()
                 health.Check(check)
                 t1 = time.perf_counter()
-                answer = sync.lookup(
-                    MODEL, prompts[i % len(prompts)], requester="bench-prefill", pack_block_ids=True
-                )
+                answer = sync.lookup(MODEL, prompts[i % len(prompts)], **_LOOKUP)
                 e2e_us.append((time.perf_counter() - t1) * 1e6)
                 floor_us.append((t1 - t0) * 1e6)
                 server_us.append(answer.lookup_us)

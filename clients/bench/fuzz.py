@@ -140,6 +140,8 @@ class Tokens:
 _u32 = st.integers(0, 2**32 - 1)
 _u64 = st.integers(0, 2**64 - 1)
 _small = st.integers(0, 8)
+# packed_hash_bytes: unset, the keys' width, the model's whole hashes, or anything
+_hash_widths = st.one_of(st.sampled_from([0, 8, 32]), _small, _u32)
 
 
 def _text(max_size: int = 24) -> st.SearchStrategy[str]:
@@ -350,6 +352,7 @@ def unary_requests() -> st.SearchStrategy[tuple[str, Any]]:
         parallel=layouts(),
         kv_dtype=st.sampled_from(["", "bfloat16", "fp8_e4m3"]),
         kv_bytes_per_block=st.one_of(st.just(0), _u64),
+        packed_hash_bytes=_hash_widths,
     )
     candidate = st.builds(
         pb.RouteCandidate,
@@ -369,6 +372,7 @@ def unary_requests() -> st.SearchStrategy[tuple[str, Any]]:
         candidates=st.lists(candidate, max_size=5),
         block_size=st.one_of(st.sampled_from([0, BLOCK_SIZE]), _u32),
         prompt_tokens=st.one_of(st.just(0), _u32),
+        packed_hash_bytes=_hash_widths,
     )
     return st.one_of(
         st.tuples(st.just("Lookup"), lookup),

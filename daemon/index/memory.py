@@ -1,7 +1,9 @@
 """In-memory block directory.
 
 Layout, chosen for lookup speed and memory per entry:
-- per namespace, ``retained`` maps a block hash to the id of the retained run holding it (an int),
+- blocks are keyed as kvloopd receives them: by their hash's leading 8 bytes (kvloop.common.block_keys;
+  the service cuts every hash it is given), as on Redis;
+- per namespace, ``retained`` maps a block key to the id of the retained run holding it (an int),
   or a list of run ids when several runs hold it (shared prefixes); ``stored`` does the same for
   prefix-cache blocks, with worker slots instead of run ids;
 - a run keeps its hashes (the same bytes objects as the keys) and its physical block ids in an

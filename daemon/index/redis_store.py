@@ -37,6 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.daemon.index.model import (
     Change,
     Cleared,
@@ -79,29 +80,13 @@ def _u32(values: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-# Blocks are keyed by the first 8 bytes of their hash (vLLM's own events carry 64-bit hashes by
-# default): a quarter of the bytes a 32-byte digest costs, in memory and on every round trip, which
-# a lookup of a long prompt pays in full. A false match needs two of a model's distinct blocks to
-# agree on 64 bits (about 1e-13 per probe with a million entries).
-KEY_BYTES = 8
-
-
 def _keys(hashes: Sequence[bytes]) -> bytes:
-    """The blocks' keys, concatenated (KEY_BYTES each)."""
+    """The blocks' keys, concatenated (KEY_BYTES each: see kvloop.common.block_keys)."""
     if not hashes:
         return b""
     if isinstance(hashes, PackedHashes):
-        data, width = hashes.data, hashes.width  # a Lookup's packed prompt: no walk per block
-    else:
-        data, width = b"".join(hashes), len(hashes[0])
-    if width == KEY_BYTES:
-        return data
-    if width % KEY_BYTES == 0:
-        # every hash's first 8 bytes, by a strided slice in C rather than a Python loop per block
-        words = array("Q")
-        words.frombytes(data)
-        return words[:: width // KEY_BYTES].tobytes()
-    return b"".join(data[i : i + KEY_BYTES] for i in range(0, len(data), width))
+        return packed_keys(hashes.data, hashes.width)  # a Lookup's packed prompt: no walk per block
+    return b"".join(block_keys(hashes))
 
 
 def _ids(raw: bytes) -> array:

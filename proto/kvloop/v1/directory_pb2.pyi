@@ -362,7 +362,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, registered: _Optional[_Union[RegisterAck, _Mapping]] = ..., ack: _Optional[_Union[BatchAck, _Mapping]] = ..., resync: _Optional[_Union[ResyncRequest, _Mapping]] = ..., drain: _Optional[_Union[DrainRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatAck, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids", "min_pull_tokens", "lease_margin_ms", "parallel", "kv_dtype", "kv_bytes_per_block", "kv_group_windows")
+    __slots__ = ("model", "lora_name", "block_hashes", "local_blocks", "requester_worker_id", "claim", "block_size", "packed_block_hashes", "pack_block_ids", "min_pull_tokens", "lease_margin_ms", "parallel", "kv_dtype", "kv_bytes_per_block", "kv_group_windows", "packed_hash_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -378,6 +378,7 @@ class LookupRequest(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -393,7 +394,8 @@ class LookupRequest(_message.Message):
     kv_dtype: str
     kv_bytes_per_block: int
     kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_hash_bytes: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., packed_hash_bytes: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
     __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size")
@@ -710,7 +712,7 @@ class RouteCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens")
+    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens", "packed_hash_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -720,6 +722,7 @@ class RouteRequest(_message.Message):
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -729,7 +732,8 @@ class RouteRequest(_message.Message):
     candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
     block_size: int
     prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    packed_hash_bytes: int
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., packed_hash_bytes: _Optional[int] = ...) -> None: ...
 
 class RouteScore(_message.Message):
     __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis", "pull_wait_ms")
