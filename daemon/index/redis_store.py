@@ -167,7 +167,8 @@ class _DirectLane:
     back. Any failure hands the call to the ordinary client path (its retries, Sentinel's
     reconnection); the connection that failed is closed and dropped. Only functions that write may use
     the lane: a primary demoted to a replica refuses them (READONLY), so a connection left on an old
-    primary can never answer from its stale data.
+    primary can never answer from its stale data; and once Sentinel's pool has found a new primary,
+    an idle connection to the old one is closed when next taken.
 
     The connections are made by the pool's own connection class (TLS, ACL user, Sentinel's primary
     discovery), up to ``size`` beyond the pool's; a call that finds none idle at the cap takes the
@@ -184,9 +185,15 @@ class _DirectLane:
         self._open = 0
         self._size = size
 
-    def take(self) -> Any | None:
-        if self._idle:
-            return self._idle.pop()
+    async def take(self) -> Any | None:
+        # Sentinel's pool records the primary it last found; an idle connection to another one
+        # (found before a failover) is closed, as the pool closes its own idle ones.
+        primary = getattr(self._pool, "master_address", None)
+        while self._idle:
+            connection = self._idle.pop()
+            if primary is None or (connection.host, connection.port) == tuple(primary):
+                return connection
+            await self.drop(connection)
         if self._open >= self._size:
             return None
         self._open += 1
@@ -352,7 +359,7 @@ class RedisStore:
 
     async def _fcall_direct(self, function: str, keys: Sequence[str], *args: Any) -> Any:
         """``_fcall`` through the lane, for a function that writes (see _DirectLane)."""
-        connection = self._lane.take()
+        connection = await self._lane.take()
         if connection is None:
             return await self._fcall(function, keys, *args)
         try:
