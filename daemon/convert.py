@@ -256,35 +256,37 @@ def _prompt_hashes(
         raise BadInput("hashes", "give block_hashes or packed_block_hashes, not both")
     hashes: Sequence[bytes]
     if packed:
-        given = request.packed_hash_bytes or width
-        if given and not KEY_BYTES <= given <= (width or given):
+        declared = request.packed_hash_bytes or width  # 0: a model nobody registered yet
+        if declared and not KEY_BYTES <= declared <= (width or declared):
             raise BadInput(
                 "packed_hash_bytes",
                 f"packed_hash_bytes must be {KEY_BYTES}..{width or 'hash_length'} (0: the model's "
-                f"hash_length), got {given}",
+                f"hash_length), got {declared}",
             )
-        given = given or 32  # a model nobody registered yet: a Lookup finds nothing anyway
-        if len(packed) % given:
+        if declared and len(packed) % declared:
             raise BadInput(
                 "hash_length",
                 f"packed_block_hashes is {len(packed)} bytes, not a multiple of "
                 + (
-                    f"packed_hash_bytes {given}"
+                    f"packed_hash_bytes {declared}"
                     if request.packed_hash_bytes
-                    else f"the model's hash_length {given}"
+                    else f"the model's hash_length {declared}"
                 ),
             )
-        if len(packed) // given > max_hashes:
+        step = declared or 32  # an unregistered model's prompt finds nothing; read it as sha256
+        if len(packed) // step > max_hashes:
             raise BadInput(
-                "too_many_hashes", f"{len(packed) // given} block hashes exceed the limit of {max_hashes}"
+                "too_many_hashes", f"{len(packed) // step} block hashes exceed the limit of {max_hashes}"
             )
-        hashes = PackedHashes(packed_keys(packed, given), KEY_BYTES)
+        hashes = PackedHashes(packed_keys(packed, step), KEY_BYTES)
     else:
         listed = list(request.block_hashes)
         if listed:
             # A model nobody registered yet has no hash_length: its hashes must still agree with
             # each other (a store packs them at one width; mixed lengths failed with UNKNOWN).
             check_hashes(listed, width or len(listed[0]), max_hashes, rpc, registered=bool(width))
+            if len(listed[0]) < KEY_BYTES:  # only an unregistered model's (hash_length is >= 8)
+                raise BadInput("hash_length", f"{rpc}: block hashes must be at least {KEY_BYTES} bytes")
         hashes = PackedHashes(b"".join(block_keys(listed)), KEY_BYTES)
     if request.block_size and block_size and request.block_size != block_size:
         raise Refused(

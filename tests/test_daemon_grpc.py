@@ -410,6 +410,8 @@ async def test_a_prompt_sent_as_block_keys_is_answered_as_by_whole_hashes(daemon
             assert "a block hash has at least 8" in refused.value.details()
             with pytest.raises(ValueError, match="not a multiple of hash_length 32"):
                 await client.lookup(model, b"x" * 40, hash_length=32)
+            with pytest.raises(KvloopError, match="must be at least 8 bytes"):
+                await client.lookup("m-nobody-registered", [b"abcd"] * 3)
 
 
 async def test_lease_expiry_and_epoch_replacement(daemon_factory):
