@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from kvloop.clients.bench.multiturn import (
     median_ci95,
     next_turn_messages,
     plot,
+    pooled_summary,
     run_workload,
     session_seed_base,
     summarize,
@@ -234,6 +237,55 @@ def test_routing_summary_pairs_kvloop_with_every_other_arm_and_counts_how_prefil
     assert kvloop["route_ms_p50"] == 6.0
     assert kvloop["prefills_used"] == {"prefill-0": 2, "prefill-1": 1}
     assert kvloop["ratio_to_recompute_p50"] == 0.25
+
+
+def _routing_run(seed_scale: float, config: dict | None = None) -> dict:
+    """A results JSON as `bench multiturn --prefills 2` writes it: kvloop at 0.8x load_pull each turn."""
+    samples = [
+        timed(arm, 0, turn, ms * turn * seed_scale)
+        for turn in (2, 3)
+        for arm, ms in (("kvloop", 80.0), ("load_pull", 100.0), ("prefix_route", 100.0), ("recompute", 200.0))
+    ]
+    setup = {"arms": ["kvloop", "load_pull", "prefix_route", "recompute"], "prefills": 2, "decodes": 2}
+    setup["block_size"] = BS
+    return {"config": {**setup, **(config or {})}, "samples": [asdict(s) for s in samples]}
+
+
+def test_runs_of_one_setup_pool_into_one_summary_each_run_a_repeat_of_its_own():
+    summary = pooled_summary([_routing_run(1.0), _routing_run(2.0), _routing_run(4.0)])
+    kvloop = next(r for r in summary["rows"] if r["arm"] == "kvloop")
+    assert kvloop["continuation_turns"] == 6  # every run's turns, none merged as the same turn
+    assert kvloop["ttft_p50_by_repeat_ms"] == [200.0, 400.0, 800.0]
+    paired = {p["ratio"]: p for p in summary["paired"]}
+    assert paired["kvloop/load_pull"]["turns"] == 6 and paired["kvloop/load_pull"]["median"] == 0.8
+
+
+def test_runs_of_other_setups_are_refused_by_the_setting_that_differs():
+    with pytest.raises(ValueError, match="answer_tokens=16, run 1 128"):
+        pooled_summary([_routing_run(1.0, {"answer_tokens": 128}), _routing_run(1.0, {"answer_tokens": 16})])
+    with pytest.raises(ValueError, match="no results"):
+        pooled_summary([])
+
+
+def test_the_cli_pools_results_files_and_refuses_what_is_not_one(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from kvloop.clients.cli.app import app
+
+    paths = []
+    for i, scale in enumerate((1.0, 2.0)):
+        paths.append(tmp_path / f"seed{i}.json")
+        paths[-1].write_text(json.dumps(_routing_run(scale)))
+    pooled = CliRunner().invoke(app, ["--json", "bench", "multiturn-pool", *map(str, paths)])
+    assert pooled.exit_code == 0, pooled.output
+    rows = json.loads(pooled.stdout)["rows"]
+    assert next(r for r in rows if r["arm"] == "kvloop")["continuation_turns"] == 4
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"summary": {}}))
+    refused = CliRunner().invoke(app, ["bench", "multiturn-pool", str(paths[0]), str(other)])
+    assert refused.exit_code == 2 and "not results of `kvloop bench multiturn`" in refused.stderr
+    missing = CliRunner().invoke(app, ["bench", "multiturn-pool", str(tmp_path / "none.json")])
+    assert missing.exit_code == 1 and "cannot read" in missing.stderr and "Traceback" not in missing.stderr
 
 
 def test_median_confidence_interval_narrows_with_more_turns():

@@ -137,6 +137,12 @@ def test_every_command_takes_json_and_bench_multiturn_writes_to_output():
     assert {"--output", "-o"} <= multiturn
 
 
+def test_bench_multiturn_refuses_an_unknown_tokenizer_before_starting_anything(tmp_path):
+    refused = kvloop("bench", "multiturn", "--tokenizer", "sentencepiece", "--workdir", str(tmp_path))
+    assert refused.returncode == 2 and "'sentencepiece' is not one of bpe, words" in refused.stderr
+    assert "Traceback" not in refused.stderr and not any(tmp_path.iterdir())
+
+
 def test_cli_errors_are_messages_not_tracebacks():
     unreachable = kvloop("workers", daemon="127.0.0.1:1")
     assert unreachable.returncode == 1

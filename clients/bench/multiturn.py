@@ -27,7 +27,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -77,7 +77,19 @@ class MultiturnConfig:
     arms: tuple[str, ...] = ARMS
     system_tokens: int = 1500
     tool_tokens: int = 600
-    answer_tokens: int = 16
+    # An agent turn's answer: a tool call of a hundred-odd tokens (the replay generator's median is 180).
+    # With a few tokens an answer stays within the last block, and a decode holds nothing beyond the
+    # prompt a prefill with prefix caching already has.
+    answer_tokens: int = 128
+    # "words": answers tokenize back to the ids the decode generated, as a real model's mostly do, so
+    # the KV of an answer a decode retains can serve the next turn; "bpe": a random-weight model's
+    # answers never do (see kvloop.clients.demo.model._save_tokenizer).
+    tokenizer: str = "words"
+    # How long a decode retains a finished turn's KV: a conversation's next turn comes within a turn of
+    # all arms (seconds to tens of seconds). Retention does not yet yield to new requests under KV
+    # pressure, and with vLLM's 480 s the runs of turns long done fill a 1 GiB decode within one
+    # workload of 4 sessions: new requests then wait for the oldest leases to end.
+    retention_ttl_s: float = 90.0
     # reasoning workload: tokens the decode generates per turn (all of it thinking the template drops)
     thinking_tokens: int = 128
     repeats: int = 1
@@ -880,6 +892,48 @@ def summarize(
     }
 
 
+# What runs being pooled must agree on: the same arms measured the same way.
+POOLED_CONFIG_KEYS = (
+    "arms",
+    "prefills",
+    "decodes",
+    "block_size",
+    "prefill_prefix_caching",
+    "answer_tokens",
+    "tokenizer",
+    "dtype",
+    "hidden_size",
+    "layers",
+)
+
+
+def pooled_summary(results: Sequence[dict]) -> dict:
+    """One summary of several runs' results JSONs (seeds apart, as ``--repeats`` cannot be on a fleet
+    whose retained runs fill the decodes): each run's turns count as a repeat of their own. Runs that
+    measured other arms or another setup are refused (ValueError, naming the setting)."""
+    if not results:
+        raise ValueError("no results to pool")
+    first = results[0]["config"]
+    for i, result in enumerate(results[1:], 2):
+        for key in POOLED_CONFIG_KEYS:
+            if result["config"].get(key) != first.get(key):
+                raise ValueError(
+                    f"run {i} has {key}={result['config'].get(key)!r}, run 1 {first.get(key)!r}: "
+                    "only runs of one setup pool"
+                )
+    names = {f.name for f in fields(TurnSample)}
+    samples: list[TurnSample] = []
+    offset = 0  # each run's repeats numbered after those of the runs before it
+    for result in results:
+        run = [TurnSample(**{k: v for k, v in raw.items() if k in names}) for raw in result["samples"]]
+        for sample in run:
+            sample.repeat += offset
+        offset = 1 + max((s.repeat for s in run), default=offset - 1)
+        samples += run
+    routing = first.get("prefills", 1) > 1 or first.get("decodes", 1) > 1
+    return summarize(samples, first["block_size"], pairs=ROUTING_PAIRED_RATIOS if routing else PAIRED_RATIOS)
+
+
 def _by_cell(samples: list[TurnSample]) -> dict[tuple[str, int, str], list[TurnSample]]:
     """Samples per (workload, concurrency, arm), in their order."""
     cells: dict[tuple[str, int, str], list[TurnSample]] = {}
@@ -1131,6 +1185,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
         hidden_size=config.hidden_size,
         layers=config.layers,
         chat_template=REASONING_CHAT_TEMPLATE,  # renders other workloads' prompts as the plain one
+        tokenizer=config.tokenizer,
     )
     stacks = {}
     started = time.monotonic()
@@ -1148,6 +1203,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     mode="kvloop",
                     prefill_servers=config.prefills,
                     decode_servers=config.decodes,
+                    retention_ttl_s=config.retention_ttl_s,
                     with_proxy=False,
                     # four engines starting at once on a small shared host take several minutes
                     start_timeout_s=900,
@@ -1166,6 +1222,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     pin_engines=config.pin_engines,
                     mode="recompute" if floor else arm,
                     decode_servers=0 if floor else 1,
+                    retention_ttl_s=config.retention_ttl_s,
                     with_proxy=False,
                 )
             )

@@ -1265,6 +1265,29 @@ def bench_multiturn(
     system_tokens: Annotated[
         Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
     ] = None,
+    answer_tokens: Annotated[
+        int,
+        typer.Option(
+            min=2,
+            help="tokens each turn's answer decodes: an agent's tool call (the reasoning workload "
+            "decodes 128 tokens of thinking instead)",
+        ),
+    ] = 128,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="words: answers tokenize back to the ids generated, as a real model's mostly do; "
+            "bpe: a random-weight model's answers never do (the next turn departs from the answer's KV)"
+        ),
+    ] = "words",
+    retention_ttl: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="seconds a decode retains a finished turn's KV (retention does not yet yield under KV "
+            "pressure: long answers with several sessions fill a decode with runs no one needs)",
+        ),
+    ] = 90.0,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
     prefills: Annotated[
         int,
@@ -1305,7 +1328,7 @@ def bench_multiturn(
     ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
     --json prints the results JSON on stdout instead of the tables."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
-    from kvloop.clients.demo.model import DTYPE_BYTES
+    from kvloop.clients.demo.model import DTYPE_BYTES, TOKENIZERS
     from kvloop.common.processes import supervisor
 
     known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else ARMS
@@ -1317,6 +1340,10 @@ def bench_multiturn(
         concurrency = [1, 4, 8]
     if dtype not in DTYPE_BYTES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    if tokenizer not in TOKENIZERS:
+        raise typer.BadParameter(
+            f"{tokenizer!r} is not one of {', '.join(TOKENIZERS)}", param_hint="--tokenizer"
+        )
     for name, given, known in (("--arm", arm, known_arms), ("--workload", workload, WORKLOADS)):
         unknown = sorted(set(given) - set(known))
         if unknown:
@@ -1336,6 +1363,9 @@ def bench_multiturn(
         quick=quick,
         system_tokens=system_tokens or (800 if quick else 1500),
         tool_tokens=tool_tokens or (400 if quick else 600),
+        answer_tokens=answer_tokens,
+        tokenizer=tokenizer,
+        retention_ttl_s=retention_ttl,
         dtype=dtype,
         warmup_turns=warmup_turns,
     )
@@ -1348,6 +1378,35 @@ def bench_multiturn(
         return
     _print_multiturn(result["summary"])
     console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
+
+
+@bench_app.command("multiturn-pool")
+def bench_multiturn_pool(
+    results: Annotated[
+        list[Path], typer.Argument(help="results JSONs of `bench multiturn` runs of one setup (seeds apart)")
+    ],
+    json_output: JsonFlag = False,
+) -> None:
+    """The tables of `bench multiturn` over several runs pooled (each run's turns a repeat of their
+    own), as seeds run apart instead of --repeats on one fleet. --json prints the pooled summary."""
+    from kvloop.clients.bench.multiturn import pooled_summary
+
+    loaded = []
+    for path in results:
+        try:
+            loaded.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            _fail(f"cannot read {path}: {exc}")
+    try:
+        summary = pooled_summary(loaded)
+    except KeyError as exc:
+        _fail(f"not results of `kvloop bench multiturn` (no {exc} in one of them)", 2)
+    except ValueError as exc:
+        _fail(f"cannot pool these results: {exc}", 2)
+    if state.json:
+        _emit_json(summary)
+        return
+    _print_multiturn(summary)
 
 
 def _print_multiturn(summary: dict) -> None:

@@ -79,23 +79,65 @@ REASONING_CHAT_TEMPLATE = (
 )
 
 
-def _save_tokenizer(out: Path, vocab_size: int, seed: int, chat_template: str = CHAT_TEMPLATE) -> None:
-    """A byte-level BPE tokenizer trained on a made-up corpus of WORDS, saved to ``out``."""
+# The words the bench's and demo's chat templates and messages put in a prompt, beside WORDS.
+TEMPLATE_WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "You",
+    "are",
+    "an",
+    "Task",
+    "Tool",
+    "output",
+    "Answer",
+    "think",
+]
+# The tokenizers a tiny model can have (see _save_tokenizer).
+TOKENIZERS = ("bpe", "words")
+
+
+def _save_tokenizer(
+    out: Path, vocab_size: int, seed: int, chat_template: str = CHAT_TEMPLATE, kind: str = "bpe"
+) -> None:
+    """A tokenizer for the tiny model, saved to ``out``.
+
+    ``bpe``: byte-level BPE trained on a made-up corpus of WORDS. A random-weight model emits token
+    ids in no tokenizer's canonical order, so the text of its answer tokenizes back to other ids:
+    the next turn's prompt departs from the KV of the answer the decode computed at its first
+    answer token. A real model's answers mostly tokenize back to what it generated.
+
+    ``words``: one token per whitespace- or punctuation-separated word (WORDS, the templates' words,
+    then made-up words up to ``vocab_size``), so any answer tokenizes back to the ids generated, as a
+    real model's answer mostly does: the next turn can reuse the answer's KV (the multi-turn bench).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    rnd = random.Random(seed)
-    corpus = [" ".join(rnd.choice(WORDS) for _ in range(40)) for _ in range(2000)]
-    tokenizer = Tokenizer(models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,  # it writes to stdout, which a --json command keeps for its JSON
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
+    if kind not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {kind!r}")
+    specials = ["<s>", "</s>"]
+    if kind == "words":
+        known = list(dict.fromkeys(specials + WORDS + TEMPLATE_WORDS + list(":.,<>/")))
+        made_up = [f"w{i}" for i in range(max(0, vocab_size - len(known)))]
+        vocab = {word: i for i, word in enumerate(known + made_up)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        # decoded words joined by single spaces: the pre-tokenizer splits them back the same way
+        tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    else:
+        rnd = random.Random(seed)
+        corpus = [" ".join(rnd.choice(WORDS) for _ in range(40)) for _ in range(2000)]
+        tokenizer = Tokenizer(models.BPE(unk_token=None))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,  # it writes to stdout, which a --json command keeps for its JSON
+        )
+        tokenizer.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.chat_template = chat_template
     fast.save_pretrained(out)
@@ -109,7 +151,13 @@ def _build(out: Path, spec: dict[str, Any], make_model: Callable[[], Any]) -> Pa
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    _save_tokenizer(out, spec["vocab_size"], spec["seed"], spec.get("chat_template", CHAT_TEMPLATE))
+    _save_tokenizer(
+        out,
+        spec["vocab_size"],
+        spec["seed"],
+        spec.get("chat_template", CHAT_TEMPLATE),
+        spec.get("tokenizer", "bpe"),
+    )
     torch.manual_seed(spec["seed"])
     # transformers wraps PreTrainedModel.to in a decorator its stubs type wrongly
     make_model().to(torch.bfloat16).save_pretrained(out)
@@ -127,8 +175,10 @@ def build_tiny_llama(
     vocab_size: int = 1024,
     seed: int = 0,
     chat_template: str = CHAT_TEMPLATE,
+    tokenizer: str = "bpe",
 ) -> Path:
-    """Write a model directory vLLM can serve; returns it. Reuses an existing build."""
+    """Write a model directory vLLM can serve; returns it. Reuses an existing build.
+    ``tokenizer``: "bpe" or "words" (see :func:`_save_tokenizer`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec: dict[str, object] = {
@@ -141,6 +191,8 @@ def build_tiny_llama(
     }
     if chat_template != CHAT_TEMPLATE:
         spec["chat_template"] = chat_template
+    if tokenizer != "bpe":
+        spec["tokenizer"] = tokenizer
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
