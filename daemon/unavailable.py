@@ -43,10 +43,22 @@ def _guarded(behavior: Callable[..., Any], streaming_response: bool) -> Callable
 
 
 class StoreUnavailableInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        # Guarded handlers per method, built once: this runs on every call, each Lookup's included.
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        return handler if handler is None else _replace(handler, _guarded)
+        if handler is None:
+            return handler
+        method = details.method or ""
+        cached = self._guarded.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        guarded = _replace(handler, _guarded)
+        self._guarded[method] = (handler, guarded)
+        return guarded
