@@ -93,6 +93,21 @@ def _replace(handler: grpc.RpcMethodHandler, make: Callable[[Callable, bool], Ca
     return handler
 
 
+class WrappedHandlers:
+    """An interceptor's wrapped method handlers, built once per method: interceptors run on every
+    call (each Lookup's), and the server hands them the same handler for a method each time."""
+
+    def __init__(self, wrap: Callable[[grpc.RpcMethodHandler, str], grpc.RpcMethodHandler]) -> None:
+        self._wrap = wrap
+        self._built: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def of(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        built = self._built.get(method)
+        if built is None or built[0] is not handler:
+            built = self._built[method] = (handler, self._wrap(handler, method))
+        return built[1]
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: Sequence[TokenGrant], on_reject: Callable[[str, str], None]) -> None:
         self._tokens = {t.token: t for t in tokens}

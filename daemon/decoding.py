@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvloop.daemon.auth import SERVICE_PREFIX
+from kvloop.daemon.auth import SERVICE_PREFIX, WrappedHandlers
 from kvloop.daemon.convert import BadInput
 
 
@@ -28,8 +28,7 @@ def _message(rpc: str, exc: DecodeError) -> str:
 class DecodeInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, on_reject: Callable[[str, str], None]) -> None:
         self._on_reject = on_reject
-        # Wrapped handlers per method, built once (this runs on every call, Lookup's hot path too).
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped = WrappedHandlers(self._wrap)
 
     async def intercept_service(
         self,
@@ -40,14 +39,10 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
         method = details.method or ""
         if handler is None or not method.startswith(SERVICE_PREFIX) or handler.request_deserializer is None:
             return handler
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, method.removeprefix(SERVICE_PREFIX))
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+        return self._wrapped.of(handler, method)
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, rpc: str) -> grpc.RpcMethodHandler:
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        rpc = method.removeprefix(SERVICE_PREFIX)
         parse = handler.request_deserializer
         on_reject = self._on_reject
 

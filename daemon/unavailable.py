@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvloop.daemon.auth import _replace
+from kvloop.daemon.auth import WrappedHandlers, _replace
 from kvloop.daemon.index.store import StoreUnavailable
 
 log = structlog.get_logger("kvloop.daemon")
@@ -44,8 +44,7 @@ def _guarded(behavior: Callable[..., Any], streaming_response: bool) -> Callable
 
 class StoreUnavailableInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
-        # Guarded handlers per method, built once: this runs on every call, each Lookup's included.
-        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._guarded = WrappedHandlers(lambda handler, method: _replace(handler, _guarded))
 
     async def intercept_service(
         self,
@@ -53,12 +52,4 @@ class StoreUnavailableInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
-            return handler
-        method = details.method or ""
-        cached = self._guarded.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        guarded = _replace(handler, _guarded)
-        self._guarded[method] = (handler, guarded)
-        return guarded
+        return handler if handler is None else self._guarded.of(handler, details.method or "")
