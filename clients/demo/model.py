@@ -121,6 +121,8 @@ def _save_tokenizer(
         known = list(dict.fromkeys(specials + WORDS + TEMPLATE_WORDS + list(":.,<>/")))
         made_up = [f"w{i}" for i in range(max(0, vocab_size - len(known)))]
         vocab = {word: i for i, word in enumerate(known + made_up)}
+        # A word outside the vocabulary (never in the bench's own messages) reads as </s>, which the
+        # model already knows, rather than as an id of its own past the model's vocabulary.
         tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
         tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
         # decoded words joined by single spaces: the pre-tokenizer splits them back the same way
