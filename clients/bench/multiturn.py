@@ -83,7 +83,7 @@ class MultiturnConfig:
     answer_tokens: int = 128
     # "words": answers tokenize back to the ids the decode generated, as a real model's mostly do, so
     # the KV of an answer a decode retains can serve the next turn; "bpe": a random-weight model's
-    # answers never do (see kvloop.clients.demo.model._save_tokenizer).
+    # answers almost never do (see kvloop.clients.demo.model._save_tokenizer).
     tokenizer: str = "words"
     # How long a decode retains a finished turn's KV: a conversation's next turn comes within a turn of
     # all arms (seconds to tens of seconds). Retention does not yet yield to new requests under KV

@@ -1277,7 +1277,7 @@ def bench_multiturn(
         str,
         typer.Option(
             help="words: answers tokenize back to the ids generated, as a real model's mostly do; "
-            "bpe: a random-weight model's answers never do (the next turn departs from the answer's KV)"
+            "bpe: a random-weight model's answers almost never do (the next turn departs from its KV)"
         ),
     ] = "words",
     retention_ttl: Annotated[
