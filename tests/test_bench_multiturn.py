@@ -167,6 +167,36 @@ vllm:iteration_tokens_total_count{engine="0",model_name="m"} 12.0
     assert columns["decode_batch_mean"] == 2.5
 
 
+def test_the_local_arm_reads_its_one_engine_and_no_decode(tmp_path: Path):
+    """The local arm has no decode engine (decode_url ""): its totals are its prefill's alone."""
+    import http.server
+    import threading
+
+    page = b"""# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 1.5
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
+"""
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        local = ArmClient("local", f"http://127.0.0.1:{server.server_address[1]}", "", [])
+        totals = local.engine_totals()
+    finally:
+        server.shutdown()
+    assert (totals["e2e_s"], totals["requests"]) == (1.5, 2.0)
+    assert "decode_tpot_s" not in totals
+
+
 def test_cpu_seconds_are_counted_per_role_and_a_gone_process_counts_nothing():
     from kvloop.clients.bench.multiturn import ArmClient
 

@@ -386,7 +386,7 @@ class ArmClient:
             return urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
 
         totals = engine_totals(page(self.prefill_url))
-        if self.decode_url != self.prefill_url:  # the local arm's one engine is both
+        if self.decode_url:  # the local arm has no decode engine: its one engine stops at the first token
             totals.update(engine_totals(page(self.decode_url), DECODE_SERIES))
         totals.update({f"cpu_{role}_s": seconds for role, seconds in self.cpu_seconds().items()})
         return totals
