@@ -13,8 +13,6 @@ Both classes share every request builder; only how a call is made differs. gRPC 
 from __future__ import annotations
 
 import os
-import sys
-from array import array
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +20,7 @@ import grpc
 
 from kvloop.common.addresses import grpc_target
 from kvloop.common.block_keys import KEY_BYTES, packed_keys
+from kvloop.common.packed_ids import pack_u32, unpack_u32
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -55,11 +54,7 @@ def _translate(exc: grpc.RpcError, target: str) -> KvloopError:
 def holder_block_ids(holder: pb.Holder) -> list[int]:
     """A holder's physical block ids, whichever form the response used."""
     if holder.packed_block_ids:
-        ids = array("I")
-        ids.frombytes(holder.packed_block_ids)
-        if sys.byteorder != "little":
-            ids.byteswap()
-        return ids.tolist()
+        return unpack_u32(holder.packed_block_ids).tolist()
     return list(holder.block_ids)
 
 
@@ -195,12 +190,17 @@ class _ClientBase:
     ) -> pb.RouteResponse:
         """Rank candidate prefill workers for a prompt by expected time to first token (read-only).
 
-        Give the prompt as `token_ids` (kvloopd hashes them as the model's vLLM engines do) or as
-        `block_hashes`; a candidate is a worker id or a `pb.RouteCandidate` with its queue."""
+        Give the prompt as `token_ids` (kvloopd hashes them as the model's vLLM engines do; they
+        travel packed, which kvloopd reads from this version on) or as `block_hashes`; a candidate
+        is a worker id or a `pb.RouteCandidate` with its queue."""
+        try:
+            packed_tokens = pack_u32(token_ids)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be integers in 0..2**32-1") from None
         request = pb.RouteRequest(
             model=model,
             lora_name=lora_name,
-            token_ids=token_ids,
+            packed_token_ids=packed_tokens,
             cache_salt=cache_salt,
             prompt_tokens=prompt_tokens,
             block_size=block_size,

@@ -93,6 +93,8 @@ class DaemonSettings(BaseSettings):
     # Largest accepted gRPC message and most block hashes in one message.
     max_message_bytes: int = Field(16 * 1024 * 1024, gt=1024)
     max_hashes_per_message: int = Field(262_144, gt=0)
+    # Block hashes Route remembers of the token ids it hashed (about 360 bytes each; 0: none).
+    route_hash_cache_blocks: int = Field(65_536, ge=0)
     shutdown_grace_s: float = Field(5.0, ge=0)
     # Objects allocated between young-generation garbage collections (Python's default is 700; see
     # kvloop.daemon.gc_tuning for why kvloopd collects less often).

@@ -8,7 +8,6 @@ nothing.
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections.abc import Sequence
 
@@ -16,6 +15,7 @@ import grpc
 
 from kvloop.common import block_hash
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
+from kvloop.common.packed_ids import pack_u32, unpack_u32
 from kvloop.daemon.index import (
     Cleared,
     Event,
@@ -362,10 +362,7 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
     message.retention_handle = holding.handle
     message.expires_in_ms = holding.expires_in_ms
     if packed:
-        ids = array("I", holding.block_ids)
-        if sys.byteorder != "little":
-            ids.byteswap()
-        message.packed_block_ids = ids.tobytes()
+        message.packed_block_ids = pack_u32(holding.block_ids)
     else:
         message.block_ids.extend(holding.block_ids)
     message.num_groups = holding.num_groups
@@ -396,7 +393,25 @@ def block_location(loc: Location) -> pb.BlockLocation:
 MAX_ROUTE_CANDIDATES = 256
 
 
-def _token_hashes(request: pb.RouteRequest, spec: WorkerSpec, max_hashes: int) -> list[bytes]:
+def _route_tokens(request: pb.RouteRequest) -> array | None:
+    """The prompt's token ids, when the request gives them (either form), as one uint32 array."""
+    packed = request.packed_token_ids  # read once: each access copies the bytes out of the message
+    if packed:
+        if len(packed) % 4:
+            raise BadInput(
+                "packed_token_ids", f"packed_token_ids is {len(packed)} bytes, not a multiple of 4"
+            )
+        return unpack_u32(packed)
+    return array("I", request.token_ids) if len(request.token_ids) else None
+
+
+def _token_hashes(
+    request: pb.RouteRequest,
+    tokens: array,
+    spec: WorkerSpec,
+    max_hashes: int,
+    hasher: block_hash.BlockHasher,
+) -> list[bytes]:
     if request.lora_name:
         raise BadInput(
             "token_ids",
@@ -409,13 +424,11 @@ def _token_hashes(request: pb.RouteRequest, spec: WorkerSpec, max_hashes: int) -
             f"the workers of model {spec.model!r} registered no hash seed (agents older than Route): "
             "send block_hashes",
         )
-    if len(request.token_ids) // spec.block_size > max_hashes:
-        raise BadInput(
-            "too_many_hashes", f"{len(request.token_ids)} tokens exceed the limit of {max_hashes} blocks"
-        )
+    if len(tokens) // spec.block_size > max_hashes:
+        raise BadInput("too_many_hashes", f"{len(tokens)} tokens exceed the limit of {max_hashes} blocks")
     try:
-        hashes = block_hash.block_hashes(
-            request.token_ids, spec.block_size, spec.hash_algorithm, spec.hash_seed, request.cache_salt
+        hashes = hasher.hashes(
+            tokens, spec.block_size, spec.hash_algorithm, spec.hash_seed, request.cache_salt
         )
     except block_hash.UnsupportedHashing as exc:
         raise Refused(
@@ -431,7 +444,11 @@ def _token_hashes(request: pb.RouteRequest, spec: WorkerSpec, max_hashes: int) -
 
 
 def route_query(
-    request: pb.RouteRequest, model_spec: WorkerSpec | None, workers: Sequence[WorkerView], max_hashes: int
+    request: pb.RouteRequest,
+    model_spec: WorkerSpec | None,
+    workers: Sequence[WorkerView],
+    max_hashes: int,
+    hasher: block_hash.BlockHasher,
 ) -> RouteQuery:
     """The request as a query; ``workers`` are the model's registered workers (candidates are
     resolved among the active ones by worker_id or http_endpoint)."""
@@ -443,13 +460,18 @@ def route_query(
         raise BadInput(
             "candidates", f"{len(request.candidates)} candidates exceed the limit of {MAX_ROUTE_CANDIDATES}"
         )
-    given = sum(map(bool, (len(request.block_hashes), request.packed_block_hashes, len(request.token_ids))))
+    tokens = _route_tokens(request)
+    given = sum(
+        map(bool, (len(request.block_hashes), request.packed_block_hashes, len(request.token_ids)))
+    ) + bool(request.packed_token_ids)
     if given != 1:
-        raise BadInput("hashes", "give exactly one of block_hashes, packed_block_hashes or token_ids")
-    if request.cache_salt and not request.token_ids:
-        raise BadInput("cache_salt", "cache_salt only applies to token_ids (block hashes already include it)")
+        raise BadInput(
+            "hashes", "give exactly one of block_hashes, packed_block_hashes, token_ids or packed_token_ids"
+        )
+    if request.cache_salt and tokens is None:
+        raise BadInput("cache_salt", "cache_salt only applies to token ids (block hashes already include it)")
     hashes: Sequence[bytes]
-    if request.token_ids:
+    if tokens is not None:
         if model_spec is None:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -461,8 +483,9 @@ def route_query(
                 f"model {request.model!r} uses block_size {model_spec.block_size}, the route asked "
                 f"{request.block_size}",
             )
-        hashes, block_size = block_keys(_token_hashes(request, model_spec, max_hashes)), model_spec.block_size
-        prompt_tokens = request.prompt_tokens or len(request.token_ids)
+        hashes = block_keys(_token_hashes(request, tokens, model_spec, max_hashes, hasher))
+        block_size = model_spec.block_size
+        prompt_tokens = request.prompt_tokens or len(tokens)
     else:
         hashes, block_size = _prompt_hashes(request, model_spec, max_hashes, "Route")
         prompt_tokens = request.prompt_tokens or len(hashes) * block_size

@@ -91,6 +91,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         Policy(settings.policy, settings.models),
         heartbeat_interval_s=settings.heartbeat_interval_s,
         max_hashes=settings.max_hashes_per_message,
+        route_hash_cache_blocks=settings.route_hash_cache_blocks,
         counters=counters,
         changes=changes,
         traced=traced,

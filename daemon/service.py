@@ -18,6 +18,7 @@ import grpc
 import structlog
 from opentelemetry import trace
 
+from kvloop.common.block_hash import BlockHasher
 from kvloop.common.block_keys import KEY_BYTES
 from kvloop.common.outcomes import decision_name, path_name, reason_name
 from kvloop.common.security import Role
@@ -43,6 +44,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         *,
         heartbeat_interval_s: float,
         max_hashes: int,
+        route_hash_cache_blocks: int = 1 << 16,
         counters: DaemonCounters | None = None,
         changes: ChangeFeed | None = None,
         traced: bool = True,
@@ -53,6 +55,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         self.traced = traced
         self.policy = policy
         self.max_hashes = max_hashes
+        # Route's token ids are mostly a conversation's history again: its block hashes are remembered.
+        self.hasher = BlockHasher(route_hash_cache_blocks)
         self.counters = counters or DaemonCounters()
         self.changes = changes or ChangeFeed()
         self.sessions = SessionContext(
@@ -120,7 +124,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         model_spec = await self.store.model_spec(request.model) if request.model else None
         workers = await self.store.workers(now, request.model) if request.model else []
         try:
-            query = convert.route_query(request, model_spec, workers, self.max_hashes)
+            query = convert.route_query(request, model_spec, workers, self.max_hashes, self.hasher)
         except (BadInput, Refused) as exc:
             await self._refuse(context, "Route", exc)
         ranked = await self.policy.route(self.store, query, now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 
 import aiohttp
 import grpc
@@ -240,7 +241,26 @@ async def test_route_hashes_token_ids_with_the_models_registered_settings(daemon
             salty = by_worker(
                 await client.route(model, ["p-plain", "p-salted"], token_ids=tokens, cache_salt="tenant-1")
             )
+            # The client sends the ids packed; grpcurl and other languages send them as the repeated field.
+            candidates = [pb.RouteCandidate(worker_id=w) for w in ("p-plain", "p-salted")]
+            repeated = by_worker(
+                await client._invoke(
+                    "Route", pb.RouteRequest(model=model, token_ids=tokens, candidates=candidates)
+                )
+            )
+            for bad, fragment in [
+                (pb.RouteRequest(packed_token_ids=b"\0" * 6), "not a multiple of 4"),
+                (pb.RouteRequest(packed_token_ids=b"\0" * 64, token_ids=tokens), "exactly one"),
+            ]:
+                bad.model = model
+                bad.candidates.extend(candidates)
+                with pytest.raises(KvloopError, match=fragment) as refused:
+                    await client._invoke("Route", bad)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert (plain["p-plain"].local_blocks, plain["p-salted"].local_blocks) == (7, 0)
+    assert {w: (s.local_blocks, s.compute_tokens) for w, s in repeated.items()} == {
+        w: (s.local_blocks, s.compute_tokens) for w, s in plain.items()
+    }
     assert (salty["p-plain"].local_blocks, salty["p-salted"].local_blocks) == (0, 10)
     # the partial last block is still computed
     assert salty["p-salted"].compute_tokens == 5
@@ -258,6 +278,38 @@ def test_block_hashes_equal_vllms_own():
             parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[i * BS : (i + 1) * BS], extra)
             expected.append(bytes(parent))
         assert block_hash.block_hashes(tokens, BS, name, cache_salt="s") == expected
+
+
+def test_the_remembering_hasher_gives_the_reference_hashes_turn_after_turn():
+    """Route's BlockHasher against block_hashes over a conversation that grows and is edited, salted
+    and not, both algorithms and block sizes, with room for fewer blocks than the conversation has."""
+    rng = random.Random(7)
+    for algorithm, block_size, salt, room in [
+        ("sha256_cbor", 16, "", 1 << 16),
+        ("sha256", 32, "", 1 << 16),
+        ("sha256_cbor", 16, "tenant-1", 1 << 16),
+        ("sha256_cbor", 16, "", 5),  # evicts within every call
+        ("sha256_cbor", 16, "", 0),  # remembers nothing
+    ]:
+        hasher = block_hash.BlockHasher(room)
+        history: list[int] = []
+        for turn in range(6):
+            history += [rng.randrange(1 << 17) for _ in range(rng.randrange(20, 90))]
+            if turn == 3:
+                history[40] += 1  # an edited history: every block from the third on changes
+            expected = block_hash.block_hashes(history, block_size, algorithm, "0", salt)
+            assert hasher.hashes(history, block_size, algorithm, "0", salt) == expected
+        assert len(hasher._chains.get(algorithm, ())) <= room
+        if room >= 1 << 10:
+            assert hasher.hits > hasher.misses  # the history was found, not hashed again
+        else:
+            assert hasher.hits == 0 if room == 0 else hasher.misses > 0
+    wide = [1 << 40] * 32  # not uint32: hashed as the reference does, not remembered
+    assert block_hash.BlockHasher().hashes(wide, 16, "sha256_cbor") == block_hash.block_hashes(
+        wide, 16, "sha256_cbor"
+    )
+    with pytest.raises(block_hash.UnsupportedHashing, match="xxhash"):
+        block_hash.BlockHasher().hashes([1] * 32, 16, "xxhash")
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,6 @@ import hashlib
 import json
 import sys
 import time
-from array import array
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict
 from importlib import resources
@@ -38,6 +37,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
+from kvloop.common.packed_ids import pack_u32, unpack_u32
 from kvloop.daemon.index.model import (
     Change,
     Cleared,
@@ -73,13 +73,6 @@ _EPOCH = f"{_PREFIX}:epoch"  # the Sentinel config epoch the data was last recon
 _LITTLE = sys.byteorder == "little"
 
 
-def _u32(values: Sequence[int]) -> bytes:
-    packed = array("I", values)
-    if not _LITTLE:
-        packed.byteswap()
-    return packed.tobytes()
-
-
 def _keys(hashes: Sequence[bytes]) -> bytes:
     """The blocks' keys, concatenated (KEY_BYTES each: see kvloop.common.block_keys)."""
     if not hashes:
@@ -87,14 +80,6 @@ def _keys(hashes: Sequence[bytes]) -> bytes:
     if isinstance(hashes, PackedHashes):
         return packed_keys(hashes.data, hashes.width)  # a Lookup's packed prompt: no walk per block
     return b"".join(block_keys(hashes))
-
-
-def _ids(raw: bytes) -> array:
-    out = array("I")
-    out.frombytes(raw)
-    if not _LITTLE:
-        out.byteswap()
-    return out
 
 
 def _text(value: bytes | str) -> str:
@@ -108,11 +93,11 @@ def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
         matched_blocks=matched,
         handle=_text(handle),
         expires_in_ms=int(expires_ms),
-        block_ids=_ids(ids),
+        block_ids=unpack_u32(ids),
         num_groups=int(groups),
         single_use=_text(single_use) == "1",
-        tail_token_ids=_ids(tail_tokens),
-        tail_block_ids=_ids(tail_blocks),
+        tail_token_ids=unpack_u32(tail_tokens),
+        tail_block_ids=unpack_u32(tail_blocks),
     )
 
 
@@ -652,14 +637,14 @@ class RedisStore:
                     self._namespace(Namespace(model, event.lora_name))[1],
                     KEY_BYTES,
                     _keys(event.hashes),
-                    _u32(event.block_ids),
+                    pack_u32(event.block_ids),
                     event.num_groups,
                     event.handle,
                     event.expires_in_ms,
                     int(event.single_use),
                     event.tier,
-                    _u32(event.tail_token_ids),
-                    _u32(event.tail_block_ids),
+                    pack_u32(event.tail_token_ids),
+                    pack_u32(event.tail_block_ids),
                 ]
             elif kind is Stored or kind is Removed:
                 assert isinstance(event, (Stored, Removed))
@@ -805,7 +790,7 @@ class RedisStore:
                     worker_id=_text(worker),
                     kind="retained",
                     position=int(position),
-                    block_ids=list(_ids(ids)),
+                    block_ids=list(unpack_u32(ids)),
                     handle=_text(handle),
                     expires_in_ms=int(expires_ms),
                     servable=bool(servable),

@@ -712,7 +712,7 @@ class RouteCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens", "packed_hash_bytes")
+    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens", "packed_hash_bytes", "packed_token_ids")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -723,6 +723,7 @@ class RouteRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PACKED_HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -733,7 +734,8 @@ class RouteRequest(_message.Message):
     block_size: int
     prompt_tokens: int
     packed_hash_bytes: int
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., packed_hash_bytes: _Optional[int] = ...) -> None: ...
+    packed_token_ids: bytes
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., packed_hash_bytes: _Optional[int] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class RouteScore(_message.Message):
     __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis", "pull_wait_ms")
