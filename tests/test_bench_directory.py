@@ -8,7 +8,15 @@ from kvloop.clients.bench.directory import BenchConfig, run_directory_bench
 
 def test_bench_directory_reports_a_paired_floor_and_every_figure():
     config = BenchConfig(
-        entries=4096, workers=2, prompt_blocks=256, lookups=100, concurrency=2, stores=("memory", "redis")
+        entries=4096,
+        workers=2,
+        prompt_blocks=256,
+        lookups=100,
+        concurrency=2,
+        stores=("memory", "redis"),
+        route_turns=20,
+        route_first_tokens=256,
+        route_turn_tokens=32,
     )
     stores = run_directory_bench(config, progress=False)["stores"]
     figures = stores["memory"]
@@ -25,6 +33,11 @@ def test_bench_directory_reports_a_paired_floor_and_every_figure():
     assert abs(figures["lookup_e2e_p50_over_health_check"] - ratio) < 0.01
     assert figures["grpc_health_check_alone_e2e_p50_ms"] > 0
     assert figures["lookups_per_s_concurrent"] > 0 and figures["bytes_per_entry"] > 0
+    # Route over one conversation's turns: the prefill holding the history always ranks first
+    assert figures["route_turns"] == figures["route_ranked_history_holder_first"] == 20
+    assert 0 < figures["route_server_p50_us"] <= figures["route_server_p99_us"]
+    assert figures["route_server_p50_us"] / 1e3 < figures["route_e2e_p50_ms"]
+    assert figures["route_prompt_tokens_mean"] == 256 + 19 * 32 // 2
     # both stores measured in one run: Redis is compared with memory's figures of the same run
     redis = stores["redis"]
     assert redis["entries"] == 4096 and redis["memory_measured"] == "redis used_memory"

@@ -293,6 +293,10 @@ def test_runs_of_one_setup_pool_into_one_summary_each_run_a_repeat_of_its_own():
 def test_runs_of_other_setups_are_refused_by_the_setting_that_differs():
     with pytest.raises(ValueError, match="answer_tokens=16, run 1 128"):
         pooled_summary([_routing_run(1.0, {"answer_tokens": 128}), _routing_run(1.0, {"answer_tokens": 16})])
+    with pytest.raises(ValueError, match="ucx_tls='tcp,self', run 1 'cma,tcp,self'"):
+        pooled_summary(
+            [_routing_run(1.0, {"ucx_tls": "cma,tcp,self"}), _routing_run(1.0, {"ucx_tls": "tcp,self"})]
+        )
     with pytest.raises(ValueError, match="no results"):
         pooled_summary([])
 
@@ -443,6 +447,17 @@ def test_pinned_engines_split_the_cores_between_prefill_and_decode():
     assert (engine_cores("prefill", 2), engine_cores("decode", 2)) == ("0", "1")
     assert (engine_cores("prefill", 16), engine_cores("decode", 16)) == ("0-7", "8-15")
     assert (engine_cores("prefill", 1), engine_cores("decode", 1)) == ("0", "0")  # nothing to split
+
+
+def test_the_engines_transport_and_cores_reach_their_environment(tmp_path: Path):
+    from kvloop.clients.demo.stack import Stack, StackConfig, engine_cores
+
+    tcp = Stack(StackConfig(tmp_path, tmp_path, ucx_tls="tcp,self", pin_engines=True))
+    assert tcp.engine_env("decode") == {
+        "UCX_TLS": "tcp,self",
+        "VLLM_CPU_OMP_THREADS_BIND": engine_cores("decode"),
+    }
+    assert Stack(StackConfig(tmp_path, tmp_path)).engine_env("prefill") == {}  # the environment's own
 
 
 def test_decode_steps_are_compared_at_equal_batch_without_arrival_steps():

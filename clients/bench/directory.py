@@ -51,6 +51,10 @@ class BenchConfig:
     lookups: int = 2000
     concurrency: int = 32
     batch_hashes: int = 512
+    # Route: one conversation's turns scored over two prefill candidates (see _route_figures).
+    route_turns: int = 200
+    route_first_tokens: int = 2048
+    route_turn_tokens: int = 64
     listen: str = "127.0.0.1:0"
     seed: int = 7
     stores: tuple[str, ...] = ("memory",)
@@ -224,6 +228,97 @@ def _prompts(fleet: _Fleet, config: BenchConfig, count: int) -> list[bytes]:
     return prompts
 
 
+ROUTE_MODEL = "bench-route-model"
+ROUTE_BLOCK_SIZE = 16
+
+
+async def _route_figures(target: str, config: BenchConfig) -> dict:
+    """Route as a router calls it, once per turn of one conversation that resends its history: token
+    ids (packed, as the typed client sends them) scored over two prefill candidates, one holding the
+    conversation's history in its prefix cache, the other the system prompt only, while a decode
+    retains the history. kvloopd hashes the ids with the model's registered settings each call."""
+    from kvloop.common import block_hash
+
+    rng = random.Random(config.seed + 2)
+    final = config.route_first_tokens + config.route_turns * config.route_turn_tokens
+    tokens = [rng.randrange(32_000) for _ in range(final)]
+    hashes = block_hash.block_hashes(tokens, ROUTE_BLOCK_SIZE, "sha256_cbor", block_hash.DEFAULT_SEED)
+
+    def registration(worker: str, role: int) -> pb.WorkerRegistration:
+        return pb.WorkerRegistration(
+            worker_id=worker,
+            role=role,
+            model=ROUTE_MODEL,
+            engine_id=f"e-{worker}",
+            nixl_endpoint="10.0.1.1:5600",
+            http_endpoint=f"http://{worker}:8000",
+            block_size=ROUTE_BLOCK_SIZE,
+            hash_algorithm="sha256_cbor",
+            hash_length=HASH_LENGTH,
+            hash_seed=block_hash.DEFAULT_SEED,
+            epoch=random.getrandbits(63) | 1,
+            kv_bytes_per_block=160 * 1024,
+        )
+
+    system = config.route_first_tokens // ROUTE_BLOCK_SIZE // 2
+    fleet = {
+        "bench-route-prefill-0": (
+            pb.WORKER_ROLE_PREFILL,
+            pb.BlockEvent(stored=pb.BlocksStored(block_hashes=hashes)),
+        ),
+        "bench-route-prefill-1": (
+            pb.WORKER_ROLE_PREFILL,
+            pb.BlockEvent(stored=pb.BlocksStored(block_hashes=hashes[:system])),
+        ),
+        "bench-route-decode-0": (
+            pb.WORKER_ROLE_DECODE,
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=hashes,
+                    block_ids=list(range(len(hashes))),
+                    num_groups=1,
+                    retention_handle="route-run",
+                    expires_in_ms=3_600_000,
+                )
+            ),
+        ),
+    }
+    candidates = [pb.RouteCandidate(worker_id=w) for w in fleet if "prefill" in w]
+    server_us, e2e_us, holder_first = [], [], 0
+    async with AsyncDirectoryClient(target, timeout=30) as client:
+        links = [
+            DirectoryLink(client, registration(w, role), snapshot=lambda: [])
+            for w, (role, _) in fleet.items()
+        ]
+        runners = [asyncio.create_task(link.run()) for link in links]
+        try:
+            await asyncio.gather(*(link.connected.wait() for link in links))
+            for link, (_, event) in zip(links, fleet.values(), strict=True):
+                link.publish([event])
+            await asyncio.gather(*(link.wait_acked() for link in links))
+            for turn in range(config.route_turns):
+                prompt = tokens[: config.route_first_tokens + turn * config.route_turn_tokens]
+                started = time.perf_counter()
+                answer = await client.route(ROUTE_MODEL, candidates, token_ids=prompt)
+                e2e_us.append((time.perf_counter() - started) * 1e6)
+                server_us.append(answer.route_us)
+                # the candidate with the whole history cached computes least and pulls nothing
+                holder_first += answer.ranked[0].worker_id == "bench-route-prefill-0"
+        finally:
+            for runner in runners:
+                runner.cancel()
+    return {
+        "route_server_p50_us": _percentile(server_us, 0.50),
+        "route_server_p99_us": _percentile(server_us, 0.99),
+        "route_e2e_p50_ms": round(_percentile(e2e_us, 0.50) / 1e3, 3),
+        "route_first_server_us": server_us[0],
+        "route_turns": config.route_turns,
+        "route_ranked_history_holder_first": holder_first,
+        "route_prompt_tokens_mean": config.route_first_tokens
+        + (config.route_turns - 1) * config.route_turn_tokens // 2,
+    }
+
+
 def _redis_used_memory(url: str | None) -> int:
     if url is None:
         return 0
@@ -293,6 +388,9 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
         if progress:
             progress.add_task(f"lookups ({config.concurrency} concurrent callers)", total=None)
         throughput = await _concurrent_lookups(target, prompts, config.concurrency, config.lookups)
+        if progress:
+            progress.add_task(f"route ({config.route_turns} turns of one conversation)", total=None)
+        route = await _route_figures(target, config)
         conn.send("stop")
         entries = stats.entries
         result = {
@@ -324,6 +422,7 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
             "memory_measured": "redis used_memory" if redis_url else "daemon RSS",
             "redis_used_memory_mib": round(redis_after / 2**20, 1) if redis_url else None,
             "cpu_count": os.cpu_count(),
+            **route,
         }
         result["table"] = [
             (
@@ -363,6 +462,12 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
                 "",
             ),
             ("lookups that chose TRANSFER", f"{transfers:,} / {config.lookups:,}", ""),
+            (
+                f"route server p50 / p99 ({result['route_prompt_tokens_mean']:,} token ids, 2 candidates)",
+                f"{result['route_server_p50_us']} / {result['route_server_p99_us']} us",
+                "",
+            ),
+            ("route end-to-end p50 (async client)", f"{result['route_e2e_p50_ms']} ms", ""),
             (
                 f"memory per entry ({result['memory_measured']})",
                 f"{result['bytes_per_entry']} B",

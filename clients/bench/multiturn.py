@@ -111,6 +111,11 @@ class MultiturnConfig:
     # More than one of either: the routing bench (ROUTING_ARMS on one shared fleet).
     prefills: int = 1
     decodes: int = 1
+    # UCX transports of the pulls (UCX_TLS of every engine). cma (cross-memory attach) moves a pull
+    # between two processes of one host at memory speed, so pulling a whole history costs about what
+    # choosing where to pull costs; "tcp,self" costs what a pull between hosts over TCP does (20x
+    # slower), where a router that pulls less shows what it saves.
+    ucx_tls: str = "cma,tcp,self"
 
     @property
     def routing(self) -> bool:
@@ -904,6 +909,7 @@ POOLED_CONFIG_KEYS = (
     "dtype",
     "hidden_size",
     "layers",
+    "ucx_tls",
 )
 
 
@@ -1204,6 +1210,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     prefill_servers=config.prefills,
                     decode_servers=config.decodes,
                     retention_ttl_s=config.retention_ttl_s,
+                    ucx_tls=config.ucx_tls,
                     with_proxy=False,
                     # four engines starting at once on a small shared host take several minutes
                     start_timeout_s=900,
@@ -1223,6 +1230,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     mode="recompute" if floor else arm,
                     decode_servers=0 if floor else 1,
                     retention_ttl_s=config.retention_ttl_s,
+                    ucx_tls=config.ucx_tls,
                     with_proxy=False,
                 )
             )

@@ -67,9 +67,10 @@ class _Stall:
 def run_slow_reads(
     config: SlowReadsConfig, progress: Callable[[str], None] = lambda line: None
 ) -> dict[str, Any]:
-    os.environ["UCX_TLS"] = config.ucx_tls  # the engines inherit it
     model_dir = build_tiny_llama(config.workdir / "model")
-    stack = Stack(StackConfig(model_dir=model_dir, workdir=config.workdir, with_proxy=True))
+    stack = Stack(
+        StackConfig(model_dir=model_dir, workdir=config.workdir, with_proxy=True, ucx_tls=config.ucx_tls)
+    )
     results: list[TurnResult] = []
     last_resume = 0.0
     resumed_turn_done: float | None = None

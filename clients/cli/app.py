@@ -1289,6 +1289,13 @@ def bench_multiturn(
         ),
     ] = 90.0,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
+    ucx_tls: Annotated[
+        str,
+        typer.Option(
+            help="UCX transports of the engines' pulls (UCX_TLS): cma moves KV between processes of this "
+            "host at memory speed; tcp,self costs what a pull between hosts over TCP does",
+        ),
+    ] = "cma,tcp,self",
     prefills: Annotated[
         int,
         typer.Option(
@@ -1368,6 +1375,7 @@ def bench_multiturn(
         retention_ttl_s=retention_ttl,
         dtype=dtype,
         warmup_turns=warmup_turns,
+        ucx_tls=ucx_tls,
     )
     with supervisor().stop_on_signals():
         result = run_multiturn(config)  # progress on stderr (a line per stage off a terminal)

@@ -46,6 +46,8 @@ class StackConfig:
     # construction - a prefill's compute never takes a core from a decode's steps.
     pin_engines: bool = False
     decode_tp: int = 1  # tensor-parallel size of the decode servers
+    # UCX transports of the engines' NIXL READs (UCX_TLS); None: the environment's, else cma,tcp,self.
+    ucx_tls: str | None = None
     # High availability on loopback: a Redis primary and replica, three Sentinels and two kvloopd
     # replicas sharing them; engines, sidecars and the proxy are given both replicas' addresses.
     ha: bool = False
@@ -103,6 +105,15 @@ class Stack:
         # Short export batches: a turn's spans reach the file while the user looks at the table.
         return {"OTEL_EXPORTER_OTLP_ENDPOINT": self.receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
 
+    def engine_env(self, role: str) -> dict[str, str]:
+        """What an engine's environment adds to this process's: tracing, transports, cores."""
+        env = self._tracing_env()
+        if self.config.ucx_tls:
+            env["UCX_TLS"] = self.config.ucx_tls
+        if self.config.pin_engines:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = engine_cores(role)
+        return env
+
     def _env(self, service: str) -> dict[str, str]:
         return {**os.environ, "OTEL_SERVICE_NAME": service, **self._tracing_env()}
 
@@ -140,9 +151,7 @@ class Stack:
         roles = ["prefill"] * cfg.prefill_servers + ["decode"] * cfg.decode_servers
         for i, role in enumerate(roles):
             name = f"prefill-{i}" if role == "prefill" else f"decode-{i - cfg.prefill_servers}"
-            engine_env = self._tracing_env()
-            if cfg.pin_engines:
-                engine_env["VLLM_CPU_OMP_THREADS_BIND"] = engine_cores(role)
+            engine_env = self.engine_env(role)
             self.engines.append(
                 Engine(
                     EngineConfig(
