@@ -139,19 +139,22 @@ class _Fleet:
         return [events[i : i + per_batch] for i in range(0, len(events), per_batch)]
 
 
-def _registration(worker: int) -> pb.WorkerRegistration:
-    return pb.WorkerRegistration(
-        worker_id=f"bench-decode-{worker}",
-        role=pb.WORKER_ROLE_DECODE,
-        model=MODEL,
-        engine_id=f"e{worker}",
-        nixl_endpoint=f"10.0.0.{worker % 250}:5600",
+def _registration(
+    worker_id: str, role: int = pb.WORKER_ROLE_DECODE, model: str = MODEL, **extra
+) -> pb.WorkerRegistration:
+    fields = dict(
+        worker_id=worker_id,
+        role=role,
+        model=model,
+        engine_id=f"e-{worker_id}",
+        nixl_endpoint="10.0.0.1:5600",
         block_size=16,
         hash_algorithm="sha256_cbor",
         hash_length=HASH_LENGTH,
         epoch=random.getrandbits(63) | 1,
         kv_bytes_per_block=160 * 1024,
     )
+    return pb.WorkerRegistration(**{**fields, **extra})
 
 
 async def _ingest(config: BenchConfig, target: str, conn) -> None:
@@ -159,7 +162,10 @@ async def _ingest(config: BenchConfig, target: str, conn) -> None:
     publishing every run, then heartbeating until told to stop."""
     fleet = _Fleet(config)
     async with AsyncDirectoryClient(target, timeout=60, max_message_bytes=256 * 1024 * 1024) as client:
-        links = [DirectoryLink(client, _registration(w), snapshot=lambda: []) for w in range(config.workers)]
+        links = [
+            DirectoryLink(client, _registration(f"bench-decode-{w}"), snapshot=lambda: [])
+            for w in range(config.workers)
+        ]
         runners = [asyncio.create_task(link.run()) for link in links]
         await asyncio.gather(*(link.connected.wait() for link in links))
         plans = [fleet.batches_for(w) for w in range(config.workers)]
@@ -244,22 +250,6 @@ async def _route_figures(target: str, config: BenchConfig) -> dict:
     tokens = [rng.randrange(32_000) for _ in range(final)]
     hashes = block_hash.block_hashes(tokens, ROUTE_BLOCK_SIZE, "sha256_cbor", block_hash.DEFAULT_SEED)
 
-    def registration(worker: str, role: int) -> pb.WorkerRegistration:
-        return pb.WorkerRegistration(
-            worker_id=worker,
-            role=role,
-            model=ROUTE_MODEL,
-            engine_id=f"e-{worker}",
-            nixl_endpoint="10.0.1.1:5600",
-            http_endpoint=f"http://{worker}:8000",
-            block_size=ROUTE_BLOCK_SIZE,
-            hash_algorithm="sha256_cbor",
-            hash_length=HASH_LENGTH,
-            hash_seed=block_hash.DEFAULT_SEED,
-            epoch=random.getrandbits(63) | 1,
-            kv_bytes_per_block=160 * 1024,
-        )
-
     system = config.route_first_tokens // ROUTE_BLOCK_SIZE // 2
     fleet = {
         "bench-route-prefill-0": (
@@ -287,7 +277,18 @@ async def _route_figures(target: str, config: BenchConfig) -> dict:
     server_us, e2e_us, holder_first = [], [], 0
     async with AsyncDirectoryClient(target, timeout=30) as client:
         links = [
-            DirectoryLink(client, registration(w, role), snapshot=lambda: [])
+            DirectoryLink(
+                client,
+                _registration(
+                    w,
+                    role,
+                    ROUTE_MODEL,
+                    http_endpoint=f"http://{w}:8000",
+                    block_size=ROUTE_BLOCK_SIZE,
+                    hash_seed=block_hash.DEFAULT_SEED,
+                ),
+                snapshot=lambda: [],
+            )
             for w, (role, _) in fleet.items()
         ]
         runners = [asyncio.create_task(link.run()) for link in links]
