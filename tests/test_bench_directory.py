@@ -38,9 +38,12 @@ def test_bench_directory_reports_a_paired_floor_and_every_figure():
     assert 0 < figures["route_server_p50_us"] <= figures["route_server_p99_us"]
     assert figures["route_server_p50_us"] / 1e3 < figures["route_e2e_p50_ms"]
     assert figures["route_prompt_tokens_mean"] == 256 + 19 * 32 // 2
+    # the handler called in-process, hot, on a directory of its own: in memory only
+    assert 0 < figures["lookup_handler_hot_p50_us"] <= figures["lookup_handler_hot_p99_us"]
     # both stores measured in one run: Redis is compared with memory's figures of the same run
     redis = stores["redis"]
     assert redis["entries"] == 4096 and redis["memory_measured"] == "redis used_memory"
     expected = redis["lookup_e2e_p50_ms"] / figures["lookup_e2e_p50_ms"]
     assert abs(redis["lookup_e2e_p50_over_memory"] - expected) < 0.01
     assert "lookup_e2e_p50_over_memory" not in figures
+    assert "lookup_handler_hot_p50_us" not in redis

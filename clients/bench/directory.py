@@ -320,6 +320,90 @@ async def _route_figures(target: str, config: BenchConfig) -> dict:
     }
 
 
+class _NoCall:
+    """A handler's ServicerContext with no call on the wire: only abort (bad input) is reachable."""
+
+    async def abort(self, code, details: str) -> None:
+        raise RuntimeError(f"{code.name}: {details}")
+
+
+async def _handler_figures(config: BenchConfig, prompts: list[bytes]) -> dict:
+    """kvloopd's Lookup handler called back to back in this process, on an in-memory directory of its
+    own that the same fleet fills over gRPC: what the handler's work costs with its code and data hot.
+
+    A kvloopd answering one sequential caller idles between calls (the caller waits on the round
+    trip), and each call starts on a core that was asleep, with the handler's code and the directory's
+    hot entries out of its caches: ``lookup_server_*`` minus these figures is that price, which a
+    daemon kept busy by concurrent callers does not pay, not work the handler could drop."""
+    import gc
+
+    import grpc
+
+    from kvloop.common.block_keys import KEY_BYTES, packed_keys
+    from kvloop.daemon.config import DaemonSettings
+    from kvloop.daemon.index import MemoryStore
+    from kvloop.daemon.index.instrumented import InstrumentedStore
+    from kvloop.daemon.policy import Policy
+    from kvloop.daemon.service import DirectoryService
+    from kvloop.v1 import directory_pb2_grpc as pb_grpc
+
+    settings = DaemonSettings(max_entries=100_000_000)
+    service = DirectoryService(
+        InstrumentedStore(MemoryStore(settings.index_config()), traced=False),
+        Policy(settings.policy, settings.models),
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        max_hashes=settings.max_hashes_per_message,
+        traced=False,
+    )
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 1024 * 1024)])
+    pb_grpc.add_DirectoryServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    fleet_proc = ctx.Process(
+        target=_fleet_process, args=(config, f"127.0.0.1:{port}", child_conn), daemon=True
+    )
+    thresholds = gc.get_threshold()
+    loop = asyncio.get_running_loop()
+    try:
+        fleet_proc.start()
+        while (await loop.run_in_executor(None, conn.recv))[0] != "ingested":
+            pass
+        requests = [
+            pb.LookupRequest(
+                model=MODEL,
+                requester_worker_id=_LOOKUP["requester"],
+                pack_block_ids=True,
+                packed_block_hashes=packed_keys(p, HASH_LENGTH),
+                packed_hash_bytes=KEY_BYTES,
+            )
+            for p in prompts
+        ]
+        call = _NoCall()
+        gc.set_threshold(settings.gc_young_threshold, *thresholds[1:])  # as kvloopd collects
+        for request in requests[:50]:
+            await service.Lookup(request, call)
+        handler_us = []
+        for i in range(config.lookups):
+            t0 = time.perf_counter()
+            await service.Lookup(requests[i % len(requests)], call)
+            handler_us.append((time.perf_counter() - t0) * 1e6)
+            if i % 16 == 15:
+                await asyncio.sleep(0)  # the fleet's heartbeats are served meanwhile, as in kvloopd
+    finally:
+        gc.set_threshold(*thresholds)
+        conn.send("stop")
+        fleet_proc.join(10)
+        if fleet_proc.is_alive():
+            fleet_proc.terminate()
+        await server.stop(None)
+    return {
+        "lookup_handler_hot_p50_us": round(_percentile(handler_us, 0.50)),
+        "lookup_handler_hot_p99_us": round(_percentile(handler_us, 0.99)),
+    }
+
+
 def _redis_used_memory(url: str | None) -> int:
     if url is None:
         return 0
@@ -391,8 +475,12 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
         throughput = await _concurrent_lookups(target, prompts, config.concurrency, config.lookups)
         if progress:
             progress.add_task(f"route ({config.route_turns} turns of one conversation)", total=None)
-        route = await _route_figures(target, config)
+        more = await _route_figures(target, config)
         conn.send("stop")
+        if redis_url is None:  # the handler's own cost, hot: with the in-memory store only
+            if progress:
+                progress.add_task("lookup handler, called in-process back to back", total=None)
+            more |= await _handler_figures(config, prompts)
         entries = stats.entries
         result = {
             "config": asdict(config),
@@ -423,7 +511,7 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
             "memory_measured": "redis used_memory" if redis_url else "daemon RSS",
             "redis_used_memory_mib": round(redis_after / 2**20, 1) if redis_url else None,
             "cpu_count": os.cpu_count(),
-            **route,
+            **more,
         }
         result["table"] = [
             (
@@ -441,6 +529,17 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
                 f"lookup server p99 ({config.prompt_blocks} blocks)",
                 f"{result['lookup_server_p99_us']} us",
                 "" if redis_url else "<= 100 us",  # Redis's target is relative: see its last row
+            ),
+            *(
+                []
+                if redis_url
+                else [
+                    (
+                        "  the handler alone, hot: p50 / p99 (in-process, back to back)",
+                        f"{result['lookup_handler_hot_p50_us']} / {result['lookup_handler_hot_p99_us']} us",
+                        "",
+                    )
+                ]
             ),
             (
                 "lookup end-to-end p50 (gRPC, loopback)",
