@@ -393,9 +393,9 @@ def block_location(loc: Location) -> pb.BlockLocation:
 MAX_ROUTE_CANDIDATES = 256
 
 
-def _route_tokens(request: pb.RouteRequest) -> array | None:
-    """The prompt's token ids, when the request gives them (either form), as one uint32 array."""
-    packed = request.packed_token_ids  # read once: each access copies the bytes out of the message
+def _route_tokens(request: pb.RouteRequest, packed: bytes) -> array | None:
+    """The prompt's token ids, when the request gives them (either form; ``packed`` is its
+    packed_token_ids), as one uint32 array."""
     if packed:
         if len(packed) % 4:
             raise BadInput(
@@ -460,14 +460,18 @@ def route_query(
         raise BadInput(
             "candidates", f"{len(request.candidates)} candidates exceed the limit of {MAX_ROUTE_CANDIDATES}"
         )
-    tokens = _route_tokens(request)
+    packed_tokens = request.packed_token_ids  # read once: each access copies the bytes out of the message
     given = sum(
-        map(bool, (len(request.block_hashes), request.packed_block_hashes, len(request.token_ids)))
-    ) + bool(request.packed_token_ids)
+        map(
+            bool,
+            (len(request.block_hashes), request.packed_block_hashes, len(request.token_ids), packed_tokens),
+        )
+    )
     if given != 1:
         raise BadInput(
             "hashes", "give exactly one of block_hashes, packed_block_hashes, token_ids or packed_token_ids"
         )
+    tokens = _route_tokens(request, packed_tokens)
     if request.cache_salt and tokens is None:
         raise BadInput("cache_salt", "cache_salt only applies to token ids (block hashes already include it)")
     hashes: Sequence[bytes]
