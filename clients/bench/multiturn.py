@@ -149,6 +149,9 @@ class TurnSample:
     route_ms: float | None = None
     # kvloop and prefix_route: each candidate as Route estimated it, queues as they were when chosen.
     route_estimates: list[dict] | None = None
+    # Where route_ms went: tokenize_ms (the prompt's ids, in this process), rpc_ms (Route, end to end)
+    # and server_us (Route inside kvloopd, its route_us).
+    route_timing: dict | None = None
     # This turn's decode steps as [batch, arrival, step ms] (see steps.step_gaps; the batch counts the
     # arm's sessions streaming at the same time): TPOT compared at equal batch.
     decode_steps: list[list] = field(default_factory=list)
@@ -355,6 +358,7 @@ class TurnOutcome:
     route_ms: float | None = None
     decode_stream: Stream | None = None
     route_estimates: list[dict] | None = None
+    route_timing: dict | None = None
 
 
 class ArmClient:
@@ -540,19 +544,24 @@ class RoutedArmClient(ArmClient):
             ties = [u for u in among if self.in_flight[u] == least]
             return ties[next(self._rr[pool]) % len(ties)]
 
-    def choose(self, messages: list[dict]) -> tuple[str, str, int, list[dict] | None, str | None]:
+    def choose(
+        self, messages: list[dict]
+    ) -> tuple[str, str, int, list[dict] | None, str | None, dict | None]:
         """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated, each
-        candidate's estimates, Route's reason when it left nothing to pull there), counted into that
-        prefill's queue before any other thread of the arm chooses (as the proxy does)."""
+        candidate's estimates, Route's reason when it left nothing to pull there, where choosing's time
+        went), counted into that prefill's queue before any other thread of the arm chooses (as the
+        proxy does)."""
         if self.arm in ("load_pull", "recompute"):
             with self._lock:
-                return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None)
+                return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None, None)
         from kvloop.clients.client import KvloopError
         from kvloop.clients.proxy.routing import among_tied, rank_now
         from kvloop.v1 import directory_pb2 as pb
 
         try:
+            t0 = time.perf_counter()
             tokens = self.tokenizer.tokens({"model": MODEL, "messages": messages}, chat=True)
+            t1 = time.perf_counter()
             if not tokens:
                 raise KeyError("the bench's own messages did not tokenize")
             with self._lock:
@@ -562,11 +571,18 @@ class RoutedArmClient(ArmClient):
                     )
                     for u in self.prefill_urls
                 ]
+            t2 = time.perf_counter()
             answer = self.directory.route(MODEL, candidates, token_ids=tokens, cache_salt=self.salt)
+            timing = {
+                "tokenize_ms": round((t1 - t0) * 1e3, 3),
+                "rpc_ms": round((time.perf_counter() - t2) * 1e3, 3),
+                "server_us": answer.route_us,
+            }
         except (KvloopError, OSError, KeyError) as exc:
             with self._lock:
                 return (
                     *self._reserve(self._least_loaded(self.prefill_urls), f"load_{type(exc).__name__}", 0),
+                    None,
                     None,
                     None,
                 )
@@ -606,7 +622,7 @@ class RoutedArmClient(ArmClient):
                 else len(tokens) - score.local_blocks * self.block_size
             )
             settled = settled_without_pull(score) if self.arm == "kvloop" else None  # as the proxy does
-            return (*self._reserve(url, how, queued), estimates, settled)
+            return (*self._reserve(url, how, queued), estimates, settled, timing)
 
     def _reserve(self, prefill: str, how: str, queued: int) -> tuple[str, str, int]:
         """Count a request into its prefill's queue (the caller holds the lock)."""
@@ -626,7 +642,7 @@ class RoutedArmClient(ArmClient):
             "cache_salt": self.salt,
         }
         t0 = time.perf_counter()
-        prefill, how, queued, estimates, settled = self.choose(session.messages)
+        prefill, how, queued, estimates, settled, timing = self.choose(session.messages)
         if settled is not None:
             kv[ROUTE_SETTLED_KEY] = settled  # Route left nothing to pull: the connector skips its Lookup
         route_ms = (time.perf_counter() - t0) * 1e3
@@ -672,6 +688,7 @@ class RoutedArmClient(ArmClient):
             route_ms,
             decode_stream=streamed.stream,
             route_estimates=estimates,
+            route_timing=timing,
         )
 
 
@@ -749,6 +766,7 @@ def run_workload(
                         r.route,
                         r.route_ms,
                         r.route_estimates,
+                        r.route_timing,
                         decode_steps=decode_steps_of(r.decode_stream, streams),
                     )
                 )
@@ -1089,9 +1107,16 @@ def _routing_columns(group: list[TurnSample], block_size: int) -> dict:
     routed = [s for s in group if s.route is not None]
     if not routed:
         return {}
+    timed = [s.route_timing for s in routed if s.route_timing]
     return {
         "route_outcomes": dict(Counter(s.route for s in routed)),
         "route_ms_p50": round(statistics.median(s.route_ms or 0.0 for s in routed), 2),
+        # choosing's parts: this process tokenizing, Route end to end, Route inside kvloopd
+        **{
+            f"route_{part}_p50": round(statistics.median(t[part] for t in timed), 3)
+            for part in ("tokenize_ms", "rpc_ms", "server_us")
+            if timed
+        },
         "prefills_used": dict(Counter(s.prefill_worker for s in routed)),
     }
 
