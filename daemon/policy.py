@@ -28,6 +28,7 @@ Real traffic cannot fool it with a few bad samples:
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from collections import Counter, deque
@@ -554,6 +555,7 @@ class Policy:
             else None
         )
         scores = []
+        pulls: list[tuple[RouteScore, LookupQuery]] = []
         for c in query.candidates:
             score = RouteScore(c, local_blocks=local.get(c.worker_id, 0) if c.spec is not None else 0)
             if c.spec is None:  # not a worker of the model: nothing measured of it
@@ -563,7 +565,6 @@ class Policy:
             else:
                 rate, score.prefill_basis = self.cost.prefill_rate(c.worker_id, config)
             score.prefill_tokens_per_s = rate
-            pulled = 0
             if c.spec is not None and score.local_blocks < n:
                 lookup = LookupQuery(
                     query.namespace,
@@ -573,37 +574,47 @@ class Policy:
                     query.block_size,
                     layout=KvLayout.of(c.spec),
                 )
-                layout = lookup.layout
-                match = await store.lookup(
-                    query.namespace,
-                    query.hashes,
-                    score.local_blocks,
-                    c.worker_id,
-                    now,
-                    claim=False,
-                    accept=lambda spec, layout=layout: layout_mismatch(KvLayout.of(spec), layout) is None,
-                )
-                verdict = self.decide(lookup, match, now, peek=True)
-                score.pull_reason, score.pull_cost = verdict.reason, verdict.cost
-                if match.best is not None:
-                    score.pull_holder = match.best.worker.worker_id
-                    score.pull_holder_blocks = match.best.matched_blocks
-                if verdict.decision == pb.DECISION_TRANSFER and match.best is not None:
-                    pulled = match.best.matched_blocks - score.local_blocks
-                    assert verdict.cost is not None
-                    score.transfer_ms = verdict.cost.transfer_ms
-                    score.pull_wait_ms = self.cost.step_wait_ms(score.pull_holder, c.worker_id)
+                pulls.append((score, lookup))
             elif score.local_blocks:
                 score.pull_reason = pb.DECISION_REASON_LOCAL_PREFIX
-            score.pull_blocks = pulled
-            covered = (score.local_blocks + pulled) * query.block_size
+            scores.append(score)
+        # The candidates' pull lookups at once: on a networked store their round trips overlap.
+        matches = await asyncio.gather(
+            *(
+                store.lookup(
+                    lookup.namespace,
+                    lookup.hashes,
+                    lookup.local_blocks,
+                    lookup.requester,
+                    now,
+                    claim=False,
+                    accept=lambda spec, layout=lookup.layout: (
+                        layout_mismatch(KvLayout.of(spec), layout) is None
+                    ),
+                )
+                for _, lookup in pulls
+            )
+        )
+        for (score, lookup), match in zip(pulls, matches, strict=True):
+            verdict = self.decide(lookup, match, now, peek=True)
+            score.pull_reason, score.pull_cost = verdict.reason, verdict.cost
+            if match.best is not None:
+                score.pull_holder = match.best.worker.worker_id
+                score.pull_holder_blocks = match.best.matched_blocks
+            if verdict.decision == pb.DECISION_TRANSFER and match.best is not None:
+                score.pull_blocks = match.best.matched_blocks - score.local_blocks
+                assert verdict.cost is not None
+                score.transfer_ms = verdict.cost.transfer_ms
+                score.pull_wait_ms = self.cost.step_wait_ms(score.pull_holder, lookup.requester)
+        for score in scores:
+            c, rate = score.candidate, score.prefill_tokens_per_s
+            covered = (score.local_blocks + score.pull_blocks) * query.block_size
             score.compute_tokens = max(0, query.prompt_tokens - covered)
             score.compute_ms = score.compute_tokens / rate * 1e3
             score.queue_ms = queue_ms(c.queued_tokens, c.in_flight_requests, query.prompt_tokens, rate)
             score.expected_ttft_ms = (
                 score.queue_ms + score.transfer_ms + score.pull_wait_ms + score.compute_ms
             )
-            scores.append(score)
         # Stable: equal estimates keep the caller's order (its own tie-break).
         scores.sort(key=lambda s: s.expected_ttft_ms)
         return scores

@@ -28,6 +28,7 @@ from kvloop.daemon.convert import BadInput, Refused
 from kvloop.daemon.index import Change, DirectoryStore, LeaseState, Namespace
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import Policy
+from kvloop.daemon.roster import WorkerRoster
 from kvloop.daemon.session import AgentSession, SessionContext
 from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb
@@ -59,8 +60,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         self.hasher = BlockHasher(route_hash_cache_blocks)
         self.counters = counters or DaemonCounters()
         self.changes = changes or ChangeFeed()
+        self.roster = WorkerRoster(store)
         self.sessions = SessionContext(
-            store, policy.cost, self.counters, self.changes, heartbeat_interval_s, max_hashes
+            store, policy.cost, self.counters, self.changes, heartbeat_interval_s, max_hashes, self.roster
         )
         self._started = time.monotonic()
         self.changes.on_remote = self._remote_change
@@ -122,7 +124,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         started = time.perf_counter()
         now = self.store.clock()
         model_spec = await self.store.model_spec(request.model) if request.model else None
-        workers = await self.store.workers(now, request.model) if request.model else []
+        workers = await self.roster.workers(request.model) if request.model else []
         try:
             query = convert.route_query(request, model_spec, workers, self.max_hashes, self.hasher)
         except (BadInput, Refused) as exc:
@@ -276,6 +278,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     ) -> pb.DrainWorkerResponse:
         if not await self.store.set_draining(request.worker_id):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no worker {request.worker_id!r}")
+        self.roster.invalidate()
         session = self.sessions.live.get(request.worker_id)
         if session is not None:
             session.send(
@@ -304,6 +307,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             )
 
     def _resync_all(self, reason: str) -> None:
+        self.roster.invalidate()
         for session in list(self.sessions.live.values()):
             session.resync_after_failover(reason)
 

@@ -23,6 +23,7 @@ from kvloop.daemon.convert import BadInput, Refused, events_from_batch, spec_fro
 from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, Fence, StoreUnavailable, WorkerSpec
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.policy import CostModel
+from kvloop.daemon.roster import WorkerRoster
 from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb
 
@@ -44,6 +45,8 @@ class SessionContext:
     changes: ChangeFeed
     heartbeat_interval_s: float
     max_hashes: int
+    # Route's view of the workers: read again after a registration, disconnect or resync here.
+    roster: WorkerRoster
     live: dict[str, AgentSession] = field(default_factory=dict)
 
 
@@ -124,6 +127,7 @@ class AgentSession:
             last, resync = await self.ctx.store.register(spec, reg.last_sequence, now)
         except DirectoryError as exc:
             raise Refused(_STATUS[exc.code], str(exc)) from None
+        self.ctx.roster.invalidate()
         self.spec = spec
         self.awaiting_resync = resync
         self.ctx.live[spec.worker_id] = self
@@ -191,6 +195,7 @@ class AgentSession:
 
     async def _request_resync(self, spec: WorkerSpec, expected: int, received: int) -> None:
         await self.ctx.store.mark_resyncing(spec.worker_id)
+        self.ctx.roster.invalidate()
         self.awaiting_resync = True
         self.ctx.counters.resync("sequence_gap")
         metrics.BATCHES.labels("gap").inc()
@@ -264,6 +269,7 @@ class AgentSession:
             await self.ctx.store.disconnect(spec.worker_id, spec.epoch, self.ctx.store.clock())
         except StoreUnavailable:  # its liveness key lapses by itself; its own agent may take over
             log.warning("disconnect not recorded: directory store unavailable", worker_id=spec.worker_id)
+        self.ctx.roster.invalidate()
         metrics.CONNECTED_AGENTS.set(len(self.ctx.live))
         self.ctx.changes.publish(Change("disconnected", spec.worker_id, spec.model))
         log.info("agent disconnected", worker_id=spec.worker_id, peer=self.peer)

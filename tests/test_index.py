@@ -380,6 +380,46 @@ async def test_stored_prefixes_count_each_workers_leading_cached_blocks(make_sto
     assert (await store.stored_prefixes(NS, prompt, ["a", "b"], 150.0)) == {"a": 0, "b": 0}
 
 
+async def test_stored_prefixes_of_a_long_prompt_and_of_workers_with_similar_ids(make_store):
+    """Prompts of hundreds of blocks (a store may read them in chunks: holes sit at chunk edges) and
+    worker ids one of which contains another (the holders of a block are one string on Redis)."""
+    store = await make_store(IndexConfig(lease_s=100))
+    for w in ("w1", "w11", "w2", "w3"):
+        await store.register(spec(w), 0, 0.0)
+    prompt = conversation("long", 300)
+    await store.apply("w11", 1, 1, [Stored(prompt[:260])], 0.0)
+    # holes at blocks 128 and 256, and 129: where a walk in chunks of 128 or of 64 turns a page
+    await store.apply("w2", 1, 1, [Stored(prompt[:128] + prompt[129:])], 0.0)
+    await store.apply("w3", 1, 1, [Stored(prompt[:256] + prompt[257:])], 0.0)
+    await store.apply("w1", 1, 1, [Stored(prompt[:129] + prompt[130:])], 0.0)
+    got = await store.stored_prefixes(NS, prompt, ["w1", "w11", "w2", "w3"], 1.0)
+    assert got == {"w1": 129, "w11": 260, "w2": 128, "w3": 256}
+    await store.apply("w1", 1, 2, [Stored(prompt[129:130])], 1.0)
+    await store.apply("w11", 1, 2, [Removed(prompt[:1])], 1.0)
+    got = await store.stored_prefixes(NS, prompt, ["w1", "w11", "w2", "w3"], 1.0)
+    assert got == {"w1": 300, "w11": 0, "w2": 128, "w3": 256}
+
+
+async def test_routes_worker_roster_is_kept_for_its_ttl_and_read_again_when_told(make_store):
+    from kvloop.daemon.roster import WorkerRoster
+
+    store = await make_store(IndexConfig(lease_s=100))
+    clock = [0.0]
+    roster = WorkerRoster(store, ttl_s=1.0, clock=lambda: clock[0])
+    assert await roster.workers("m") == []
+    await store.register(spec("a"), 0, store.clock())
+    assert [v.spec.worker_id for v in await roster.workers("m")] == ["a"]  # nothing was kept for "m"
+    await store.register(spec("b"), 0, store.clock())  # as through another replica: not told
+    clock[0] = 0.9
+    assert [v.spec.worker_id for v in await roster.workers("m")] == ["a"]
+    clock[0] = 1.0
+    assert sorted(v.spec.worker_id for v in await roster.workers("m")) == ["a", "b"]
+    await store.register(spec("c"), 0, store.clock())
+    roster.invalidate()  # as a registration through this replica does
+    assert sorted(v.spec.worker_id for v in await roster.workers("m")) == ["a", "b", "c"]
+    assert await roster.workers("never-registered") == []
+
+
 async def test_memory_expiry_heap_is_bounded_by_live_runs_under_churn():
     """Found by `kvloop bench soak`: every retained run left an entry in the memory store's expiry heap
     until its lease ended, released or not, so under churn the daemon's memory grew with the event
