@@ -284,24 +284,36 @@ def test_the_remembering_hasher_gives_the_reference_hashes_turn_after_turn():
     """Route's BlockHasher against block_hashes over a conversation that grows and is edited, salted
     and not, both algorithms and block sizes, with room for fewer blocks than the conversation has."""
     rng = random.Random(7)
-    for algorithm, block_size, salt, room in [
-        ("sha256_cbor", 16, "", 1 << 16),
-        ("sha256", 32, "", 1 << 16),
-        ("sha256_cbor", 16, "tenant-1", 1 << 16),
-        ("sha256_cbor", 16, "", 5),  # evicts within every call
-        ("sha256_cbor", 16, "", 0),  # remembers nothing
+    for algorithm, block_size, salt, room, turn_tokens in [
+        ("sha256_cbor", 16, "", 1 << 16, (20, 90)),
+        ("sha256", 32, "", 1 << 16, (20, 90)),
+        ("sha256_cbor", 16, "tenant-1", 1 << 16, (20, 90)),
+        ("sha256_cbor", 16, "", 5, (20, 90)),  # evicts within every call, remembers no span
+        ("sha256_cbor", 16, "", 0, (20, 90)),  # remembers nothing
+        # histories of several spans of blocks, edited inside one and where one begins
+        ("sha256_cbor", 16, "", 1 << 16, (100, 400)),
+        ("sha256_cbor", 16, "tenant-2", 1 << 16, (100, 400)),
+        ("sha256_cbor", 4, "", 40, (100, 400)),  # room for two spans: they are evicted too
     ]:
         hasher = block_hash.BlockHasher(room)
         history: list[int] = []
+        resent = found = known = 0
+        span_tokens = block_hash.BlockHasher.SPAN_BLOCKS * block_size
         for turn in range(6):
-            history += [rng.randrange(1 << 17) for _ in range(rng.randrange(20, 90))]
+            history += [rng.randrange(1 << 17) for _ in range(rng.randrange(*turn_tokens))]
             if turn == 3:
                 history[40] += 1  # an edited history: every block from the third on changes
+            if turn == 4 and len(history) > 2 * span_tokens:
+                history[span_tokens] += 1  # the first block of the second span
             expected = block_hash.block_hashes(history, block_size, algorithm, "0", salt)
+            hits_before = hasher.hits
             assert hasher.hashes(history, block_size, algorithm, "0", salt) == expected
+            found, known, resent = hasher.hits - hits_before, resent, len(expected)
         assert len(hasher._chains.get(algorithm, ())) <= room
+        assert len(hasher._spans.get(algorithm, ())) <= room // block_hash.BlockHasher.SPAN_BLOCKS
         if room >= 1 << 10:
-            assert hasher.hits > hasher.misses  # the history was found, not hashed again
+            # the last turn resent the one before: that history was found, not hashed again
+            assert found >= known - (1 if salt else 0)
         else:
             assert hasher.hits == 0 if room == 0 else hasher.misses > 0
     wide = [1 << 40] * 32  # not uint32: hashed as the reference does, not remembered

@@ -627,13 +627,26 @@ class MemoryStore:
             return out
         index = ns.stored
         alive = set(slots)
+        # Per block only the probe and a membership test: a worker's count is written once, where its
+        # run of held blocks ends (most prompts are hundreds of blocks, held by one or two workers).
         for position, h in enumerate(hashes):
             entry = index.get(h)
-            alive &= set(_values(entry)) if entry is not None else set()
+            if entry is None:
+                dropped = alive
+            elif isinstance(entry, int):
+                if entry in alive and len(alive) == 1:
+                    continue
+                dropped = alive - {entry}
+            else:
+                dropped = alive.difference(entry)
+            for slot in dropped:
+                out[slots[slot]] = position
+            alive = alive - dropped
             if not alive:
                 break
+        else:
             for slot in alive:
-                out[slots[slot]] = position + 1
+                out[slots[slot]] = len(hashes)
         return out
 
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
