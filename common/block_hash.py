@@ -81,7 +81,7 @@ class BlockHasher:
     same way, under the parent of their first block and all their ids: a history found again costs a
     dictionary probe per span rather than per block (finding a block cost ~0.7 us, most of a long
     prompt's Route). At most ``max_blocks`` blocks per algorithm at each level, least recently used out:
-    about 360 bytes a block, 140 a block in spans. Not for concurrent threads: kvloopd calls it from
+    about 360 bytes a block, 85 a block in spans. Not for concurrent threads: kvloopd calls it from
     its event loop."""
 
     SPAN_BLOCKS = 16

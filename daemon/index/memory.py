@@ -639,6 +639,8 @@ class MemoryStore:
                 dropped = alive - {entry}
             else:
                 dropped = alive.difference(entry)
+                if not dropped:
+                    continue
             for slot in dropped:
                 out[slots[slot]] = position
             alive = alive - dropped
