@@ -32,7 +32,7 @@ import asyncio
 import statistics
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -254,6 +254,11 @@ def _same_holding(a: PrefixMatch, b: PrefixMatch) -> bool:
     )
 
 
+def _readable_into(puller: KvLayout) -> Callable[[WorkerSpec], bool]:
+    """A store lookup's ``accept``: whether a holder's KV can be READ into ``puller``."""
+    return lambda spec: layout_mismatch(KvLayout.of(spec), puller) is None
+
+
 def path_of(decision: int, reason: int) -> int:
     """The turn path a daemon answer sends the turn on."""
     if decision == pb.DECISION_TRANSFER:
@@ -413,7 +418,7 @@ class Policy:
         """The one function that decides a turn's path."""
         lookup = {
             "margin_s": query.lease_margin_s,
-            "accept": lambda spec: layout_mismatch(KvLayout.of(spec), query.layout) is None,
+            "accept": _readable_into(query.layout),
         }
         match = await store.lookup(
             query.namespace, query.hashes, query.local_blocks, query.requester, now, claim=False, **lookup
@@ -588,9 +593,7 @@ class Policy:
                     lookup.requester,
                     now,
                     claim=False,
-                    accept=lambda spec, layout=lookup.layout: (
-                        layout_mismatch(KvLayout.of(spec), layout) is None
-                    ),
+                    accept=_readable_into(lookup.layout),
                 )
                 for _, lookup in pulls
             )
