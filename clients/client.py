@@ -281,6 +281,11 @@ class DirectoryClient(_ClientBase):
         except grpc.RpcError as exc:
             raise _translate(exc, self.target) from None
 
+    def plans(self, worker_id: str) -> Any:
+        """The ``Plans`` stream of one prefill worker, as gRPC's call object: iterating it yields
+        PlansResponses (and raises grpc.RpcError when the stream ends in error); ``cancel()`` ends it."""
+        return self.stub.Plans(pb.PlansRequest(worker_id=worker_id), metadata=self._metadata)
+
     def wait_ready(self, timeout: float = 10.0) -> None:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)

@@ -25,6 +25,7 @@ METHOD_ROLES: Mapping[str, tuple[Role, ...]] = {
     "Connect": (Role.AGENT,),
     "Lookup": (Role.PREFILL, Role.READ),
     "Route": (Role.PREFILL, Role.READ),
+    "Plans": (Role.PREFILL,),
     "ReleaseClaim": (Role.PREFILL,),
     "ListWorkers": (Role.READ, Role.PREFILL),
     "FindBlock": (Role.READ, Role.PREFILL),

@@ -34,6 +34,12 @@ ROUTE_LATENCY = LoopHistogram(
     buckets=(25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3),
 )
 ROUTES = Counter("kvloop_routes_total", "Route answers, by whether the best candidates tied", ["outcome"])
+ROUTE_PLANS = Counter(
+    "kvloop_route_plans_total",
+    "Route's pull plans pushed to a subscribed prefill's Plans stream (posted), or dropped unread by a "
+    "full subscriber queue (dropped)",
+    ["outcome"],
+)
 
 
 class DaemonCounters:

@@ -219,6 +219,9 @@ class RouteScore:
     expected_ttft_ms: float = 0.0
     prefill_tokens_per_s: float = 0.0
     prefill_basis: str = ""
+    # The answer the candidate's own Lookup would get now, when Route judged its pull worth a READ
+    # of a multi-reader run (see plans.py; a single-use run needs a claim, which Route never makes).
+    plan: Answer | None = None
 
 
 @dataclass(slots=True)
@@ -609,6 +612,17 @@ class Policy:
                 assert verdict.cost is not None
                 score.transfer_ms = verdict.cost.transfer_ms
                 score.pull_wait_ms = self.cost.step_wait_ms(score.pull_holder, lookup.requester)
+                if not match.best.single_use:
+                    score.plan = Answer(
+                        decision=verdict.decision,
+                        reason=verdict.reason,
+                        path=path_of(verdict.decision, verdict.reason),
+                        detail=verdict.detail,
+                        cost=verdict.cost,
+                        match=match,
+                        matched_blocks=match.best.matched_blocks,
+                        recompute_blocks=n - match.best.matched_blocks,
+                    )
         for score in scores:
             c, rate = score.candidate, score.prefill_tokens_per_s
             covered = (score.local_blocks + score.pull_blocks) * query.block_size

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import structlog
@@ -27,7 +27,8 @@ from kvloop.daemon.auth import current_grant
 from kvloop.daemon.convert import BadInput, Refused
 from kvloop.daemon.index import Change, DirectoryStore, LeaseState, Namespace
 from kvloop.daemon.metrics import DaemonCounters
-from kvloop.daemon.policy import Policy
+from kvloop.daemon.plans import PlanBoard
+from kvloop.daemon.policy import Policy, RouteScore
 from kvloop.daemon.roster import WorkerRoster
 from kvloop.daemon.session import AgentSession, SessionContext
 from kvloop.daemon.watch import ChangeFeed
@@ -61,6 +62,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         self.counters = counters or DaemonCounters()
         self.changes = changes or ChangeFeed()
         self.roster = WorkerRoster(store)
+        self.plans = PlanBoard()
         self.sessions = SessionContext(
             store, policy.cost, self.counters, self.changes, heartbeat_interval_s, max_hashes, self.roster
         )
@@ -130,6 +132,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         except (BadInput, Refused) as exc:
             await self._refuse(context, "Route", exc)
         ranked = await self.policy.route(self.store, query, now)
+        self._post_plans(query.hashes, query.block_size, ranked)
         tied = self.policy.tied(request.model, ranked)
         response = convert.route_response(query, ranked, tied)
         response.tie_floor_ms, response.tie_ratio = self.policy.tie_rule(request.model)
@@ -257,6 +260,36 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             uptime_seconds=time.monotonic() - self._started,
             models=await self.store.models(),
         )
+
+    def _post_plans(self, hashes: Sequence[bytes], block_size: int, ranked: Sequence[RouteScore]) -> None:
+        """Each planned pull to its candidate's subscribed connector (see plans.py)."""
+        for score in ranked:
+            worker_id = score.candidate.worker_id
+            if score.plan is None or not self.plans.wants(worker_id):
+                continue
+            lookup = convert.lookup_response(score.plan, block_size, pack_block_ids=True)
+            lookup.directory_epoch = self.store.epoch
+            self.plans.post(
+                worker_id,
+                pb.PlansResponse(
+                    prompt_key=hashes[-1],
+                    prompt_blocks=len(hashes),
+                    local_blocks=score.local_blocks,
+                    lookup=lookup,
+                ),
+            )
+
+    async def Plans(
+        self, request: pb.PlansRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PlansResponse]:
+        if not request.worker_id:
+            self.counters.rejected_message("Plans", "worker_id")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id must be set")
+        with self.plans.subscription(request.worker_id) as queue:
+            # Headers once subscribed: a subscriber that waits for them misses no plan made after.
+            await context.send_initial_metadata(())
+            while True:
+                yield await queue.get()
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext

@@ -11,13 +11,15 @@ import aiohttp
 import grpc
 import pytest
 
+from kvloop.agents.connector.directory import answer_from_proto
+from kvloop.agents.connector.plans import PlanInbox
 from kvloop.clients.client import AsyncDirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
 from kvloop.clients.proxy.routing import Router
 from kvloop.common import block_hash
 from kvloop.common.route_estimate import settled_without_pull
 from kvloop.v1 import directory_pb2 as pb
-from tests.support import conversation, retained, running_agent
+from tests.support import conversation, retained, running_agent, wait_until
 
 BS = 16  # tests.support.registration's block size
 
@@ -189,6 +191,79 @@ async def test_a_pull_costs_its_pairs_step_wait_and_a_local_hit_does_not(routed_
     assert scores["p-b"].expected_ttft_ms == pytest.approx(
         scores["p-b"].queue_ms + scores["p-b"].transfer_ms + 200.0 + scores["p-b"].compute_ms
     )
+
+
+async def test_route_pushes_the_pull_it_planned_to_the_candidates_connector(routed_daemon):
+    """A candidate whose pull Route judged worth a READ gets the answer its own Lookup would get, over
+    its Plans stream; its connector takes it for exactly that prompt and local prefix, once."""
+    model = "m-route-plan"
+    prompt, single = conversation("plan", 64), conversation("plan-single", 64)
+    seen_epoch = [0]
+    async with AsyncDirectoryClient(routed_daemon.address) as client:
+        workers = {
+            "p-cold": (pb.WORKER_ROLE_PREFILL, []),
+            "p-warm": (pb.WORKER_ROLE_PREFILL, [stored(prompt[:50])]),
+            "d": (
+                pb.WORKER_ROLE_DECODE,
+                [retained(prompt[:40], "h-multi"), retained(single[:40], "h-single", single_use=True)],
+            ),
+        }
+        async with fleet(client, model, workers):
+            inbox = PlanInbox(
+                routed_daemon.address,
+                "p-cold",
+                block_size=BS,
+                min_pull_tokens=64,
+                lease_margin_ms=5_000,
+                epoch=lambda: seen_epoch[0],
+            ).start()
+            try:
+                assert await asyncio.to_thread(inbox.connected.wait, 10)
+                # a single-use run needs a claim, which Route never makes: no plan for it
+                await client.route(model, ["p-cold"], block_hashes=single)
+                # p-warm's own prefix is longer than the pull: planned for p-cold only
+                answer = await client.route(model, ["p-cold", "p-warm"], block_hashes=prompt)
+                assert by_worker(answer)["p-cold"].pull_blocks == 40
+                await asyncio.to_thread(wait_until, lambda: len(inbox) == 1, 10, "Route's plan")
+                # the stream keeps Route's order, so the single-use prompt's turn came first: nothing
+                assert inbox.take(single, 0) is None
+
+                planned = inbox.take(prompt, 0)
+                looked_up = answer_from_proto(
+                    await client.lookup(model, prompt, requester="p-cold", pack_block_ids=True)
+                )
+                assert planned is not None and planned.path == looked_up.path == pb.TURN_PATH_TRANSFER
+                assert (planned.reason, planned.matched_blocks) == (looked_up.reason, 40)
+                assert planned.holder is not None and looked_up.holder is not None
+                assert planned.holder.retention_handle == "h-multi"
+                assert planned.holder.block_ids == looked_up.holder.block_ids
+                assert planned.holder.expires_in_ms <= looked_up.holder.expires_in_ms + 1_000
+                assert planned.detail.startswith("planned by Route")
+                assert inbox.take(prompt, 0) is None  # taken once
+
+                async def plan_again() -> None:
+                    await client.route(model, ["p-cold"], block_hashes=prompt)
+                    await asyncio.to_thread(wait_until, lambda: len(inbox) == 1, 10, "Route's plan")
+
+                # another local prefix than Route counted, or another prompt length: Lookup decides
+                await plan_again()
+                assert inbox.take(prompt, 3) is None and len(inbox) == 0
+                await plan_again()
+                assert inbox.take(prompt[:63], 0) is None
+                # a lease that would not outlive the engine's margin
+                await plan_again()
+                inbox.lease_margin_ms = 10**9
+                assert inbox.take(prompt, 0) is None
+                inbox.lease_margin_ms = 5_000
+                # minted under an older directory epoch than this engine has seen since
+                await plan_again()
+                seen_epoch[0] = planned.holder.directory_epoch + 1
+                assert inbox.take(prompt, 0) is None
+                seen_epoch[0] = 0
+                await plan_again()
+                assert inbox.take(prompt, 0) is not None
+            finally:
+                inbox.stop()
 
 
 @pytest.mark.parametrize("rate", ["pooled", "per_worker"])

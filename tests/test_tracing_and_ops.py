@@ -193,8 +193,14 @@ role = "admin"
             with pytest.raises(KvloopError) as denied:
                 reader.drain("w")
             assert denied.value.code == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.RpcError) as no_plans:  # Route's plans hold handles: prefills only
+                next(iter(reader.plans("p")))
+            assert no_plans.value.code() == grpc.StatusCode.PERMISSION_DENIED
         with client("prefill-token-0123456789") as prefill:
             assert prefill.lookup("m", hashes, claim=True).decision == pb.DECISION_RECOMPUTE
+            plans = prefill.plans("p")
+            plans.initial_metadata()  # subscribed
+            assert plans.cancel()
         with client("wrong-token") as stranger:
             with pytest.raises(KvloopError) as denied:
                 stranger.stats()

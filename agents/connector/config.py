@@ -62,6 +62,9 @@ class KvloopConfig(BaseModel):
     publish_events: bool = True
     # Ask the directory (prefill role).
     lookup: bool = True
+    # Prefill role: take the pull Route planned for a request (kvloopd pushes its plans for this
+    # worker over a stream, plans.py) instead of asking Lookup on the engine loop.
+    route_plans: bool = True
     # Prefill role: how often the worker asks kvloopd for new holders and opens its NIXL connection
     # to each before any turn reads from it (the handshake, 30-200 ms, otherwise lands in a user's
     # first pulled turn). 0 turns it off.

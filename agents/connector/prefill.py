@@ -27,6 +27,7 @@ from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, Look
 from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
 from kvloop.agents.connector.metadata import ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
+from kvloop.agents.connector.plans import PlanInbox
 from kvloop.common.outcomes import path_name
 from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, SETTLED_REASONS
 from kvloop.common.tokens import agreeing_prefix_length
@@ -93,8 +94,11 @@ class PrefillSide:
         emit: Callable[[Any], None],
         group_windows: Sequence[int] = (0,),
         group_bytes_per_block: Sequence[int] = (),
+        plans: PlanInbox | None = None,
     ) -> None:
         self.cfg = cfg
+        # Route's plans for this worker (plans.py): a request one matches needs no Lookup.
+        self.plans = plans
         # Per KV-cache group: its sliding window in tokens (0: full attention), and the bytes one
         # block of it occupies over its layers.
         self.group_windows = tuple(group_windows)
@@ -176,6 +180,15 @@ class PrefillSide:
             started = time.perf_counter()
         else:
             lookup = self._lookups.get(request.request_id)
+            planned = None
+            if lookup is None and self.plans is not None:
+                planned = self.plans.take(hashes, num_computed_tokens // bs)
+            if planned is not None:
+                params[_DECIDED] = True
+                now = time.perf_counter()
+                return self._apply(
+                    request, params, num_computed_tokens, planned, now, vllm_match, planned=True
+                )
             if lookup is None:
                 started = time.perf_counter()
                 span = self._start_span(request, started)
@@ -227,6 +240,7 @@ class PrefillSide:
         started: float,
         vllm_match: VllmMatch,
         lookup: _Lookup | None = None,
+        planned: bool = False,
     ) -> tuple[int | None, bool]:
         answered = time.perf_counter()
         for k in HANDLE_KEYS:  # never act on a handle kvloop did not choose
@@ -247,7 +261,10 @@ class PrefillSide:
             lookup.lookup_span.set_attribute("kvloop.path", path_name(outcome.path))
             lookup.lookup_span.end(end_time=tm.wall_ns(answered))
         else:
-            tm.child_span(span, "kvloop.lookup", started, answered, {"kvloop.path": path_name(outcome.path)})
+            attributes = {"kvloop.path": path_name(outcome.path)}
+            if planned:
+                attributes["kvloop.lookup.source"] = "route_plan"  # no RPC: Route's answer, pushed here
+            tm.child_span(span, "kvloop.lookup", started, answered, attributes)
         if (
             answer is not None
             and answer.path == pb.TURN_PATH_TRANSFER

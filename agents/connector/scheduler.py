@@ -22,6 +22,7 @@ from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata
+from kvloop.agents.connector.plans import PlanInbox
 from kvloop.agents.connector.prefill import PrefillSide
 from kvloop.common.tracing import configure_tracing
 
@@ -111,6 +112,18 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 backoff_s=cfg.lookup_backoff_s,
                 traced=traced,
             )
+            plans = (
+                PlanInbox(
+                    cfg.daemon,
+                    self.worker_id,
+                    block_size=self.block_size,
+                    min_pull_tokens=constraints.min_pull_tokens,
+                    lease_margin_ms=constraints.lease_margin_ms,
+                    epoch=lambda: directory.epoch,
+                ).start()
+                if cfg.route_plans
+                else None
+            )
             self.prefill = PrefillSide(
                 cfg,
                 directory,
@@ -120,6 +133,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 self._events.append,
                 group_windows(kv_cache_config),
                 group_bytes_per_block(kv_cache_config),
+                plans,
             )
         tm.log.info(
             "kvloop.scheduler_init",

@@ -166,6 +166,11 @@ SPECS = (
     MetricSpec("released_runs", "counter", "Retained runs released", ("reason",)),
     MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
     MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
+    # outcome: received | used | unmatched (another local prefix or too short a pull) | expired |
+    # stale (an older directory epoch) | bad
+    MetricSpec(
+        "route_plans", "counter", "Route's pull plans for this prefill, by what became of them", ("outcome",)
+    ),
     MetricSpec(
         "idle_wakeups",
         "counter",
@@ -187,6 +192,7 @@ RELEASED = _METRICS["released_runs"]
 READS_SERVED = _METRICS["reads_served"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
 IDLE_WAKEUPS = _METRICS["idle_wakeups"]
+ROUTE_PLANS = _METRICS["route_plans"]
 
 # A finished step recorded with child_span() also feeds its latency histogram (a failed step,
 # attribute kvloop.ok false, does not).

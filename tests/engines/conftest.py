@@ -115,31 +115,43 @@ class KvloopStack:
         assert self.agent is None or self.agent.poll() is not None
         log = self.tmp / f"agent-{len(self.agent_logs)}.log"
         self.agent_logs.append(log)
-        self.agent = supervisor().spawn(
+        self.agent = self.spawn_agent(DECODE_WORKER, "decode", self.side_channel_port, self.ev_port, log)
+
+    def spawn_agent(
+        self,
+        worker_id: str,
+        role: str,
+        side_channel_port: int,
+        ev_port: int,
+        log: Path,
+        tp: int | None = None,
+    ) -> subprocess.Popen:
+        """A kvloop-agent for one engine of this stack (its KV events on ``ev_port``, replay on the next)."""
+        return supervisor().spawn(
             [
                 AGENT,
                 "--daemon",
                 self.address,
                 "--worker-id",
-                DECODE_WORKER,
+                worker_id,
                 "--role",
-                "decode",
+                role,
                 "--model",
                 self.model,
                 "--engine-id",
-                DECODE_WORKER,
+                worker_id,
                 "--nixl-endpoint",
-                f"127.0.0.1:{self.side_channel_port}",
+                f"127.0.0.1:{side_channel_port}",
                 "--block-size",
                 str(BS),
                 "--kv-bytes-per-block",
                 str(self.kv_bytes_per_block),
                 "--tensor-parallel-size",
-                str(self.decode_tp),
+                str(self.decode_tp if tp is None else tp),
                 "--kv-events",
-                f"tcp://127.0.0.1:{self.ev_port}",
+                f"tcp://127.0.0.1:{ev_port}",
                 "--kv-events-replay",
-                f"tcp://127.0.0.1:{self.ev_port + 1}",
+                f"tcp://127.0.0.1:{ev_port + 1}",
                 "--health-listen",
                 "",
             ],

@@ -33,6 +33,7 @@ from conftest import (
     wait_until,
 )
 
+from kvloop.common.addresses import free_port_pair
 from kvloop.v1 import directory_pb2 as pb
 
 pytestmark = pytest.mark.engines
@@ -202,6 +203,57 @@ def test_four_turn_conversation_transfers_each_turn(engines):
     assert _transfers(engines) - transfers_before == 3  # prometheus agrees with the spans
     m = engines.prefill.call("metrics")
     assert m[("kvloop_connector_pulled_bytes_total", ())] > 0
+
+
+def _plans(engines, outcome: str) -> float:
+    return engines.prefill.call("metrics").get(
+        ("kvloop_connector_route_plans_total", (("outcome", outcome),)), 0.0
+    )
+
+
+def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_path):
+    """A router asked Route before sending the turn: kvloopd pushed the pull it planned for this prefill
+    to the prefill's connector, which takes it instead of asking Lookup - and the pulled KV still
+    equals a recompute's, block by block."""
+    k = engines.kvloop
+    # Route plans for registered prefills: the prefill gets its agent (no KV events here, so Route
+    # counts no local prefix for it, as vLLM finds none: the first turn is salted on the prefill)
+    agent = k.spawn_agent(
+        "prefill-0",
+        "prefill",
+        engines.prefill.spec.side_channel_port,
+        free_port_pair(),
+        tmp_path / "prefill-agent.log",
+        tp=1,
+    )
+    try:
+        wait_until(
+            lambda: any(w.registration.worker_id == "prefill-0" for w in k.client.list_workers(MODEL)),
+            30,
+            "the prefill's agent registered",
+        )
+        rnd = random.Random(11)
+        prompt = rand_tokens(rnd, 1000)
+        d = first_turn(engines, prompt, 64, prefill_salt=f"planned-{uuid.uuid4()}")
+        prompt = prompt + d["token_ids"] + rand_tokens(rnd, 100)
+        hashes = engines.decode.call("block_hashes", prompt)
+        received = _plans(engines, "received")
+
+        def planned() -> bool:  # Route again until the connector's stream (re)subscribed has one
+            answer = k.client.route(MODEL, ["prefill-0"], block_hashes=hashes)
+            assert answer.ranked[0].pull_blocks > 0 and answer.ranked[0].local_blocks == 0, answer
+            return _plans(engines, "received") > received
+
+        wait_until(planned, 30, "Route's plan at the prefill's connector", interval=0.2)
+        used, lookups = _plans(engines, "used"), k.client.stats().lookups
+        pf = prefill_and_check(engines, prompt)
+        assert pf.span["kvloop.path"] == "transfer" and pf.span["kvloop.holder"] == DECODE_WORKER, pf.span
+        assert _plans(engines, "used") == used + 1
+        # only the reference (salted, so no plan matches it) asked Lookup
+        assert k.client.stats().lookups == lookups + 1
+    finally:
+        agent.terminate()
+        agent.wait(15)
 
 
 @pytest.mark.parametrize("edit", ["replace_middle", "drop_segment"])

@@ -775,6 +775,24 @@ class RouteScore(_message.Message):
     pull_wait_ms: float
     def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., registered: _Optional[bool] = ..., local_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., pull_holder_worker_id: _Optional[str] = ..., pull_holder_blocks: _Optional[int] = ..., pull_reason: _Optional[_Union[DecisionReason, str]] = ..., pull_cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., compute_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., expected_ttft_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_basis: _Optional[str] = ..., pull_wait_ms: _Optional[float] = ...) -> None: ...
 
+class PlansRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class PlansResponse(_message.Message):
+    __slots__ = ("prompt_key", "prompt_blocks", "local_blocks", "lookup")
+    PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    prompt_key: bytes
+    prompt_blocks: int
+    local_blocks: int
+    lookup: LookupResponse
+    def __init__(self, prompt_key: _Optional[bytes] = ..., prompt_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ...) -> None: ...
+
 class RouteResponse(_message.Message):
     __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us", "tie_floor_ms", "tie_ratio")
     RANKED_FIELD_NUMBER: _ClassVar[int]

@@ -86,6 +86,11 @@ class DirectoryStub:
                 request_serializer=kvloop_dot_v1_dot_directory__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvloop_dot_v1_dot_directory__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.Plans = channel.unary_stream(
+                '/kvloop.v1.Directory/Plans',
+                request_serializer=kvloop_dot_v1_dot_directory__pb2.PlansRequest.SerializeToString,
+                response_deserializer=kvloop_dot_v1_dot_directory__pb2.PlansResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryServicer:
@@ -170,6 +175,16 @@ class DirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Plans(self, request, context):
+        """Plans streams to one prefill worker the pulls Route planned for it: for every candidate whose
+        best reverse pull Route judged worth a READ (a multi-reader run), the Lookup answer that
+        worker's own Lookup would get now. Its connector takes the plan that matches a request's prompt
+        instead of asking Lookup on the engine loop; a request no plan matches is looked up as before.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +237,11 @@ def add_DirectoryServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvloop_dot_v1_dot_directory__pb2.RouteRequest.FromString,
                     response_serializer=kvloop_dot_v1_dot_directory__pb2.RouteResponse.SerializeToString,
+            ),
+            'Plans': grpc.unary_stream_rpc_method_handler(
+                    servicer.Plans,
+                    request_deserializer=kvloop_dot_v1_dot_directory__pb2.PlansRequest.FromString,
+                    response_serializer=kvloop_dot_v1_dot_directory__pb2.PlansResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -495,6 +515,33 @@ class Directory:
             '/kvloop.v1.Directory/Route',
             kvloop_dot_v1_dot_directory__pb2.RouteRequest.SerializeToString,
             kvloop_dot_v1_dot_directory__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Plans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvloop.v1.Directory/Plans',
+            kvloop_dot_v1_dot_directory__pb2.PlansRequest.SerializeToString,
+            kvloop_dot_v1_dot_directory__pb2.PlansResponse.FromString,
             options,
             channel_credentials,
             insecure,
