@@ -8,18 +8,25 @@ connector, subscribed over an authenticated stream of its own, takes it when the
 The plan reaches the connector through kvloopd only: a client can neither forge nor redirect one.
 
 Only multi-reader runs are planned: a single-use run must be claimed, and Route never claims (the
-router may pick another candidate). Plans are pushed to subscribers on this replica; a connector
-subscribed to another replica misses them and looks up as before.
+router may pick another candidate). With replicas sharing a Redis store, a plan for a worker not
+subscribed to this replica goes over Redis pub/sub to the others (at most once, like Watch's
+changes): a connector may stream from any replica, the router may ask any.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
+import structlog
+
 from kvloop.daemon.metrics import ROUTE_PLANS
+from kvloop.daemon.watch import ChangeRelay
 from kvloop.v1 import directory_pb2 as pb
+
+log = structlog.get_logger("kvloop.daemon")
 
 
 class PlanBoard:
@@ -27,15 +34,29 @@ class PlanBoard:
     is full loses its oldest plan: a plan is worth something for a second at most, and a slow
     subscriber never holds up Route."""
 
-    def __init__(self, queue_size: int = 256) -> None:
-        self._queues: dict[str, set[asyncio.Queue[pb.PlansResponse]]] = {}
+    def __init__(self, queue_size: int = 256, relay: ChangeRelay | None = None) -> None:
+        self._queues: dict[str, set[asyncio.Queue[pb.PlansResponse | None]]] = {}
         self._queue_size = queue_size
+        self._relay = relay
+        self._outgoing: deque[bytes] = deque(maxlen=queue_size)
+        self._pending = asyncio.Event()
+        self._closed = False
 
     def wants(self, worker_id: str) -> bool:
-        return worker_id in self._queues
+        """Whether a plan for this worker may reach a subscriber (here, or through the relay)."""
+        return worker_id in self._queues or self._relay is not None
 
     def post(self, worker_id: str, plan: pb.PlansResponse) -> None:
-        for queue in self._queues.get(worker_id, ()):
+        queues = self._queues.get(worker_id)
+        if queues:
+            self._deliver(queues, plan)
+        elif self._relay is not None:
+            # Another replica's subscriber, if any: the worker id, a NUL, the plan.
+            self._outgoing.append(worker_id.encode() + b"\0" + plan.SerializeToString())
+            self._pending.set()
+
+    def _deliver(self, queues: set[asyncio.Queue[pb.PlansResponse | None]], plan: pb.PlansResponse) -> None:
+        for queue in queues:
             if queue.full():
                 queue.get_nowait()
                 ROUTE_PLANS.labels("dropped").inc()
@@ -43,9 +64,12 @@ class PlanBoard:
             ROUTE_PLANS.labels("posted").inc()
 
     @contextlib.contextmanager
-    def subscription(self, worker_id: str) -> Iterator[asyncio.Queue[pb.PlansResponse]]:
-        """A queue of the worker's plans, posted to from the moment this returns."""
-        queue: asyncio.Queue[pb.PlansResponse] = asyncio.Queue(maxsize=self._queue_size)
+    def subscription(self, worker_id: str) -> Iterator[asyncio.Queue[pb.PlansResponse | None]]:
+        """A queue of the worker's plans, posted to from the moment this returns; None in it ends the
+        stream (kvloopd is shutting down)."""
+        queue: asyncio.Queue[pb.PlansResponse | None] = asyncio.Queue(maxsize=self._queue_size + 1)
+        if self._closed:
+            queue.put_nowait(None)
         self._queues.setdefault(worker_id, set()).add(queue)
         try:
             yield queue
@@ -55,3 +79,43 @@ class PlanBoard:
                 queues.discard(queue)
                 if not queues:
                     del self._queues[worker_id]
+
+    def close(self) -> None:
+        """End every Plans stream now (shutdown need not wait its grace for them): their connectors
+        subscribe again, to another replica or to this one restarted."""
+        self._closed = True
+        for queues in self._queues.values():
+            for queue in queues:
+                with contextlib.suppress(asyncio.QueueFull):
+                    queue.put_nowait(None)
+
+    async def relay(self) -> None:
+        """Plans to and from the other replicas until cancelled (only with a relay)."""
+        if self._relay is None:
+            return
+        await asyncio.gather(self._send(self._relay), self._receive(self._relay))
+
+    async def _send(self, relay: ChangeRelay) -> None:
+        while True:
+            await self._pending.wait()
+            self._pending.clear()
+            while self._outgoing:
+                payload = self._outgoing.popleft()
+                try:
+                    await relay.send(payload)
+                except Exception as exc:  # the store is away: the plan is lost, its Lookup decides
+                    log.debug("plan relay: send failed", error=str(exc))
+
+    async def _receive(self, relay: ChangeRelay) -> None:
+        while True:
+            try:
+                async for payload in relay.messages():
+                    worker, _, body = bytes(payload).partition(b"\0")
+                    queues = self._queues.get(worker.decode(errors="replace"))
+                    if queues:
+                        self._deliver(queues, pb.PlansResponse.FromString(body))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("plan relay: receive failed; resubscribing", error=str(exc))
+                await asyncio.sleep(1.0)  # back off before resubscribing to a store that is away

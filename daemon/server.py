@@ -21,6 +21,7 @@ from kvloop.daemon.index import DirectoryStore, MemoryStore, StoreUnavailable
 from kvloop.daemon.index.instrumented import InstrumentedStore
 from kvloop.daemon.index.redis_store import RedisStore
 from kvloop.daemon.metrics import DaemonCounters
+from kvloop.daemon.plans import PlanBoard
 from kvloop.daemon.policy import Policy
 from kvloop.daemon.service import DirectoryService
 from kvloop.daemon.unavailable import StoreUnavailableInterceptor
@@ -85,6 +86,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     server = grpc.aio.server(options=options, interceptors=interceptors)
     relay = backend.change_relay() if isinstance(backend, RedisStore) else None
     changes = ChangeFeed(relay=relay)
+    plans = PlanBoard(relay=backend.plan_relay() if isinstance(backend, RedisStore) else None)
     store = InstrumentedStore(backend, traced=traced)
     service = DirectoryService(
         store,
@@ -94,6 +96,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         route_hash_cache_blocks=settings.route_hash_cache_blocks,
         counters=counters,
         changes=changes,
+        plans=plans,
         traced=traced,
     )
     pb_grpc.add_DirectoryServicer_to_server(service, server)
@@ -161,12 +164,14 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
 
     reaping = asyncio.create_task(reaper())
     relaying = asyncio.create_task(changes.relay())
+    relaying_plans = asyncio.create_task(plans.relay())
     try:
         await stop.wait()
     finally:
         log.info("kvloopd shutting down", grace_s=settings.shutdown_grace_s)
         reaping.cancel()
         relaying.cancel()
+        relaying_plans.cancel()
         await health.enter_graceful_shutdown()
         service.close_streams()
         await server.stop(settings.shutdown_grace_s)

@@ -49,6 +49,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         route_hash_cache_blocks: int = 1 << 16,
         counters: DaemonCounters | None = None,
         changes: ChangeFeed | None = None,
+        plans: PlanBoard | None = None,
         traced: bool = True,
     ) -> None:
         self.store = store
@@ -62,7 +63,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         self.counters = counters or DaemonCounters()
         self.changes = changes or ChangeFeed()
         self.roster = WorkerRoster(store)
-        self.plans = PlanBoard()
+        self.plans = plans or PlanBoard()
         self.sessions = SessionContext(
             store, policy.cost, self.counters, self.changes, heartbeat_interval_s, max_hashes, self.roster
         )
@@ -288,8 +289,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         with self.plans.subscription(request.worker_id) as queue:
             # Headers once subscribed: a subscriber that waits for them misses no plan made after.
             await context.send_initial_metadata(())
-            while True:
-                yield await queue.get()
+            while (plan := await queue.get()) is not None:
+                yield plan
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
@@ -368,6 +369,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             metrics.WORKERS.labels(state).set(count)
 
     def close_streams(self) -> None:
+        self.plans.close()
         for session in list(self.sessions.live.values()):
             session.send(pb.ConnectResponse(drain=pb.DrainRequest(reason="daemon shutting down")))
             session.outbox.put_nowait(None)

@@ -13,7 +13,7 @@ import pytest
 
 from kvloop.agents.connector.directory import answer_from_proto
 from kvloop.agents.connector.plans import PlanInbox
-from kvloop.clients.client import AsyncDirectoryClient, KvloopError
+from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
 from kvloop.clients.proxy.routing import Router
 from kvloop.common import block_hash
@@ -264,6 +264,49 @@ async def test_route_pushes_the_pull_it_planned_to_the_candidates_connector(rout
                 assert inbox.take(prompt, 0) is not None
             finally:
                 inbox.stop()
+
+
+async def test_a_plan_reaches_a_connector_streaming_from_another_replica(daemon_factory, redis_url):
+    """Replicas sharing a Redis store: the router asks one, the prefill's connector streams from another,
+    and the plan crosses over Redis."""
+    asked, streamed = daemon_factory("--store", redis_url), daemon_factory("--store", redis_url)
+    model, prompt = "m-route-plan-ha", conversation("plan-ha", 32)
+    async with AsyncDirectoryClient(asked.address) as client:
+        workers = {
+            "p": (pb.WORKER_ROLE_PREFILL, []),
+            "d": (pb.WORKER_ROLE_DECODE, [retained(prompt[:20], "h")]),
+        }
+        async with fleet(client, model, workers):
+            inbox = PlanInbox(
+                streamed.address, "p", block_size=BS, min_pull_tokens=0, lease_margin_ms=0, epoch=lambda: 0
+            ).start()
+            try:
+                assert await asyncio.to_thread(inbox.connected.wait, 10)
+                with DirectoryClient(asked.address) as sync:
+
+                    def crossed() -> bool:  # pub/sub is at most once: Route again until one crossed
+                        sync.route(model, ["p"], block_hashes=prompt)
+                        return len(inbox) > 0
+
+                    await asyncio.to_thread(wait_until, crossed, 20, "a plan over Redis", 0.2)
+                planned = inbox.take(prompt, 0)
+                assert planned is not None and planned.holder is not None
+                assert (planned.matched_blocks, planned.holder.retention_handle) == (20, "h")
+            finally:
+                inbox.stop()
+
+
+def test_shutdown_ends_the_plans_streams_at_once(daemon_factory):
+    """A connector's Plans stream ends cleanly when kvloopd shuts down, so a shutdown does not wait out
+    its grace for it (the stream would then end cancelled)."""
+    proc = daemon_factory(env={"KVLOOP_SHUTDOWN_GRACE_S": "60"})
+    with DirectoryClient(proc.address) as client:
+        plans = client.plans("p")
+        plans.initial_metadata()  # subscribed
+        proc.process.terminate()
+        assert list(plans) == []
+        assert plans.code() == grpc.StatusCode.OK
+    assert proc.process.wait(30) == 0
 
 
 @pytest.mark.parametrize("rate", ["pooled", "per_worker"])

@@ -319,6 +319,10 @@ class RedisStore:
     def change_relay(self) -> RedisChangeRelay:
         return RedisChangeRelay(self._r)
 
+    def plan_relay(self) -> RedisChangeRelay:
+        """Route's plans between replicas (daemon/plans.py), on a channel of their own."""
+        return RedisChangeRelay(self._r, f"{_PREFIX}:plans")
+
     async def close(self) -> None:
         await self._lane.close()
         await self._r.aclose()
@@ -818,11 +822,9 @@ class RedisStore:
 class RedisChangeRelay:
     """Directory changes between kvloopd replicas, over Redis pub/sub (Watch on any replica)."""
 
-    channel = f"{_PREFIX}:changes"
-
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: aioredis.Redis, channel: str = f"{_PREFIX}:changes") -> None:
         self._r = client
-        self._lane = _DirectLane(client, LANE_CONNECTIONS)
+        self.channel = channel
 
     async def send(self, payload: bytes) -> None:
         await self._r.publish(self.channel, payload)
