@@ -133,7 +133,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         except (BadInput, Refused) as exc:
             await self._refuse(context, "Route", exc)
         ranked = await self.policy.route(self.store, query, now)
-        self._post_plans(query.hashes, query.block_size, ranked)
+        # Posted after the answer is on its way: the plan has the router's whole hop to the prefill
+        # (and the engine's to its scheduler) to arrive in, and is not the router's wait.
+        asyncio.get_running_loop().call_soon(self._post_plans, query.hashes, query.block_size, ranked)
         tied = self.policy.tied(request.model, ranked)
         response = convert.route_response(query, ranked, tied)
         response.tie_floor_ms, response.tie_ratio = self.policy.tie_rule(request.model)
