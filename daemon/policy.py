@@ -262,6 +262,22 @@ def _readable_into(puller: KvLayout) -> Callable[[WorkerSpec], bool]:
     return lambda spec: layout_mismatch(KvLayout.of(spec), puller) is None
 
 
+def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer:
+    """What the query's puller is told of the verdict on a match (Lookup's answer, Route's plan)."""
+    matched = match.best.matched_blocks if match.best else 0
+    pulled = matched if verdict.decision == pb.DECISION_TRANSFER else 0
+    return Answer(
+        decision=verdict.decision,
+        reason=verdict.reason,
+        path=path_of(verdict.decision, verdict.reason),
+        detail=verdict.detail,
+        cost=verdict.cost,
+        match=match,
+        matched_blocks=matched,
+        recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
+    )
+
+
 def path_of(decision: int, reason: int) -> int:
     """The turn path a daemon answer sends the turn on."""
     if decision == pb.DECISION_TRANSFER:
@@ -441,18 +457,7 @@ class Policy:
                         query.namespace, best.worker.worker_id, best.handle, query.requester
                     )
             match = claimed
-        matched = match.best.matched_blocks if match.best else 0
-        pulled = matched if verdict.decision == pb.DECISION_TRANSFER else 0
-        return Answer(
-            decision=verdict.decision,
-            reason=verdict.reason,
-            path=path_of(verdict.decision, verdict.reason),
-            detail=verdict.detail,
-            cost=verdict.cost,
-            match=match,
-            matched_blocks=matched,
-            recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
-        )
+        return _answer(query, match, verdict)
 
     def decide(
         self, query: LookupQuery, match: PrefixMatch, now: float | None = None, *, peek: bool = False
@@ -613,16 +618,7 @@ class Policy:
                 score.transfer_ms = verdict.cost.transfer_ms
                 score.pull_wait_ms = self.cost.step_wait_ms(score.pull_holder, lookup.requester)
                 if not match.best.single_use:
-                    score.plan = Answer(
-                        decision=verdict.decision,
-                        reason=verdict.reason,
-                        path=path_of(verdict.decision, verdict.reason),
-                        detail=verdict.detail,
-                        cost=verdict.cost,
-                        match=match,
-                        matched_blocks=match.best.matched_blocks,
-                        recompute_blocks=n - match.best.matched_blocks,
-                    )
+                    score.plan = _answer(lookup, match, verdict)
         for score in scores:
             c, rate = score.candidate, score.prefill_tokens_per_s
             covered = (score.local_blocks + score.pull_blocks) * query.block_size
