@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import structlog
 
 from kvloop.daemon.metrics import ROUTE_PLANS
-from kvloop.daemon.watch import ChangeRelay
+from kvloop.daemon.watch import ChangeRelay, listen
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.daemon")
@@ -93,7 +93,7 @@ class PlanBoard:
         """Plans to and from the other replicas until cancelled (only with a relay)."""
         if self._relay is None:
             return
-        await asyncio.gather(self._send(self._relay), self._receive(self._relay))
+        await asyncio.gather(self._send(self._relay), listen(self._relay, self._received, "plan"))
 
     async def _send(self, relay: ChangeRelay) -> None:
         while True:
@@ -106,16 +106,8 @@ class PlanBoard:
                 except Exception as exc:  # the store is away: the plan is lost, its Lookup decides
                     log.debug("plan relay: send failed", error=str(exc))
 
-    async def _receive(self, relay: ChangeRelay) -> None:
-        while True:
-            try:
-                async for payload in relay.messages():
-                    worker, _, body = bytes(payload).partition(b"\0")
-                    queues = self._queues.get(worker.decode(errors="replace"))
-                    if queues:
-                        self._deliver(queues, pb.PlansResponse.FromString(body))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("plan relay: receive failed; resubscribing", error=str(exc))
-                await asyncio.sleep(1.0)  # back off before resubscribing to a store that is away
+    def _received(self, payload: bytes) -> None:
+        worker, _, body = bytes(payload).partition(b"\0")
+        queues = self._queues.get(worker.decode(errors="replace"))
+        if queues:
+            self._deliver(queues, pb.PlansResponse.FromString(body))

@@ -73,7 +73,9 @@ class ChangeFeed:
         if self._relay is None:
             return
         self._pending = asyncio.Event()
-        await asyncio.gather(self._send(self._relay, self._pending), self._receive(self._relay))
+        await asyncio.gather(
+            self._send(self._relay, self._pending), listen(self._relay, self._received, "change")
+        )
 
     async def _send(self, relay: ChangeRelay, pending: asyncio.Event) -> None:
         while True:
@@ -91,20 +93,26 @@ class ChangeFeed:
             except Exception as exc:  # the store is away (failover): local Watches still work
                 log.warning("change relay: send failed", error=str(exc), changes=len(batch))
 
-    async def _receive(self, relay: ChangeRelay) -> None:
-        while True:
-            try:
-                async for payload in relay.messages():
-                    message = json.loads(payload)
-                    if message["o"] == self._origin:
-                        continue
-                    for kind, worker_id, model, blocks, detail in message["c"]:
-                        change = Change(kind, worker_id, model, blocks, detail)
-                        if self.on_remote is not None:
-                            self.on_remote(change)
-                        self._deliver(change)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("change relay: receive failed; resubscribing", error=str(exc))
-                await asyncio.sleep(1.0)  # back off before resubscribing to a store that is away
+    def _received(self, payload: bytes) -> None:
+        message = json.loads(payload)
+        if message["o"] == self._origin:
+            return
+        for kind, worker_id, model, blocks, detail in message["c"]:
+            change = Change(kind, worker_id, model, blocks, detail)
+            if self.on_remote is not None:
+                self.on_remote(change)
+            self._deliver(change)
+
+
+async def listen(relay: ChangeRelay, handle: Callable[[bytes], None], what: str) -> None:
+    """Hand every message the relay brings to ``handle`` until cancelled; after a failure (the store
+    is away, a message ``handle`` refused) subscribe again."""
+    while True:
+        try:
+            async for payload in relay.messages():
+                handle(payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(f"{what} relay: receive failed; resubscribing", error=str(exc))
+            await asyncio.sleep(1.0)  # back off before resubscribing to a store that is away
