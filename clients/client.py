@@ -186,13 +186,16 @@ class _ClientBase:
         prompt_tokens: int = 0,
         block_size: int = 0,
         hash_length: int = 0,
+        continuation: bool = False,
         timeout: float | None = None,
     ) -> pb.RouteResponse:
         """Rank candidate prefill workers for a prompt by expected time to first token (read-only).
 
         Give the prompt as `token_ids` (kvloopd hashes them as the model's vLLM engines do; they
         travel packed, which kvloopd reads from this version on) or as `block_hashes`; a candidate
-        is a worker id or a `pb.RouteCandidate` with its queue."""
+        is a worker id or a `pb.RouteCandidate` with its queue. `continuation`: the prompt is a
+        conversation as its last turn left it, scored ahead of its next turn (see
+        clients/proxy/continuation.py)."""
         try:
             packed_tokens = pack_u32(token_ids)
         except (OverflowError, TypeError):
@@ -205,6 +208,7 @@ class _ClientBase:
             prompt_tokens=prompt_tokens,
             block_size=block_size,
             candidates=[pb.RouteCandidate(worker_id=c) if isinstance(c, str) else c for c in candidates],
+            continuation=continuation,
         )
         if block_hashes:
             _set_prompt(request, block_hashes, hash_length)

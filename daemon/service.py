@@ -135,7 +135,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         ranked = await self.policy.route(self.store, query, now)
         # Posted after the answer is on its way: the plan has the router's whole hop to the prefill
         # (and the engine's to its scheduler) to arrive in, and is not the router's wait.
-        asyncio.get_running_loop().call_soon(self._post_plans, query.hashes, query.block_size, ranked)
+        asyncio.get_running_loop().call_soon(
+            self._post_plans, query.hashes, query.block_size, ranked, request.continuation
+        )
         tied = self.policy.tied(request.model, ranked)
         response = convert.route_response(query, ranked, tied)
         response.tie_floor_ms, response.tie_ratio = self.policy.tie_rule(request.model)
@@ -155,6 +157,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                     "kvloop.route.local_blocks": best.local_blocks,
                     "kvloop.route.pull_blocks": best.pull_blocks,
                     "kvloop.route.expected_ttft_ms": best.expected_ttft_ms,
+                    "kvloop.route.continuation": request.continuation,
                     "kvloop.route_us": response.route_us,
                 }
             )
@@ -264,7 +267,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             models=await self.store.models(),
         )
 
-    def _post_plans(self, hashes: Sequence[bytes], block_size: int, ranked: Sequence[RouteScore]) -> None:
+    def _post_plans(
+        self, hashes: Sequence[bytes], block_size: int, ranked: Sequence[RouteScore], continuation: bool
+    ) -> None:
         """Each planned pull to its candidate's subscribed connector (see plans.py)."""
         for score in ranked:
             worker_id = score.candidate.worker_id
@@ -279,6 +284,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                     prompt_blocks=len(hashes),
                     local_blocks=score.local_blocks,
                     lookup=lookup,
+                    continuation=continuation,
                 ),
             )
 

@@ -15,6 +15,7 @@ from kvloop.agents.connector.directory import answer_from_proto
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
+from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.routing import Router
 from kvloop.common import block_hash
 from kvloop.common.route_estimate import settled_without_pull
@@ -262,6 +263,61 @@ async def test_route_pushes_the_pull_it_planned_to_the_candidates_connector(rout
                 seen_epoch[0] = 0
                 await plan_again()
                 assert inbox.take(prompt, 0) is not None
+            finally:
+                inbox.stop()
+
+
+async def test_a_continuation_plan_answers_the_next_turns_longer_prompt(routed_daemon):
+    """Route asked for a conversation as its last turn left it (continuation): the plan it pushes
+    answers the next turn, which resends that history and appends new blocks, as that turn's own
+    Lookup would - and is kept for it past an exact plan's life. It is not taken for a prompt that
+    departs from the history, for another local prefix, or twice."""
+    model = "m-route-continuation"
+    prompt = conversation("continued", 64)  # the next turn: the 40-block history, then 24 new blocks
+    history, departed = prompt[:40], prompt[:39] + conversation("departed", 64)[39:]
+    async with AsyncDirectoryClient(routed_daemon.address) as client:
+        workers = {
+            "p-cold": (pb.WORKER_ROLE_PREFILL, []),
+            "d": (pb.WORKER_ROLE_DECODE, [retained(history, "h-history")]),
+        }
+        async with fleet(client, model, workers):
+            inbox = PlanInbox(
+                routed_daemon.address,
+                "p-cold",
+                block_size=BS,
+                min_pull_tokens=64,
+                lease_margin_ms=5_000,
+                epoch=lambda: 0,
+            ).start()
+            try:
+                assert await asyncio.to_thread(inbox.connected.wait, 10)
+
+                async def plan(continuation: bool) -> None:
+                    await client.route(model, ["p-cold"], block_hashes=history, continuation=continuation)
+                    await asyncio.to_thread(wait_until, lambda: len(inbox) == 1, 10, "Route's plan")
+
+                # a plan for exactly the history answers that prompt only, not a longer one
+                await plan(continuation=False)
+                assert inbox.take(prompt, 0) is None and len(inbox) == 1
+                assert inbox.take(history, 0) is not None
+
+                await plan(continuation=True)
+                inbox.ttl_s = 0.0  # an exact plan's life: past it, a continuation plan is still kept
+                assert inbox.take(departed, 0) is None  # the departed prompt shares 39 blocks only
+                assert inbox.take(prompt, 3) is None and len(inbox) == 0  # another local prefix
+                await plan(continuation=True)
+                planned = inbox.take(prompt, 0)
+                looked_up = answer_from_proto(
+                    await client.lookup(model, prompt, requester="p-cold", pack_block_ids=True)
+                )
+                assert planned is not None and planned.source == "continuation_plan"
+                assert planned.path == looked_up.path == pb.TURN_PATH_TRANSFER
+                assert (planned.reason, planned.matched_blocks) == (looked_up.reason, 40)
+                assert planned.holder is not None and looked_up.holder is not None
+                assert planned.holder.retention_handle == looked_up.holder.retention_handle == "h-history"
+                assert planned.holder.block_ids == looked_up.holder.block_ids
+                assert planned.detail.startswith("planned by Route ahead of this turn")
+                assert inbox.take(prompt, 0) is None  # taken once
             finally:
                 inbox.stop()
 
@@ -573,3 +629,78 @@ async def test_the_python_example_scores_candidates_from_token_ids(daemon):
     cold = next(r for r in ranked if r["worker_id"] == "ex-cold")
     assert warm["local_blocks"] == 4 and "local_blocks" not in cold  # proto3 JSON omits zeros
     assert warm["queue_ms"] > 0 and cold["http_endpoint"] == "http://ex-cold"
+
+
+async def test_the_proxy_routes_a_conversations_next_turn_from_routes_answer_at_its_last(daemon):
+    """When a streamed turn ends the proxy asks Route about the conversation as it now stands; the next
+    turn, which resends it with a new message, is routed from that answer - no tokenizing, no Route on
+    its path - with its queue counted from the estimate plus the new message's tokens. A history that
+    is not the kept one (another answer, an edited message) or a second use asks Route as before."""
+    model = "m-route-continued"
+    tokens = list(range(11, 11 + 48 * BS))
+    hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
+    pool = proxy_pool("http://ct-a", "http://ct-b")
+    first = [
+        {"role": "system", "content": "be terse " * 40},
+        {"role": "user", "content": "list the files " * 30},
+    ]
+    answer = "README.md pyproject.toml " * 20
+    new_message = {"role": "user", "content": "Tool output: " + "x.py " * 60}
+    async with AsyncDirectoryClient(daemon.address) as client:
+        workers = {
+            "ct-a": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:36])]),  # the last turn's prompt
+            "ct-b": (pb.WORKER_ROLE_PREFILL, []),
+            "ct-d": (pb.WORKER_ROLE_DECODE, [retained(hashes[:48], "h-ct")]),  # prompt and answer
+        }
+        async with fleet(client, model, workers, hash_seed="0"), aiohttp.ClientSession() as session:
+            router = Router(pool, client, timeout_s=5.0, continuations=ContinuationRoutes())
+            body = {"model": model, "messages": first, "stream": True}
+            await router.turn_ended(body, answer, tokens, delay_s=0)
+            assert len(router.continuations) == 1
+
+            def next_turn(assistant: str, edited: bool = False) -> dict:
+                history = [{"role": "system", "content": "be brief"}, *first[1:]] if edited else first
+                return {
+                    "model": model,
+                    "messages": [*history, {"role": "assistant", "content": assistant}, new_message],
+                }
+
+            # not the kept conversation: Route on the turn's path (no tokenizer here: the load rule)
+            for other in (next_turn(answer + " more"), next_turn(answer, edited=True)):
+                choice = await router.choose(session, other, chat=True)
+                assert choice.outcome == "load_tokenize_failed", choice.outcome
+                choice.release()
+            choice = await router.choose(session, next_turn(answer), chat=True)
+            assert (choice.outcome, choice.backend.url) == ("continuation", "http://ct-a")
+            assert choice.score is not None and (choice.score.local_blocks, choice.score.pull_blocks) == (
+                36,
+                12,
+            )
+            assert choice.settled is None  # the answer is a turn old: the connector still looks
+            # the new message's tokens, estimated at the history's characters per token
+            assert 0 < choice.new_tokens < len(new_message["content"])
+            assert choice.queued_tokens == choice.score.compute_tokens + choice.new_tokens
+            choice.release()
+            again = await router.choose(session, next_turn(answer), chat=True)
+            assert again.outcome == "load_tokenize_failed"  # taken once
+            again.release()
+
+
+def test_continuation_routes_are_bounded_and_expire():
+    routes = ContinuationRoutes(ttl_s=60.0, max_entries=2)
+    turns = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    for messages in turns:
+        routes.keep("m", "", messages, "a", 10, pb.RouteResponse(prompt_tokens=10))
+    assert len(routes) == 2  # the oldest out
+
+    def next_of(messages):
+        return [*messages, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+
+    assert routes.take("m", "", next_of(turns[0])) is None
+    assert routes.take("m", "other-salt", next_of(turns[1])) is None  # another tenant's salt
+    assert routes.take("m", "", turns[1] + [{"role": "assistant", "content": "a"}]) is None  # nothing new
+    taken = routes.take("m", "", next_of(turns[1]))
+    assert taken is not None and taken.answer.prompt_tokens == 10
+    routes.ttl_s = 0.0
+    routes.keep("m", "", turns[0], "a", 10, pb.RouteResponse())
+    assert routes.take("m", "", next_of(turns[0])) is None  # expired

@@ -48,6 +48,8 @@ class LookupAnswer:
     matched_blocks: int  # what the best holder serves, pulled or not
     holder: HolderInfo | None
     detail: str
+    # Where it came from: "lookup" (the RPC), "route_plan" or "continuation_plan" (plans.py)
+    source: str = "lookup"
 
 
 @dataclass(frozen=True)

@@ -262,8 +262,8 @@ class PrefillSide:
             lookup.lookup_span.end(end_time=tm.wall_ns(answered))
         else:
             attributes = {"kvloop.path": path_name(outcome.path)}
-            if planned:
-                attributes["kvloop.lookup.source"] = "route_plan"  # no RPC: Route's answer, pushed here
+            if planned and answer is not None:
+                attributes["kvloop.lookup.source"] = answer.source  # no RPC: Route's answer, pushed here
             tm.child_span(span, "kvloop.lookup", started, answered, attributes)
         if (
             answer is not None

@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
+from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
 from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, settled_without_pull
 from kvloop.common.tokens import agreeing_prefix_length
@@ -533,6 +534,9 @@ class RoutedArmClient(ArmClient):
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self.in_flight = dict.fromkeys(prefill_urls + decode_urls, 0)
         self.queued = dict.fromkeys(prefill_urls, 0)  # prompt tokens in-flight requests compute there
+        # kvloop: Route's answers asked when a turn ended, for the conversation's next turn (as the
+        # proxy keeps them, clients/proxy/continuation.py)
+        self.continuations = ContinuationRoutes(ProxyConfig.continuation_ttl_s) if arm == "kvloop" else None
 
     def engine_totals(self) -> dict[str, float]:
         return {}  # every arm runs on the same engines: their counters cannot be told apart per arm
@@ -558,26 +562,35 @@ class RoutedArmClient(ArmClient):
         from kvloop.clients.proxy.routing import among_tied, rank_now
         from kvloop.v1 import directory_pb2 as pb
 
+        continued = self.continuations.take(MODEL, self.salt, messages) if self.continuations else None
         try:
-            t0 = time.perf_counter()
-            tokens = self.tokenizer.tokens({"model": MODEL, "messages": messages}, chat=True)
-            t1 = time.perf_counter()
-            if not tokens:
-                raise KeyError("the bench's own messages did not tokenize")
-            with self._lock:
-                candidates = [
-                    pb.RouteCandidate(
-                        http_endpoint=u, in_flight_requests=self.in_flight[u], queued_tokens=self.queued[u]
-                    )
-                    for u in self.prefill_urls
-                ]
-            t2 = time.perf_counter()
-            answer = self.directory.route(MODEL, candidates, token_ids=tokens, cache_salt=self.salt)
-            timing = {
-                "tokenize_ms": round((t1 - t0) * 1e3, 3),
-                "rpc_ms": round((time.perf_counter() - t2) * 1e3, 3),
-                "server_us": answer.route_us,
-            }
+            if continued is not None:
+                answer, new_tokens = continued.answer, continued.new_tokens
+                prompt_tokens = answer.prompt_tokens + new_tokens
+                timing: dict = {"tokenize_ms": 0.0, "rpc_ms": 0.0, "server_us": 0, "continuation": True}
+            else:
+                t0 = time.perf_counter()
+                tokens = self.tokenizer.tokens({"model": MODEL, "messages": messages}, chat=True)
+                t1 = time.perf_counter()
+                if not tokens:
+                    raise KeyError("the bench's own messages did not tokenize")
+                with self._lock:
+                    candidates = [
+                        pb.RouteCandidate(
+                            http_endpoint=u,
+                            in_flight_requests=self.in_flight[u],
+                            queued_tokens=self.queued[u],
+                        )
+                        for u in self.prefill_urls
+                    ]
+                t2 = time.perf_counter()
+                answer = self.directory.route(MODEL, candidates, token_ids=tokens, cache_salt=self.salt)
+                new_tokens, prompt_tokens = 0, len(tokens)
+                timing = {
+                    "tokenize_ms": round((t1 - t0) * 1e3, 3),
+                    "rpc_ms": round((time.perf_counter() - t2) * 1e3, 3),
+                    "server_us": answer.route_us,
+                }
         except (KvloopError, OSError, KeyError) as exc:
             with self._lock:
                 return (
@@ -604,6 +617,8 @@ class RoutedArmClient(ArmClient):
             if self.arm == "kvloop":
                 best = [r.score for r in ranked[: max(tied, 1)]]
                 how = "route" if len(best) == 1 else "tie"
+                if continued is not None:
+                    how = "continuation" if len(best) == 1 else "continuation_tie"
                 if len(best) > 1:  # as the proxy breaks ties
                     best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
             else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
@@ -617,12 +632,39 @@ class RoutedArmClient(ArmClient):
             )
             score = next(s for s in answer.ranked if s.http_endpoint == url)
             queued = (
-                score.compute_tokens
+                score.compute_tokens + new_tokens
                 if self.arm == "kvloop"
-                else len(tokens) - score.local_blocks * self.block_size
+                else prompt_tokens - score.local_blocks * self.block_size
             )
-            settled = settled_without_pull(score) if self.arm == "kvloop" else None  # as the proxy does
+            # as the proxy does (not from a continuation's answer: it is as old as the turn before)
+            settled = settled_without_pull(score) if self.arm == "kvloop" and continued is None else None
             return (*self._reserve(url, how, queued), estimates, settled, timing)
+
+    def _after_turn(self, messages: list[dict], answer: str, token_ids: list[int]) -> None:
+        """Route about the conversation as this turn left it, after the proxy's delay, in the
+        background (as the proxy's Router.turn_ended does)."""
+        from kvloop.clients.client import KvloopError
+        from kvloop.clients.proxy.app import ProxyConfig
+        from kvloop.v1 import directory_pb2 as pb
+
+        def ask() -> None:
+            try:
+                answer_route = self.directory.route(
+                    MODEL,
+                    [pb.RouteCandidate(http_endpoint=u) for u in self.prefill_urls],
+                    token_ids=token_ids,
+                    cache_salt=self.salt,
+                    continuation=True,
+                    timeout=1.0,  # off every turn's path
+                )
+            except KvloopError:
+                return  # the next turn asks Route itself
+            assert self.continuations is not None
+            self.continuations.keep(MODEL, self.salt, messages, answer, len(token_ids), answer_route)
+
+        timer = threading.Timer(ProxyConfig.continuation_delay_s, ask)
+        timer.daemon = True
+        timer.start()
 
     def _reserve(self, prefill: str, how: str, queued: int) -> tuple[str, str, int]:
         """Count a request into its prefill's queue (the caller holds the lock)."""
@@ -672,6 +714,8 @@ class RoutedArmClient(ArmClient):
                 self.in_flight[decode] -= 1
         prompt_ids = list(pre.get("prompt_token_ids") or [])
         decode_prompt = streamed.prompt_token_ids or prompt_ids
+        if self.continuations is not None and decode_prompt:
+            self._after_turn(list(session.messages), streamed.content, decode_prompt + streamed.token_ids)
         return TurnOutcome(
             ttft,
             (pre.get("usage") or {}).get("prompt_tokens", 0),

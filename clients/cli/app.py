@@ -1182,6 +1182,14 @@ def proxy(
             "broken stream included)",
         ),
     ] = 3,
+    continuation_ttl: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="with --route: seconds to keep Route's answer for a conversation whose streamed turn "
+            "ended, to route its next turn without tokenizing or asking Route (0: off)",
+        ),
+    ] = 120.0,
     cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
     key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
     client_ca_file: Annotated[
@@ -1223,6 +1231,7 @@ def proxy(
         route_timeout_s=route_timeout,
         tokenizer=tokenizer,
         max_attempts=max_attempts,
+        continuation_ttl_s=continuation_ttl,
     )
 
     async def run() -> None:

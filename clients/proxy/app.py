@@ -1,9 +1,10 @@
 """`kvloop proxy`: an OpenAI-compatible front over vLLM prefill and decode servers.
 
 Per request: the prefill server computes (or pulls, through the kvloop connector) the prompt's KV
-and returns a forward handle; a decode server pulls it and streams the answer back. The proxy keeps
-no per-conversation state: which decode worker holds a conversation's blocks is the directory's
-business: the prefill's connector returns the holder the directory named, with its HTTP endpoint
+and returns a forward handle; a decode server pulls it and streams the answer back. Which decode
+worker holds a conversation's blocks is the directory's business (the proxy keeps only Route's
+advice for conversations' next turns, continuation.py, which it may lose at any time): the
+prefill's connector returns the holder the directory named, with its HTTP endpoint
 (`kvloop_holder`, `kvloop_holder_http` in the returned kv_transfer_params), and the proxy prefers
 that server for the decode. W3C trace context flows
 client -> proxy -> prefill -> decode, so one trace shows the whole turn. A server failing under a
@@ -30,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 
 from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
+from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, error_event, sse
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
@@ -71,6 +73,11 @@ class ProxyConfig:
     # Runs of one request (prefill + decode) on different servers when a server fails under it,
     # continuations of a broken stream included.
     max_attempts: int = 3
+    # With a directory: when a streamed chat turn ends, ask Route about the conversation as it now
+    # stands, after this delay (the decode's retention reaches kvloopd meanwhile), and rank its next
+    # turn from that answer (routing.py, continuation.py); kept this long. 0: every turn asks Route.
+    continuation_delay_s: float = 0.2
+    continuation_ttl_s: float = 120.0
 
 
 @dataclass
@@ -81,6 +88,7 @@ class _State:
     router: Router
     session: aiohttp.ClientSession | None = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    after_turns: set[asyncio.Task] = field(default_factory=set)  # continuation Routes in flight
 
 
 class UpstreamError(Exception):
@@ -460,6 +468,7 @@ async def _stream(
                 await response.write_eof()
                 return response
         await response.write(b"data: [DONE]\n\n")
+        _after_turn(state, stream)
     except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
         # The client went away: closing the upstream response (aclosing above) makes vLLM abort the request.
         REQUESTS.labels(endpoint, "client_disconnected").inc()
@@ -468,6 +477,23 @@ async def _stream(
     await response.write_eof()
     REQUESTS.labels(endpoint, "ok").inc()
     return response
+
+
+def _after_turn(state: _State, stream: StreamState) -> None:
+    """A chat stream answered whole by one decode: Route about the conversation, ahead of its next
+    turn (in the background)."""
+    if not (stream.chat and stream.finished and not stream.resumed and stream.prompt_token_ids):
+        return
+    task = asyncio.create_task(
+        state.router.turn_ended(
+            stream.body,
+            "".join(stream.answer_parts),
+            [*stream.prompt_token_ids, *stream.sent_token_ids],
+            state.config.continuation_delay_s,
+        )
+    )
+    state.after_turns.add(task)
+    task.add_done_callback(state.after_turns.discard)
 
 
 async def _continue(
@@ -582,7 +608,13 @@ def build_app(config: ProxyConfig) -> web.Application:
         config,
         prefill,
         BackendPool("decode", config.decode, config.health_interval_s),
-        Router(prefill, None, config.route_timeout_s, PromptTokenizers(config.tokenizer)),
+        Router(
+            prefill,
+            None,
+            config.route_timeout_s,
+            PromptTokenizers(config.tokenizer),
+            ContinuationRoutes(config.continuation_ttl_s) if config.continuation_ttl_s > 0 else None,
+        ),
     )
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app["state"] = state
@@ -605,7 +637,7 @@ def build_app(config: ProxyConfig) -> web.Application:
             asyncio.create_task(state.decode.keep_checking(state.session)),
         ]
         yield
-        for task in state.tasks:
+        for task in [*state.tasks, *state.after_turns]:
             task.cancel()
         await state.session.close()
         if state.router.directory is not None:

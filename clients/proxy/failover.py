@@ -109,6 +109,7 @@ class StreamState:
     finished: bool = False  # the chunk with finish_reason has gone to the client
     usage_sent: bool = False
     resumed: int = 0  # continuations started
+    answer_parts: list[str] = field(default_factory=list)  # chat: the streamed answer's content
 
     @property
     def client_wants_token_ids(self) -> bool:
@@ -151,6 +152,9 @@ class StreamState:
         if self.prompt_token_ids is None and choice.get("prompt_token_ids"):  # completions put them here
             self.prompt_token_ids = list(choice["prompt_token_ids"])
         self.sent_token_ids.extend(choice.get("token_ids") or ())
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+            self.answer_parts.append(delta["content"])
         if choice.get("finish_reason") is not None:
             self.finished = True
 

@@ -8,6 +8,10 @@ this proxy estimated them), re-ranks the answer with those queues as they are wh
 Ties are decided by the load rule among the tied; no directory, an error, a deadline missed or a
 prefill Route does not know fall back to the load rule over all, and the outcome names which
 (``kvloop_proxy_route_total{outcome}``, span attribute ``kvloop.route``, header ``x-kvloop-route``).
+
+A chat request that continues a conversation whose last turn streamed through this proxy is ranked
+from the answer Route gave for that conversation when the turn ended (continuation.py): no
+tokenizing and no Route on its path (outcomes ``continuation`` and ``continuation_tie``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from prometheus_client import Counter, Histogram
 
 from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, KvloopError
 from kvloop.clients.proxy.backends import Backend, BackendPool
+from kvloop.clients.proxy.continuation import CONTINUATION_ROUTES, ContinuationRoutes
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.common.route_estimate import queue_ms, settled_without_pull, tie_margin_ms
 from kvloop.v1 import directory_pb2 as pb
@@ -32,8 +37,9 @@ log = structlog.get_logger("kvloop.proxy")
 ROUTES = Counter(
     "kvloop_proxy_route_total",
     "How the proxy chose each request's prefill: route (Route's best), tie (the load rule among Route's "
-    "tied best), or load_<why> (the load rule: no_directory, single_candidate, tokenize_failed, timeout, "
-    "unavailable, error, unknown_candidate)",
+    "tied best), continuation / continuation_tie (the same from Route's answer for the conversation "
+    "the request continues, asked when its last turn ended), or load_<why> (the load rule: "
+    "no_directory, single_candidate, tokenize_failed, timeout, unavailable, error, unknown_candidate)",
     ["outcome"],
 )
 TOKENIZED = Counter(
@@ -41,6 +47,12 @@ TOKENIZED = Counter(
     "Where the proxy tokenized prompts for Route: local (the model's tokenizer in the proxy) or server "
     "(a prefill's /tokenize: no local tokenizer, or a prompt it does not render as vLLM would)",
     ["where"],
+)
+CONTINUATIONS = Counter(
+    "kvloop_proxy_continuation_routes_total",
+    "Route answers asked for conversations when a streamed turn ended: kept, used by the next turn, or "
+    "failed (Route refused or unreachable; the next turn asks Route itself)",
+    ["outcome"],
 )
 ROUTE_SECONDS = Histogram(
     "kvloop_proxy_route_seconds",
@@ -92,21 +104,28 @@ def among_tied(tied: list[RankedCandidate], in_flight: Callable[[str], int]) -> 
 @dataclass
 class Choice:
     backend: Backend
-    outcome: str  # "route", "tie" or "load_<why>"
+    outcome: str  # "route", "tie", "continuation", "continuation_tie" or "load_<why>"
     score: pb.RouteScore | None = None  # Route's estimate for the chosen backend
     prompt_tokens: int = 0
     expected_ttft_ms: float = 0.0  # with the queue as it was when chosen
+    # Tokens beyond the history Route scored (a continuation: the new messages, estimated)
+    new_tokens: int = 0
 
     @property
     def settled(self) -> str | None:
         """Route's reason when it left nothing to pull for the chosen prefill: its connector then
-        skips the Lookup (see route_estimate.ROUTE_SETTLED_KEY)."""
-        return settled_without_pull(self.score) if self.score is not None else None
+        skips the Lookup (see route_estimate.ROUTE_SETTLED_KEY). Not for a continuation: its answer
+        is as old as the turn before, and a decode's retention may have landed after it."""
+        if self.score is None or self.outcome in CONTINUATION_ROUTES:
+            return None
+        return settled_without_pull(self.score)
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens this request adds to its prefill's queue (what it will compute there)."""
-        return self.score.compute_tokens if self.score is not None else self.prompt_tokens
+        if self.score is None:
+            return self.prompt_tokens
+        return self.score.compute_tokens + self.new_tokens
 
     def reserve(self) -> None:
         self.backend.in_flight += 1
@@ -125,16 +144,18 @@ class Router:
         directory: AsyncDirectoryClient | None,
         timeout_s: float,
         tokenizers: PromptTokenizers | None = None,
+        continuations: ContinuationRoutes | None = None,
     ) -> None:
         self.pool = pool
         self.directory = directory
         self.timeout_s = timeout_s
         self.tokenizers = tokenizers or PromptTokenizers()
+        self.continuations = continuations
         self._tokenize_turn = itertools.count()
 
     def _load(self, why: str, among: list[Backend] | None = None, prompt_tokens: int = 0) -> Choice:
         backend = self.pool.pick(among=among)
-        outcome = why if why == "tie" else f"load_{why}"
+        outcome = why if why.endswith("tie") else f"load_{why}"
         ROUTES.labels(outcome).inc()
         return Choice(backend, outcome, prompt_tokens=prompt_tokens)
 
@@ -152,6 +173,18 @@ class Router:
         healthy = [b for b in self.pool.backends if b.healthy]
         if len(healthy) < 2:
             return self._load("single_candidate")
+        if chat and self.continuations is not None:
+            continued = self.continuations.take(
+                str(body.get("model", "")), str(body.get("cache_salt") or ""), body["messages"]
+            )
+            if continued is not None:
+                choice = self._ranked(
+                    continued.answer, healthy, "continuation", continued.answer.prompt_tokens
+                )
+                if choice is not None:  # else a prefill came or went since: ask Route
+                    CONTINUATIONS.labels("used").inc()
+                    choice.new_tokens = continued.new_tokens
+                    return choice
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
@@ -183,9 +216,20 @@ class Router:
             ROUTE_SECONDS.observe(loop.time() - started)
         # From here to the caller's reservation of the chosen backend nothing awaits: the queues
         # this ranks with are the ones the choice is counted into.
+        choice = self._ranked(answer, healthy, "route", len(tokens))
+        return choice if choice is not None else self._load("unknown_candidate", prompt_tokens=len(tokens))
+
+    def _ranked(
+        self, answer: pb.RouteResponse, healthy: list[Backend], outcome: str, prompt_tokens: int
+    ) -> Choice | None:
+        """The choice from a Route answer re-ranked with the queues now: its best, or the load rule
+        among its tied best (outcome ``route``/``tie``, or ``continuation``/``continuation_tie``);
+        None when the answer ranks other prefills than the healthy ones."""
         by_url = {b.url: b for b in healthy}
-        if any(by_url.get(s.http_endpoint.rstrip("/")) is None for s in answer.ranked):
-            return self._load("unknown_candidate", prompt_tokens=len(tokens))
+        if len(answer.ranked) != len(healthy) or any(
+            by_url.get(s.http_endpoint.rstrip("/")) is None for s in answer.ranked
+        ):
+            return None
 
         def backend(endpoint: str) -> Backend:
             return by_url[endpoint.rstrip("/")]
@@ -194,14 +238,44 @@ class Router:
         if tied > 1:
             among = among_tied(ranked[:tied], lambda e: backend(e).in_flight)
             choice = self._load(
-                "tie", among=[backend(r.score.http_endpoint) for r in among], prompt_tokens=len(tokens)
+                "tie" if outcome == "route" else f"{outcome}_tie",
+                among=[backend(r.score.http_endpoint) for r in among],
+                prompt_tokens=prompt_tokens,
             )
         else:
-            ROUTES.labels("route").inc()
-            choice = Choice(backend(ranked[0].score.http_endpoint), "route", prompt_tokens=len(tokens))
+            ROUTES.labels(outcome).inc()
+            choice = Choice(backend(ranked[0].score.http_endpoint), outcome, prompt_tokens=prompt_tokens)
         chosen = next(r for r in ranked if r.score.http_endpoint.rstrip("/") == choice.backend.url)
         choice.score, choice.expected_ttft_ms = chosen.score, chosen.expected_ttft_ms
         return choice
+
+    async def turn_ended(self, body: dict, answer: str, token_ids: list[int], delay_s: float) -> None:
+        """A streamed chat turn ended with `answer`; `token_ids` are its prompt's and its answer's, as
+        the decode computed them. After `delay_s` (the decode's retention reaches kvloopd through its
+        KV events meanwhile), ask Route about the conversation as it now stands and keep the answer
+        for its next turn."""
+        if self.continuations is None or self.directory is None or not token_ids:
+            return
+        healthy = [b for b in self.pool.backends if b.healthy]
+        if len(healthy) < 2:
+            return
+        await asyncio.sleep(delay_s)
+        model, salt = str(body.get("model", "")), str(body.get("cache_salt") or "")
+        try:
+            route = await self.directory.route(
+                model,
+                [pb.RouteCandidate(http_endpoint=b.url) for b in healthy],
+                token_ids=token_ids,
+                cache_salt=salt,
+                continuation=True,
+                timeout=max(self.timeout_s, 1.0),  # off every request's path: no reason to give up early
+            )
+        except KvloopError as exc:
+            CONTINUATIONS.labels("failed").inc()
+            log.debug("continuation route failed", error=str(exc))
+            return
+        self.continuations.keep(model, salt, body["messages"], answer, len(token_ids), route)
+        CONTINUATIONS.labels("kept").inc()
 
     async def _tokenize(
         self, session: aiohttp.ClientSession, healthy: list[Backend], body: dict, chat: bool

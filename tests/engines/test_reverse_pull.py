@@ -211,10 +211,13 @@ def _plans(engines, outcome: str) -> float:
     )
 
 
-def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_path):
+@pytest.mark.parametrize("continuation", [False, True], ids=["asked_with_the_turn", "asked_at_the_last_turn"])
+def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_path, continuation):
     """A router asked Route before sending the turn: kvloopd pushed the pull it planned for this prefill
     to the prefill's connector, which takes it instead of asking Lookup - and the pulled KV still
-    equals a recompute's, block by block."""
+    equals a recompute's, block by block. Asked at the last turn (continuation): Route scored the
+    conversation as that turn left it (its prompt and answer), and the plan answers the longer prompt
+    of the next turn, which appends a tool's output."""
     k = engines.kvloop
     # Route plans for registered prefills: the prefill gets its agent (no KV events here, so Route
     # counts no local prefix for it, as vLLM finds none: the first turn is salted on the prefill)
@@ -232,15 +235,16 @@ def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_pa
             30,
             "the prefill's agent registered",
         )
-        rnd = random.Random(11)
+        rnd = random.Random(12 if continuation else 11)  # each its own prompt: not in the prefill's cache
         prompt = rand_tokens(rnd, 1000)
         d = first_turn(engines, prompt, 64, prefill_salt=f"planned-{uuid.uuid4()}")
-        prompt = prompt + d["token_ids"] + rand_tokens(rnd, 100)
-        hashes = engines.decode.call("block_hashes", prompt)
+        history = prompt + d["token_ids"]
+        prompt = history + rand_tokens(rnd, 100)
+        hashes = engines.decode.call("block_hashes", history if continuation else prompt)
         received = _plans(engines, "received")
 
         def planned() -> bool:  # Route again until the connector's stream (re)subscribed has one
-            answer = k.client.route(MODEL, ["prefill-0"], block_hashes=hashes)
+            answer = k.client.route(MODEL, ["prefill-0"], block_hashes=hashes, continuation=continuation)
             assert answer.ranked[0].pull_blocks > 0 and answer.ranked[0].local_blocks == 0, answer
             return _plans(engines, "received") > received
 
@@ -248,6 +252,8 @@ def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_pa
         used, lookups = _plans(engines, "used"), k.client.stats().lookups
         pf = prefill_and_check(engines, prompt)
         assert pf.span["kvloop.path"] == "transfer" and pf.span["kvloop.holder"] == DECODE_WORKER, pf.span
+        said = "planned by Route ahead of this turn" if continuation else "planned by Route"
+        assert pf.span["kvloop.detail"].startswith(said), pf.span
         assert _plans(engines, "used") == used + 1
         # only the reference (salted, so no plan matches it) asked Lookup
         assert k.client.stats().lookups == lookups + 1

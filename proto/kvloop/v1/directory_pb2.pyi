@@ -712,7 +712,7 @@ class RouteCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., in_flight_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens", "packed_hash_bytes", "packed_token_ids")
+    __slots__ = ("model", "lora_name", "block_hashes", "packed_block_hashes", "token_ids", "cache_salt", "candidates", "block_size", "prompt_tokens", "packed_hash_bytes", "packed_token_ids", "continuation")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -724,6 +724,7 @@ class RouteRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PACKED_HASH_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora_name: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -735,7 +736,8 @@ class RouteRequest(_message.Message):
     prompt_tokens: int
     packed_hash_bytes: int
     packed_token_ids: bytes
-    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., packed_hash_bytes: _Optional[int] = ..., packed_token_ids: _Optional[bytes] = ...) -> None: ...
+    continuation: bool
+    def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., packed_hash_bytes: _Optional[int] = ..., packed_token_ids: _Optional[bytes] = ..., continuation: _Optional[bool] = ...) -> None: ...
 
 class RouteScore(_message.Message):
     __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis", "pull_wait_ms")
@@ -782,16 +784,18 @@ class PlansRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class PlansResponse(_message.Message):
-    __slots__ = ("prompt_key", "prompt_blocks", "local_blocks", "lookup")
+    __slots__ = ("prompt_key", "prompt_blocks", "local_blocks", "lookup", "continuation")
     PROMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     prompt_key: bytes
     prompt_blocks: int
     local_blocks: int
     lookup: LookupResponse
-    def __init__(self, prompt_key: _Optional[bytes] = ..., prompt_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ...) -> None: ...
+    continuation: bool
+    def __init__(self, prompt_key: _Optional[bytes] = ..., prompt_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., continuation: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us", "tie_floor_ms", "tie_ratio")
