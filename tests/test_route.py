@@ -671,7 +671,10 @@ async def test_the_proxy_routes_a_conversations_next_turn_from_routes_answer_at_
                 assert choice.outcome == "load_tokenize_failed", choice.outcome
                 choice.release()
             choice = await router.choose(session, next_turn(answer), chat=True)
-            assert (choice.outcome, choice.backend.url) == ("continuation", "http://ct-a")
+            # ct-a's own prefix plus a pull leads (or ties ct-b's whole pull, and pulls less)
+            assert (
+                choice.outcome in ("continuation", "continuation_tie") and choice.backend.url == "http://ct-a"
+            )
             assert choice.score is not None and (choice.score.local_blocks, choice.score.pull_blocks) == (
                 36,
                 12,

@@ -32,6 +32,7 @@ class TurnResult:
     trace_id: str = ""  # the turn's W3C trace id (the proxy's span), for `kvloop trace --trace-id`
     # Bytes pulled per KV-cache group (a hybrid model's sliding-window group moves only its window).
     bytes_per_group: list[int] = field(default_factory=list)
+    route: str = ""  # how the proxy chose the prefill (x-kvloop-route)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +112,7 @@ def chat_turn(
         detail=headers.get("x-kvloop-detail", ""),
         trace_id=headers.get("x-kvloop-trace-id", ""),
         bytes_per_group=_header_ints(headers, "x-kvloop-group-bytes"),
+        route=headers.get("x-kvloop-route", ""),
     )
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from kvloop.clients.client import DirectoryClient
+from kvloop.clients.demo.conversation import AgentConversation, chat_turn
 from kvloop.clients.demo.model import random_text
 from kvloop.clients.demo.stack import _wait_http
 from kvloop.common.addresses import free_port
@@ -182,3 +184,43 @@ def test_the_proxy_tokenizes_prompts_as_the_server_does(served_stack):
     ]
     for request in left_to_the_server:
         assert tokenizer.tokens({"model": MODEL, **request}, True) is None, request
+
+
+def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(served_stack, tmp_path):
+    """Streamed agent turns through the routing proxy: when a turn ends the proxy asks Route about the
+    conversation as it now stands, and the next turn is routed from that answer without tokenizing or
+    asking Route; each turn's answer equals a salted recompute's (which no cache or pull can serve)."""
+    conversation = AgentConversation(seed=47, system_words=400, tool_words=200)
+    with routing_proxy(served_stack, served_stack.daemon_address, tmp_path) as proxy:
+        results = []
+        for turn in range(1, 4):
+            result = chat_turn(proxy, MODEL, conversation.messages, 24, turn)
+            reference = chat_turn(
+                proxy, MODEL, conversation.messages, 24, turn, extra={"cache_salt": f"ref-{uuid.uuid4()}"}
+            )
+            assert result.answer == reference.answer, f"turn {turn}: the routed turn answered otherwise"
+            conversation.record(result.answer)
+            results.append(result)
+            # the turn and its reference ended: Route's answer for each conversation kept (in the
+            # background, after the proxy's delay)
+            wait_until(
+                lambda kept=2 * turn: (
+                    _metric(proxy, 'kvloop_proxy_continuation_routes_total{outcome="kept"}') >= kept
+                ),
+                what="Route's answer kept for the conversation's next turn",
+            )
+        metrics = post_get(f"{proxy}/metrics")
+    assert results[0].route in ("route", "tie")
+    for r in results[1:]:
+        assert r.route in ("continuation", "continuation_tie"), f"turn {r.turn}: {r.route}"
+        assert r.path in ("transfer", "local"), f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
+    assert 'kvloop_proxy_continuation_routes_total{outcome="used"} 2.0' in metrics
+    # tokenized: the first turn and the three salted references, not the continued turns
+    assert 'kvloop_proxy_tokenized_total{where="local"} 4.0' in metrics
+
+
+def _metric(url: str, series: str) -> float:
+    for line in post_get(f"{url}/metrics").splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
