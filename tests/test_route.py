@@ -49,6 +49,18 @@ async def fleet(client, model: str, workers: dict[str, tuple[int, list[pb.BlockE
         yield
 
 
+@contextlib.asynccontextmanager
+async def plan_inbox(address: str, worker: str, **settings):
+    """A prefill connector's plan inbox, subscribed to kvloopd's Plans stream."""
+    defaults = {"block_size": BS, "min_pull_tokens": 64, "lease_margin_ms": 5_000, "epoch": lambda: 0}
+    inbox = PlanInbox(address, worker, **(defaults | settings)).start()
+    try:
+        assert await asyncio.to_thread(inbox.connected.wait, 10)
+        yield inbox
+    finally:
+        inbox.stop()
+
+
 def proxy_pool(*urls: str) -> BackendPool:
     """The proxy's prefill pool over these candidates, all healthy (no health checks run)."""
     pool = BackendPool("prefill", list(urls))
@@ -210,16 +222,7 @@ async def test_route_pushes_the_pull_it_planned_to_the_candidates_connector(rout
             ),
         }
         async with fleet(client, model, workers):
-            inbox = PlanInbox(
-                routed_daemon.address,
-                "p-cold",
-                block_size=BS,
-                min_pull_tokens=64,
-                lease_margin_ms=5_000,
-                epoch=lambda: seen_epoch[0],
-            ).start()
-            try:
-                assert await asyncio.to_thread(inbox.connected.wait, 10)
+            async with plan_inbox(routed_daemon.address, "p-cold", epoch=lambda: seen_epoch[0]) as inbox:
                 # a single-use run needs a claim, which Route never makes: no plan for it
                 await client.route(model, ["p-cold"], block_hashes=single)
                 # p-warm's own prefix is longer than the pull: planned for p-cold only
@@ -263,8 +266,6 @@ async def test_route_pushes_the_pull_it_planned_to_the_candidates_connector(rout
                 seen_epoch[0] = 0
                 await plan_again()
                 assert inbox.take(prompt, 0) is not None
-            finally:
-                inbox.stop()
 
 
 async def test_a_continuation_plan_answers_the_next_turns_longer_prompt(routed_daemon):
@@ -281,16 +282,7 @@ async def test_a_continuation_plan_answers_the_next_turns_longer_prompt(routed_d
             "d": (pb.WORKER_ROLE_DECODE, [retained(history, "h-history")]),
         }
         async with fleet(client, model, workers):
-            inbox = PlanInbox(
-                routed_daemon.address,
-                "p-cold",
-                block_size=BS,
-                min_pull_tokens=64,
-                lease_margin_ms=5_000,
-                epoch=lambda: 0,
-            ).start()
-            try:
-                assert await asyncio.to_thread(inbox.connected.wait, 10)
+            async with plan_inbox(routed_daemon.address, "p-cold") as inbox:
 
                 async def plan(continuation: bool) -> None:
                     await client.route(model, ["p-cold"], block_hashes=history, continuation=continuation)
@@ -318,8 +310,6 @@ async def test_a_continuation_plan_answers_the_next_turns_longer_prompt(routed_d
                 assert planned.holder.block_ids == looked_up.holder.block_ids
                 assert planned.detail.startswith("planned by Route ahead of this turn")
                 assert inbox.take(prompt, 0) is None  # taken once
-            finally:
-                inbox.stop()
 
 
 async def test_a_plan_reaches_a_connector_streaming_from_another_replica(daemon_factory, redis_url):
@@ -333,11 +323,7 @@ async def test_a_plan_reaches_a_connector_streaming_from_another_replica(daemon_
             "d": (pb.WORKER_ROLE_DECODE, [retained(prompt[:20], "h")]),
         }
         async with fleet(client, model, workers):
-            inbox = PlanInbox(
-                streamed.address, "p", block_size=BS, min_pull_tokens=0, lease_margin_ms=0, epoch=lambda: 0
-            ).start()
-            try:
-                assert await asyncio.to_thread(inbox.connected.wait, 10)
+            async with plan_inbox(streamed.address, "p", min_pull_tokens=0, lease_margin_ms=0) as inbox:
                 with DirectoryClient(asked.address) as sync:
 
                     def crossed() -> bool:  # pub/sub is at most once: Route again until one crossed
@@ -348,8 +334,6 @@ async def test_a_plan_reaches_a_connector_streaming_from_another_replica(daemon_
                 planned = inbox.take(prompt, 0)
                 assert planned is not None and planned.holder is not None
                 assert (planned.matched_blocks, planned.holder.retention_handle) == (20, "h")
-            finally:
-                inbox.stop()
 
 
 def test_shutdown_ends_the_plans_streams_at_once(daemon_factory):
