@@ -189,7 +189,8 @@ def test_the_proxy_tokenizes_prompts_as_the_server_does(served_stack):
 def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(served_stack, tmp_path):
     """Streamed agent turns through the routing proxy: when a turn ends the proxy asks Route about the
     conversation as it now stands, and the next turn is routed from that answer without tokenizing or
-    asking Route; each turn's answer equals a salted recompute's (which no cache or pull can serve)."""
+    asking Route, to a prefill where its history is found; each turn's answer equals a salted
+    recompute's (which no cache or pull can serve)."""
     conversation = AgentConversation(seed=47, system_words=400, tool_words=200)
     with routing_proxy(served_stack, served_stack.daemon_address, tmp_path) as proxy:
         results = []
@@ -213,7 +214,10 @@ def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(serv
     assert results[0].route in ("route", "tie")
     for r in results[1:]:
         assert r.route in ("continuation", "continuation_tie"), f"turn {r.turn}: {r.route}"
-        assert r.path in ("transfer", "local"), f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
+        # the history was found (own prefix cache or a peer's); whether a short rest moves is the cost
+        # policy's call
+        found = r.path in ("transfer", "local") or r.reason in ("below_threshold", "recompute_faster")
+        assert found, f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
     assert 'kvloop_proxy_continuation_routes_total{outcome="used"} 2.0' in metrics
     # tokenized: the first turn and the three salted references, not the continued turns
     assert 'kvloop_proxy_tokenized_total{where="local"} 4.0' in metrics

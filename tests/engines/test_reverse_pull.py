@@ -230,8 +230,10 @@ def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_pa
         tp=1,
     )
     try:
-        wait_until(
-            lambda: any(w.registration.worker_id == "prefill-0" for w in k.client.list_workers(MODEL)),
+        wait_until(  # connected: the other case's agent, terminated, may still be listed
+            lambda: any(
+                w.registration.worker_id == "prefill-0" and w.connected for w in k.client.list_workers(MODEL)
+            ),
             30,
             "the prefill's agent registered",
         )
@@ -245,6 +247,8 @@ def test_a_turn_route_planned_takes_the_plan_instead_of_a_lookup(engines, tmp_pa
 
         def planned() -> bool:  # Route again until the connector's stream (re)subscribed has one
             answer = k.client.route(MODEL, ["prefill-0"], block_hashes=hashes, continuation=continuation)
+            if not answer.ranked[0].registered:  # Route's roster has not seen the new agent yet
+                return False
             assert answer.ranked[0].pull_blocks > 0 and answer.ranked[0].local_blocks == 0, answer
             return _plans(engines, "received") > received
 
