@@ -178,9 +178,8 @@ class Router:
                 str(body.get("model", "")), str(body.get("cache_salt") or ""), body["messages"]
             )
             if continued is not None:
-                choice = self._ranked(
-                    continued.answer, healthy, "continuation", continued.answer.prompt_tokens
-                )
+                prompt_tokens = continued.answer.prompt_tokens + continued.new_tokens  # as the bench counts
+                choice = self._ranked(continued.answer, healthy, "continuation", prompt_tokens)
                 if choice is not None:  # else a prefill came or went since: ask Route
                     CONTINUATIONS.labels("used").inc()
                     choice.new_tokens = continued.new_tokens
