@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 
 import aiohttp
 import grpc
@@ -15,8 +16,9 @@ from kvloop.agents.connector.directory import answer_from_proto
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
+from kvloop.clients.proxy.burst import ThreadedBurstWindow, place_together
 from kvloop.clients.proxy.continuation import ContinuationRoutes
-from kvloop.clients.proxy.routing import Router
+from kvloop.clients.proxy.routing import BURST_WAITS, RankedCandidate, Router
 from kvloop.common import block_hash
 from kvloop.common.route_estimate import settled_without_pull
 from kvloop.v1 import directory_pb2 as pb
@@ -691,3 +693,133 @@ def test_continuation_routes_are_bounded_and_expire():
     routes.ttl_s = 0.0
     routes.keep("m", "", turns[0], "a", 10, pb.RouteResponse())
     assert routes.take("m", "", next_of(turns[0])) is None  # expired
+
+
+@contextlib.asynccontextmanager
+async def homed_conversations(daemon, model: str, homes: list[str], burst_window_s: float):
+    """A proxy Router over prefills bh-a and bh-b, and conversations whose last turn each ended (Route
+    asked and kept, as when a streamed turn ends): conversation i's last prompt is in prefill homes[i]'s
+    prefix cache (36 blocks) and its history, answer included, retained by the decode (40 blocks). Yields
+    the router and each conversation's next turn (its history and a new message)."""
+    pool = proxy_pool("http://bh-a", "http://bh-b")
+    histories = [list(range(1000 * (i + 1), 1000 * (i + 1) + 40 * BS)) for i in range(len(homes))]
+    hashes = [block_hash.block_hashes(t, BS, "sha256_cbor", "0") for t in histories]
+    stored_at = {
+        h: [stored(hs[:36]) for hs, home in zip(hashes, homes, strict=True) if home == h] for h in "ab"
+    }
+    workers = {
+        "bh-a": (pb.WORKER_ROLE_PREFILL, stored_at["a"]),
+        "bh-b": (pb.WORKER_ROLE_PREFILL, stored_at["b"]),
+        "bh-d": (pb.WORKER_ROLE_DECODE, [retained(hs[:40], f"h-bh-{i}") for i, hs in enumerate(hashes)]),
+    }
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with fleet(client, model, workers, hash_seed="0"):
+            router = Router(
+                pool, client, timeout_s=5.0, continuations=ContinuationRoutes(), burst_window_s=burst_window_s
+            )
+            turns = []
+            for i, tokens in enumerate(histories):
+                first = [{"role": "user", "content": f"conversation {i}: " + "list the files " * 40}]
+                answer = "README.md pyproject.toml " * 10
+                await router.turn_ended({"model": model, "messages": first}, answer, tokens, delay_s=0)
+                turns.append(
+                    {
+                        "model": model,
+                        "messages": [
+                            *first,
+                            {"role": "assistant", "content": answer},
+                            {"role": "user", "content": "Tool output: " + "x.py " * 10},
+                        ],
+                    }
+                )
+            assert len(router.continuations) == len(homes)
+            yield router, turns
+
+
+@pytest.mark.parametrize("window_s", [0.005, 0.0], ids=["placed_together", "placed_as_they_come"])
+async def test_a_burst_of_turns_is_placed_together_so_each_stays_with_its_cache(daemon, window_s):
+    """Four conversations' next turns arrive together, the first two homed on bh-a (its prefix cache holds
+    their history), the other two on bh-b. Placed as they come, the second goes to idle bh-b, pulling its
+    whole history there, and the fourth then to bh-a: half the burst leaves its cache. With the window,
+    the second waits for the rest of the burst and is placed home then, every conversation pulling only
+    its last answer."""
+    homes = ["a", "a", "b", "b"]
+    async with homed_conversations(daemon, f"m-burst-home-{window_s}", homes, window_s) as (router, turns):
+        waited_home = BURST_WAITS.labels("home")._value.get()
+        async with aiohttp.ClientSession() as session:
+            choices = await asyncio.gather(*(router.choose(session, t, chat=True) for t in turns))
+    placed = [c.backend.url[-1] for c in choices]
+    assert all(c.outcome in ("continuation", "continuation_tie") for c in choices)
+    if window_s:
+        assert placed == homes
+        assert [c.score.pull_blocks for c in choices] == [4] * 4
+        assert [c.burst_wait_ms > 0 for c in choices] == [False, True, False, False]
+        assert BURST_WAITS.labels("home")._value.get() == waited_home + 1
+    else:
+        assert placed == ["a", "b", "b", "a"]
+        assert all(c.burst_wait_ms == 0 for c in choices)
+    assert {b.url: b.in_flight for b in router.pool.backends} == {"http://bh-a": 2, "http://bh-b": 2}
+
+
+async def test_a_turn_leaving_its_cache_with_no_burst_to_wait_for_still_leaves(daemon):
+    """Two conversations homed on bh-a and an idle bh-b: the second waits out the window, no one else
+    comes, and it goes to bh-b after all (the window costs it the wait, not the better prefill)."""
+    async with homed_conversations(daemon, "m-burst-alone", ["a", "a"], 0.005) as (router, turns):
+        waited_away = BURST_WAITS.labels("away")._value.get()
+        async with aiohttp.ClientSession() as session:
+            first = await router.choose(session, turns[0], chat=True)
+            second = await router.choose(session, turns[1], chat=True)
+    assert (first.backend.url, first.burst_wait_ms) == ("http://bh-a", 0)
+    assert second.backend.url == "http://bh-b" and second.burst_wait_ms >= 5.0 * 0.9
+    assert second.score.pull_blocks == 40
+    assert BURST_WAITS.labels("away")._value.get() == waited_away + 1
+
+
+async def test_a_turn_cancelled_while_it_waits_for_its_burst_is_never_placed(daemon):
+    """A client that goes away while its turn waits for the window: nothing is counted into a prefill's
+    queue for it, and the window still places the rest."""
+    async with homed_conversations(daemon, "m-burst-cancel", ["a", "a", "a"], 0.005) as (router, turns):
+        async with aiohttp.ClientSession() as session:
+            first = await router.choose(session, turns[0], chat=True)
+            gone = asyncio.create_task(router.choose(session, turns[1], chat=True))
+            await asyncio.sleep(0)  # its first step: ranked, and waiting (no I/O before the window)
+            assert router.burst is not None and router.burst.waiting == 1
+            gone.cancel()
+            kept = await router.choose(session, turns[2], chat=True)
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+    assert kept.burst_wait_ms > 0 and first.backend.url == "http://bh-a"
+    assert sum(b.in_flight for b in router.pool.backends) == 2
+    assert sum(b.queued_tokens for b in router.pool.backends) == first.queued_tokens + kept.queued_tokens
+
+
+def test_the_bench_places_a_burst_on_threads_as_the_proxy_does():
+    """ThreadedBurstWindow (the bench's routed arm): every thread that waits within one window is placed
+    in one call, the one that loses most by not getting its best first, and the window opens again."""
+
+    def ranked(*expected_ms: float) -> list[RankedCandidate]:
+        return [
+            RankedCandidate(pb.RouteScore(http_endpoint=f"http://{i}"), ms)
+            for i, ms in enumerate(expected_ms)
+        ]
+
+    losses = {"small": ranked(10, 12), "big": ranked(10, 90), "alone": ranked(10)}
+    calls: list[list[str]] = []
+    placed: list[str] = []
+    lock = threading.RLock()
+
+    def place_all(waiting: list[str]) -> None:
+        calls.append(sorted(waiting))
+        place_together(waiting, losses.__getitem__, placed.append)
+
+    window = ThreadedBurstWindow(0.2, place_all, lock)
+    with lock:  # all three wait before the window can close
+        threads = [threading.Thread(target=window.wait, args=(name,)) for name in ("small", "alone", "big")]
+        for t in threads:
+            t.start()
+        wait_until(lambda: window.waiting == 3, what="three threads waiting")
+    for t in threads:
+        t.join(10)
+    assert calls == [["alone", "big", "small"]] and placed == ["big", "small", "alone"]
+    window.wait("again")  # a new window
+    assert calls[-1] == ["again"]

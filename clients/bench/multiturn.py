@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
+from kvloop.clients.proxy.burst import ThreadedBurstWindow, holds_longest_prefix, place_together
 from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
 from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, settled_without_pull
@@ -42,6 +43,7 @@ from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
     from kvloop.clients.demo.stack import Stack
+    from kvloop.v1 import directory_pb2 as pb
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
 # The routing bench (--prefills / --decodes > 1): one fleet shared by every arm, each arm's requests
@@ -503,6 +505,17 @@ class ArmClient:
         )
 
 
+@dataclass
+class _Placing:
+    """A routed arm's request being placed: Route's answer for it, and the placement once made."""
+
+    answer: pb.RouteResponse
+    new_tokens: int  # beyond the history a continuation's answer scored (estimated)
+    prompt_tokens: int
+    timing: dict  # where choosing's time went
+    placed: tuple[str, str, int, list[dict], str | None, dict] | None = None
+
+
 class RoutedArmClient(ArmClient):
     """One arm of the routing bench: picks one of several prefills (by Route, by own prefix or by load),
     pulls or not, then streams the answer from a decode, as kvloop's proxy does. Every arm's requests
@@ -537,6 +550,13 @@ class RoutedArmClient(ArmClient):
         # kvloop: Route's answers asked when a turn ended, for the conversation's next turn (as the
         # proxy keeps them, clients/proxy/continuation.py)
         self.continuations = ContinuationRoutes(ProxyConfig.continuation_ttl_s) if arm == "kvloop" else None
+        # kvloop: a request that would leave its cache waits for the rest of its burst (as the
+        # proxy's, clients/proxy/burst.py)
+        self.burst = (
+            ThreadedBurstWindow(ProxyConfig.burst_window_s, self._place_waiting, self._lock)
+            if arm == "kvloop" and ProxyConfig.burst_window_s > 0
+            else None
+        )
 
     def engine_totals(self) -> dict[str, float]:
         return {}  # every arm runs on the same engines: their counters cannot be told apart per arm
@@ -559,7 +579,6 @@ class RoutedArmClient(ArmClient):
             with self._lock:
                 return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None, None)
         from kvloop.clients.client import KvloopError
-        from kvloop.clients.proxy.routing import among_tied, rank_now
         from kvloop.v1 import directory_pb2 as pb
 
         continued = self.continuations.take(MODEL, self.salt, messages) if self.continuations else None
@@ -599,46 +618,82 @@ class RoutedArmClient(ArmClient):
                     None,
                     None,
                 )
+        placing = _Placing(answer, new_tokens, prompt_tokens, timing)
         with self._lock:
-            ranked, tied = rank_now(answer, lambda u: (self.in_flight[u], self.queued[u]))
-            estimates = [
-                {
-                    "prefill": r.score.http_endpoint,
-                    "local_blocks": r.score.local_blocks,
-                    "pull_blocks": r.score.pull_blocks,
-                    "transfer_ms": round(r.score.transfer_ms, 2),
-                    "pull_wait_ms": round(r.score.pull_wait_ms, 2),
-                    "compute_ms": round(r.score.compute_ms, 2),
-                    "expected_ttft_ms": round(r.expected_ttft_ms, 2),
-                    "prefill_tokens_per_s": round(r.score.prefill_tokens_per_s),
-                }
-                for r in ranked
-            ]
-            if self.arm == "kvloop":
-                best = [r.score for r in ranked[: max(tied, 1)]]
-                how = "route" if len(best) == 1 else "tie"
-                if continued is not None:
-                    how = "continuation" if len(best) == 1 else "continuation_tie"
-                if len(best) > 1:  # as the proxy breaks ties
-                    best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
-            else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
-                longest = max(s.local_blocks for s in answer.ranked)
-                best = [s for s in answer.ranked if s.local_blocks == longest]
-                how = "prefix" if longest and len(best) == 1 else "prefix_tie" if longest else "prefix_miss"
-            url = (
-                self._least_loaded([s.http_endpoint for s in best])
-                if len(best) > 1
-                else best[0].http_endpoint
-            )
-            score = next(s for s in answer.ranked if s.http_endpoint == url)
-            queued = (
-                score.compute_tokens + new_tokens
-                if self.arm == "kvloop"
-                else prompt_tokens - score.local_blocks * self.block_size
-            )
-            # as the proxy does (not from a continuation's answer: it is as old as the turn before)
-            settled = settled_without_pull(score) if self.arm == "kvloop" and continued is None else None
-            return (*self._reserve(url, how, queued), estimates, settled, timing)
+            placed = self._place(placing, away_waits=self.burst is not None)
+        if placed is None:  # it would leave its cache: placed with the rest of its burst
+            assert self.burst is not None
+            started = time.perf_counter()
+            self.burst.wait(placing)
+            timing["burst_wait_ms"] = round((time.perf_counter() - started) * 1e3, 3)
+            placed = placing.placed
+            if placed is None:  # placing failed: the load rule, as the proxy falls back
+                with self._lock:
+                    return (
+                        *self._reserve(self._least_loaded(self.prefill_urls), "load_burst", 0),
+                        None,
+                        None,
+                        None,
+                    )
+        return placed
+
+    def _place(
+        self, placing: _Placing, away_waits: bool = False
+    ) -> tuple[str, str, int, list[dict], str | None, dict] | None:
+        """Rank Route's answer with the queues now, choose and reserve (the caller holds the lock); None,
+        reserving nothing, when `away_waits` and the choice would leave the prefill holding the longest
+        prefix of the prompt."""
+        from kvloop.clients.proxy.routing import among_tied, rank_now
+
+        answer, continued = placing.answer, placing.timing.get("continuation", False)
+        ranked, tied = rank_now(answer, lambda u: (self.in_flight[u], self.queued[u]))
+        if self.arm == "kvloop":
+            best = [r.score for r in ranked[: max(tied, 1)]]
+            how = "route" if len(best) == 1 else "tie"
+            if continued:
+                how = "continuation" if len(best) == 1 else "continuation_tie"
+            if len(best) > 1:  # as the proxy breaks ties
+                best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
+            if away_waits and not holds_longest_prefix(ranked, (s.http_endpoint for s in best)):
+                return None
+        else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
+            longest = max(s.local_blocks for s in answer.ranked)
+            best = [s for s in answer.ranked if s.local_blocks == longest]
+            how = "prefix" if longest and len(best) == 1 else "prefix_tie" if longest else "prefix_miss"
+        estimates = [
+            {
+                "prefill": r.score.http_endpoint,
+                "local_blocks": r.score.local_blocks,
+                "pull_blocks": r.score.pull_blocks,
+                "transfer_ms": round(r.score.transfer_ms, 2),
+                "pull_wait_ms": round(r.score.pull_wait_ms, 2),
+                "compute_ms": round(r.score.compute_ms, 2),
+                "expected_ttft_ms": round(r.expected_ttft_ms, 2),
+                "prefill_tokens_per_s": round(r.score.prefill_tokens_per_s),
+            }
+            for r in ranked
+        ]
+        url = self._least_loaded([s.http_endpoint for s in best]) if len(best) > 1 else best[0].http_endpoint
+        score = next(s for s in answer.ranked if s.http_endpoint == url)
+        queued = (
+            score.compute_tokens + placing.new_tokens
+            if self.arm == "kvloop"
+            else placing.prompt_tokens - score.local_blocks * self.block_size
+        )
+        # as the proxy does (not from a continuation's answer: it is as old as the turn before)
+        settled = settled_without_pull(score) if self.arm == "kvloop" and not continued else None
+        return (*self._reserve(url, how, queued), estimates, settled, placing.timing)
+
+    def _place_waiting(self, waiting: list[_Placing]) -> None:
+        """The burst window closed: place the requests that waited, as the proxy does (burst.py)."""
+        from kvloop.clients.proxy.routing import rank_now
+
+        def place(w: _Placing) -> None:
+            w.placed = self._place(w)
+
+        place_together(
+            waiting, lambda w: rank_now(w.answer, lambda u: (self.in_flight[u], self.queued[u]))[0], place
+        )
 
     def _after_turn(self, messages: list[dict], answer: str, token_ids: list[int]) -> None:
         """Route about the conversation as this turn left it, after the proxy's delay, in the
@@ -1162,6 +1217,8 @@ def _routing_columns(group: list[TurnSample], block_size: int) -> dict:
             if timed
         },
         "prefills_used": dict(Counter(s.prefill_worker for s in routed)),
+        # turns that would have left their cache and waited for the rest of their burst (burst.py)
+        "burst_waits": sum(1 for t in timed if "burst_wait_ms" in t),
     }
 
 

@@ -1190,6 +1190,15 @@ def proxy(
             "ended, to route its next turn without tokenizing or asking Route (0: off)",
         ),
     ] = 120.0,
+    burst_window: Annotated[
+        float,
+        typer.Option(
+            "--burst-window-ms",
+            min=0,
+            help="with --route: a request that would leave the prefill holding the longest prefix of its "
+            "prompt waits this long for the rest of its burst, then they are placed together (0: off)",
+        ),
+    ] = 5.0,
     cert_file: Annotated[Optional[Path], typer.Option(help="serve HTTPS with this certificate")] = None,
     key_file: Annotated[Optional[Path], typer.Option(help="key of --cert-file")] = None,
     client_ca_file: Annotated[
@@ -1232,6 +1241,7 @@ def proxy(
         tokenizer=tokenizer,
         max_attempts=max_attempts,
         continuation_ttl_s=continuation_ttl,
+        burst_window_s=burst_window / 1e3,
     )
 
     async def run() -> None:

@@ -78,6 +78,10 @@ class ProxyConfig:
     # turn from that answer (routing.py, continuation.py); kept this long. 0: every turn asks Route.
     continuation_delay_s: float = 0.2
     continuation_ttl_s: float = 120.0
+    # With a directory: a request that would leave the prefill holding the longest prefix of its
+    # prompt waits this long for the rest of its burst, then they are placed together (burst.py).
+    # 0: every request is placed as it comes.
+    burst_window_s: float = 0.005
 
 
 @dataclass
@@ -379,6 +383,8 @@ def _route_attributes(choice) -> dict[str, str | int | float]:
         )
         if choice.settled is not None:
             attributes["kvloop.route.settled"] = choice.settled
+        if choice.burst_wait_ms:
+            attributes["kvloop.route.burst_wait_ms"] = round(choice.burst_wait_ms, 3)
     return attributes
 
 
@@ -614,6 +620,7 @@ def build_app(config: ProxyConfig) -> web.Application:
             config.route_timeout_s,
             PromptTokenizers(config.tokenizer),
             ContinuationRoutes(config.continuation_ttl_s) if config.continuation_ttl_s > 0 else None,
+            config.burst_window_s,
         ),
     )
     app = web.Application(client_max_size=64 * 1024 * 1024)

@@ -12,6 +12,9 @@ prefill Route does not know fall back to the load rule over all, and the outcome
 A chat request that continues a conversation whose last turn streamed through this proxy is ranked
 from the answer Route gave for that conversation when the turn ended (continuation.py): no
 tokenizing and no Route on its path (outcomes ``continuation`` and ``continuation_tie``).
+
+A request that would leave the prefill holding the longest prefix of its prompt waits a few
+milliseconds for the rest of its burst, and those that waited are placed together (burst.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from prometheus_client import Counter, Histogram
 
 from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, KvloopError
 from kvloop.clients.proxy.backends import Backend, BackendPool
+from kvloop.clients.proxy.burst import BurstWindow, holds_longest_prefix, place_together
 from kvloop.clients.proxy.continuation import CONTINUATION_ROUTES, ContinuationRoutes
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.common.route_estimate import queue_ms, settled_without_pull, tie_margin_ms
@@ -53,6 +57,13 @@ CONTINUATIONS = Counter(
     "Route answers asked for conversations when a streamed turn ended: kept, used by the next turn, or "
     "failed (Route refused or unreachable; the next turn asks Route itself)",
     ["outcome"],
+)
+BURST_WAITS = Counter(
+    "kvloop_proxy_burst_waits_total",
+    "Requests whose best prefill by the queues would not have been one holding the longest prefix of "
+    "their prompt, so they waited for the rest of their burst, by where they were placed then: home "
+    "(a prefill holding that prefix after all) or away",
+    ["placed"],
 )
 ROUTE_SECONDS = Histogram(
     "kvloop_proxy_route_seconds",
@@ -110,6 +121,8 @@ class Choice:
     expected_ttft_ms: float = 0.0  # with the queue as it was when chosen
     # Tokens beyond the history Route scored (a continuation: the new messages, estimated)
     new_tokens: int = 0
+    burst_wait_ms: float = 0.0  # waited for the rest of its burst before it was placed (burst.py)
+    reserved: bool = False
 
     @property
     def settled(self) -> str | None:
@@ -128,13 +141,29 @@ class Choice:
         return self.score.compute_tokens + self.new_tokens
 
     def reserve(self) -> None:
+        assert not self.reserved, "a choice is counted into its prefill's queue once"
+        self.reserved = True
         self.backend.in_flight += 1
         self.backend.queued_tokens += self.queued_tokens
 
     def release(self) -> None:
         """The request's prefill step is over (done or failed): out of its prefill's queue."""
+        self.reserved = False
         self.backend.in_flight -= 1
         self.backend.queued_tokens -= self.queued_tokens
+
+
+@dataclass
+class _Waiting:
+    """A request waiting for the rest of its burst, and its choice once the window closed (None: its
+    Route answer no longer ranks the healthy prefills)."""
+
+    answer: pb.RouteResponse
+    outcome: str
+    prompt_tokens: int
+    new_tokens: int
+    started: float
+    choice: Choice | None = None
 
 
 class Router:
@@ -145,18 +174,20 @@ class Router:
         timeout_s: float,
         tokenizers: PromptTokenizers | None = None,
         continuations: ContinuationRoutes | None = None,
+        burst_window_s: float = 0.0,
     ) -> None:
         self.pool = pool
         self.directory = directory
         self.timeout_s = timeout_s
         self.tokenizers = tokenizers or PromptTokenizers()
         self.continuations = continuations
+        # 0: every request is placed as it comes (burst.py)
+        self.burst = BurstWindow(burst_window_s, self._place_waiting) if burst_window_s > 0 else None
         self._tokenize_turn = itertools.count()
 
     def _load(self, why: str, among: list[Backend] | None = None, prompt_tokens: int = 0) -> Choice:
         backend = self.pool.pick(among=among)
         outcome = why if why.endswith("tie") else f"load_{why}"
-        ROUTES.labels(outcome).inc()
         return Choice(backend, outcome, prompt_tokens=prompt_tokens)
 
     async def choose(self, session: aiohttp.ClientSession, body: dict, chat: bool) -> Choice:
@@ -164,7 +195,9 @@ class Router:
         the tokens it computes there) when this returns, so the next request is ranked with it; the
         caller releases it when the prefill step ends."""
         choice = await self._choose(session, body, chat)
-        choice.reserve()  # no await since the choice: no other request was ranked in between
+        if not choice.reserved:  # a burst's placement reserved it already
+            choice.reserve()  # no await since the choice: no other request was ranked in between
+        ROUTES.labels(choice.outcome).inc()
         return choice
 
     async def _choose(self, session: aiohttp.ClientSession, body: dict, chat: bool) -> Choice:
@@ -179,10 +212,11 @@ class Router:
             )
             if continued is not None:
                 prompt_tokens = continued.answer.prompt_tokens + continued.new_tokens  # as the bench counts
-                choice = self._ranked(continued.answer, healthy, "continuation", prompt_tokens)
+                choice = await self._placed(
+                    continued.answer, healthy, "continuation", prompt_tokens, continued.new_tokens
+                )
                 if choice is not None:  # else a prefill came or went since: ask Route
                     CONTINUATIONS.labels("used").inc()
-                    choice.new_tokens = continued.new_tokens
                     return choice
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -213,17 +247,64 @@ class Router:
             return self._load("error")
         finally:
             ROUTE_SECONDS.observe(loop.time() - started)
-        # From here to the caller's reservation of the chosen backend nothing awaits: the queues
-        # this ranks with are the ones the choice is counted into.
-        choice = self._ranked(answer, healthy, "route", len(tokens))
+        choice = await self._placed(answer, healthy, "route", len(tokens))
         return choice if choice is not None else self._load("unknown_candidate", prompt_tokens=len(tokens))
 
-    def _ranked(
-        self, answer: pb.RouteResponse, healthy: list[Backend], outcome: str, prompt_tokens: int
+    async def _placed(
+        self,
+        answer: pb.RouteResponse,
+        healthy: list[Backend],
+        outcome: str,
+        prompt_tokens: int,
+        new_tokens: int = 0,
     ) -> Choice | None:
-        """The choice from a Route answer re-ranked with the queues now: its best, or the load rule
-        among its tied best (outcome ``route``/``tie``, or ``continuation``/``continuation_tie``);
-        None when the answer ranks other prefills than the healthy ones."""
+        """The choice from a Route answer, made now; or, when it would leave the prefills holding the
+        longest prefix of the prompt, made with the rest of its burst (then already reserved). None
+        when the answer ranks other prefills than the healthy ones."""
+        best = self._best(answer, healthy)
+        if best is None:
+            return None
+        if self.burst is None or holds_longest_prefix(best[0], (b.url for b in best[1])):
+            # From here to the caller's reservation of the chosen backend nothing awaits: the queues
+            # this ranks with are the ones the choice is counted into.
+            return self._chosen(*best, outcome, prompt_tokens, new_tokens)
+        waiting = _Waiting(answer, outcome, prompt_tokens, new_tokens, asyncio.get_running_loop().time())
+        try:
+            await self.burst.wait(waiting)
+        except asyncio.CancelledError:
+            if waiting.choice is not None and waiting.choice.reserved:
+                waiting.choice.release()
+            raise
+        return waiting.choice
+
+    def _place_waiting(self, waiting: list[_Waiting]) -> None:
+        """The burst window closed: place the requests that waited (burst.py), each reserved before
+        the next is ranked."""
+        healthy = [b for b in self.pool.backends if b.healthy]
+        now = asyncio.get_running_loop().time()
+
+        def rank(w: _Waiting) -> list[RankedCandidate]:
+            best = self._best(w.answer, healthy)
+            return best[0] if best is not None else []
+
+        def place(w: _Waiting) -> None:
+            best = self._best(w.answer, healthy)
+            if best is None:
+                return
+            w.choice = self._chosen(*best, w.outcome, w.prompt_tokens, w.new_tokens)
+            w.choice.burst_wait_ms = (now - w.started) * 1e3
+            w.choice.reserve()
+            home = holds_longest_prefix(best[0], [w.choice.backend.url])
+            BURST_WAITS.labels("home" if home else "away").inc()
+
+        place_together(waiting, rank, place)
+
+    def _best(
+        self, answer: pb.RouteResponse, healthy: list[Backend]
+    ) -> tuple[list[RankedCandidate], list[Backend], bool] | None:
+        """A Route answer re-ranked with the queues now, the backends a request is placed among (its
+        best, or its tied best the load rule picks from) and whether they tied; None when the answer
+        ranks other prefills than the healthy ones."""
         by_url = {b.url: b for b in healthy}
         if len(answer.ranked) != len(healthy) or any(
             by_url.get(s.http_endpoint.rstrip("/")) is None for s in answer.ranked
@@ -236,16 +317,28 @@ class Router:
         ranked, tied = rank_now(answer, lambda e: (backend(e).in_flight, backend(e).queued_tokens))
         if tied > 1:
             among = among_tied(ranked[:tied], lambda e: backend(e).in_flight)
+            return ranked, [backend(r.score.http_endpoint) for r in among], True
+        return ranked, [backend(ranked[0].score.http_endpoint)], False
+
+    def _chosen(
+        self,
+        ranked: list[RankedCandidate],
+        among: list[Backend],
+        tied: bool,
+        outcome: str,
+        prompt_tokens: int,
+        new_tokens: int,
+    ) -> Choice:
+        """The choice among `among` (outcome ``route``/``tie``, or ``continuation``/``continuation_tie``)."""
+        if tied:
             choice = self._load(
-                "tie" if outcome == "route" else f"{outcome}_tie",
-                among=[backend(r.score.http_endpoint) for r in among],
-                prompt_tokens=prompt_tokens,
+                "tie" if outcome == "route" else f"{outcome}_tie", among=among, prompt_tokens=prompt_tokens
             )
         else:
-            ROUTES.labels(outcome).inc()
-            choice = Choice(backend(ranked[0].score.http_endpoint), outcome, prompt_tokens=prompt_tokens)
+            choice = Choice(among[0], outcome, prompt_tokens=prompt_tokens)
         chosen = next(r for r in ranked if r.score.http_endpoint.rstrip("/") == choice.backend.url)
         choice.score, choice.expected_ttft_ms = chosen.score, chosen.expected_ttft_ms
+        choice.new_tokens = new_tokens
         return choice
 
     async def turn_ended(self, body: dict, answer: str, token_ids: list[int], delay_s: float) -> None:
