@@ -348,14 +348,23 @@ class CostModel:
         return statistics.median(window.samples) if window and window.samples else 0.0
 
     def step_wait_ms(self, holder: str, puller: str) -> float:
-        """Mean engine-step wait of this pair's latest READs: the pulling engine issues a READ at a
-        step and schedules the request after the step that saw it done, while a local prefix hit is
+        """The engine-step wait a pull adds on this pair: the pulling engine issues a READ at a step
+        and schedules the request after the step that saw it done, while a local prefix hit is
         scheduled at once. Lookup leaves it out (recomputing waits for steps too); Route, comparing a
-        pull on one prefill with a local hit on another, counts it."""
+        pull on one prefill with a local hit on another, counts it.
+
+        The lower quartile of the pair's latest waits, not their mean: a READ issued while its engine
+        computes other requests' prompts waits out that step, which is the queue Route counts apart
+        (a local hit queued behind the same prompts waits as long). The mean of a few such waits
+        made every later pull on the pair look hundreds of milliseconds dearer than it is, and sent
+        conversations away from the prefill holding their history."""
         pair = self._pairs.get((holder, puller))
         if pair is None or not pair.recent_waits:
             return 0.0
-        return statistics.fmean(pair.recent_waits) * 1e3
+        waits = pair.recent_waits
+        if len(waits) == 1:
+            return waits[0] * 1e3
+        return statistics.quantiles(waits, n=4, method="inclusive")[0] * 1e3
 
     def measured(self, holder: str, puller: str) -> bool:
         pair = self._pairs.get((holder, puller))

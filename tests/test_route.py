@@ -171,40 +171,55 @@ async def test_a_pull_that_makes_up_for_the_missing_cache_ties(routed_daemon):
     assert (scores["p-b"].local_blocks, scores["p-b"].pull_blocks) == (0, 40)
 
 
-async def test_a_pull_costs_its_pairs_step_wait_and_a_local_hit_does_not(routed_daemon):
+@pytest.mark.parametrize(
+    "waits_ms, step_wait_ms, tied",
+    [
+        ((150, 250), 175.0, 1),  # every step the pair's READs waited for was long
+        ((2, 3, 2, 3, 2, 400, 600, 500), 2.0, 2),  # short steps, but for a burst's busy ones
+    ],
+    ids=["long_steps", "short_steps_and_a_burst"],
+)
+async def test_a_pull_costs_its_pairs_step_wait_and_a_local_hit_does_not(
+    routed_daemon, waits_ms, step_wait_ms, tied
+):
     """The pulling prefill schedules the request a step after its READ is done; a local prefix hit is
-    scheduled at once. With equal coverage, the pair's measured step wait decides for the local hit."""
-    model = "m-route-wait"
+    scheduled at once. With equal coverage, the pair's step wait decides for the local hit when the
+    pair's steps are long. The wait counted is the lower quartile of the pair's latest: a READ issued
+    while its engine computes other requests' prompts waits out that step, which is the queue Route
+    counts apart, so a burst's few long waits do not make the pair's every later pull look dear."""
+    model = f"m-route-wait-{len(waits_ms)}"
+    # workers of their own: the cost model learns per (holder, puller) pair, whatever the model
+    a, b, d = (f"{w}-{len(waits_ms)}" for w in ("p-a", "p-b", "d"))
     prompt = conversation("wait", 64)
-    # p-b's READs from d, each timed by NIXL at 2 ms and waiting 150-250 ms for engine steps
+    # b's READs from d, each timed by NIXL at 2 ms and waiting for engine steps
     reads = [
         pb.BlockEvent(
             transfer=pb.TransferReport(
-                source_worker_id="d",
+                source_worker_id=d,
                 bytes=4 << 20,
                 duration_us=2_000,
                 ok=True,
                 nixl_measured=True,
-                wait_us=wait_us,
+                wait_us=wait_ms * 1000,
             )
         )
-        for wait_us in (150_000, 250_000)
+        for wait_ms in waits_ms
     ]
     async with AsyncDirectoryClient(routed_daemon.address) as client:
         workers = {
-            "p-a": (pb.WORKER_ROLE_PREFILL, [stored(prompt[:40])]),
-            "p-b": (pb.WORKER_ROLE_PREFILL, reads),
-            "d": (pb.WORKER_ROLE_DECODE, [retained(prompt[:40], "h")]),
+            a: (pb.WORKER_ROLE_PREFILL, [stored(prompt[:40])]),
+            b: (pb.WORKER_ROLE_PREFILL, reads),
+            d: (pb.WORKER_ROLE_DECODE, [retained(prompt[:40], "h")]),
         }
         async with fleet(client, model, workers):
-            after = await client.route(model, ["p-b", "p-a"], block_hashes=prompt)
+            after = await client.route(model, [b, a], block_hashes=prompt)
     # both end at block 40 (with no waits measured they tie: the test above)
     scores = by_worker(after)
-    assert (scores["p-b"].pull_blocks, scores["p-b"].pull_wait_ms) == (40, 200.0)
-    assert scores["p-a"].pull_wait_ms == 0
-    assert [s.worker_id for s in after.ranked] == ["p-a", "p-b"] and after.tied == 1
-    assert scores["p-b"].expected_ttft_ms == pytest.approx(
-        scores["p-b"].queue_ms + scores["p-b"].transfer_ms + 200.0 + scores["p-b"].compute_ms
+    assert (scores[b].pull_blocks, scores[b].pull_wait_ms) == (40, step_wait_ms)
+    assert scores[a].pull_wait_ms == 0
+    assert after.ranked[0].worker_id == a and after.tied == tied
+    assert scores[b].expected_ttft_ms == pytest.approx(
+        scores[b].queue_ms + scores[b].transfer_ms + step_wait_ms + scores[b].compute_ms
     )
 
 
