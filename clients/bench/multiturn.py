@@ -510,6 +510,7 @@ class _Placing:
     """A routed arm's request being placed: Route's answer for it, and the placement once made."""
 
     answer: pb.RouteResponse
+    continued: bool  # the answer is a continuation's, asked when the conversation's last turn ended
     new_tokens: int  # beyond the history a continuation's answer scored (estimated)
     prompt_tokens: int
     timing: dict  # where choosing's time went
@@ -618,7 +619,7 @@ class RoutedArmClient(ArmClient):
                     None,
                     None,
                 )
-        placing = _Placing(answer, new_tokens, prompt_tokens, timing)
+        placing = _Placing(answer, continued is not None, new_tokens, prompt_tokens, timing)
         with self._lock:
             placed = self._place(placing, away_waits=self.burst is not None)
         if placed is None:  # it would leave its cache: placed with the rest of its burst
@@ -645,7 +646,7 @@ class RoutedArmClient(ArmClient):
         prefix of the prompt."""
         from kvloop.clients.proxy.routing import among_tied, rank_now
 
-        answer, continued = placing.answer, placing.timing.get("continuation", False)
+        answer, continued = placing.answer, placing.continued
         ranked, tied = rank_now(answer, lambda u: (self.in_flight[u], self.queued[u]))
         if self.arm == "kvloop":
             best = [r.score for r in ranked[: max(tied, 1)]]
