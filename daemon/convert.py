@@ -527,7 +527,12 @@ def route_query(
 
 
 def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -> pb.RouteResponse:
-    response = pb.RouteResponse(tied=tied, prompt_blocks=len(query.hashes), prompt_tokens=query.prompt_tokens)
+    response = pb.RouteResponse(
+        tied=tied,
+        prompt_blocks=len(query.hashes),
+        prompt_tokens=query.prompt_tokens,
+        block_size=query.block_size,
+    )
     for score in ranked:
         c = score.candidate
         out = response.ranked.add(

@@ -17,7 +17,7 @@ from kvloop.agents.connector.plans import PlanInbox
 from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
 from kvloop.clients.proxy.burst import ThreadedBurstWindow, place_together
-from kvloop.clients.proxy.continuation import ContinuationRoutes
+from kvloop.clients.proxy.continuation import HISTORY_PREFIX_ROUTES, ContinuationRoutes
 from kvloop.clients.proxy.routing import BURST_WAITS, RankedCandidate, Router
 from kvloop.common import block_hash
 from kvloop.common.route_estimate import settled_without_pull
@@ -636,7 +636,8 @@ async def test_the_proxy_routes_a_conversations_next_turn_from_routes_answer_at_
     """When a streamed turn ends the proxy asks Route about the conversation as it now stands; the next
     turn, which resends it with a new message, is routed from that answer - no tokenizing, no Route on
     its path - with its queue counted from the estimate plus the new message's tokens. A history that
-    is not the kept one (another answer, an edited message) or a second use asks Route as before."""
+    shares no message with the kept one, or a second use, asks Route as before; one that edited the
+    kept answer is ranked from the kept answer cut to the messages before it."""
     model = "m-route-continued"
     tokens = list(range(11, 11 + 48 * BS))
     hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
@@ -667,10 +668,9 @@ async def test_the_proxy_routes_a_conversations_next_turn_from_routes_answer_at_
                 }
 
             # not the kept conversation: Route on the turn's path (no tokenizer here: the load rule)
-            for other in (next_turn(answer + " more"), next_turn(answer, edited=True)):
-                choice = await router.choose(session, other, chat=True)
-                assert choice.outcome == "load_tokenize_failed", choice.outcome
-                choice.release()
+            choice = await router.choose(session, next_turn(answer, edited=True), chat=True)
+            assert choice.outcome == "load_tokenize_failed", choice.outcome
+            choice.release()
             choice = await router.choose(session, next_turn(answer), chat=True)
             # ct-a's own prefix plus a pull leads (or ties ct-b's whole pull, and pulls less)
             assert (
@@ -685,6 +685,23 @@ async def test_the_proxy_routes_a_conversations_next_turn_from_routes_answer_at_
             assert 0 < choice.new_tokens < len(new_message["content"])
             assert choice.queued_tokens == choice.score.compute_tokens + choice.new_tokens
             choice.release()
+            again = await router.choose(session, next_turn(answer), chat=True)
+            assert again.outcome == "load_tokenize_failed"  # taken once
+            again.release()
+
+            # A turn whose answer the client edited shares the system and task messages with the
+            # kept conversation: ranked from its answer cut to them, ct-a's cache covers them.
+            await router.turn_ended(body, answer, tokens, delay_s=0)
+            edited = await router.choose(session, next_turn(answer + " more"), chat=True)
+            # (or ties ct-b's pull of them, and pulls less)
+            assert edited.outcome in HISTORY_PREFIX_ROUTES and edited.backend.url == "http://ct-a"
+            assert edited.score is not None and 0 < edited.score.local_blocks < 36
+            assert edited.score.pull_blocks == 0 and edited.settled == "local_prefix"
+            assert (
+                edited.new_tokens > 0
+                and edited.queued_tokens == edited.score.compute_tokens + edited.new_tokens
+            )
+            edited.release()
             again = await router.choose(session, next_turn(answer), chat=True)
             assert again.outcome == "load_tokenize_failed"  # taken once
             again.release()
@@ -708,6 +725,71 @@ def test_continuation_routes_are_bounded_and_expire():
     routes.ttl_s = 0.0
     routes.keep("m", "", turns[0], "a", 10, pb.RouteResponse())
     assert routes.take("m", "", next_of(turns[0])) is None  # expired
+
+
+def test_an_edited_history_is_ranked_from_the_kept_answer_cut_to_the_messages_it_shares():
+    """A turn that departs from a kept conversation after its first messages (an agent dropping an
+    earlier answer) takes that conversation's kept answer, cut to the shared messages: the home prefill's
+    cache covers them, so no peer adds to it (its connector may skip the Lookup); the peer holding the
+    history pulls only the shared part. A request sharing only a system prompt takes nothing, and the
+    answer is taken once, whichever way."""
+    system = {"role": "system", "content": "s" * 300}
+    task = {"role": "user", "content": "t" * 100}
+    answer = "a" * 400  # 800 characters, 160 tokens: 0.2 tokens a character
+
+    def score(endpoint: str, local: int, pull: int, transfer_ms: float) -> pb.RouteScore:
+        return pb.RouteScore(
+            http_endpoint=endpoint,
+            registered=True,
+            local_blocks=local,
+            pull_blocks=pull,
+            pull_holder_worker_id="decode",
+            pull_holder_blocks=10,
+            pull_reason=pb.DECISION_REASON_TRANSFER_FASTER,
+            transfer_ms=transfer_ms,
+            pull_wait_ms=1.0,
+            prefill_tokens_per_s=1000.0,
+        )
+
+    kept = pb.RouteResponse(
+        prompt_tokens=160,
+        prompt_blocks=10,
+        block_size=16,
+        ranked=[score("http://home", 8, 2, 4.0), score("http://away", 0, 10, 20.0)],
+    )
+    routes = ContinuationRoutes()
+
+    def keep() -> None:
+        routes.keep("m", "", [system, task], answer, 160, kept)
+
+    keep()
+    edited = [
+        system,
+        task,
+        {"role": "assistant", "content": "b" * 400},
+        {"role": "user", "content": "u" * 50},
+    ]
+    taken = routes.take("m", "", edited)
+    assert taken is not None and taken.outcome == "history_prefix"
+    assert taken.new_tokens == 90  # the edited answer and the new message, at 0.2 tokens a character
+    cut = taken.answer
+    assert (cut.prompt_tokens, cut.prompt_blocks) == (80, 5)  # system and task: 400 characters
+    home, away = cut.ranked
+    assert (home.local_blocks, home.pull_blocks, home.compute_tokens) == (5, 0, 0)
+    assert settled_without_pull(home) == "local_prefix"  # no peer holds more of the shared part
+    assert (home.transfer_ms, home.pull_wait_ms, home.expected_ttft_ms) == (0.0, 0.0, 0.0)
+    assert (away.local_blocks, away.pull_blocks, away.pull_holder_blocks) == (0, 5, 5)
+    assert away.transfer_ms == pytest.approx(10.0) and away.expected_ttft_ms == pytest.approx(11.0)
+    assert settled_without_pull(away) is None
+    assert routes.take("m", "", [system, task, {"role": "assistant", "content": answer}, edited[3]]) is None
+
+    keep()
+    other_task = [system, {"role": "user", "content": "other"}, *edited[2:]]
+    assert routes.take("m", "", other_task) is None  # a shared system prompt is not a conversation
+    later = [system, task, {"role": "assistant", "content": answer}, edited[3], edited[2], edited[3]]
+    taken = routes.take("m", "", later)  # the whole kept history, a turn later: a continuation
+    assert taken is not None and taken.outcome == "continuation" and taken.answer == kept
+    assert routes.take("m", "", edited) is None and len(routes) == 0
 
 
 @contextlib.asynccontextmanager

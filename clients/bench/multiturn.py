@@ -510,8 +510,10 @@ class _Placing:
     """A routed arm's request being placed: Route's answer for it, and the placement once made."""
 
     answer: pb.RouteResponse
-    continued: bool  # the answer is a continuation's, asked when the conversation's last turn ended
-    new_tokens: int  # beyond the history a continuation's answer scored (estimated)
+    # How a kept answer (asked when the conversation's last turn ended) serves this request:
+    # "continuation" or "history_prefix" (continuation.py); None: Route answered on its path.
+    kept: str | None
+    new_tokens: int  # beyond the history a kept answer scored (estimated)
     prompt_tokens: int
     timing: dict  # where choosing's time went
     placed: tuple[str, str, int, list[dict], str | None, dict] | None = None
@@ -587,7 +589,13 @@ class RoutedArmClient(ArmClient):
             if continued is not None:
                 answer, new_tokens = continued.answer, continued.new_tokens
                 prompt_tokens = answer.prompt_tokens + new_tokens
-                timing: dict = {"tokenize_ms": 0.0, "rpc_ms": 0.0, "server_us": 0, "continuation": True}
+                timing: dict = {
+                    "tokenize_ms": 0.0,
+                    "rpc_ms": 0.0,
+                    "server_us": 0,
+                    "continuation": continued.outcome == "continuation",
+                    "kept": continued.outcome,
+                }
             else:
                 t0 = time.perf_counter()
                 tokens = self.tokenizer.tokens({"model": MODEL, "messages": messages}, chat=True)
@@ -619,7 +627,9 @@ class RoutedArmClient(ArmClient):
                     None,
                     None,
                 )
-        placing = _Placing(answer, continued is not None, new_tokens, prompt_tokens, timing)
+        placing = _Placing(
+            answer, continued.outcome if continued else None, new_tokens, prompt_tokens, timing
+        )
         with self._lock:
             placed = self._place(placing, away_waits=self.burst is not None)
         if placed is None:  # it would leave its cache: placed with the rest of its burst
@@ -646,13 +656,13 @@ class RoutedArmClient(ArmClient):
         prefix of the prompt."""
         from kvloop.clients.proxy.routing import among_tied, rank_now
 
-        answer, continued = placing.answer, placing.continued
+        answer = placing.answer
         ranked, tied = rank_now(answer, lambda u: (self.in_flight[u], self.queued[u]))
         if self.arm == "kvloop":
             best = [r.score for r in ranked[: max(tied, 1)]]
-            how = "route" if len(best) == 1 else "tie"
-            if continued:
-                how = "continuation" if len(best) == 1 else "continuation_tie"
+            how = placing.kept or "route"
+            if len(best) > 1:
+                how = "tie" if how == "route" else f"{how}_tie"
             if len(best) > 1:  # as the proxy breaks ties
                 best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
             if away_waits and not holds_longest_prefix(ranked, (s.http_endpoint for s in best)):
@@ -682,7 +692,9 @@ class RoutedArmClient(ArmClient):
             else placing.prompt_tokens - score.local_blocks * self.block_size
         )
         # as the proxy does (not from a continuation's answer: it is as old as the turn before)
-        settled = settled_without_pull(score) if self.arm == "kvloop" and not continued else None
+        settled = (
+            settled_without_pull(score) if self.arm == "kvloop" and placing.kept != "continuation" else None
+        )
         return (*self._reserve(url, how, queued), estimates, settled, placing.timing)
 
     def _place_waiting(self, waiting: list[_Placing]) -> None:

@@ -11,7 +11,9 @@ prefill Route does not know fall back to the load rule over all, and the outcome
 
 A chat request that continues a conversation whose last turn streamed through this proxy is ranked
 from the answer Route gave for that conversation when the turn ended (continuation.py): no
-tokenizing and no Route on its path (outcomes ``continuation`` and ``continuation_tie``).
+tokenizing and no Route on its path (outcomes ``continuation`` and ``continuation_tie``). One that
+edited that conversation's history is ranked from the same answer shortened to the messages it
+kept (``history_prefix``, ``history_prefix_tie``).
 
 A request that would leave the prefill holding the longest prefix of its prompt waits a few
 milliseconds for the rest of its burst, and those that waited are placed together (burst.py).
@@ -42,7 +44,9 @@ ROUTES = Counter(
     "kvloop_proxy_route_total",
     "How the proxy chose each request's prefill: route (Route's best), tie (the load rule among Route's "
     "tied best), continuation / continuation_tie (the same from Route's answer for the conversation "
-    "the request continues, asked when its last turn ended), or load_<why> (the load rule: "
+    "the request continues, asked when its last turn ended), history_prefix / history_prefix_tie (that "
+    "answer shortened to the messages a request that edited the history shares with it), or "
+    "load_<why> (the load rule: "
     "no_directory, single_candidate, tokenize_failed, timeout, unavailable, error, unknown_candidate)",
     ["outcome"],
 )
@@ -54,8 +58,9 @@ TOKENIZED = Counter(
 )
 CONTINUATIONS = Counter(
     "kvloop_proxy_continuation_routes_total",
-    "Route answers asked for conversations when a streamed turn ended: kept, used by the next turn, or "
-    "failed (Route refused or unreachable; the next turn asks Route itself)",
+    "Route answers asked for conversations when a streamed turn ended: kept, used by the next turn, "
+    "used_prefix (shortened, by a turn that edited the history), or failed (Route refused or "
+    "unreachable; the next turn asks Route itself)",
     ["outcome"],
 )
 BURST_WAITS = Counter(
@@ -115,7 +120,7 @@ def among_tied(tied: list[RankedCandidate], in_flight: Callable[[str], int]) -> 
 @dataclass
 class Choice:
     backend: Backend
-    outcome: str  # "route", "tie", "continuation", "continuation_tie" or "load_<why>"
+    outcome: str  # "route", "tie", "continuation", "history_prefix" (or either's "_tie") or "load_<why>"
     score: pb.RouteScore | None = None  # Route's estimate for the chosen backend
     prompt_tokens: int = 0
     expected_ttft_ms: float = 0.0  # with the queue as it was when chosen
@@ -128,7 +133,8 @@ class Choice:
     def settled(self) -> str | None:
         """Route's reason when it left nothing to pull for the chosen prefill: its connector then
         skips the Lookup (see route_estimate.ROUTE_SETTLED_KEY). Not for a continuation: its answer
-        is as old as the turn before, and a decode's retention may have landed after it."""
+        is as old as the turn before, and a decode's retention may have landed after it. A history
+        prefix may settle: what follows its shared messages is new, so no peer's retention holds it."""
         if self.score is None or self.outcome in CONTINUATION_ROUTES:
             return None
         return settled_without_pull(self.score)
@@ -213,10 +219,12 @@ class Router:
             if continued is not None:
                 prompt_tokens = continued.answer.prompt_tokens + continued.new_tokens  # as the bench counts
                 choice = await self._placed(
-                    continued.answer, healthy, "continuation", prompt_tokens, continued.new_tokens
+                    continued.answer, healthy, continued.outcome, prompt_tokens, continued.new_tokens
                 )
                 if choice is not None:  # else a prefill came or went since: ask Route
-                    CONTINUATIONS.labels("used").inc()
+                    CONTINUATIONS.labels(
+                        "used" if continued.outcome == "continuation" else "used_prefix"
+                    ).inc()
                     return choice
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -329,7 +337,8 @@ class Router:
         prompt_tokens: int,
         new_tokens: int,
     ) -> Choice:
-        """The choice among `among` (outcome ``route``/``tie``, or ``continuation``/``continuation_tie``)."""
+        """The choice among `among` (outcome ``route``, ``continuation`` or ``history_prefix``, or the
+        same with ``_tie``)."""
         if tied:
             choice = self._load(
                 "tie" if outcome == "route" else f"{outcome}_tie", among=among, prompt_tokens=prompt_tokens

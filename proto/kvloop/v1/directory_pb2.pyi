@@ -798,7 +798,7 @@ class PlansResponse(_message.Message):
     def __init__(self, prompt_key: _Optional[bytes] = ..., prompt_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., continuation: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us", "tie_floor_ms", "tie_ratio")
+    __slots__ = ("ranked", "tied", "prompt_blocks", "prompt_tokens", "route_us", "tie_floor_ms", "tie_ratio", "block_size")
     RANKED_FIELD_NUMBER: _ClassVar[int]
     TIED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -806,6 +806,7 @@ class RouteResponse(_message.Message):
     ROUTE_US_FIELD_NUMBER: _ClassVar[int]
     TIE_FLOOR_MS_FIELD_NUMBER: _ClassVar[int]
     TIE_RATIO_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ranked: _containers.RepeatedCompositeFieldContainer[RouteScore]
     tied: int
     prompt_blocks: int
@@ -813,4 +814,5 @@ class RouteResponse(_message.Message):
     route_us: int
     tie_floor_ms: float
     tie_ratio: float
-    def __init__(self, ranked: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., tied: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., route_us: _Optional[int] = ..., tie_floor_ms: _Optional[float] = ..., tie_ratio: _Optional[float] = ...) -> None: ...
+    block_size: int
+    def __init__(self, ranked: _Optional[_Iterable[_Union[RouteScore, _Mapping]]] = ..., tied: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., route_us: _Optional[int] = ..., tie_floor_ms: _Optional[float] = ..., tie_ratio: _Optional[float] = ..., block_size: _Optional[int] = ...) -> None: ...
