@@ -165,7 +165,10 @@ class PrefillSide:
             else:
                 path = pb.TURN_PATH_MISS if settled == pb.DECISION_REASON_MISS else pb.TURN_PATH_RECOMPUTE
                 reason = settled
-            detail = "the router's Route found no peer holding more than this prefill's prefix: no Lookup"
+            detail = (
+                "the router's Route (asked for this prompt, or for the history this prompt edited) found no "
+                "peer holding more than this prefill's prefix: no Lookup"
+            )
             answer_from_route = LookupAnswer(path, reason, 0, None, detail)
             return self._apply(
                 request, params, num_computed_tokens, answer_from_route, time.perf_counter(), vllm_match

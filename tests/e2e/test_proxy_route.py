@@ -19,6 +19,7 @@ from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
 from kvloop.clients.demo.model import random_text
 from kvloop.clients.demo.stack import _wait_http
+from kvloop.clients.proxy.continuation import HISTORY_PREFIX_ROUTES
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
 from kvloop.v1 import directory_pb2 as pb
@@ -190,11 +191,14 @@ def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(serv
     """Streamed agent turns through the routing proxy: when a turn ends the proxy asks Route about the
     conversation as it now stands, and the next turn is routed from that answer without tokenizing or
     asking Route, to a prefill where its history is found; each turn's answer equals a salted
-    recompute's (which no cache or pull can serve)."""
+    recompute's (which no cache or pull can serve). A last turn that drops the first answer from the
+    history is routed from the kept answer cut to the messages before it."""
     conversation = AgentConversation(seed=47, system_words=400, tool_words=200)
     with routing_proxy(served_stack, served_stack.daemon_address, tmp_path) as proxy:
         results = []
-        for turn in range(1, 4):
+        for turn in range(1, 5):
+            if turn == 4:
+                del conversation.messages[2]  # the first answer: every token after it shifts
             result = chat_turn(proxy, MODEL, conversation.messages, 24, turn)
             reference = chat_turn(
                 proxy, MODEL, conversation.messages, 24, turn, extra={"cache_salt": f"ref-{uuid.uuid4()}"}
@@ -213,14 +217,16 @@ def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(serv
         metrics = post_get(f"{proxy}/metrics")
     assert results[0].route in ("route", "tie")
     for r in results[1:]:
-        assert r.route in ("continuation", "continuation_tie"), f"turn {r.turn}: {r.route}"
-        # the history was found (own prefix cache or a peer's); whether a short rest moves is the cost
-        # policy's call
+        expected = HISTORY_PREFIX_ROUTES if r.turn == 4 else ("continuation", "continuation_tie")
+        assert r.route in expected, f"turn {r.turn}: {r.route}"
+        # the history (turn 4: its system and task messages) was found (own prefix cache or a peer's);
+        # whether a short rest moves is the cost policy's call
         found = r.path in ("transfer", "local") or r.reason in ("below_threshold", "recompute_faster")
         assert found, f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
     assert 'kvloop_proxy_continuation_routes_total{outcome="used"} 2.0' in metrics
-    # tokenized: the first turn and the three salted references, not the continued turns
-    assert 'kvloop_proxy_tokenized_total{where="local"} 4.0' in metrics
+    assert 'kvloop_proxy_continuation_routes_total{outcome="used_prefix"} 1.0' in metrics
+    # tokenized: the first turn and the four salted references, not the continued or edited turns
+    assert 'kvloop_proxy_tokenized_total{where="local"} 5.0' in metrics
 
 
 def _metric(url: str, series: str) -> float:
