@@ -73,7 +73,7 @@ class ProxyConfig:
     # Runs of one request (prefill + decode) on different servers when a server fails under it,
     # continuations of a broken stream included.
     max_attempts: int = 3
-    # With a directory: when a streamed chat turn ends, ask Route about the conversation as it now
+    # With a directory: when a chat turn ends (streamed or not), ask Route about the conversation as it now
     # stands, after this delay (the decode's retention reaches kvloopd meanwhile), and rank its next
     # turn from that answer (routing.py, continuation.py); kept this long. 0: every turn asks Route.
     continuation_delay_s: float = 0.2
@@ -348,10 +348,16 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                             endpoint,
                             attempts,
                         )
+                    keeps = chat and state.router.continuations is not None
                     with _decoding(leg.decode):
                         headers: dict[str, str] = {}
                         propagate.inject(headers)
-                        result = await _post_json(state, leg.decode, path, leg.decode_body, headers)
+                        decode_body = (
+                            {**leg.decode_body, "return_token_ids": True} if keeps else leg.decode_body
+                        )
+                        result = await _post_json(state, leg.decode, path, decode_body, headers)
+                    if keeps:
+                        result = _after_answer(state, body, result)
                     REQUESTS.labels(endpoint, "ok").inc()
                     return web.json_response(result, headers=leg.headers)
                 except UpstreamError as exc:
@@ -490,13 +496,42 @@ def _after_turn(state: _State, stream: StreamState) -> None:
     turn (in the background)."""
     if not (stream.chat and stream.finished and not stream.resumed and stream.prompt_token_ids):
         return
+    _turn_ended(
+        state, stream.body, "".join(stream.answer_parts), [*stream.prompt_token_ids, *stream.sent_token_ids]
+    )
+
+
+def _after_answer(state: _State, body: dict, result: dict) -> dict:
+    """A chat turn answered whole (not streamed), its token ids asked of the decode: Route about the
+    conversation ahead of its next turn, as after a stream. The answer the client gets has token ids
+    only if it asked for them."""
+    choices = result.get("choices")
+    choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
+    message = choice.get("message") if isinstance(choice, dict) else None
+    prompt_ids = result.get("prompt_token_ids")
+    answer_ids = choice.get("token_ids") if isinstance(choice, dict) else None
+    if (
+        isinstance(message, dict)
+        and isinstance(message.get("content"), str)
+        and not message.get("tool_calls")
+        and isinstance(prompt_ids, list)
+        and isinstance(answer_ids, list)
+    ):
+        _turn_ended(state, body, message["content"], [*prompt_ids, *answer_ids])
+    if body.get("return_token_ids"):
+        return result
+    # as the decode answers without them
+    out = {**result, "prompt_token_ids": None} if "prompt_token_ids" in result else dict(result)
+    if isinstance(choices, list):
+        out["choices"] = [
+            {**c, "token_ids": None} if isinstance(c, dict) and "token_ids" in c else c for c in choices
+        ]
+    return out
+
+
+def _turn_ended(state: _State, body: dict, answer: str, token_ids: list[int]) -> None:
     task = asyncio.create_task(
-        state.router.turn_ended(
-            stream.body,
-            "".join(stream.answer_parts),
-            [*stream.prompt_token_ids, *stream.sent_token_ids],
-            state.config.continuation_delay_s,
-        )
+        state.router.turn_ended(body, answer, token_ids, state.config.continuation_delay_s)
     )
     state.after_turns.add(task)
     task.add_done_callback(state.after_turns.discard)

@@ -5,7 +5,7 @@ user's reply). Choosing its prefill on the turn's own path costs rendering and t
 prompt and a Route round trip, milliseconds inside its time to first token. Most of what decides the
 choice is known when the turn before ends: which prefill holds the history in its prefix cache,
 which decode retains it (the history's KV, answer included), and what a pull of it would cost. So
-when a streamed chat turn ends, the router asks Route about the conversation as it now stands (the
+when a chat turn ends, the router asks Route about the conversation as it now stands (the
 turn's prompt token ids followed by its answer's, as the decode computed them) off any request's
 path, and keeps the answer here under a digest of the messages through that answer.
 

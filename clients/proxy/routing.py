@@ -9,7 +9,7 @@ Ties are decided by the load rule among the tied; no directory, an error, a dead
 prefill Route does not know fall back to the load rule over all, and the outcome names which
 (``kvloop_proxy_route_total{outcome}``, span attribute ``kvloop.route``, header ``x-kvloop-route``).
 
-A chat request that continues a conversation whose last turn streamed through this proxy is ranked
+A chat request that continues a conversation whose last turn went through this proxy is ranked
 from the answer Route gave for that conversation when the turn ended (continuation.py): no
 tokenizing and no Route on its path (outcomes ``continuation`` and ``continuation_tie``). One that
 edited that conversation's history is ranked from the same answer shortened to the messages it
@@ -58,7 +58,7 @@ TOKENIZED = Counter(
 )
 CONTINUATIONS = Counter(
     "kvloop_proxy_continuation_routes_total",
-    "Route answers asked for conversations when a streamed turn ended: kept, used by the next turn, "
+    "Route answers asked for conversations when a chat turn ended: kept, used by the next turn, "
     "used_prefix (shortened, by a turn that edited the history), or failed (Route refused or "
     "unreachable; the next turn asks Route itself)",
     ["outcome"],
@@ -351,7 +351,7 @@ class Router:
         return choice
 
     async def turn_ended(self, body: dict, answer: str, token_ids: list[int], delay_s: float) -> None:
-        """A streamed chat turn ended with `answer`; `token_ids` are its prompt's and its answer's, as
+        """A chat turn ended with `answer`; `token_ids` are its prompt's and its answer's, as
         the decode computed them. After `delay_s` (the decode's retention reaches kvloopd through its
         KV events meanwhile), ask Route about the conversation as it now stands and keep the answer
         for its next turn."""

@@ -188,24 +188,33 @@ def test_the_proxy_tokenizes_prompts_as_the_server_does(served_stack):
 
 
 def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(served_stack, tmp_path):
-    """Streamed agent turns through the routing proxy: when a turn ends the proxy asks Route about the
+    """Agent turns through the routing proxy: when a turn ends the proxy asks Route about the
     conversation as it now stands, and the next turn is routed from that answer without tokenizing or
     asking Route, to a prefill where its history is found; each turn's answer equals a salted
-    recompute's (which no cache or pull can serve). A last turn that drops the first answer from the
-    history is routed from the kept answer cut to the messages before it."""
+    recompute's (which no cache or pull can serve). A turn that drops the first answer from the
+    history is routed from the kept answer cut to the messages before it. A turn not streamed is kept
+    for the next as a streamed one is, and its client gets no token ids it did not ask for."""
     conversation = AgentConversation(seed=47, system_words=400, tool_words=200)
     with routing_proxy(served_stack, served_stack.daemon_address, tmp_path) as proxy:
-        results = []
-        for turn in range(1, 5):
+        routes, results = {}, []
+        for turn in range(1, 7):
             if turn == 4:
                 del conversation.messages[2]  # the first answer: every token after it shifts
-            result = chat_turn(proxy, MODEL, conversation.messages, 24, turn)
             reference = chat_turn(
                 proxy, MODEL, conversation.messages, 24, turn, extra={"cache_salt": f"ref-{uuid.uuid4()}"}
             )
-            assert result.answer == reference.answer, f"turn {turn}: the routed turn answered otherwise"
-            conversation.record(result.answer)
-            results.append(result)
+            if turn == 5:
+                body = {"model": MODEL, "messages": conversation.messages, "max_tokens": 24, "temperature": 0}
+                with post(f"{proxy}/v1/chat/completions", body) as r:
+                    plain, routes[turn] = json.loads(r.read()), r.headers["x-kvloop-route"]
+                assert plain.get("prompt_token_ids") is None and plain["choices"][0].get("token_ids") is None
+                answer = plain["choices"][0]["message"]["content"]
+            else:
+                result = chat_turn(proxy, MODEL, conversation.messages, 24, turn)
+                answer, routes[turn] = result.answer, result.route
+                results.append(result)
+            assert answer == reference.answer, f"turn {turn}: the routed turn answered otherwise"
+            conversation.record(answer)
             # the turn and its reference ended: Route's answer for each conversation kept (in the
             # background, after the proxy's delay)
             wait_until(
@@ -215,18 +224,19 @@ def test_a_conversations_next_turn_is_routed_from_routes_answer_at_its_last(serv
                 what="Route's answer kept for the conversation's next turn",
             )
         metrics = post_get(f"{proxy}/metrics")
-    assert results[0].route in ("route", "tie")
+    assert routes[1] in ("route", "tie")
+    for turn in (2, 3, 5, 6):
+        assert routes[turn] in ("continuation", "continuation_tie"), f"turn {turn}: {routes[turn]}"
+    assert routes[4] in HISTORY_PREFIX_ROUTES
     for r in results[1:]:
-        expected = HISTORY_PREFIX_ROUTES if r.turn == 4 else ("continuation", "continuation_tie")
-        assert r.route in expected, f"turn {r.turn}: {r.route}"
         # the history (turn 4: its system and task messages) was found (own prefix cache or a peer's);
         # whether a short rest moves is the cost policy's call
         found = r.path in ("transfer", "local") or r.reason in ("below_threshold", "recompute_faster")
         assert found, f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
-    assert 'kvloop_proxy_continuation_routes_total{outcome="used"} 2.0' in metrics
+    assert 'kvloop_proxy_continuation_routes_total{outcome="used"} 4.0' in metrics
     assert 'kvloop_proxy_continuation_routes_total{outcome="used_prefix"} 1.0' in metrics
-    # tokenized: the first turn and the four salted references, not the continued or edited turns
-    assert 'kvloop_proxy_tokenized_total{where="local"} 5.0' in metrics
+    # tokenized: the first turn and the six salted references, not the continued or edited turns
+    assert 'kvloop_proxy_tokenized_total{where="local"} 7.0' in metrics
 
 
 def _metric(url: str, series: str) -> float:
