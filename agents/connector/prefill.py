@@ -166,8 +166,8 @@ class PrefillSide:
                 path = pb.TURN_PATH_MISS if settled == pb.DECISION_REASON_MISS else pb.TURN_PATH_RECOMPUTE
                 reason = settled
             detail = (
-                "the router's Route (asked for this prompt, or for the history this prompt edited) found no "
-                "peer holding more than this prefill's prefix: no Lookup"
+                "the router's Route found no peer holding more than this prefill's prefix (asked for this "
+                "prompt, or for the history it edited): no Lookup"
             )
             answer_from_route = LookupAnswer(path, reason, 0, None, detail)
             return self._apply(
