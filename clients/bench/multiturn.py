@@ -661,9 +661,8 @@ class RoutedArmClient(ArmClient):
         if self.arm == "kvloop":
             best = [r.score for r in ranked[: max(tied, 1)]]
             how = placing.kept or "route"
-            if len(best) > 1:
+            if len(best) > 1:  # as the proxy names and breaks ties
                 how = "tie" if how == "route" else f"{how}_tie"
-            if len(best) > 1:  # as the proxy breaks ties
                 best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
             if away_waits and not holds_longest_prefix(ranked, (s.http_endpoint for s in best)):
                 return None
