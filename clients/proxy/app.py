@@ -669,11 +669,15 @@ def build_app(config: ProxyConfig) -> web.Application:
         )
         if config.directory:
             state.router.directory = AsyncDirectoryClient(config.directory, timeout=config.route_timeout_s)
-        await asyncio.gather(state.prefill.check_all(state.session), state.decode.check_all(state.session))
-        if state.router.directory is not None:  # load the served models' tokenizers before requests come
-            for backend in state.prefill.backends:
+        if state.router.directory is not None:
+            # Load the served models' tokenizers before requests come: as soon as a prefill names its
+            # models, at start-up or at a later health check when it was not up (or too slow) then.
+            def load_tokenizers(backend: Backend) -> None:
                 for model, root in backend.roots.items():
                     state.router.tokenizers.get(model, root)
+
+            state.prefill.on_models = load_tokenizers
+        await asyncio.gather(state.prefill.check_all(state.session), state.decode.check_all(state.session))
         state.tasks = [
             asyncio.create_task(state.prefill.keep_checking(state.session)),
             asyncio.create_task(state.decode.keep_checking(state.session)),

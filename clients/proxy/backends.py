@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -34,6 +35,9 @@ class BackendPool:
         self.role = role
         self.backends = [Backend(u.rstrip("/"), role) for u in urls]
         self.health_interval_s = health_interval_s
+        # Called with a backend when its served models are first known (its /v1/models answered):
+        # at start-up, or at a later check when the server was not up or too slow then.
+        self.on_models: Callable[[Backend], None] | None = None
         self._rr = 0
 
     def by_url(self, url: str) -> Backend | None:
@@ -67,6 +71,8 @@ class BackendPool:
                         served = (await r.json()).get("data", [])
                         backend.models = [m["id"] for m in served]
                         backend.roots = {m["id"]: m["root"] for m in served if m.get("root")}
+                        if self.on_models is not None:
+                            self.on_models(backend)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             ok = False
             backend.last_error = f"unreachable: {exc.__class__.__name__}: {exc}"
