@@ -137,12 +137,18 @@ class PromptTokenizers:
             out.update({m: f"loaded from {t.source}" if t else "server" for m, t in self._loaded.items()})
         return out
 
+    # One load at a time: transformers imports its classes lazily, and a second thread importing
+    # AutoTokenizer while the first is still importing it gets an ImportError (seen with a base model
+    # and its LoRA adapters, all served, loading at once).
+    _load_lock = threading.Lock()
+
     def _load(self, model: str, root: str | None) -> None:
         source = self._source_for(root)
         tokenizer = None
         if source is not None:
             try:
-                tokenizer = PromptTokenizer(source)
+                with self._load_lock:
+                    tokenizer = PromptTokenizer(source)
                 log.info("prompt tokenizer loaded", model=model, source=source)
             except (OSError, ValueError, ImportError) as exc:
                 log.warning(
