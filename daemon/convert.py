@@ -278,7 +278,7 @@ def _prompt_hashes(
             raise BadInput(
                 "too_many_hashes", f"{len(packed) // step} block hashes exceed the limit of {max_hashes}"
             )
-        hashes = PackedHashes(packed_keys(packed, step), KEY_BYTES)
+        hashes = PackedHashes(packed if step == KEY_BYTES else packed_keys(packed, step), KEY_BYTES)
     else:
         listed = list(request.block_hashes)
         if listed:

@@ -1,4 +1,4 @@
-"""A Prometheus histogram cheap enough for kvloopd's per-request path.
+"""Prometheus histograms and counters cheap enough for kvloopd's per-request path.
 
 prometheus_client's ``Histogram.observe`` takes a lock and walks the bucket bounds in Python: ~1.3 us
 per observation, and a Lookup made three of them (its own latency, and two store calls), ~18% of an
@@ -6,6 +6,9 @@ in-memory Lookup's handler. kvloopd observes only from its event-loop thread, so
 list of per-bucket counts found by ``bisect`` (C) with no lock; the scrape (another thread) turns them
 into the usual cumulative ``_bucket``/``_sum``/``_count`` series. A scrape that lands between the two
 updates of one observation may see ``_sum`` one observation ahead of ``_count``, never a torn value.
+
+:class:`LoopCounter` does the same for a counter: prometheus_client's ``inc`` is four calls and a lock;
+a series here is one integer the handler adds to in place. Each Lookup counts its decision.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from time import perf_counter
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 
@@ -106,4 +109,50 @@ class LoopHistogram:
                 running += count
                 cumulative.append((edge, running))
             family.add_metric(list(values), cumulative, total)
+        yield family
+
+
+class CounterSeries:
+    """One labelled counter series: add to ``value`` in place (``series.value += 1``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class LoopCounter:
+    """A counter with labels, exposed like prometheus_client's; count from one thread only."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        registry: CollectorRegistry | None = REGISTRY,
+    ) -> None:
+        # prometheus_client's Counter takes the name with or without "_total" and exposes "_total"
+        self._name = name.removesuffix("_total")
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], CounterSeries] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str) -> CounterSeries:
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values}")
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = CounterSeries()
+        return series
+
+    def describe(self) -> list[Metric]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, series in list(self._series.items()):
+            family.add_metric(list(values), series.value)
         yield family

@@ -5,14 +5,14 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 from kvloop.common.outcomes import decision_name, reason_name
-from kvloop.daemon.histogram import LoopHistogram
+from kvloop.daemon.histogram import CounterSeries, LoopCounter, LoopHistogram
 
 LOOKUP_LATENCY = LoopHistogram(
     "kvloop_lookup_latency_seconds",
     "Server-side Lookup time (index probe + policy), excluding gRPC transport",
     buckets=(10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3),
 )
-DECISIONS = Counter("kvloop_decisions_total", "Lookup decisions", ["decision", "reason"])
+DECISIONS = LoopCounter("kvloop_decisions_total", "Lookup decisions", ["decision", "reason"])
 EVENTS_INGESTED = Counter("kvloop_block_events_ingested_total", "Block-hash events applied", ["kind"])
 BATCHES = Counter("kvloop_event_batches_total", "Event batches received", ["outcome"])
 RESYNCS = Counter("kvloop_resyncs_total", "Full-state resyncs requested or performed", ["cause"])
@@ -56,17 +56,18 @@ class DaemonCounters:
         self._evictions_reported = 0
         # (decision, reason) -> (its labelled counter, its GetStats key): named once per pair,
         # not on every Lookup.
-        self._decision_series: dict[tuple[int, int], tuple[Counter, str]] = {}
+        self._decision_series: dict[tuple[int, int], tuple[CounterSeries, str]] = {}
+        self._lookup_latency = LOOKUP_LATENCY.labels()
 
     def lookup(self, seconds: float, decision: int, reason: int) -> None:
         """One Lookup answered: ``decision`` and ``reason`` are the proto enum values."""
-        LOOKUP_LATENCY.observe(seconds)
+        self._lookup_latency.observe(seconds)
         series = self._decision_series.get((decision, reason))
         if series is None:
             names = decision_name(decision), reason_name(reason)
             series = self._decision_series[decision, reason] = (DECISIONS.labels(*names), "/".join(names))
         counter, key = series
-        counter.inc()
+        counter.value += 1
         self.decisions[key] = self.decisions.get(key, 0) + 1
         self.lookups += 1
 

@@ -29,12 +29,13 @@ Real traffic cannot fool it with a few bad samples:
 from __future__ import annotations
 
 import asyncio
+import functools
 import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,7 +116,7 @@ class _Pair:
     model: str
     bandwidth: _Window  # bytes/s of NIXL-measured READs
     setup: _Window  # seconds to post a READ
-    verdicts: Counter[str] = field(default_factory=Counter)
+    verdicts: Counter[int] = field(default_factory=Counter)  # by reason (the proto value), named when shown
     recompute_streak: int = 0  # measured "recompute is faster" verdicts in a row
     last_transfer: float | None = None  # monotonic time of the last TRANSFER verdict
     wait_s: float = 0.0  # engine-step waits around READs, summed (not in Lookup's estimate)
@@ -124,9 +125,10 @@ class _Pair:
     recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
 
-@dataclass(frozen=True, slots=True)
-class KvLayout:
-    """What decides whether one worker's KV can be READ into another's (0 / "" / (): unknown)."""
+class KvLayout(NamedTuple):
+    """What decides whether one worker's KV can be READ into another's (0 / "" / (): unknown).
+
+    A named tuple: each Lookup's layout is a key of the acceptor cache (hashed in C)."""
 
     tensor_parallel_size: int = 0
     pipeline_parallel_size: int = 0
@@ -139,6 +141,9 @@ class KvLayout:
     def of(cls, spec: WorkerSpec) -> KvLayout:
         tp, pp, _, _ = spec.parallel
         return cls(tp, pp, spec.kv_dtype, spec.kv_bytes_per_block, tuple(spec.kv_group_windows))
+
+
+UNKNOWN_LAYOUT = KvLayout()
 
 
 def layout_mismatch(holder: KvLayout, puller: KvLayout) -> str | None:
@@ -167,7 +172,7 @@ def layout_mismatch(holder: KvLayout, puller: KvLayout) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every Lookup, and frozen fields cost ~0.1 us each
 class LookupQuery:
     """A Lookup in domain terms: the prompt and the puller's constraints."""
 
@@ -179,7 +184,7 @@ class LookupQuery:
     claim: bool = False
     min_pull_tokens: int = 0
     lease_margin_s: float = 0.0
-    layout: KvLayout = field(default_factory=KvLayout)
+    layout: KvLayout = UNKNOWN_LAYOUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,9 +262,39 @@ def _same_holding(a: PrefixMatch, b: PrefixMatch) -> bool:
     )
 
 
-def _readable_into(puller: KvLayout) -> Callable[[WorkerSpec], bool]:
-    """A store lookup's ``accept``: whether a holder's KV can be READ into ``puller``."""
-    return lambda spec: layout_mismatch(KvLayout.of(spec), puller) is None
+class _ReadableInto:
+    """A store lookup's ``accept``: whether a holder's KV can be READ into the puller's layout.
+
+    The verdict is kept per holder spec: a worker's layout changes only when it registers again,
+    which makes a new spec object (kept here, so its id is not reused while its verdict is)."""
+
+    __slots__ = ("_puller", "_verdicts")
+
+    def __init__(self, puller: KvLayout) -> None:
+        self._puller = puller
+        self._verdicts: dict[int, tuple[WorkerSpec, bool]] = {}
+
+    def __call__(self, spec: WorkerSpec) -> bool:
+        seen = self._verdicts.get(id(spec))
+        if seen is not None and seen[0] is spec:
+            return seen[1]
+        readable = layout_mismatch(KvLayout.of(spec), self._puller) is None
+        if len(self._verdicts) >= _MAX_VERDICTS:  # workers re-registering over a long life
+            self._verdicts.clear()
+        self._verdicts[id(spec)] = (spec, readable)
+        return readable
+
+
+_MAX_VERDICTS = 4096
+
+
+@functools.lru_cache(maxsize=256)
+def _readable_into(puller: KvLayout) -> Callable[[WorkerSpec], bool] | None:
+    """The ``accept`` of a puller's lookups, one per layout a puller states; None when it states
+    none (every check needs both sides' values, so every holder passes)."""
+    if puller == UNKNOWN_LAYOUT:
+        return None
+    return _ReadableInto(puller)
 
 
 def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer:
@@ -417,7 +452,7 @@ class CostModel:
                     setup_ms=pair.setup.estimate(config.default_transfer_setup_ms / 1e3, config.min_samples)
                     * 1e3,
                     sample_gbytes_per_s=[b / 1e9 for b in pair.bandwidth.samples],
-                    verdicts=dict(pair.verdicts),
+                    verdicts={reason_name(reason): n for reason, n in pair.verdicts.items()},
                     last_transfer_s_ago=now - pair.last_transfer if pair.last_transfer is not None else -1.0,
                     mean_wait_ms=pair.wait_s / pair.waits * 1e3 if pair.waits else 0.0,
                 )
@@ -444,19 +479,30 @@ class Policy:
 
     async def answer(self, store: BlockIndex, query: LookupQuery, now: float) -> Answer:
         """The one function that decides a turn's path."""
-        lookup = {
-            "margin_s": query.lease_margin_s,
-            "accept": _readable_into(query.layout),
-        }
+        margin_s, accept = query.lease_margin_s, _readable_into(query.layout)
         match = await store.lookup(
-            query.namespace, query.hashes, query.local_blocks, query.requester, now, claim=False, **lookup
+            query.namespace,
+            query.hashes,
+            query.local_blocks,
+            query.requester,
+            now,
+            False,
+            margin_s=margin_s,
+            accept=accept,
         )
         verdict = self.decide(query, match, now)
         if verdict.decision == pb.DECISION_TRANSFER and query.claim and match.best and match.best.single_use:
             # Claim only what is handed out: the same query again, now claiming in one store step.
             # Another puller may have claimed the run in between; then judge what is left.
             claimed = await store.lookup(
-                query.namespace, query.hashes, query.local_blocks, query.requester, now, claim=True, **lookup
+                query.namespace,
+                query.hashes,
+                query.local_blocks,
+                query.requester,
+                now,
+                True,
+                margin_s=margin_s,
+                accept=accept,
             )
             if not _same_holding(claimed, match):
                 verdict = self.decide(query, claimed, now)
@@ -473,7 +519,7 @@ class Policy:
     ) -> _Verdict:
         """The verdict on a match; ``peek`` (Route) judges by the estimates alone and records nothing
         (no verdict counts, no probe)."""
-        config = self.config_for(query.namespace.model)
+        config = self.per_model.get(query.namespace.model, self.default)  # config_for, on every Lookup
         local_blocks = query.local_blocks
         best = match.best
         if best is None:
@@ -549,7 +595,7 @@ class Policy:
         if verdict.decision == pb.DECISION_TRANSFER:
             pair.recompute_streak = 0
             pair.last_transfer = now
-        pair.verdicts[reason_name(verdict.reason)] += 1
+        pair.verdicts[verdict.reason] += 1
         return verdict
 
     @staticmethod

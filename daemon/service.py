@@ -38,6 +38,9 @@ from kvloop.v1 import directory_pb2_grpc as pb_grpc
 log = structlog.get_logger("kvloop.daemon")
 
 
+_CLAIMERS = (Role.PREFILL, Role.ADMIN)
+
+
 class DirectoryService(pb_grpc.DirectoryServicer):
     def __init__(
         self,
@@ -100,8 +103,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     # ---- Lookup ------------------------------------------------------------------------------
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        grant = current_grant()
-        if request.claim and grant is not None and grant.role not in (Role.PREFILL, Role.ADMIN):
+        if request.claim and (grant := current_grant()) is not None and grant.role not in _CLAIMERS:
             self.counters.rejected_message("Lookup", "permission_denied")
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,

@@ -1,13 +1,14 @@
-"""kvloopd's lock-free histogram exposes exactly what prometheus_client's Histogram does."""
+"""kvloopd's lock-free histogram and counter expose exactly what prometheus_client's Histogram and
+Counter do."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvloop.daemon.histogram import LoopHistogram
+from kvloop.daemon.histogram import LoopCounter, LoopHistogram
 
 BUCKETS = (10e-6, 25e-6, 50e-6, 100e-6, 1e-3)
 
@@ -53,3 +54,21 @@ def test_labels_must_match_the_label_names():
     histogram = LoopHistogram("labelled_seconds", "doc", ["op"], buckets=(1.0,), registry=None)
     with pytest.raises(ValueError, match="takes labels"):
         histogram.labels("a", "b")
+
+
+def test_the_counters_exposition_equals_prometheus_clients_for_the_same_counts():
+    theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
+    theirs = Counter("decisions_total", "doc", ["decision", "reason"], registry=theirs_registry)
+    ours = LoopCounter("decisions_total", "doc", ["decision", "reason"], registry=ours_registry)
+    rng = random.Random(5)
+    for _ in range(300):
+        labels = rng.choice(
+            [("transfer", "transfer_faster"), ("recompute", "miss"), ("local", "local_prefix")]
+        )
+        theirs.labels(*labels).inc()
+        ours.labels(*labels).value += 1
+    exposed = _exposition(ours_registry)
+    assert exposed == _exposition(theirs_registry)
+    assert any(line.startswith('decisions_total{decision="recompute",reason="miss"}') for line in exposed)
+    with pytest.raises(ValueError, match="takes labels"):
+        ours.labels("transfer")

@@ -175,20 +175,29 @@ def _hash_at(hashes: Sequence[bytes]) -> Callable[[int], bytes]:
     return hashes.__getitem__
 
 
-def _holds_at(run_hashes: list[bytes], at: Callable[[int], bytes], position: int) -> bool:
-    return len(run_hashes) > position and run_hashes[position] == at(position)
-
-
-def _common_prefix(run_hashes: list[bytes], at: Callable[[int], bytes], known: int, n: int) -> int:
+def _common_prefix(run_hashes: list[bytes], hashes: Sequence[bytes], known: int) -> int:
     """Blocks the run shares with the prompt, given that both hold block ``known``: chained hashes
-    make equality at block i imply it for every block before i, so a binary search finds the end."""
-    top = min(len(run_hashes), n) - 1
-    if run_hashes[top] == at(top):  # the usual continuation: the prompt extends the whole run
+    make equality at block i imply it for every block before i, so a binary search finds the end.
+    A packed prompt is sliced inline: this runs on every continuation's Lookup."""
+    top = min(len(run_hashes), len(hashes)) - 1
+    if isinstance(hashes, PackedHashes):
+        data, w = hashes.data, hashes.width
+        if run_hashes[top] == data[top * w : top * w + w]:  # the usual continuation: the whole run
+            return top + 1
+        lo, hi = known, top - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if run_hashes[mid] == data[mid * w : mid * w + w]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo + 1
+    if run_hashes[top] == hashes[top]:
         return top + 1
     lo, hi = known, top - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if run_hashes[mid] == at(mid):
+        if run_hashes[mid] == hashes[mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -205,6 +214,7 @@ class MemoryStore:
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()
+        self.clock: Callable[[], float] = time.monotonic  # the store's clock (no wrapper call per request)
         self._workers: dict[str, _Worker] = {}
         # model -> a registered worker's spec, for model_spec on every Lookup without a scan of
         # the workers; forgotten whenever a worker registers or is dropped
@@ -219,9 +229,6 @@ class MemoryStore:
         self.evictions = 0
         self.events_ingested = 0
         self.expired_runs = 0
-
-    def clock(self) -> float:
-        return time.monotonic()
 
     async def close(self) -> None:
         pass
@@ -527,10 +534,30 @@ class MemoryStore:
             return PrefixMatch(None, [])
         index = ns.retained
         runs = self._runs
+        at = _hash_at(hashes)
+        key = at(local_blocks)
+        first = index.get(key)
+        if first is None:
+            return PrefixMatch(None, [])
         floor = now + max(self.config.expiry_margin_s, margin_s)
+        if isinstance(first, int):
+            # Runs start at their sequence's first block and hashes chain, so a run holding any later
+            # block of this prompt also holds this one: a single holder here is the only candidate,
+            # and its match is found by comparing its own hashes (no index probes).
+            run = runs[first]
+            run_hashes = run.hashes
+            if (
+                len(run_hashes) > local_blocks
+                and run_hashes[local_blocks] == key
+                and self._servable(run, floor, now, requester)
+                and (accept is None or accept(run.worker.spec))
+            ):
+                best = self._holding(run, _common_prefix(run_hashes, hashes, local_blocks), now)
+                if claim and run.single_use:
+                    run.claimed_by = requester
+                return PrefixMatch(best, [])
         verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
         accepted: dict[str, bool] = {}
-        at = _hash_at(hashes)
 
         def servable(rid: int) -> bool:
             verdict = verdicts.get(rid)
@@ -544,21 +571,6 @@ class MemoryStore:
                     verdict = accepted[worker_id]
                 verdicts[rid] = verdict
             return verdict
-
-        first = index.get(at(local_blocks))
-        if first is None:
-            return PrefixMatch(None, [])
-        if isinstance(first, int):
-            # Runs start at their sequence's first block and hashes chain, so a run holding any later
-            # block of this prompt also holds this one: a single holder here is the only candidate,
-            # and its match is found by comparing its own hashes (no index probes).
-            run = runs[first]
-            if servable(first) and _holds_at(run.hashes, at, local_blocks):
-                matched = _common_prefix(run.hashes, at, local_blocks, n)
-                best = self._holding(run, matched, now)
-                if claim and run.single_use:
-                    run.claimed_by = requester
-                return PrefixMatch(best, [])
 
         def any_servable(position: int) -> bool:
             entry = index.get(at(position))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 
 class LeaseState(IntEnum):
@@ -51,9 +52,11 @@ class PackedHashes(Sequence[bytes]):
         return (data[i : i + w] for i in range(0, len(data), w))
 
 
-@dataclass(frozen=True, slots=True)
-class Namespace:
-    """Blocks are only comparable within one model and LoRA (cache salt is inside the hash)."""
+class Namespace(NamedTuple):
+    """Blocks are only comparable within one model and LoRA (cache salt is inside the hash).
+
+    A named tuple, not a frozen dataclass: every Lookup hashes it as a dict key, and a tuple's hash
+    and equality run in C."""
 
     model: str
     lora_name: str = ""
