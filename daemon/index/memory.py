@@ -175,11 +175,11 @@ def _hash_at(hashes: Sequence[bytes]) -> Callable[[int], bytes]:
     return hashes.__getitem__
 
 
-def _common_prefix(run_hashes: list[bytes], hashes: Sequence[bytes], known: int) -> int:
+def _common_prefix(run_hashes: list[bytes], hashes: Sequence[bytes], known: int, n: int) -> int:
     """Blocks the run shares with the prompt, given that both hold block ``known``: chained hashes
     make equality at block i imply it for every block before i, so a binary search finds the end.
     A packed prompt is sliced inline: this runs on every continuation's Lookup."""
-    top = min(len(run_hashes), len(hashes)) - 1
+    top = min(len(run_hashes), n) - 1
     if isinstance(hashes, PackedHashes):
         data, w = hashes.data, hashes.width
         if run_hashes[top] == data[top * w : top * w + w]:  # the usual continuation: the whole run
@@ -534,8 +534,11 @@ class MemoryStore:
             return PrefixMatch(None, [])
         index = ns.retained
         runs = self._runs
-        at = _hash_at(hashes)
-        key = at(local_blocks)
+        if isinstance(hashes, PackedHashes):
+            w = hashes.width
+            key = hashes.data[local_blocks * w : local_blocks * w + w]
+        else:
+            key = hashes[local_blocks]
         first = index.get(key)
         if first is None:
             return PrefixMatch(None, [])
@@ -552,10 +555,11 @@ class MemoryStore:
                 and self._servable(run, floor, now, requester)
                 and (accept is None or accept(run.worker.spec))
             ):
-                best = self._holding(run, _common_prefix(run_hashes, hashes, local_blocks), now)
+                best = self._holding(run, _common_prefix(run_hashes, hashes, local_blocks, n), now)
                 if claim and run.single_use:
                     run.claimed_by = requester
                 return PrefixMatch(best, [])
+        at = _hash_at(hashes)
         verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
         accepted: dict[str, bool] = {}
 
@@ -673,20 +677,18 @@ class MemoryStore:
         return True
 
     def _holding(self, run: _Run, matched: int, now: float) -> Holding:
-        return Holding(
-            worker=run.worker.spec,
-            matched_blocks=matched,
-            handle=run.handle,
-            expires_in_ms=max(0, int((run.deadline - now) * 1000)),
-            block_ids=run.ids_for(matched),
-            num_groups=run.num_groups,
-            single_use=run.single_use,
-            **(
-                {"tail_token_ids": run.tail[0], "tail_block_ids": run.tail[1]}
-                if run.tail is not None and matched == len(run.hashes)
-                else {}
-            ),
+        holding = Holding(
+            run.worker.spec,
+            matched,
+            run.handle,
+            max(0, int((run.deadline - now) * 1000)),
+            run.block_ids[:matched] if run.num_groups == 1 else run.ids_for(matched),
+            run.num_groups,
+            run.single_use,
         )
+        if run.tail is not None and matched == len(run.hashes):
+            holding.tail_token_ids, holding.tail_block_ids = run.tail
+        return holding
 
     async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
         ns = self._namespaces.get(namespace)

@@ -21,20 +21,12 @@ class PackedHashes(Sequence[bytes]):
     index slices only the hashes its search probes; a store that ships the whole prompt elsewhere
     takes :attr:`data` at once (a per-item walk through ``__getitem__`` cost ~1 us a block)."""
 
-    __slots__ = ("_data", "_n", "_width")
+    __slots__ = ("_n", "data", "width")
 
     def __init__(self, data: bytes, width: int) -> None:
-        self._width, self._n = width, len(data) // width
-        self._data = data if len(data) == self._n * width else data[: self._n * width]
-
-    @property
-    def data(self) -> bytes:
-        """The hashes, concatenated (``len(self) * width`` bytes)."""
-        return self._data
-
-    @property
-    def width(self) -> int:
-        return self._width
+        # plain attributes, not properties: the in-memory lookup reads them on every Lookup
+        self.width, self._n = width, len(data) // width
+        self.data = data if len(data) == self._n * width else data[: self._n * width]  # len(self) * width
 
     def __len__(self) -> int:
         return self._n
@@ -44,11 +36,11 @@ class PackedHashes(Sequence[bytes]):
             i += self._n
         if not 0 <= i < self._n:
             raise IndexError(i)
-        w = self._width
-        return self._data[i * w : (i + 1) * w]
+        w = self.width
+        return self.data[i * w : (i + 1) * w]
 
     def __iter__(self) -> Iterator[bytes]:
-        data, w = self._data, self._width
+        data, w = self.data, self.width
         return (data[i : i + w] for i in range(0, len(data), w))
 
 
