@@ -156,21 +156,31 @@ class _ClientBase:
         A puller states its constraints (minimum pull, lease margin, its KV layout): the daemon
         answers within them.
         """
-        request = pb.LookupRequest(
-            model=model,
-            lora_name=lora_name,
-            local_blocks=local_blocks,
-            requester_worker_id=requester,
-            claim=claim,
-            block_size=block_size,
-            pack_block_ids=pack_block_ids,
-            min_pull_tokens=min_pull_tokens,
-            lease_margin_ms=lease_margin_ms,
-            parallel=parallel,
-            kv_dtype=kv_dtype,
-            kv_bytes_per_block=kv_bytes_per_block,
-            kv_group_windows=kv_group_windows,
-        )
+        request = pb.LookupRequest(model=model, requester_worker_id=requester)
+        # Only what differs from the proto's defaults is set: a connector builds one per prefill, and
+        # each field set costs as much as sending it.
+        if lora_name:
+            request.lora_name = lora_name
+        if local_blocks:
+            request.local_blocks = local_blocks
+        if claim:
+            request.claim = True
+        if block_size:
+            request.block_size = block_size
+        if pack_block_ids:
+            request.pack_block_ids = True
+        if min_pull_tokens:
+            request.min_pull_tokens = min_pull_tokens
+        if lease_margin_ms:
+            request.lease_margin_ms = lease_margin_ms
+        if parallel is not None:
+            request.parallel.CopyFrom(parallel)
+        if kv_dtype:
+            request.kv_dtype = kv_dtype
+        if kv_bytes_per_block:
+            request.kv_bytes_per_block = kv_bytes_per_block
+        if kv_group_windows:
+            request.kv_group_windows.extend(kv_group_windows)
         _set_prompt(request, block_hashes, hash_length)
         return self._invoke("Lookup", request, timeout=timeout)
 

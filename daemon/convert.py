@@ -305,24 +305,24 @@ def _prompt_hashes(
 
 def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_hashes: int) -> LookupQuery:
     """The request as a query; ``model_spec`` is any registered worker of the model (its layout)."""
-    if not request.model:
+    model = request.model
+    if not model:
         raise BadInput("model", "model must be set")
     hashes, block_size = _prompt_hashes(request, model_spec, max_hashes, "Lookup")
-    if request.local_blocks > len(hashes):
-        raise BadInput(
-            "local_blocks", f"local_blocks {request.local_blocks} exceeds the {len(hashes)} hashes given"
-        )
+    local_blocks = request.local_blocks
+    if local_blocks > len(hashes):
+        raise BadInput("local_blocks", f"local_blocks {local_blocks} exceeds the {len(hashes)} hashes given")
     p = request.parallel
-    return LookupQuery(
-        namespace=Namespace(request.model, request.lora_name),
-        hashes=hashes,
-        local_blocks=request.local_blocks,
-        requester=request.requester_worker_id,
-        block_size=block_size,
-        claim=request.claim,
-        min_pull_tokens=request.min_pull_tokens,
-        lease_margin_s=request.lease_margin_ms / 1000.0,
-        layout=KvLayout(
+    return LookupQuery(  # positional: every Lookup builds one
+        Namespace(model, request.lora_name),
+        hashes,
+        local_blocks,
+        request.requester_worker_id,
+        block_size,
+        request.claim,
+        request.min_pull_tokens,
+        request.lease_margin_ms / 1000.0,
+        KvLayout(
             p.tensor_parallel_size,
             p.pipeline_parallel_size,
             request.kv_dtype,
@@ -354,10 +354,12 @@ def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb
 
 def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
     spec = holding.worker
+    # Fields left at their default are not set (proto3 sends none): every Lookup fills a holder.
     message.worker_id = spec.worker_id
     message.engine_id = spec.engine_id
     message.nixl_endpoint = spec.nixl_endpoint
-    message.http_endpoint = spec.http_endpoint
+    if spec.http_endpoint:
+        message.http_endpoint = spec.http_endpoint
     message.matched_blocks = holding.matched_blocks
     message.retention_handle = holding.handle
     message.expires_in_ms = holding.expires_in_ms
@@ -366,7 +368,8 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
     else:
         message.block_ids.extend(holding.block_ids)
     message.num_groups = holding.num_groups
-    message.single_use = holding.single_use
+    if holding.single_use:
+        message.single_use = True
     if holding.tail_token_ids:
         message.tail_token_ids.extend(holding.tail_token_ids)
         message.tail_block_ids.extend(holding.tail_block_ids)

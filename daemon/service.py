@@ -117,10 +117,12 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             await self._refuse(context, "Lookup", exc)
         answer = await self.policy.answer(self.store, query, self.store.clock())
         response = convert.lookup_response(answer, query.block_size, request.pack_block_ids)
-        response.directory_epoch = self.store.epoch  # read after the lookup: it may have moved it
+        epoch = self.store.epoch  # read after the lookup: it may have moved it
+        if epoch:  # 0 on the in-memory store: left unset
+            response.directory_epoch = epoch
         elapsed = time.perf_counter() - started
         response.lookup_us = int(elapsed * 1e6)
-        self.counters.lookup(elapsed, response.decision, response.reason)
+        self.counters.lookup(elapsed, answer.decision, answer.reason)
         if self.traced:
             _annotate_lookup(trace.get_current_span(), request, response)
         return response
