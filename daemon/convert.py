@@ -341,9 +341,8 @@ def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb
         matched_blocks=answer.matched_blocks,
         matched_tokens=answer.matched_blocks * block_size,
         recompute_tokens=answer.recompute_blocks * block_size,
+        cost=answer.cost,  # None: unset
     )
-    if answer.cost is not None:
-        response.cost.CopyFrom(answer.cost)
     match = answer.match
     if match.best is not None:
         _fill_holder(response.holder, match.best, pack_block_ids)
