@@ -35,8 +35,9 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
@@ -125,10 +126,10 @@ class _Pair:
     recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=64))
 
 
-class KvLayout(NamedTuple):
+class KvLayout(msgspec.Struct, frozen=True, gc=False):
     """What decides whether one worker's KV can be READ into another's (0 / "" / (): unknown).
 
-    A named tuple: each Lookup's layout is a key of the acceptor cache (hashed in C)."""
+    Each Lookup's layout is a key of the acceptor cache: a frozen msgspec struct, hashed in C."""
 
     tensor_parallel_size: int = 0
     pipeline_parallel_size: int = 0
@@ -172,8 +173,7 @@ def layout_mismatch(holder: KvLayout, puller: KvLayout) -> str | None:
     return None
 
 
-@dataclass(slots=True)  # not frozen: built on every Lookup, and frozen fields cost ~0.1 us each
-class LookupQuery:
+class LookupQuery(msgspec.Struct, gc=False):  # request-path values are msgspec structs (model.py)
     """A Lookup in domain terms: the prompt and the puller's constraints."""
 
     namespace: Namespace
@@ -229,8 +229,7 @@ class RouteScore:
     plan: Answer | None = None
 
 
-@dataclass(slots=True)
-class Answer:
+class Answer(msgspec.Struct, gc=False):
     decision: int
     reason: int
     path: int
@@ -326,8 +325,7 @@ def path_of(decision: int, reason: int) -> int:
     return pb.TURN_PATH_RECOMPUTE
 
 
-@dataclass(slots=True)
-class _Verdict:
+class _Verdict(msgspec.Struct, gc=False):
     decision: int
     reason: int
     detail: str

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple
+
+import msgspec
 
 
 class LeaseState(IntEnum):
@@ -44,11 +45,11 @@ class PackedHashes(Sequence[bytes]):
         return (data[i : i + w] for i in range(0, len(data), w))
 
 
-class Namespace(NamedTuple):
+class Namespace(msgspec.Struct, frozen=True, gc=False):
     """Blocks are only comparable within one model and LoRA (cache salt is inside the hash).
 
-    A named tuple, not a frozen dataclass: every Lookup hashes it as a dict key, and a tuple's hash
-    and equality run in C."""
+    Every Lookup builds one and hashes it as a dict key: a msgspec struct is made, hashed and
+    compared in C (a frozen dataclass ran its hash and equality in Python)."""
 
     model: str
     lora_name: str = ""
@@ -115,9 +116,9 @@ class Cleared:
 Event = Stored | Retained | Removed | Released | Cleared
 
 
-@dataclass(slots=True)
-class Holding:
-    """One worker's servable prefix of a prompt."""
+class Holding(msgspec.Struct, gc=False):
+    """One worker's servable prefix of a prompt (a msgspec struct, as every request-path value here:
+    built in C, and not tracked by the garbage collector, since none can be part of a cycle)."""
 
     worker: WorkerSpec
     matched_blocks: int
@@ -131,8 +132,7 @@ class Holding:
     tail_block_ids: Sequence[int] = ()
 
 
-@dataclass(slots=True)
-class PrefixMatch:
+class PrefixMatch(msgspec.Struct, gc=False):
     """What a lookup found: the best holder, others of the same length, and why none if none."""
 
     best: Holding | None
