@@ -15,7 +15,7 @@ import grpc
 
 from kvloop.common import block_hash
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
-from kvloop.common.packed_ids import pack_u32, unpack_u32
+from kvloop.common.packed_ids import unpack_u32
 from kvloop.daemon.index import (
     Cleared,
     Event,
@@ -363,7 +363,7 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
     message.retention_handle = holding.handle
     message.expires_in_ms = holding.expires_in_ms
     if packed:
-        message.packed_block_ids = pack_u32(holding.block_ids)
+        message.packed_block_ids = holding.packed_block_ids
     else:
         message.block_ids.extend(holding.block_ids)
     message.num_groups = holding.num_groups

@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 
+from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index import Holding, Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.policy import LookupQuery, Policy, PolicyConfig
 from kvloop.v1 import directory_pb2 as pb
@@ -14,7 +15,7 @@ HOLDER = WorkerSpec("decode-0", 2, "m", "e", "h:1", 16, "sha256_cbor", 32, 1, kv
 
 
 def match(blocks: int) -> PrefixMatch:
-    return PrefixMatch(Holding(HOLDER, blocks, "h", 60_000, list(range(blocks)), 1, False), [])
+    return PrefixMatch(Holding(HOLDER, blocks, "h", 60_000, pack_u32(range(blocks)), 1, False), [])
 
 
 def query(model: str, prompt_blocks: int, local_blocks: int, requester: str, min_pull_tokens: int = 0):

@@ -6,8 +6,9 @@ Layout, chosen for lookup speed and memory per entry:
 - per namespace, ``retained`` maps a block key to the id of the retained run holding it (an int),
   or a list of run ids when several runs hold it (shared prefixes); ``stored`` does the same for
   prefix-cache blocks, with worker slots instead of run ids;
-- a run keeps its hashes (the same bytes objects as the keys) and its physical block ids in an
-  ``array('I')``, so an entry costs a key, a dict slot and 12 bytes.
+- a run keeps its hashes (the same bytes objects as the keys) and its physical block ids packed as
+  uint32s (as a Lookup sends them: a holder's ids are one slice), so an entry costs a key, a dict slot
+  and 12 bytes.
 
 Every retained run starts at the first block of its sequence and block hashes are chained, so the
 runs holding block i of a prompt also hold blocks 0..i-1: "some servable run holds block i" is
@@ -21,10 +22,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import struct
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
+from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index.model import (
     Change,
     Cleared,
@@ -43,6 +46,9 @@ from kvloop.daemon.index.model import (
     WorkerView,
 )
 from kvloop.daemon.index.store import Applied, DirectoryError, Fence, IndexConfig, StoreCounts
+
+_ID = struct.Struct("<I")  # a packed block id (kvloop.common.packed_ids)
+_ID_BYTES = _ID.size
 
 
 class _Run:
@@ -66,7 +72,7 @@ class _Run:
         self.worker = worker
         self.namespace = namespace
         self.hashes = event.hashes
-        self.block_ids = array("I", event.block_ids)
+        self.block_ids = pack_u32(event.block_ids)  # packed, as a Lookup sends them (4 bytes an id)
         self.num_groups = event.num_groups
         self.handle = event.handle
         self.deadline = now + event.expires_in_ms / 1000.0
@@ -80,16 +86,13 @@ class _Run:
             else None
         )
 
-    def ids_for(self, blocks: int) -> array:
-        """Physical ids of blocks [0, blocks), group-major (array slices: no per-id Python work)."""
-        length = len(self.hashes)
+    def ids_for(self, blocks: int) -> bytes:
+        """Packed ids of blocks [0, blocks), group-major (byte slices: no per-id Python work)."""
         ids = self.block_ids
         if self.num_groups == 1:
-            return ids[:blocks]
-        out = array("I")
-        for g in range(self.num_groups):
-            out.extend(ids[g * length : g * length + blocks])
-        return out
+            return ids[: blocks * _ID_BYTES]
+        length = len(self.hashes) * _ID_BYTES
+        return b"".join(ids[g * length : g * length + blocks * _ID_BYTES] for g in range(self.num_groups))
 
 
 class _Worker:
@@ -682,7 +685,7 @@ class MemoryStore:
             matched,
             run.handle,
             max(0, int((run.deadline - now) * 1000)),
-            run.block_ids[:matched] if run.num_groups == 1 else run.ids_for(matched),
+            run.block_ids[: matched * _ID_BYTES] if run.num_groups == 1 else run.ids_for(matched),
             run.num_groups,
             run.single_use,
         )
@@ -705,7 +708,10 @@ class MemoryStore:
                     worker_id=run.worker.spec.worker_id,
                     kind="retained",
                     position=position,
-                    block_ids=[run.block_ids[g * length + position] for g in range(run.num_groups)],
+                    block_ids=[
+                        _ID.unpack_from(run.block_ids, (g * length + position) * _ID_BYTES)[0]
+                        for g in range(run.num_groups)
+                    ],
                     handle=run.handle,
                     expires_in_ms=max(0, int((run.deadline - now) * 1000)),
                     servable=self._servable(run, floor, now, ""),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 import msgspec
+
+from kvloop.common.packed_ids import unpack_u32
 
 
 class LeaseState(IntEnum):
@@ -124,12 +127,18 @@ class Holding(msgspec.Struct, gc=False):
     matched_blocks: int
     handle: str
     expires_in_ms: int
-    block_ids: Sequence[int]  # group-major, blocks [0, matched_blocks)
+    # Physical ids of blocks [0, matched_blocks), group-major, as little-endian uint32s
+    # (kvloop.common.packed_ids): how both stores keep them and a Lookup sends them.
+    packed_block_ids: bytes
     num_groups: int
     single_use: bool
     # The run's partly filled last block, when matched_blocks is the whole run.
     tail_token_ids: Sequence[int] = ()
     tail_block_ids: Sequence[int] = ()
+
+    @property
+    def block_ids(self) -> array:
+        return unpack_u32(self.packed_block_ids)
 
 
 class PrefixMatch(msgspec.Struct, gc=False):

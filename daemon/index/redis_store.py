@@ -93,7 +93,7 @@ def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
         matched_blocks=matched,
         handle=_text(handle),
         expires_in_ms=int(expires_ms),
-        block_ids=unpack_u32(ids),
+        packed_block_ids=bytes(ids),  # as Lua packed them: sent on as they are
         num_groups=int(groups),
         single_use=_text(single_use) == "1",
         tail_token_ids=unpack_u32(tail_tokens),
