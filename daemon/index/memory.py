@@ -6,9 +6,9 @@ Layout, chosen for lookup speed and memory per entry:
 - per namespace, ``retained`` maps a block key to the id of the retained run holding it (an int),
   or a list of run ids when several runs hold it (shared prefixes); ``stored`` does the same for
   prefix-cache blocks, with worker slots instead of run ids;
-- a run keeps its hashes (the same bytes objects as the keys) and its physical block ids packed as
-  uint32s (as a Lookup sends them: a holder's ids are one slice), so an entry costs a key, a dict slot
-  and 12 bytes.
+- a run keeps its block keys concatenated (one buffer: a lookup's binary search over the run touches
+  one object, not a bytes object per probe) and its physical block ids packed as uint32s (as a Lookup
+  sends them: a holder's ids are one slice), so an entry costs a key, a dict slot and 12 bytes.
 
 Every retained run starts at the first block of its sequence and block hashes are chained, so the
 runs holding block i of a prompt also hold blocks 0..i-1: "some servable run holds block i" is
@@ -25,7 +25,7 @@ import itertools
 import struct
 import time
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index.model import (
@@ -54,16 +54,18 @@ _ID_BYTES = _ID.size
 class _Run:
     __slots__ = (
         "block_ids",
+        "blocks",
         "claimed_by",
         "deadline",
         "handle",
-        "hashes",
+        "keys",
         "namespace",
         "num_groups",
         "run_id",
         "single_use",
         "tail",
         "tier",
+        "width",
         "worker",
     )
 
@@ -71,7 +73,12 @@ class _Run:
         self.run_id = run_id
         self.worker = worker
         self.namespace = namespace
-        self.hashes = event.hashes
+        hashes = event.hashes
+        self.blocks = len(hashes)
+        self.width = len(hashes[0]) if hashes else 0
+        self.keys = b"".join(hashes)
+        if len(self.keys) != self.blocks * self.width:
+            raise ValueError("a retained run's block hashes must all have one length")
         self.block_ids = pack_u32(event.block_ids)  # packed, as a Lookup sends them (4 bytes an id)
         self.num_groups = event.num_groups
         self.handle = event.handle
@@ -91,8 +98,20 @@ class _Run:
         ids = self.block_ids
         if self.num_groups == 1:
             return ids[: blocks * _ID_BYTES]
-        length = len(self.hashes) * _ID_BYTES
+        length = self.blocks * _ID_BYTES
         return b"".join(ids[g * length : g * length + blocks * _ID_BYTES] for g in range(self.num_groups))
+
+    def hashes(self) -> Iterator[bytes]:
+        keys, w = self.keys, self.width
+        return (keys[i : i + w] for i in range(0, len(keys), w))
+
+    def position(self, key: bytes) -> int:
+        """The block index of ``key`` in the run (-1: not held)."""
+        keys, w = self.keys, self.width
+        at = keys.find(key)
+        while at != -1 and at % w:  # a match across two blocks' bytes is not a block
+            at = keys.find(key, at + 1)
+        return -1 if at == -1 else at // w
 
 
 class _Worker:
@@ -178,29 +197,31 @@ def _hash_at(hashes: Sequence[bytes]) -> Callable[[int], bytes]:
     return hashes.__getitem__
 
 
-def _common_prefix(run_hashes: list[bytes], hashes: Sequence[bytes], known: int, n: int) -> int:
+def _common_prefix(run: _Run, hashes: Sequence[bytes], known: int, n: int) -> int:
     """Blocks the run shares with the prompt, given that both hold block ``known``: chained hashes
     make equality at block i imply it for every block before i, so a binary search finds the end.
     A packed prompt is sliced inline: this runs on every continuation's Lookup."""
-    top = min(len(run_hashes), n) - 1
+    keys, w = run.keys, run.width
+    top = min(run.blocks, n) - 1
     if isinstance(hashes, PackedHashes):
-        data, w = hashes.data, hashes.width
-        if run_hashes[top] == data[top * w : top * w + w]:  # the usual continuation: the whole run
+        data = hashes.data
+        if keys[top * w : top * w + w] == data[top * w : top * w + w]:  # the usual continuation
             return top + 1
         lo, hi = known, top - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if run_hashes[mid] == data[mid * w : mid * w + w]:
+            at = mid * w
+            if keys[at : at + w] == data[at : at + w]:
                 lo = mid
             else:
                 hi = mid - 1
         return lo + 1
-    if run_hashes[top] == hashes[top]:
+    if keys[top * w : top * w + w] == hashes[top]:
         return top + 1
     lo, hi = known, top - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if run_hashes[mid] == hashes[mid]:
+        if keys[mid * w : mid * w + w] == hashes[mid]:
             lo = mid
         else:
             hi = mid - 1
@@ -433,13 +454,13 @@ class MemoryStore:
             return 0
         index = self._namespaces[run.namespace].retained
         rid = run.run_id
-        removed = sum(_discard(index, h, rid) for h in run.hashes)
+        removed = sum(_discard(index, h, rid) for h in run.hashes())
         self._entries -= removed
         worker = run.worker
         if worker.runs.get(run.handle) is run:
             del worker.runs[run.handle]
-        worker.retained_blocks -= len(run.hashes)
-        return len(run.hashes)
+        worker.retained_blocks -= run.blocks
+        return run.blocks
 
     def _store(self, worker: _Worker, event: Stored) -> int:
         namespace = Namespace(worker.spec.model, event.lora_name)
@@ -551,14 +572,14 @@ class MemoryStore:
             # block of this prompt also holds this one: a single holder here is the only candidate,
             # and its match is found by comparing its own hashes (no index probes).
             run = runs[first]
-            run_hashes = run.hashes
+            w = run.width
             if (
-                len(run_hashes) > local_blocks
-                and run_hashes[local_blocks] == key
+                run.blocks > local_blocks
+                and run.keys[local_blocks * w : local_blocks * w + w] == key
                 and self._servable(run, floor, now, requester)
                 and (accept is None or accept(run.worker.spec))
             ):
-                best = self._holding(run, _common_prefix(run_hashes, hashes, local_blocks, n), now)
+                best = self._holding(run, _common_prefix(run, hashes, local_blocks, n), now)
                 if claim and run.single_use:
                     run.claimed_by = requester
                 return PrefixMatch(best, [])
@@ -602,7 +623,9 @@ class MemoryStore:
         candidates = [
             run
             for rid in _values(index[last])
-            if servable(rid) and len((run := runs[rid]).hashes) >= matched and run.hashes[lo] == last
+            if servable(rid)
+            and (run := runs[rid]).blocks >= matched
+            and run.keys[lo * run.width : matched * run.width] == last
         ]
         if not candidates:
             return PrefixMatch(None, [])
@@ -689,7 +712,7 @@ class MemoryStore:
             run.num_groups,
             run.single_use,
         )
-        if run.tail is not None and matched == len(run.hashes):
+        if run.tail is not None and matched == run.blocks:
             holding.tail_token_ids, holding.tail_block_ids = run.tail
         return holding
 
@@ -701,8 +724,8 @@ class MemoryStore:
         found = []
         for rid in _values(ns.retained.get(block_hash, [])):
             run = self._runs[rid]
-            position = run.hashes.index(block_hash)
-            length = len(run.hashes)
+            position = run.position(block_hash)
+            length = run.blocks
             found.append(
                 Location(
                     worker_id=run.worker.spec.worker_id,
