@@ -16,10 +16,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from time import perf_counter
+from typing import Generic, TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
+
+_S = TypeVar("_S")
 
 
 class _Timing:
@@ -57,7 +60,34 @@ class HistogramSeries:
         return _Timing(self)
 
 
-class LoopHistogram:
+class _LoopMetric(Generic[_S]):
+    """A metric family with labels, exposed like prometheus_client's; updated from one thread only."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry | None
+    ) -> None:
+        self._name, self._documentation = name, documentation
+        self._labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], _S] = {}
+        if registry is not None:
+            registry.register(self)
+
+    def _new_series(self) -> _S:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> _S:
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values}")
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = self._new_series()
+        return series
+
+
+class LoopHistogram(_LoopMetric[HistogramSeries]):
     """A histogram with labels, exposed like prometheus_client's; observe from one thread only."""
 
     def __init__(
@@ -72,22 +102,13 @@ class LoopHistogram:
         bounds = tuple(float(b) for b in buckets)
         if list(bounds) != sorted(set(bounds)) or not bounds:
             raise ValueError(f"{name}: buckets must be distinct and increasing, got {buckets}")
-        self._name, self._documentation = name, documentation
-        self._labelnames = tuple(labelnames)
         self._bounds = bounds
-        self._series: dict[tuple[str, ...], HistogramSeries] = {}
+        super().__init__(name, documentation, labelnames, registry)
         if not self._labelnames:
             self._series[()] = HistogramSeries(bounds)
-        if registry is not None:
-            registry.register(self)
 
-    def labels(self, *values: str) -> HistogramSeries:
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values}")
-        series = self._series.get(values)
-        if series is None:
-            series = self._series[values] = HistogramSeries(self._bounds)
-        return series
+    def _new_series(self) -> HistogramSeries:
+        return HistogramSeries(self._bounds)
 
     def observe(self, value: float) -> None:
         """Observe on the unlabelled series."""
@@ -121,7 +142,7 @@ class CounterSeries:
         self.value = 0
 
 
-class LoopCounter:
+class LoopCounter(_LoopMetric[CounterSeries]):
     """A counter with labels, exposed like prometheus_client's; count from one thread only."""
 
     def __init__(
@@ -133,20 +154,10 @@ class LoopCounter:
         registry: CollectorRegistry | None = REGISTRY,
     ) -> None:
         # prometheus_client's Counter takes the name with or without "_total" and exposes "_total"
-        self._name = name.removesuffix("_total")
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
-        self._series: dict[tuple[str, ...], CounterSeries] = {}
-        if registry is not None:
-            registry.register(self)
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> CounterSeries:
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name} takes labels {self._labelnames}, got {values}")
-        series = self._series.get(values)
-        if series is None:
-            series = self._series[values] = CounterSeries()
-        return series
+    def _new_series(self) -> CounterSeries:
+        return CounterSeries()
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]
