@@ -655,7 +655,13 @@ async def test_the_proxy_routes_a_conversations_next_turn_from_routes_answer_at_
             "ct-d": (pb.WORKER_ROLE_DECODE, [retained(hashes[:48], "h-ct")]),  # prompt and answer
         }
         async with fleet(client, model, workers, hash_seed="0"), aiohttp.ClientSession() as session:
+            # without a directory to ask, no turn is kept (and the proxy asks no decode for token ids)
+            undirected = Router(pool, None, timeout_s=5.0, continuations=ContinuationRoutes())
+            assert not undirected.keeps_turns
+            await undirected.turn_ended({"model": model, "messages": first}, answer, tokens, delay_s=0)
+            assert len(undirected.continuations) == 0
             router = Router(pool, client, timeout_s=5.0, continuations=ContinuationRoutes())
+            assert router.keeps_turns
             body = {"model": model, "messages": first, "stream": True}
             await router.turn_ended(body, answer, tokens, delay_s=0)
             assert len(router.continuations) == 1

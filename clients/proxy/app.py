@@ -348,7 +348,7 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                             endpoint,
                             attempts,
                         )
-                    keeps = chat and state.router.continuations is not None
+                    keeps = chat and state.router.keeps_turns
                     with _decoding(leg.decode):
                         headers: dict[str, str] = {}
                         propagate.inject(headers)

@@ -191,6 +191,12 @@ class Router:
         self.burst = BurstWindow(burst_window_s, self._place_waiting) if burst_window_s > 0 else None
         self._tokenize_turn = itertools.count()
 
+    @property
+    def keeps_turns(self) -> bool:
+        """Whether a chat turn's answer is kept for the conversation's next turn (turn_ended): that
+        needs the continuation table and a directory to ask Route."""
+        return self.continuations is not None and self.directory is not None
+
     def _load(self, why: str, among: list[Backend] | None = None, prompt_tokens: int = 0) -> Choice:
         backend = self.pool.pick(among=among)
         outcome = why if why.endswith("tie") else f"load_{why}"
@@ -355,7 +361,8 @@ class Router:
         the decode computed them. After `delay_s` (the decode's retention reaches kvloopd through its
         KV events meanwhile), ask Route about the conversation as it now stands and keep the answer
         for its next turn."""
-        if self.continuations is None or self.directory is None or not token_ids:
+        continuations, directory = self.continuations, self.directory  # keeps_turns, narrowed
+        if continuations is None or directory is None or not token_ids:
             return
         healthy = [b for b in self.pool.backends if b.healthy]
         if len(healthy) < 2:
@@ -363,7 +370,7 @@ class Router:
         await asyncio.sleep(delay_s)
         model, salt = str(body.get("model", "")), str(body.get("cache_salt") or "")
         try:
-            route = await self.directory.route(
+            route = await directory.route(
                 model,
                 [pb.RouteCandidate(http_endpoint=b.url) for b in healthy],
                 token_ids=token_ids,
@@ -375,7 +382,7 @@ class Router:
             CONTINUATIONS.labels("failed").inc()
             log.debug("continuation route failed", error=str(exc))
             return
-        self.continuations.keep(model, salt, body["messages"], answer, len(token_ids), route)
+        continuations.keep(model, salt, body["messages"], answer, len(token_ids), route)
         CONTINUATIONS.labels("kept").inc()
 
     async def _tokenize(
