@@ -247,14 +247,14 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
 
 def _prompt_hashes(
     request: pb.LookupRequest | pb.RouteRequest, model_spec: WorkerSpec | None, max_hashes: int, rpc: str
-) -> tuple[Sequence[bytes], int]:
-    """The prompt's block hashes, checked against the model's layout, and the block size."""
+) -> tuple[PackedHashes, int]:
+    """The prompt's block hashes (as keys), checked against the model's layout, and the block size."""
     width = model_spec.hash_length if model_spec else 0
     block_size = model_spec.block_size if model_spec else request.block_size
     packed = request.packed_block_hashes  # read once: each access copies the bytes out of the message
     if packed and len(request.block_hashes):
         raise BadInput("hashes", "give block_hashes or packed_block_hashes, not both")
-    hashes: Sequence[bytes]
+    hashes: PackedHashes
     if packed:
         declared = request.packed_hash_bytes or width  # 0: a model nobody registered yet
         if declared and not KEY_BYTES <= declared <= (width or declared):
@@ -294,11 +294,11 @@ def _prompt_hashes(
             f"model {request.model!r} uses block_size {block_size}; the {rpc.lower()} hashed with "
             f"{request.block_size}: the hashes cannot match",
         )
-    if block_size and len(hashes) * block_size > MAX_TOKENS:
+    if block_size and hashes.n * block_size > MAX_TOKENS:
         # The answer's token counts are uint32: a product past them failed with UNKNOWN.
         raise BadInput(
             "too_many_tokens",
-            f"{len(hashes)} blocks of {block_size} tokens exceed {MAX_TOKENS} tokens",
+            f"{hashes.n} blocks of {block_size} tokens exceed {MAX_TOKENS} tokens",
         )
     return hashes, block_size or 0
 
@@ -310,8 +310,8 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
         raise BadInput("model", "model must be set")
     hashes, block_size = _prompt_hashes(request, model_spec, max_hashes, "Lookup")
     local_blocks = request.local_blocks
-    if local_blocks > len(hashes):
-        raise BadInput("local_blocks", f"local_blocks {local_blocks} exceeds the {len(hashes)} hashes given")
+    if local_blocks > hashes.n:
+        raise BadInput("local_blocks", f"local_blocks {local_blocks} exceeds the {hashes.n} hashes given")
     p = request.parallel
     return LookupQuery(  # positional: every Lookup builds one
         Namespace(model, request.lora_name),

@@ -553,16 +553,16 @@ class MemoryStore:
         claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
         check) takes its worker."""
         ns = self._namespaces.get(namespace)
-        n = len(hashes)
+        if isinstance(hashes, PackedHashes):  # a Lookup's prompt: sliced without a call per probe
+            n, w = hashes.n, hashes.width
+            key = hashes.data[local_blocks * w : local_blocks * w + w]
+        else:
+            n = len(hashes)
+            key = hashes[local_blocks] if local_blocks < n else b""
         if ns is None or local_blocks >= n:
             return PrefixMatch(None, [])
         index = ns.retained
         runs = self._runs
-        if isinstance(hashes, PackedHashes):
-            w = hashes.width
-            key = hashes.data[local_blocks * w : local_blocks * w + w]
-        else:
-            key = hashes[local_blocks]
         first = index.get(key)
         if first is None:
             return PrefixMatch(None, [])

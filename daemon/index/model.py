@@ -25,20 +25,20 @@ class PackedHashes(Sequence[bytes]):
     index slices only the hashes its search probes; a store that ships the whole prompt elsewhere
     takes :attr:`data` at once (a per-item walk through ``__getitem__`` cost ~1 us a block)."""
 
-    __slots__ = ("_n", "data", "width")
+    __slots__ = ("data", "n", "width")
 
     def __init__(self, data: bytes, width: int) -> None:
         # plain attributes, not properties: the in-memory lookup reads them on every Lookup
-        self.width, self._n = width, len(data) // width
-        self.data = data if len(data) == self._n * width else data[: self._n * width]  # len(self) * width
+        self.width, self.n = width, len(data) // width  # n: len(self) without a Python call
+        self.data = data if len(data) == self.n * width else data[: self.n * width]  # len(self) * width
 
     def __len__(self) -> int:
-        return self._n
+        return self.n
 
     def __getitem__(self, i):
         if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
+            i += self.n
+        if not 0 <= i < self.n:
             raise IndexError(i)
         w = self.width
         return self.data[i * w : (i + 1) * w]
