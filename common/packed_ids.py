@@ -12,8 +12,6 @@ _LITTLE = sys.byteorder == "little"
 
 def pack_u32(values: Iterable[int]) -> bytes:
     """The values packed; OverflowError when one is not a uint32."""
-    if _LITTLE and isinstance(values, array) and values.typecode == "I":
-        return values.tobytes()  # already uint32s (a directory run's block ids): no copy through ints
     packed = array("I", values)
     if not _LITTLE:
         packed.byteswap()
