@@ -204,14 +204,13 @@ def _common_prefix(run: _Run, hashes: Sequence[bytes], known: int, n: int) -> in
     keys, w = run.keys, run.width
     top = min(run.blocks, n) - 1
     if isinstance(hashes, PackedHashes):
-        data = hashes.data
-        if keys[top * w : top * w + w] == data[top * w : top * w + w]:  # the usual continuation
+        data, pw = hashes.data, hashes.width  # pw == w within a namespace; each side sliced by its own
+        if keys[top * w : top * w + w] == data[top * pw : top * pw + pw]:  # the usual continuation
             return top + 1
         lo, hi = known, top - 1
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            at = mid * w
-            if keys[at : at + w] == data[at : at + w]:
+            if keys[mid * w : mid * w + w] == data[mid * pw : mid * pw + pw]:
                 lo = mid
             else:
                 hi = mid - 1
@@ -572,10 +571,10 @@ class MemoryStore:
             # block of this prompt also holds this one: a single holder here is the only candidate,
             # and its match is found by comparing its own hashes (no index probes).
             run = runs[first]
-            w = run.width
+            rw = run.width
             if (
                 run.blocks > local_blocks
-                and run.keys[local_blocks * w : local_blocks * w + w] == key
+                and run.keys[local_blocks * rw : local_blocks * rw + rw] == key
                 and self._servable(run, floor, now, requester)
                 and (accept is None or accept(run.worker.spec))
             ):
