@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 
 import grpc
+from msgspec import structs
 
 from kvloop.common import block_hash
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
@@ -341,7 +342,8 @@ def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb
         matched_blocks=answer.matched_blocks,
         matched_tokens=answer.matched_blocks * block_size,
         recompute_tokens=answer.recompute_blocks * block_size,
-        cost=answer.cost,  # None: unset
+        # The message's fields from the estimate's, set in the constructor (None: unset)
+        cost=None if answer.cost is None else structs.asdict(answer.cost),
     )
     match = answer.match
     if match.best is not None:
@@ -556,5 +558,5 @@ def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -
             prefill_basis=score.prefill_basis,
         )
         if score.pull_cost is not None:
-            out.pull_cost.CopyFrom(score.pull_cost)
+            out.pull_cost.CopyFrom(pb.CostEstimate(**structs.asdict(score.pull_cost)))
     return response

@@ -48,7 +48,8 @@ from kvloop.v1 import directory_pb2 as pb
 
 
 class PolicyConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Frozen: the cost model keeps estimates per config object (a reload makes new ones).
+    model_config = ConfigDict(extra="forbid", frozen=True)
     # Like vLLM's kv_recompute_threshold: fewer transferable tokens than this are recomputed.
     recompute_threshold_tokens: int = Field(64, ge=0)
     default_transfer_gbytes_per_s: float = Field(8.0, gt=0)
@@ -110,6 +111,21 @@ def _median_with_prior(samples: Sequence[float], prior: float, min_samples: int)
     return statistics.median([*samples, *([prior] * missing)])
 
 
+def _transfer_rates(pair: _Pair | None, config: PolicyConfig) -> tuple[PolicyConfig, float, float, str]:
+    """(config, setup seconds, bytes/s, basis) of READs on the pair: measured, or the defaults."""
+    setup = config.default_transfer_setup_ms / 1e3
+    bandwidth = config.default_transfer_gbytes_per_s * 1e9
+    n = len(pair.bandwidth.samples) if pair is not None else 0
+    if pair is None or not n:
+        return config, setup, bandwidth, "default"
+    return (
+        config,
+        pair.setup.estimate(setup, config.min_samples),
+        pair.bandwidth.estimate(bandwidth, config.min_samples),
+        f"measured ({n} reads)",
+    )
+
+
 @dataclass(slots=True)
 class _Pair:
     """What the model knows of reading from one holder into one puller."""
@@ -124,6 +140,19 @@ class _Pair:
     waits: int = 0  # READs reported (those that did not wait included)
     # The latest READs' step waits: Route adds their mean to a pull's cost (a local prefix hit has none).
     recent_waits: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    # (config, setup s, bytes/s, basis) as the Lookups since the last measured READ estimate them.
+    rates: tuple[PolicyConfig, float, float, str] | None = None
+
+
+class Cost(msgspec.Struct, frozen=True, gc=False):
+    """A pull's estimated cost against recomputing its tokens: the proto's CostEstimate (same field
+    names), made as a message only for the answer."""
+
+    transfer_ms: float
+    recompute_ms: float
+    transfer_bytes: int
+    transfer_basis: str
+    recompute_basis: str
 
 
 class KvLayout(msgspec.Struct, frozen=True, gc=False):
@@ -215,7 +244,7 @@ class RouteScore:
     pull_holder: str = ""
     pull_holder_blocks: int = 0
     pull_reason: int = pb.DECISION_REASON_MISS
-    pull_cost: pb.CostEstimate | None = None
+    pull_cost: Cost | None = None
     compute_tokens: int = 0
     queue_ms: float = 0.0
     transfer_ms: float = 0.0
@@ -234,7 +263,7 @@ class Answer(msgspec.Struct, gc=False):
     reason: int
     path: int
     detail: str
-    cost: pb.CostEstimate | None
+    cost: Cost | None
     match: PrefixMatch
     # Leading blocks the best holder serves, pulled or not (0 when none); with the local ones.
     matched_blocks: int
@@ -329,7 +358,7 @@ class _Verdict(msgspec.Struct, gc=False):
     decision: int
     reason: int
     detail: str
-    cost: pb.CostEstimate | None = None
+    cost: Cost | None = None
 
 
 class CostModel:
@@ -339,6 +368,11 @@ class CostModel:
         self._config_for = config_for
         self._pairs: dict[tuple[str, str], _Pair] = {}  # (holder, puller)
         self._prefill: dict[str, _Window] = {}  # worker -> tokens/s
+        # worker -> (config, tokens/s, basis) until its next prefill sample: read on every Lookup
+        self._prefill_rates: dict[str, tuple[PolicyConfig, float, str]] = {}
+
+    def known_pair(self, holder: str, puller: str) -> _Pair | None:
+        return self._pairs.get((holder, puller))
 
     def pair(self, holder: str, puller: str, model: str) -> _Pair:
         pair = self._pairs.get((holder, puller))
@@ -359,6 +393,7 @@ class CostModel:
             return
         pair.bandwidth.add(report.bytes / (report.duration_us / 1e6))
         pair.setup.add(report.setup_us / 1e6)
+        pair.rates = None
 
     def record_prefill(self, worker: str, tokens: int, duration_us: int, model: str) -> None:
         config = self._config_for(model)
@@ -366,6 +401,7 @@ class CostModel:
             return
         window = self._prefill.setdefault(worker, _Window(config.window_samples))
         window.add(tokens / (duration_us / 1e6))
+        self._prefill_rates.pop(worker, None)
 
     def pooled_prefill_rate(self, workers: Sequence[str], config: PolicyConfig) -> tuple[float, str]:
         """One rate for these workers: the median of their latest samples together (the default
@@ -405,34 +441,51 @@ class CostModel:
 
     def estimate(
         self, holder: str, puller: str, bytes_per_block: int, blocks: int, tokens: int, config: PolicyConfig
-    ) -> pb.CostEstimate:
-        nbytes = bytes_per_block * blocks
-        pair = self._pairs.get((holder, puller))
-        n = len(pair.bandwidth.samples) if pair else 0
-        bandwidth = config.default_transfer_gbytes_per_s * 1e9
-        setup = config.default_transfer_setup_ms / 1e3
-        if pair is not None and n:
-            bandwidth = pair.bandwidth.estimate(bandwidth, config.min_samples)
-            setup = pair.setup.estimate(setup, config.min_samples)
+    ) -> Cost:
+        return self.estimate_on(
+            self._pairs.get((holder, puller)), puller, bytes_per_block, blocks, tokens, config
+        )
+
+    def estimate_on(
+        self,
+        pair: _Pair | None,
+        puller: str,
+        bytes_per_block: int,
+        blocks: int,
+        tokens: int,
+        config: PolicyConfig,
+    ) -> Cost:
+        """The estimate on the pair (None: nothing measured of it) for ``blocks`` blocks and ``tokens``
+        tokens; the rates behind it are worked out once per READ sample, not per Lookup."""
+        rates = pair.rates if pair is not None else None
+        if rates is None or rates[0] is not config:
+            rates = _transfer_rates(pair, config)
+            if pair is not None:
+                pair.rates = rates
+        _, setup_s, bytes_per_s, transfer_basis = rates
         tokens_per_s, recompute_basis = self.prefill_rate(puller, config)
-        return pb.CostEstimate(
-            transfer_ms=(setup + nbytes / bandwidth) * 1e3,
-            recompute_ms=tokens / tokens_per_s * 1e3,
-            transfer_bytes=nbytes,
-            transfer_basis=f"measured ({n} reads)" if n else "default",
-            recompute_basis=recompute_basis,
+        nbytes = bytes_per_block * blocks
+        return Cost(
+            (setup_s + nbytes / bytes_per_s) * 1e3,
+            tokens / tokens_per_s * 1e3,
+            nbytes,
+            transfer_basis,
+            recompute_basis,
         )
 
     def prefill_rate(self, worker: str, config: PolicyConfig) -> tuple[float, str]:
         """The worker's estimated prefill tokens/s (robust: the default fills a short window) and
         where it came from."""
+        memo = self._prefill_rates.get(worker)
+        if memo is not None and memo[0] is config:
+            return memo[1], memo[2]
         window = self._prefill.get(worker)
         m = len(window.samples) if window else 0
-        if window is None or not m:
+        if window is None or not m:  # not kept: a requester id is the caller's to choose
             return config.default_prefill_tokens_per_s, "default"
-        return window.estimate(
-            config.default_prefill_tokens_per_s, config.min_samples
-        ), f"measured ({m} prefills)"
+        rate = window.estimate(config.default_prefill_tokens_per_s, config.min_samples)
+        self._prefill_rates[worker] = (config, rate, f"measured ({m} prefills)")
+        return rate, f"measured ({m} prefills)"
 
     def views(self) -> tuple[list[pb.PairEstimate], list[pb.PullerEstimate]]:
         now = time.monotonic()
@@ -546,7 +599,10 @@ class Policy:
         blocks = best.matched_blocks - local_blocks
         gain_tokens = blocks * query.block_size
         holder, puller = best.worker.worker_id, query.requester
-        cost = self.cost.estimate(holder, puller, best.worker.kv_bytes_per_block, blocks, gain_tokens, config)
+        pair = self.cost.known_pair(holder, puller)
+        cost = self.cost.estimate_on(
+            pair, puller, best.worker.kv_bytes_per_block, blocks, gain_tokens, config
+        )
         threshold = max(config.recompute_threshold_tokens, query.min_pull_tokens)
         if gain_tokens < threshold:
             return _Verdict(
@@ -563,9 +619,11 @@ class Policy:
                 "",
                 cost,
             )
-        return self._weigh(cost, self.cost.pair(holder, puller, query.namespace.model), config, now)
+        if pair is None:  # kept from the first verdict on: ListPairs shows its verdicts
+            pair = self.cost.pair(holder, puller, query.namespace.model)
+        return self._weigh(cost, pair, config, now)
 
-    def _weigh(self, cost: pb.CostEstimate, pair: _Pair, config: PolicyConfig, now: float | None) -> _Verdict:
+    def _weigh(self, cost: Cost, pair: _Pair, config: PolicyConfig, now: float | None) -> _Verdict:
         now = time.monotonic() if now is None else now
         if cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio:
             verdict = _Verdict(

@@ -439,3 +439,19 @@ async def test_memory_expiry_heap_is_bounded_by_live_runs_under_churn():
     assert len(store._expiry_heap) <= 2 * (await store.counts()).retained_runs + 1024
     changes = await store.reap(601.0)
     assert [(c.kind, c.detail) for c in changes] == [("expired", "retention kept lease ended")]
+
+
+@pytest.mark.parametrize("traced", [False, True])
+async def test_store_calls_are_timed_but_an_untraced_in_process_lookup(traced):
+    from kvloop.daemon.index.instrumented import STORE_CALL, InstrumentedStore
+
+    store = InstrumentedStore(MemoryStore(), traced=traced)
+    lookups, registers = STORE_CALL.labels("memory", "lookup"), STORE_CALL.labels("memory", "register")
+    before = sum(lookups.counts), sum(registers.counts)
+    await store.register(spec("a"), 0, 0.0)
+    prompt = conversation("c", 8)
+    await store.apply("a", 1, 1, [retain(prompt, "h")], 0.0)
+    match = await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)
+    assert match.best is not None and match.best.matched_blocks == 8
+    # The Lookup's own latency histogram times an in-process lookup; a traced one is timed with its span.
+    assert (sum(lookups.counts) - before[0], sum(registers.counts) - before[1]) == (int(traced), 1)

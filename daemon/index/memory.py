@@ -234,6 +234,7 @@ class MemoryStore:
 
     name = "memory"
     epoch = 0  # one process: nothing to fail over to
+    in_process = True
 
     def __init__(self, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()

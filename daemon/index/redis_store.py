@@ -206,6 +206,7 @@ class RedisStore:
     """The DirectoryStore on a Redis server shared by any number of kvloopd replicas."""
 
     name = "redis"
+    in_process = False
 
     def __init__(self, client: aioredis.Redis, config: IndexConfig | None = None) -> None:
         self.config = config or IndexConfig()

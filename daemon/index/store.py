@@ -89,6 +89,8 @@ class WorkerRegistry(Protocol):
     # The directory epoch answers are minted under: grows with each failover of the store (Redis
     # Sentinel's config epoch); 0 for a store that cannot fail over.
     epoch: int
+    # True when every call answers from this process's memory, without I/O (the in-memory store).
+    in_process: bool
 
     def clock(self) -> float:
         """Now, in the seconds every call of this store takes."""
