@@ -328,30 +328,28 @@ def _readable_into(puller: KvLayout) -> Callable[[WorkerSpec], bool] | None:
 def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer:
     """What the query's puller is told of the verdict on a match (Lookup's answer, Route's plan)."""
     matched = match.best.matched_blocks if match.best else 0
-    pulled = matched if verdict.decision == pb.DECISION_TRANSFER else 0
+    decision, reason = verdict.decision, verdict.reason
+    # The turn path the answer sends the turn on (inline: every Lookup answers one).
+    if decision == pb.DECISION_TRANSFER:
+        path, pulled = pb.TURN_PATH_TRANSFER, matched
+    elif decision == pb.DECISION_LOCAL:
+        path, pulled = pb.TURN_PATH_LOCAL, 0
+    elif reason == pb.DECISION_REASON_MISS:
+        path, pulled = pb.TURN_PATH_MISS, 0
+    elif reason == pb.DECISION_REASON_EXPIRED:
+        path, pulled = pb.TURN_PATH_EXPIRED, 0
+    else:
+        path, pulled = pb.TURN_PATH_RECOMPUTE, 0
     return Answer(
-        decision=verdict.decision,
-        reason=verdict.reason,
-        path=path_of(verdict.decision, verdict.reason),
+        decision=decision,
+        reason=reason,
+        path=path,
         detail=verdict.detail,
         cost=verdict.cost,
         match=match,
         matched_blocks=matched,
         recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
     )
-
-
-def path_of(decision: int, reason: int) -> int:
-    """The turn path a daemon answer sends the turn on."""
-    if decision == pb.DECISION_TRANSFER:
-        return pb.TURN_PATH_TRANSFER
-    if decision == pb.DECISION_LOCAL:
-        return pb.TURN_PATH_LOCAL
-    if reason == pb.DECISION_REASON_MISS:
-        return pb.TURN_PATH_MISS
-    if reason == pb.DECISION_REASON_EXPIRED:
-        return pb.TURN_PATH_EXPIRED
-    return pb.TURN_PATH_RECOMPUTE
 
 
 class _Verdict(msgspec.Struct, gc=False):
@@ -366,19 +364,16 @@ class CostModel:
 
     def __init__(self, config_for) -> None:
         self._config_for = config_for
-        self._pairs: dict[tuple[str, str], _Pair] = {}  # (holder, puller)
+        self.pairs: dict[tuple[str, str], _Pair] = {}  # (holder, puller); read by Policy.decide
         self._prefill: dict[str, _Window] = {}  # worker -> tokens/s
         # worker -> (config, tokens/s, basis) until its next prefill sample: read on every Lookup
         self._prefill_rates: dict[str, tuple[PolicyConfig, float, str]] = {}
 
-    def known_pair(self, holder: str, puller: str) -> _Pair | None:
-        return self._pairs.get((holder, puller))
-
     def pair(self, holder: str, puller: str, model: str) -> _Pair:
-        pair = self._pairs.get((holder, puller))
+        pair = self.pairs.get((holder, puller))
         if pair is None:
             size = self._config_for(model).window_samples
-            pair = self._pairs[(holder, puller)] = _Pair(model, _Window(size), _Window(size))
+            pair = self.pairs[(holder, puller)] = _Pair(model, _Window(size), _Window(size))
         return pair
 
     def record_transfer(self, puller: str, holder: str, report: pb.TransferReport, model: str) -> None:
@@ -427,7 +422,7 @@ class CostModel:
         (a local hit queued behind the same prompts waits as long). The mean of a few such waits
         made every later pull on the pair look hundreds of milliseconds dearer than it is, and sent
         conversations away from the prefill holding their history."""
-        pair = self._pairs.get((holder, puller))
+        pair = self.pairs.get((holder, puller))
         if pair is None or not pair.recent_waits:
             return 0.0
         waits = pair.recent_waits
@@ -436,14 +431,14 @@ class CostModel:
         return statistics.quantiles(waits, n=4, method="inclusive")[0] * 1e3
 
     def measured(self, holder: str, puller: str) -> bool:
-        pair = self._pairs.get((holder, puller))
+        pair = self.pairs.get((holder, puller))
         return pair is not None and bool(pair.bandwidth.samples)
 
     def estimate(
         self, holder: str, puller: str, bytes_per_block: int, blocks: int, tokens: int, config: PolicyConfig
     ) -> Cost:
         return self.estimate_on(
-            self._pairs.get((holder, puller)), puller, bytes_per_block, blocks, tokens, config
+            self.pairs.get((holder, puller)), puller, bytes_per_block, blocks, tokens, config
         )
 
     def estimate_on(
@@ -463,7 +458,11 @@ class CostModel:
             if pair is not None:
                 pair.rates = rates
         _, setup_s, bytes_per_s, transfer_basis = rates
-        tokens_per_s, recompute_basis = self.prefill_rate(puller, config)
+        memo = self._prefill_rates.get(puller)  # prefill_rate's memo, read here: every Lookup has one
+        if memo is not None and memo[0] is config:
+            _, tokens_per_s, recompute_basis = memo
+        else:
+            tokens_per_s, recompute_basis = self.prefill_rate(puller, config)
         nbytes = bytes_per_block * blocks
         return Cost(
             (setup_s + nbytes / bytes_per_s) * 1e3,
@@ -490,7 +489,7 @@ class CostModel:
     def views(self) -> tuple[list[pb.PairEstimate], list[pb.PullerEstimate]]:
         now = time.monotonic()
         pairs = []
-        for (holder, puller), pair in sorted(self._pairs.items()):
+        for (holder, puller), pair in sorted(self.pairs.items()):
             config = self._config_for(pair.model)
             bandwidth = pair.bandwidth.estimate(
                 config.default_transfer_gbytes_per_s * 1e9, config.min_samples
@@ -599,7 +598,7 @@ class Policy:
         blocks = best.matched_blocks - local_blocks
         gain_tokens = blocks * query.block_size
         holder, puller = best.worker.worker_id, query.requester
-        pair = self.cost.known_pair(holder, puller)
+        pair = self.cost.pairs.get((holder, puller))
         cost = self.cost.estimate_on(
             pair, puller, best.worker.kv_bytes_per_block, blocks, gain_tokens, config
         )
@@ -621,9 +620,7 @@ class Policy:
             )
         if pair is None:  # kept from the first verdict on: ListPairs shows its verdicts
             pair = self.cost.pair(holder, puller, query.namespace.model)
-        return self._weigh(cost, pair, config, now)
-
-    def _weigh(self, cost: Cost, pair: _Pair, config: PolicyConfig, now: float | None) -> _Verdict:
+        # Weighed here, not in a helper: every Lookup with a holder comes this way.
         now = time.monotonic() if now is None else now
         if cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio:
             verdict = _Verdict(

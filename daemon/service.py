@@ -117,9 +117,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             await self._refuse(context, "Lookup", exc)
         answer = await self.policy.answer(self.store, query, self.store.clock())
         response = convert.lookup_response(answer, query.block_size, request.pack_block_ids)
-        epoch = self.store.epoch  # read after the lookup: it may have moved it
-        if epoch:  # 0 on the in-memory store: left unset
-            response.directory_epoch = epoch
+        if not self.store.in_process:  # 0 in one process: left unset
+            response.directory_epoch = self.store.epoch  # read after the lookup: it may have moved it
         elapsed = time.perf_counter() - started
         response.lookup_us = int(elapsed * 1e6)
         self.counters.lookup(elapsed, answer.decision, answer.reason)
