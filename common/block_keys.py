@@ -21,17 +21,21 @@ def packed_keys(data: bytes, width: int) -> bytes:
     """The keys of ``len(data) // width`` concatenated hashes, concatenated (KEY_BYTES each)."""
     if width < KEY_BYTES:
         raise ValueError(f"a block hash of {width} bytes is shorter than a key ({KEY_BYTES})")
-    whole = data[: len(data) - len(data) % width]  # the same object when no stray tail
+    n = len(data) // width
     if width == KEY_BYTES:
-        return whole
-    # Every hash's first 8 bytes in one strided copy in C: a connector's 2,048-block Lookup packed
-    # in 1.9 us (array slicing took 7.6 us, a Python loop per block ~100 us).
+        return data if len(data) == n * width else data[: n * width]
+    # Every hash's first 8 bytes in one strided copy in C: a strided view straight onto the hashes
+    # (no reshape or slice between), then a contiguous copy. A connector's 2,048-block Lookup: 2.7 us
+    # hot, 4.7 us with numpy's code cold (array slicing took 7.6 us, a Python loop per block ~100 us).
     rows: np.ndarray
     if width % KEY_BYTES == 0:
-        rows = np.frombuffer(whole, dtype=np.uint64).reshape(-1, width // KEY_BYTES)[:, 0]
+        rows = np.ndarray((n,), _U64, data, 0, (width,))
     else:
-        rows = np.frombuffer(whole, dtype=np.uint8).reshape(-1, width)[:, :KEY_BYTES]
+        rows = np.ndarray((n, KEY_BYTES), _U8, data, 0, (width, 1))
     return np.ascontiguousarray(rows).tobytes()
+
+
+_U64, _U8 = np.dtype(np.uint64), np.dtype(np.uint8)
 
 
 def block_keys(hashes: Sequence[bytes]) -> list[bytes]:
