@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
+import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
@@ -45,6 +46,8 @@ from kvloop.common.route_estimate import queue_ms, tie_margin_ms
 from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
 from kvloop.v1 import directory_pb2 as pb
+
+log = structlog.get_logger("kvloop.daemon")
 
 
 class PolicyConfig(BaseModel):
@@ -362,9 +365,12 @@ class _Verdict(msgspec.Struct, gc=False):
 class CostModel:
     """Per (holder, puller) transfer and per-worker prefill estimates, fed by agents' telemetry."""
 
-    def __init__(self, config_for) -> None:
+    def __init__(self, config_for, max_pairs: int = 65_536) -> None:
         self._config_for = config_for
         self.pairs: dict[tuple[str, str], _Pair] = {}  # (holder, puller); read by Policy.decide
+        # A Lookup's requester is the caller's to name: the pairs kept are bounded (see _make_room).
+        self.max_pairs = max_pairs
+        self.forgotten_pairs = 0
         self._prefill: dict[str, _Window] = {}  # worker -> tokens/s
         # worker -> (config, tokens/s, basis) until its next prefill sample: read on every Lookup
         self._prefill_rates: dict[str, tuple[PolicyConfig, float, str]] = {}
@@ -372,9 +378,27 @@ class CostModel:
     def pair(self, holder: str, puller: str, model: str) -> _Pair:
         pair = self.pairs.get((holder, puller))
         if pair is None:
+            if len(self.pairs) >= self.max_pairs:
+                self._make_room()
             size = self._config_for(model).window_samples
             pair = self.pairs[(holder, puller)] = _Pair(model, _Window(size), _Window(size))
         return pair
+
+    def _make_room(self) -> None:
+        """Forget an eighth of the pairs: first those no READ was ever reported on (verdict counts
+        only), oldest first, then the oldest measured ones."""
+        drop = max(1, len(self.pairs) // 8)
+        unmeasured = [key for key, p in self.pairs.items() if not p.bandwidth.samples and not p.waits]
+        victims = unmeasured[:drop]
+        if len(victims) < drop:
+            chosen = set(victims)
+            victims += [key for key in self.pairs if key not in chosen][: drop - len(victims)]
+        for key in victims:
+            del self.pairs[key]
+        self.forgotten_pairs += len(victims)
+        log.warning(
+            "cost model forgot pairs", forgotten=len(victims), kept=len(self.pairs), limit=self.max_pairs
+        )
 
     def record_transfer(self, puller: str, holder: str, report: pb.TransferReport, model: str) -> None:
         """Learn from a READ measured by NIXL itself; a failed READ says nothing about bandwidth, a

@@ -203,3 +203,15 @@ def test_the_estimate_follows_every_new_sample_and_each_models_defaults():
     big = policy.decide(query("big", 100, 0, "prefill-0"), match(100)).cost
     assert big.transfer_ms == pytest.approx((1e-3 + 100 * mib / 1e6) * 1e3, rel=1e-9)
     assert policy.decide(Q100, match(100)).cost.transfer_ms == pytest.approx(cost.transfer_ms, rel=1e-9)
+
+
+def test_pairs_from_requesters_a_caller_names_are_bounded_and_measured_pairs_outlive_unmeasured_ones():
+    policy = Policy(PolicyConfig())
+    policy.cost.max_pairs = 16
+    read(policy, "prefill-0", 1 << 24, 2_000)  # measured: decode-0 -> prefill-0
+    for i in range(200):  # a client naming a new requester on every Lookup
+        assert policy.decide(query("m", 100, 0, f"made-up-{i}"), match(100)).decision == pb.DECISION_TRANSFER
+    assert len(policy.cost.pairs) <= 16
+    assert policy.cost.forgotten_pairs >= 200 + 1 - 16
+    assert ("decode-0", "prefill-0") in policy.cost.pairs  # the only measured pair is kept
+    assert policy.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
