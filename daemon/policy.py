@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
 from kvloop.common.route_estimate import queue_ms, tie_margin_ms
-from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
+from kvloop.daemon.index.model import Namespace, PackedHashes, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
 from kvloop.v1 import directory_pb2 as pb
 
@@ -332,6 +332,8 @@ def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer
     """What the query's puller is told of the verdict on a match (Lookup's answer, Route's plan)."""
     matched = match.best.matched_blocks if match.best else 0
     decision, reason = verdict.decision, verdict.reason
+    hashes = query.hashes  # a Lookup's are packed: their count is an attribute, not a call to __len__
+    blocks = hashes.n if isinstance(hashes, PackedHashes) else len(hashes)
     # The turn path the answer sends the turn on (inline: every Lookup answers one).
     if decision == pb.DECISION_TRANSFER:
         path, pulled = pb.TURN_PATH_TRANSFER, matched
@@ -351,7 +353,7 @@ def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer
         cost=verdict.cost,
         match=match,
         matched_blocks=matched,
-        recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
+        recompute_blocks=blocks - max(pulled, query.local_blocks),
     )
 
 
