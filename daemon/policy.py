@@ -386,6 +386,14 @@ class CostModel:
             pair = self.pairs[(holder, puller)] = _Pair(model, _Window(size), _Window(size))
         return pair
 
+    def forget_worker(self, worker: str) -> None:
+        """Drop what was measured of a worker the directory dropped (silent past its lease and the
+        drop delay): its prefill rate and every pair it is in. Worker ids churn with pods."""
+        self._prefill.pop(worker, None)
+        self._prefill_rates.pop(worker, None)
+        for key in [key for key in self.pairs if worker in key]:
+            del self.pairs[key]
+
     def _make_room(self) -> None:
         """Forget an eighth of the pairs: first those no READ was ever reported on (verdict counts
         only), oldest first, then the oldest measured ones."""

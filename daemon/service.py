@@ -360,6 +360,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
 
     async def reap(self) -> None:
         for change in await self.store.reap(self.store.clock()):
+            if change.kind == "dropped":
+                self.policy.cost.forget_worker(change.worker_id)
             if change.kind == "expired":
                 metrics.EXPIRED_RUNS.inc()
             elif change.kind in ("failover", "primary_moved"):

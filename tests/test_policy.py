@@ -215,3 +215,33 @@ def test_pairs_from_requesters_a_caller_names_are_bounded_and_measured_pairs_out
     assert policy.cost.forgotten_pairs >= 200 + 1 - 16
     assert ("decode-0", "prefill-0") in policy.cost.pairs  # the only measured pair is kept
     assert policy.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
+
+
+async def test_a_worker_the_directory_drops_is_forgotten_by_the_cost_model():
+    from kvloop.daemon.index import IndexConfig, MemoryStore
+    from kvloop.daemon.index.instrumented import InstrumentedStore
+    from kvloop.daemon.service import DirectoryService
+
+    now = [0.0]
+    backend = MemoryStore(IndexConfig(lease_s=1.0, drop_after_s=2.0))
+    backend.clock = lambda: now[0]
+    policy = Policy(PolicyConfig())
+    service = DirectoryService(
+        InstrumentedStore(backend, traced=False),
+        policy,
+        heartbeat_interval_s=1.0,
+        max_hashes=4096,
+        traced=False,
+    )
+    for worker in ("decode-0", "prefill-0"):
+        await backend.register(WorkerSpec(worker, 2, "m", "e", "h:1", 16, "sha256_cbor", 32, 1), 0, 0.0)
+    read(policy, "prefill-0", 1 << 24, 2_000)
+    policy.cost.record_prefill("prefill-0", 4096, 100_000, "m")
+    policy.cost.record_prefill("decode-0", 4096, 100_000, "m")
+    await backend.heartbeat("decode-0", 2.5)  # decode-0 keeps talking; prefill-0 goes silent
+    now[0] = 3.5
+    await service.reap()
+    assert ("decode-0", "prefill-0") not in policy.cost.pairs
+    assert policy.cost.prefill_rate("prefill-0", PolicyConfig())[1] == "default"
+    assert policy.cost.prefill_tokens_per_s("prefill-0") == 0.0
+    assert policy.cost.prefill_tokens_per_s("decode-0") > 0  # a worker still there keeps its estimates
