@@ -464,17 +464,6 @@ class CostModel:
             return waits[0] * 1e3
         return statistics.quantiles(waits, n=4, method="inclusive")[0] * 1e3
 
-    def measured(self, holder: str, puller: str) -> bool:
-        pair = self.pairs.get((holder, puller))
-        return pair is not None and bool(pair.bandwidth.samples)
-
-    def estimate(
-        self, holder: str, puller: str, bytes_per_block: int, blocks: int, tokens: int, config: PolicyConfig
-    ) -> Cost:
-        return self.estimate_on(
-            self.pairs.get((holder, puller)), puller, bytes_per_block, blocks, tokens, config
-        )
-
     def estimate_on(
         self,
         pair: _Pair | None,
