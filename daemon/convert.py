@@ -32,7 +32,7 @@ from kvloop.daemon.index import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.policy import Answer, KvLayout, LookupQuery, RouteCandidate, RouteQuery, RouteScore
+from kvloop.daemon.policy import Answer, Cost, KvLayout, LookupQuery, RouteCandidate, RouteQuery, RouteScore
 from kvloop.v1 import directory_pb2 as pb
 
 MAX_ID_LENGTH = 256
@@ -333,6 +333,11 @@ def lookup_query(request: pb.LookupRequest, model_spec: WorkerSpec | None, max_h
     )
 
 
+def cost_fields(cost: Cost | None) -> dict | None:
+    """An estimate as a CostEstimate's fields (the same names), for a message constructor (None: unset)."""
+    return None if cost is None else structs.asdict(cost)
+
+
 def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb.LookupResponse:
     response = pb.LookupResponse(
         decision=answer.decision,
@@ -342,8 +347,7 @@ def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb
         matched_blocks=answer.matched_blocks,
         matched_tokens=answer.matched_blocks * block_size,
         recompute_tokens=answer.recompute_blocks * block_size,
-        # The message's fields from the estimate's, set in the constructor (None: unset)
-        cost=None if answer.cost is None else structs.asdict(answer.cost),
+        cost=cost_fields(answer.cost),
     )
     match = answer.match
     if match.best is not None:
@@ -539,7 +543,7 @@ def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -
     )
     for score in ranked:
         c = score.candidate
-        out = response.ranked.add(
+        response.ranked.add(
             worker_id=c.worker_id,
             http_endpoint=c.http_endpoint,
             registered=c.spec is not None,
@@ -556,7 +560,6 @@ def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -
             expected_ttft_ms=score.expected_ttft_ms,
             prefill_tokens_per_s=score.prefill_tokens_per_s,
             prefill_basis=score.prefill_basis,
+            pull_cost=cost_fields(score.pull_cost),
         )
-        if score.pull_cost is not None:
-            out.pull_cost.CopyFrom(pb.CostEstimate(**structs.asdict(score.pull_cost)))
     return response

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
 from kvloop.common.route_estimate import queue_ms, tie_margin_ms
-from kvloop.daemon.index.model import Namespace, PackedHashes, PrefixMatch, WorkerSpec
+from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
 from kvloop.v1 import directory_pb2 as pb
 
@@ -331,30 +331,30 @@ def _readable_into(puller: KvLayout) -> Callable[[WorkerSpec], bool] | None:
 def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer:
     """What the query's puller is told of the verdict on a match (Lookup's answer, Route's plan)."""
     matched = match.best.matched_blocks if match.best else 0
-    decision, reason = verdict.decision, verdict.reason
-    hashes = query.hashes  # a Lookup's are packed: their count is an attribute, not a call to __len__
-    blocks = hashes.n if isinstance(hashes, PackedHashes) else len(hashes)
-    # The turn path the answer sends the turn on (inline: every Lookup answers one).
-    if decision == pb.DECISION_TRANSFER:
-        path, pulled = pb.TURN_PATH_TRANSFER, matched
-    elif decision == pb.DECISION_LOCAL:
-        path, pulled = pb.TURN_PATH_LOCAL, 0
-    elif reason == pb.DECISION_REASON_MISS:
-        path, pulled = pb.TURN_PATH_MISS, 0
-    elif reason == pb.DECISION_REASON_EXPIRED:
-        path, pulled = pb.TURN_PATH_EXPIRED, 0
-    else:
-        path, pulled = pb.TURN_PATH_RECOMPUTE, 0
+    pulled = matched if verdict.decision == pb.DECISION_TRANSFER else 0
     return Answer(
-        decision=decision,
-        reason=reason,
-        path=path,
+        decision=verdict.decision,
+        reason=verdict.reason,
+        path=path_of(verdict.decision, verdict.reason),
         detail=verdict.detail,
         cost=verdict.cost,
         match=match,
         matched_blocks=matched,
-        recompute_blocks=blocks - max(pulled, query.local_blocks),
+        recompute_blocks=len(query.hashes) - max(pulled, query.local_blocks),
     )
+
+
+def path_of(decision: int, reason: int) -> int:
+    """The turn path a daemon answer sends the turn on."""
+    if decision == pb.DECISION_TRANSFER:
+        return pb.TURN_PATH_TRANSFER
+    if decision == pb.DECISION_LOCAL:
+        return pb.TURN_PATH_LOCAL
+    if reason == pb.DECISION_REASON_MISS:
+        return pb.TURN_PATH_MISS
+    if reason == pb.DECISION_REASON_EXPIRED:
+        return pb.TURN_PATH_EXPIRED
+    return pb.TURN_PATH_RECOMPUTE
 
 
 class _Verdict(msgspec.Struct, gc=False):
@@ -481,11 +481,7 @@ class CostModel:
             if pair is not None:
                 pair.rates = rates
         _, setup_s, bytes_per_s, transfer_basis = rates
-        memo = self._prefill_rates.get(puller)  # prefill_rate's memo, read here: every Lookup has one
-        if memo is not None and memo[0] is config:
-            _, tokens_per_s, recompute_basis = memo
-        else:
-            tokens_per_s, recompute_basis = self.prefill_rate(puller, config)
+        tokens_per_s, recompute_basis = self.prefill_rate(puller, config)
         nbytes = bytes_per_block * blocks
         return Cost(
             (setup_s + nbytes / bytes_per_s) * 1e3,
@@ -643,7 +639,9 @@ class Policy:
             )
         if pair is None:  # kept from the first verdict on: ListPairs shows its verdicts
             pair = self.cost.pair(holder, puller, query.namespace.model)
-        # Weighed here, not in a helper: every Lookup with a holder comes this way.
+        return self._weigh(cost, pair, config, now)
+
+    def _weigh(self, cost: Cost, pair: _Pair, config: PolicyConfig, now: float | None) -> _Verdict:
         now = time.monotonic() if now is None else now
         if cost.transfer_ms <= cost.recompute_ms * config.transfer_cost_ratio:
             verdict = _Verdict(

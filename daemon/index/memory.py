@@ -709,7 +709,7 @@ class MemoryStore:
             matched,
             run.handle,
             max(0, int((run.deadline - now) * 1000)),
-            run.block_ids[: matched * _ID_BYTES] if run.num_groups == 1 else run.ids_for(matched),
+            run.ids_for(matched),
             run.num_groups,
             run.single_use,
         )
