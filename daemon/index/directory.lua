@@ -19,8 +19,12 @@ Per namespace P = base..<lora hex>..":":
             P.."sto"            hash  block hash -> worker ids ("\n"-separated) holding it in prefix cache
             P.."ws:"..W         set   the worker's stored block hashes
             P.."run:"..id       hash  w, h (handle), hs (hashes, concatenated), hl (hash length), n,
-                                      ids (uint32 LE, group-major), g, dl (deadline), su, cl (claimant),
-                                      tier, tt / tb (partly filled last block), p (namespace)
+                                      g, dl (deadline), su, cl (claimant), tier, tt / tb (partly
+                                      filled last block), p (namespace)
+            P.."run:"..id..":ids" string  its block ids (uint32 LE, group-major): a lookup takes only the
+                                      matched part by GETRANGE, as every string Lua receives costs
+                                      ~1 ns per byte (runs made before this key existed keep an 'ids'
+                                      field in the hash, read as a fallback)
 States: 1 active, 2 resyncing, 3 expired, 4 draining (kvloop.v1.LeaseState).
 --]]
 
@@ -110,6 +114,23 @@ local function stat(base, field, by)
   if by ~= 0 then redis.call('HINCRBY', base .. 'stats', field, by) end
 end
 
+-- The block ids at positions [first, first + count) of each of a run's groups, group-major.
+local function run_ids(runkey, n, groups, first, count)
+  local parts = {}
+  for g = 0, groups - 1 do
+    local from = (g * n + first) * 4
+    parts[g + 1] = redis.call('GETRANGE', runkey .. ':ids', from, from + count * 4 - 1)
+  end
+  if parts[1] == '' then  -- a run stored before its ids had a key of their own
+    local ids = redis.call('HGET', runkey, 'ids') or ''
+    for g = 0, groups - 1 do
+      local from = (g * n + first) * 4
+      parts[g + 1] = string.sub(ids, from + 1, from + count * 4)
+    end
+  end
+  return groups == 1 and parts[1] or table.concat(parts)
+end
+
 local function drop_run(base, runkey)
   local run = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'p')
   if not run[1] then return 0 end
@@ -120,7 +141,7 @@ local function drop_run(base, runkey)
   redis.call('HINCRBY', base .. 'w:' .. w, 'rblocks', -n)
   redis.call('ZREM', base .. 'exp', runkey)
   redis.call('ZREM', base .. 'age', runkey)
-  redis.call('DEL', runkey)
+  redis.call('DEL', runkey, runkey .. ':ids')
   stat(base, 'entries', -removed)
   stat(base, 'runs', -1)
   return n
@@ -287,9 +308,9 @@ local function apply(keys, args)
       add_all(p .. 'ret', hs, hl, rid, ',')
       added = added + n
       local deadline = now + tonumber(args[i + 7]) / 1000
-      redis.call('HSET', runkey, 'w', w, 'h', handle, 'hs', hs, 'hl', hl, 'n', n, 'ids', args[i + 4],
-        'g', args[i + 5], 'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10],
+      redis.call('HSET', runkey, 'w', w, 'h', handle, 'hs', hs, 'hl', hl, 'n', n, 'g', args[i + 5], 'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10],
         'tb', args[i + 11], 'p', p)
+      redis.call('SET', runkey .. ':ids', args[i + 4])
       redis.call('HSET', wr, handle, runkey)
       redis.call('ZADD', base .. 'exp', deadline, runkey)
       redis.call('ZADD', base .. 'age', tonumber(rid), runkey)
@@ -370,7 +391,7 @@ local function lookup(keys, args)
   local n = #hs / hl
   if local_blocks >= n then return {'none', ''} end
   if redis.call('SCARD', base .. 'resync') > 0 then return {'none', 'directory_resyncing'} end
-  local runs, verdicts, live = {}, {}, {}
+  local runs, verdicts, live, entries = {}, {}, {}, {}
 
   local function hash_at(i) return string.sub(hs, i * hl + 1, (i + 1) * hl) end
   local function run(rid)
@@ -407,6 +428,7 @@ local function lookup(keys, args)
   local function any_servable(i)
     local entry = redis.call('HGET', ret, hash_at(i))
     if not entry then return false end
+    entries[i] = entry
     for _, rid in ipairs(split(entry, ',')) do
       if servable(rid) then return true end
     end
@@ -432,7 +454,7 @@ local function lookup(keys, args)
   -- A run holding the prompt's block `lo` holds it at position `lo`: the hash covers the whole prefix.
   local matched = lo + 1
   local candidates = {}
-  for _, rid in ipairs(split(redis.call('HGET', ret, hash_at(lo)), ',')) do
+  for _, rid in ipairs(split(entries[lo], ',')) do  -- block `lo` was probed and held
     local r = run(rid)
     if servable(rid) and r.n >= matched then
       candidates[#candidates + 1] = rid
@@ -444,21 +466,13 @@ local function lookup(keys, args)
   for k = 1, math.min(#candidates, 8) do
     local rid = candidates[k]
     local runkey = p .. 'run:' .. rid
-    local f = redis.call('HMGET', runkey, 'h', 'ids', 'g', 'su', 'tt', 'tb')
-    local r, groups = runs[rid], tonumber(f[3])
-    if k == 1 and claim and f[4] == '1' then redis.call('HSET', runkey, 'cl', requester) end
-    local ids = f[2]
-    if matched < r.n then
-      local parts = {}
-      for g = 0, groups - 1 do
-        parts[#parts + 1] = string.sub(ids, g * r.n * 4 + 1, g * r.n * 4 + matched * 4)
-      end
-      ids = table.concat(parts)
-    end
+    local f = redis.call('HMGET', runkey, 'h', 'g', 'su', 'tt', 'tb')
+    local r, groups = runs[rid], tonumber(f[2])
+    if k == 1 and claim and f[3] == '1' then redis.call('HSET', runkey, 'cl', requester) end
     local whole = matched == r.n
     local epoch = redis.call('HGET', base .. 'w:' .. r.w, 'epoch')
-    out[#out + 1] = {r.w, epoch, f[1], math.max(0, math.floor((r.dl - now) * 1000)), ids, groups, f[4],
-      whole and f[5] or '', whole and f[6] or ''}
+    out[#out + 1] = {r.w, epoch, f[1], math.max(0, math.floor((r.dl - now) * 1000)),
+      run_ids(runkey, r.n, groups, 0, matched), groups, f[3], whole and f[4] or '', whole and f[5] or ''}
   end
   return out
 end
@@ -479,22 +493,19 @@ local function find(keys, args)
     tonumber(args[6])
   local out = {}
   for _, rid in ipairs(split(redis.call('HGET', p .. 'ret', h), ',')) do
-    local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'h', 'hs', 'hl', 'n', 'ids', 'g', 'dl', 'cl', 'tier')
+    local runkey = p .. 'run:' .. rid
+    local f = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'g', 'dl', 'cl', 'tier')
     local hl, n = tonumber(f[4]), tonumber(f[5])
     local position = 0
     for i = 0, n - 1 do
       if string.sub(f[3], i * hl + 1, (i + 1) * hl) == h then position = i break end
     end
-    local ids = {}
-    for g = 0, tonumber(f[7]) - 1 do
-      ids[#ids + 1] = string.sub(f[6], (g * n + position) * 4 + 1, (g * n + position) * 4 + 4)
-    end
-    local dl = tonumber(f[8])
+    local dl = tonumber(f[7])
     local w = redis.call('HMGET', base .. 'w:' .. f[1], 'state', 'seen')
-    local servable = dl > floor and not f[9] and w[1] == ACTIVE and (now - tonumber(w[2])) <= lease_s
+    local servable = dl > floor and not f[8] and w[1] == ACTIVE and (now - tonumber(w[2])) <= lease_s
       and redis.call('EXISTS', base .. 'alive:' .. f[1]) == 1
-    out[#out + 1] = {'retained', f[1], position, table.concat(ids), f[2], math.max(0, math.floor((dl - now) * 1000)),
-      servable and 1 or 0, tonumber(f[10])}
+    out[#out + 1] = {'retained', f[1], position, run_ids(runkey, n, tonumber(f[6]), position, 1), f[2],
+      math.max(0, math.floor((dl - now) * 1000)), servable and 1 or 0, tonumber(f[9])}
   end
   for _, w in ipairs(split(redis.call('HGET', p .. 'sto', h), '\n')) do
     out[#out + 1] = {'stored', w}
