@@ -399,38 +399,53 @@ async def test_a_lookup_whose_connection_was_closed_is_answered_through_the_clie
         await store.close()
 
 
-async def test_block_ids_live_beside_their_run_and_older_runs_keep_theirs(redis_url):
-    """A run's block ids are a string key of their own (a Lookup takes only the matched part): a run
-    stored with its ids inside the run hash, as before that key existed, answers the same ids (both
-    groups, truncated to the match; FindBlock too), and dropping a run leaves no ids key behind."""
+async def test_a_runs_keys_and_ids_live_beside_it_and_older_runs_are_still_served(redis_url):
+    """A run's keys and block ids are strings of their own (a Lookup compares the keys in Redis and
+    takes only the matched ids). A run stored with both inside the run hash, as before, answers the
+    same (both groups, truncated to the match; FindBlock too; its keys are moved out on its first
+    Lookup); a run whose ids are gone (a maxmemory policy) is never handed out; and dropping a run
+    leaves neither string behind."""
     from kvloop.daemon.index import IndexConfig, Namespace
     from kvloop.daemon.index.redis_store import RedisStore
     from tests.test_index import retain, spec
 
     store = await RedisStore.connect(redis_url, IndexConfig())
     control = redis.Redis.from_url(redis_url)
+    ns = Namespace("m")
     try:
         await store.flush()
         now = store.clock()
         await store.register(spec("a"), 0, now)
-        prompt = conversation("ids", 12)
+        prompt = conversation("apart", 12)
         await store.apply("a", 1, 1, [retain(prompt[:10], "h", groups=2)], now)
         expected = list(range(6)) + [1000 + i for i in range(6)]
-        match = await store.lookup(Namespace("m"), prompt[:6], 0, "p", store.clock(), False)
+        match = await store.lookup(ns, prompt[:6], 0, "p", store.clock(), False)
         assert match.best is not None and list(match.best.block_ids) == expected
         [ids_key] = control.keys("*:ids")
         run_key = ids_key.removesuffix(b":ids")
-        control.hset(run_key, "ids", control.get(ids_key))  # the older layout
-        control.delete(ids_key)
-        again = await store.lookup(Namespace("m"), prompt[:6], 0, "p", store.clock(), False)
+        keys_key = run_key + b":hs"
+        assert control.strlen(keys_key) == 10 * 8 and not control.keys("*scratch*")
+
+        control.hset(run_key, mapping={"ids": control.get(ids_key), "hs": control.get(keys_key)})
+        control.delete(ids_key, keys_key)
+        control.hdel(run_key, "k")  # the older layout
+        [found] = await store.find(ns, prompt[4], store.clock())
+        assert list(found.block_ids) == [4, 1004] and found.position == 4
+        again = await store.lookup(ns, prompt[:6], 0, "p", store.clock(), False)
         assert again.best is not None and list(again.best.block_ids) == expected
-        [found] = await store.find(Namespace("m"), prompt[4], store.clock())
-        assert list(found.block_ids) == [4, 1004]
-        control.set(ids_key, control.hget(run_key, "ids"))
+        assert control.strlen(keys_key) == 10 * 8 and not control.hexists(run_key, "hs")
+
+        control.set(ids_key, control.hget(run_key, "ids")[:-4])  # the last id lost
+        control.hdel(run_key, "ids")
+        short = await store.lookup(ns, prompt, 0, "p", store.clock(), False)
+        assert short.best is None  # the whole run matches, so its ids must all be there
+        control.set(ids_key, control.get(ids_key) + b"\x00" * 4)
+
         await store.apply("a", 1, 2, [retain(prompt[:3], "h")], store.clock())  # replaces the run
-        match = await store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False)
+        match = await store.lookup(ns, prompt, 0, "p", store.clock(), False)
         assert match.best is not None and list(match.best.block_ids) == [0, 1, 2]
-        assert len(control.keys("*:ids")) == 1 and not control.exists(ids_key)
+        assert not control.exists(ids_key, keys_key)
+        assert len(control.keys("*:ids")) == len(control.keys("*:hs")) == 1
     finally:
         control.close()
         await store.close()

@@ -18,13 +18,16 @@ Per namespace P = base..<lora hex>..":":
             P.."ret"            hash  block hash -> run id, or "id,id,..." when runs share the block
             P.."sto"            hash  block hash -> worker ids ("\n"-separated) holding it in prefix cache
             P.."ws:"..W         set   the worker's stored block hashes
-            P.."run:"..id       hash  w, h (handle), hs (hashes, concatenated), hl (hash length), n,
-                                      g, dl (deadline), su, cl (claimant), tier, tt / tb (partly
-                                      filled last block), p (namespace)
-            P.."run:"..id..":ids" string  its block ids (uint32 LE, group-major): a lookup takes only the
-                                      matched part by GETRANGE, as every string Lua receives costs
-                                      ~1 ns per byte (runs made before this key existed keep an 'ids'
-                                      field in the hash, read as a fallback)
+            P.."run:"..id       hash  w, h (handle), hl (hash length), n, g, dl (deadline), su,
+                                      cl (claimant), tier, tt / tb (partly filled last block),
+                                      p (namespace), k ('1': its keys and ids are in the two strings
+                                      below; runs stored before had fields 'hs' and 'ids' instead)
+            P.."run:"..id..":hs"  string  its blocks' keys, concatenated
+            P.."run:"..id..":ids" string  its block ids (uint32 LE, group-major)
+            The two strings stay out of Lua, where every string costs ~1 ns per byte to make: a lookup
+            compares a run's keys with the prompt's in Redis (BITOP) and takes only the matched ids
+            (GETRANGE).
+            P.."scratch:*"      strings  a lookup's own, deleted before it returns and never replicated
 States: 1 active, 2 resyncing, 3 expired, 4 draining (kvloop.v1.LeaseState).
 --]]
 
@@ -128,20 +131,36 @@ local function run_ids(runkey, n, groups, first, count)
       parts[g + 1] = string.sub(ids, from + 1, from + count * 4)
     end
   end
-  return groups == 1 and parts[1] or table.concat(parts)
+  local ids = groups == 1 and parts[1] or table.concat(parts)
+  if #ids ~= groups * count * 4 then return nil end  -- not all there: never hand out a partial run
+  return ids
+end
+
+-- A run's keys, whichever layout it was stored in.
+local function run_keys(runkey, field)
+  return field or redis.call('GET', runkey .. ':hs')
+end
+
+-- A run stored with its keys in the run hash: moved to their own string, as a lookup compares them.
+local function move_keys_apart(runkey)
+  local hs = redis.call('HGET', runkey, 'hs')
+  if hs then redis.call('SET', runkey .. ':hs', hs) end
+  redis.call('HDEL', runkey, 'hs')
+  redis.call('HSET', runkey, 'k', '1')
 end
 
 local function drop_run(base, runkey)
   local run = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'p')
   if not run[1] then return 0 end
-  local w, handle, hs, hl, n, p = run[1], run[2], run[3], tonumber(run[4]), tonumber(run[5]), run[6]
+  local w, handle, hl, n, p = run[1], run[2], tonumber(run[4]), tonumber(run[5]), run[6]
+  local hs = run_keys(runkey, run[3]) or ''
   local rid = string.match(runkey, '(%d+)$')
   local removed = discard_all(p .. 'ret', hs, hl, rid, ',')
   if redis.call('HGET', base .. 'wr:' .. w, handle) == runkey then redis.call('HDEL', base .. 'wr:' .. w, handle) end
   redis.call('HINCRBY', base .. 'w:' .. w, 'rblocks', -n)
   redis.call('ZREM', base .. 'exp', runkey)
   redis.call('ZREM', base .. 'age', runkey)
-  redis.call('DEL', runkey, runkey .. ':ids')
+  redis.call('DEL', runkey, runkey .. ':hs', runkey .. ':ids')
   stat(base, 'entries', -removed)
   stat(base, 'runs', -1)
   return n
@@ -308,8 +327,9 @@ local function apply(keys, args)
       add_all(p .. 'ret', hs, hl, rid, ',')
       added = added + n
       local deadline = now + tonumber(args[i + 7]) / 1000
-      redis.call('HSET', runkey, 'w', w, 'h', handle, 'hs', hs, 'hl', hl, 'n', n, 'g', args[i + 5], 'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10],
-        'tb', args[i + 11], 'p', p)
+      redis.call('HSET', runkey, 'w', w, 'h', handle, 'hl', hl, 'n', n, 'k', '1', 'g', args[i + 5],
+        'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10], 'tb', args[i + 11], 'p', p)
+      redis.call('SET', runkey .. ':hs', hs)
       redis.call('SET', runkey .. ':ids', args[i + 4])
       redis.call('HSET', wr, handle, runkey)
       redis.call('ZADD', base .. 'exp', deadline, runkey)
@@ -380,7 +400,10 @@ end
 -- lookup(keys: P.."ret") base, p, hashes, hl, local_blocks, requester, now, floor, lease_s, claim,
 --   excluded worker ids ("\n"-separated)
 -- The runs holding block i of a prompt also hold blocks 0..i-1 (chained hashes, runs start at block
--- 0), so "some servable run holds block i" is monotone in i: a binary search finds the longest prefix.
+-- 0), so every run holding a block past the local prefix holds block `local_blocks`: the runs that
+-- block's entry names are the candidates. Each one's match is the common prefix of its keys and the
+-- prompt's: Redis XORs the two (BITOP) and finds the first bit set (BITPOS), in C and without a key
+-- of the run entering Lua; a binary search over the block index took a call per probe.
 local function lookup(keys, args)
   local base, p, hs, hl = args[1], args[2], args[3], tonumber(args[4])
   local local_blocks, requester, now = tonumber(args[5]), args[6], tonumber(args[7])
@@ -397,8 +420,8 @@ local function lookup(keys, args)
   local function run(rid)
     local r = runs[rid]
     if r == nil then
-      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n')
-      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4])}
+      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k')
+      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), k = f[5]}
       runs[rid] = r
     end
     return r
@@ -436,7 +459,7 @@ local function lookup(keys, args)
   end
 
   if not any_servable(local_blocks) then
-    local entry = redis.call('HGET', ret, hash_at(local_blocks))
+    local entry = entries[local_blocks]
     if not entry then return {'none', ''} end
     local held = split(entry, ',')
     for _, rid in ipairs(held) do if run(rid).cl then return {'none', 'claimed'} end end
@@ -446,34 +469,51 @@ local function lookup(keys, args)
     end
     return {'none', 'peer_unavailable'}
   end
-  local lo, hi = local_blocks, n - 1
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    if any_servable(mid) then lo = mid else hi = mid - 1 end
-  end
-  -- A run holding the prompt's block `lo` holds it at position `lo`: the hash covers the whole prefix.
-  local matched = lo + 1
-  local candidates = {}
-  for _, rid in ipairs(split(entries[lo], ',')) do  -- block `lo` was probed and held
-    local r = run(rid)
-    if servable(rid) and r.n >= matched then
-      candidates[#candidates + 1] = rid
+  local servable_runs = {}
+  for _, rid in ipairs(split(entries[local_blocks], ',')) do
+    if servable(rid) then
+      servable_runs[#servable_runs + 1] = rid
+      if run(rid).k ~= '1' then move_keys_apart(p .. 'run:' .. rid) end
     end
   end
-  if #candidates == 0 then return {'none', ''} end
+  -- The prompt and the XOR are scratch keys of this call alone: not replicated, gone when it returns.
+  local prompt, xor = p .. 'scratch:prompt', p .. 'scratch:xor'
+  redis.set_repl(redis.REPL_NONE)
+  redis.call('SET', prompt, hs)
+  local matched, reach = 0, {}
+  for _, rid in ipairs(servable_runs) do
+    redis.call('BITOP', 'XOR', xor, prompt, p .. 'run:' .. rid .. ':hs')
+    local first_difference = redis.call('BITPOS', xor, 1)
+    local common = math.min(n, runs[rid].n)
+    if first_difference >= 0 then common = math.min(common, math.floor(first_difference / (8 * hl))) end
+    if common > local_blocks then
+      reach[rid] = common
+      if common > matched then matched = common end
+    end
+  end
+  redis.call('DEL', prompt, xor)
+  redis.set_repl(redis.REPL_ALL)
+  local candidates = {}
+  for _, rid in ipairs(servable_runs) do
+    if reach[rid] == matched then candidates[#candidates + 1] = rid end
+  end
   table.sort(candidates, function(a, b) return runs[a].dl > runs[b].dl end)
   local out = {'found', matched}
-  for k = 1, math.min(#candidates, 8) do
-    local rid = candidates[k]
+  for _, rid in ipairs(candidates) do
+    if #out == 10 then break end  -- 8 holders
     local runkey = p .. 'run:' .. rid
     local f = redis.call('HMGET', runkey, 'h', 'g', 'su', 'tt', 'tb')
     local r, groups = runs[rid], tonumber(f[2])
-    if k == 1 and claim and f[3] == '1' then redis.call('HSET', runkey, 'cl', requester) end
-    local whole = matched == r.n
-    local epoch = redis.call('HGET', base .. 'w:' .. r.w, 'epoch')
-    out[#out + 1] = {r.w, epoch, f[1], math.max(0, math.floor((r.dl - now) * 1000)),
-      run_ids(runkey, r.n, groups, 0, matched), groups, f[3], whole and f[4] or '', whole and f[5] or ''}
+    local ids = run_ids(runkey, r.n, groups, 0, matched)
+    if ids then  -- a run short of its ids (a maxmemory policy evicted them) is never handed out
+      if #out == 2 and claim and f[3] == '1' then redis.call('HSET', runkey, 'cl', requester) end
+      local whole = matched == r.n
+      local epoch = redis.call('HGET', base .. 'w:' .. r.w, 'epoch')
+      out[#out + 1] = {r.w, epoch, f[1], math.max(0, math.floor((r.dl - now) * 1000)), ids, groups, f[3],
+        whole and f[4] or '', whole and f[5] or ''}
+    end
   end
+  if #out == 2 then return {'none', ''} end
   return out
 end
 
@@ -495,16 +535,16 @@ local function find(keys, args)
   for _, rid in ipairs(split(redis.call('HGET', p .. 'ret', h), ',')) do
     local runkey = p .. 'run:' .. rid
     local f = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'g', 'dl', 'cl', 'tier')
-    local hl, n = tonumber(f[4]), tonumber(f[5])
+    local hl, n, hs = tonumber(f[4]), tonumber(f[5]), run_keys(runkey, f[3]) or ''
     local position = 0
     for i = 0, n - 1 do
-      if string.sub(f[3], i * hl + 1, (i + 1) * hl) == h then position = i break end
+      if string.sub(hs, i * hl + 1, (i + 1) * hl) == h then position = i break end
     end
     local dl = tonumber(f[7])
     local w = redis.call('HMGET', base .. 'w:' .. f[1], 'state', 'seen')
     local servable = dl > floor and not f[8] and w[1] == ACTIVE and (now - tonumber(w[2])) <= lease_s
       and redis.call('EXISTS', base .. 'alive:' .. f[1]) == 1
-    out[#out + 1] = {'retained', f[1], position, run_ids(runkey, n, tonumber(f[6]), position, 1), f[2],
+    out[#out + 1] = {'retained', f[1], position, run_ids(runkey, n, tonumber(f[6]), position, 1) or '', f[2],
       math.max(0, math.floor((dl - now) * 1000)), servable and 1 or 0, tonumber(f[9])}
   end
   for _, w in ipairs(split(redis.call('HGET', p .. 'sto', h), '\n')) do
