@@ -414,14 +414,16 @@ local function lookup(keys, args)
   local n = #hs / hl
   if local_blocks >= n then return {'none', ''} end
   if redis.call('SCARD', base .. 'resync') > 0 then return {'none', 'directory_resyncing'} end
-  local runs, verdicts, live, entries = {}, {}, {}, {}
+  local runs, verdicts, live, entries, epochs = {}, {}, {}, {}, {}
 
   local function hash_at(i) return string.sub(hs, i * hl + 1, (i + 1) * hl) end
   local function run(rid)
     local r = runs[rid]
     if r == nil then
-      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k')
-      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), k = f[5]}
+      -- every field a lookup reads, in one call: most prompts have one candidate, and it is answered
+      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k', 'h', 'g', 'su', 'tt', 'tb')
+      r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), k = f[5], h = f[6], g = tonumber(f[7]),
+        su = f[8], tt = f[9], tb = f[10]}
       runs[rid] = r
     end
     return r
@@ -429,10 +431,10 @@ local function lookup(keys, args)
   local function worker_live(w)
     local v = live[w]
     if v == nil then
-      local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen')
+      local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen', 'epoch')
       v = f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s
         and redis.call('EXISTS', base .. 'alive:' .. w) == 1
-      live[w] = v
+      live[w], epochs[w] = v, f[3]
     end
     return v
   end
@@ -501,16 +503,13 @@ local function lookup(keys, args)
   local out = {'found', matched}
   for _, rid in ipairs(candidates) do
     if #out == 10 then break end  -- 8 holders
-    local runkey = p .. 'run:' .. rid
-    local f = redis.call('HMGET', runkey, 'h', 'g', 'su', 'tt', 'tb')
-    local r, groups = runs[rid], tonumber(f[2])
-    local ids = run_ids(runkey, r.n, groups, 0, matched)
+    local runkey, r = p .. 'run:' .. rid, runs[rid]
+    local ids = run_ids(runkey, r.n, r.g, 0, matched)
     if ids then  -- a run short of its ids (a maxmemory policy evicted them) is never handed out
-      if #out == 2 and claim and f[3] == '1' then redis.call('HSET', runkey, 'cl', requester) end
+      if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
       local whole = matched == r.n
-      local epoch = redis.call('HGET', base .. 'w:' .. r.w, 'epoch')
-      out[#out + 1] = {r.w, epoch, f[1], math.max(0, math.floor((r.dl - now) * 1000)), ids, groups, f[3],
-        whole and f[4] or '', whole and f[5] or ''}
+      out[#out + 1] = {r.w, epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
+        whole and r.tt or '', whole and r.tb or ''}
     end
   end
   if #out == 2 then return {'none', ''} end
