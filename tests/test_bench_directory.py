@@ -45,5 +45,8 @@ def test_bench_directory_reports_a_paired_floor_and_every_figure():
     assert redis["entries"] == 4096 and redis["memory_measured"] == "redis used_memory"
     expected = redis["lookup_e2e_p50_ms"] / figures["lookup_e2e_p50_ms"]
     assert abs(redis["lookup_e2e_p50_over_memory"] - expected) < 0.01
+    # the same with each store's Lookup over its own interleaved floor
+    adjusted = redis["lookup_e2e_p50_over_health_check"] / figures["lookup_e2e_p50_over_health_check"]
+    assert abs(redis["lookup_e2e_p50_over_memory_floor_adjusted"] - adjusted) < 0.01
     assert "lookup_e2e_p50_over_memory" not in figures
     assert "lookup_handler_hot_p50_us" not in redis

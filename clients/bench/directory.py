@@ -627,7 +627,18 @@ def run_directory_bench(config: BenchConfig, progress: bool = True) -> dict:
 
 def _compare_to_memory(redis: dict, memory: dict) -> None:
     """The Redis store's end-to-end Lookup against the in-memory store's of the same run (the issue's
-    target is at most 1.5x): the host's speed moves between runs, so only figures of one run compare."""
+    target is at most 1.5x): the host's speed moves between runs, so only figures of one run compare.
+
+    Within one run the host's speed still moves between the two stores' halves, minutes apart, and
+    moves both a Lookup and the floor interleaved with it: ``..._floor_adjusted`` compares each store's
+    Lookup with its own floor (Redis's ratio to its floor over memory's), which takes that out."""
     ratio = round(redis["lookup_e2e_p50_ms"] / memory["lookup_e2e_p50_ms"], 3)
     redis["lookup_e2e_p50_over_memory"] = ratio
-    redis["table"].append(("  lookup end-to-end p50 / the memory store's (this run)", f"{ratio}x", "<= 1.5x"))
+    adjusted = round(
+        redis["lookup_e2e_p50_over_health_check"] / memory["lookup_e2e_p50_over_health_check"], 3
+    )
+    redis["lookup_e2e_p50_over_memory_floor_adjusted"] = adjusted
+    redis["table"] += [
+        ("  lookup end-to-end p50 / the memory store's (this run)", f"{ratio}x", "<= 1.5x"),
+        ("    the same, each against its own floor", f"{adjusted}x", ""),
+    ]
