@@ -449,3 +449,49 @@ async def test_a_runs_keys_and_ids_live_beside_it_and_older_runs_are_still_serve
     finally:
         control.close()
         await store.close()
+
+
+async def test_a_lookups_scratch_keys_never_reach_a_replica_and_its_claim_does(tmp_path):
+    """A Lookup compares in scratch strings it deletes before returning, unreplicated: the primary's
+    replication stream does not move for a Lookup that claims nothing, and moves, reaching the
+    replica, for one that claims a single-use run."""
+    from kvloop.daemon.index import IndexConfig, Namespace
+    from kvloop.daemon.index.redis_store import RedisStore
+    from tests.test_index import retain, spec
+
+    primary_port = free_port()
+    with ExitStack() as stack:
+        primary_url = stack.enter_context(local_redis(tmp_path, port=primary_port))
+        replica_url = stack.enter_context(
+            local_redis(tmp_path, extra=["--replicaof", "127.0.0.1", str(primary_port)])
+        )
+        primary, replica = redis.Redis.from_url(primary_url), redis.Redis.from_url(replica_url)
+        stack.callback(primary.close)
+        stack.callback(replica.close)
+        wait_until(lambda: replica.info("replication")["master_link_status"] == "up", what="replica sync")
+        primary.config_set("repl-ping-replica-period", 3600)  # no PING in the stream while measuring
+        store = await RedisStore.connect(primary_url, IndexConfig())
+        try:
+            now = store.clock()
+            await store.register(spec("a"), 0, now)
+            prompt = conversation("scratch", 8)
+            await store.apply("a", 1, 1, [retain(prompt, "h", single_use=True)], now)
+
+            def offsets() -> tuple[int, int]:
+                return (
+                    primary.info("replication")["master_repl_offset"],
+                    replica.info("replication")["master_repl_offset"],
+                )
+
+            wait_until(lambda: len(set(offsets())) == 1, what="replica caught up")
+            before = offsets()
+            looked = await store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False)
+            assert looked.best is not None and looked.best.matched_blocks == 8
+            assert offsets() == before and not primary.keys("*scratch*")
+            claimed = await store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), True)
+            assert claimed.best is not None and claimed.best.handle == "h"
+            assert offsets()[0] > before[0]
+            wait_until(lambda: replica.keys("*run:*") and replica.hget(replica.keys("*run:1")[0], "cl"))
+            assert not replica.keys("*scratch*")
+        finally:
+            await store.close()
