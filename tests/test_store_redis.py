@@ -495,3 +495,36 @@ async def test_a_lookups_scratch_keys_never_reach_a_replica_and_its_claim_does(t
             assert not replica.keys("*scratch*")
         finally:
             await store.close()
+
+
+async def test_a_models_spec_past_its_second_is_refreshed_beside_the_lookup(redis_url, monkeypatch):
+    """Every Lookup reads its model's spec. Past a second old the cached spec is still answered at once
+    and refreshed in the background (a quiet model's Lookups each paid two round trips for it);
+    past MODEL_SPEC_STALE_S it is fetched first."""
+    from kvloop.daemon.index import IndexConfig, redis_store
+    from kvloop.daemon.index.redis_store import RedisStore
+    from tests.test_index import spec
+
+    store = await RedisStore.connect(redis_url, IndexConfig())
+    control = redis.Redis.from_url(redis_url)
+
+    def reads() -> int:  # the refresh's first command
+        return control.info("commandstats").get("cmdstat_srandmember", {}).get("calls", 0)
+
+    try:
+        await store.flush()
+        await store.register(spec("a", block_size=32), 0, store.clock())
+        first = await store.model_spec("m")
+        assert first is not None and first.block_size == 32
+        monkeypatch.setattr(redis_store, "MODEL_SPEC_FRESH_S", 0.0)  # every cached spec is past it
+        before = reads()
+        assert await store.model_spec("m") == first  # answered from the cache, nothing sent first
+        assert reads() == before
+        await wait_for_async(lambda: reads() == before + 1)  # refreshed in the background
+        monkeypatch.setattr(redis_store, "MODEL_SPEC_STALE_S", 0.0)
+        before = reads()
+        assert await store.model_spec("m") == first
+        assert reads() == before + 1  # too old to answer with: fetched first
+    finally:
+        control.close()
+        await store.close()

@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
@@ -117,6 +117,10 @@ POOL_CONNECTIONS = 100
 POOL_WAIT_S = 2.0
 # Connections per kvloopd process kept for Lookups beyond the pool (see _DirectLane).
 LANE_CONNECTIONS = 32
+# A model's spec (its block layout), read on every Lookup: used as is up to MODEL_SPEC_FRESH_S old,
+# used while a refresh runs beside the Lookup up to MODEL_SPEC_STALE_S old, fetched first beyond.
+MODEL_SPEC_FRESH_S = 1.0
+MODEL_SPEC_STALE_S = 30.0
 
 
 def redacted(url: str) -> str:
@@ -215,6 +219,7 @@ class RedisStore:
         self._lane = _DirectLane(client, LANE_CONNECTIONS)
         self._specs: dict[tuple[str, str], WorkerSpec] = {}  # (worker, epoch) -> spec
         self._model_specs: dict[str, tuple[float, WorkerSpec]] = {}  # model -> (fetched at, spec)
+        self._spec_refreshes: dict[str, asyncio.Task] = {}  # model -> its refresh in the background
         self._model_of: dict[str, str] = {}  # worker -> model (a worker id keeps its model)
         self._lease_ms = str(max(1, int(self.config.lease_s * 1000)))
         self._sentinel: tuple[Any, str] | None = None
@@ -326,6 +331,10 @@ class RedisStore:
         return RedisChangeRelay(self._r, f"{_PREFIX}:plans")
 
     async def close(self) -> None:
+        refreshes = list(self._spec_refreshes.values())
+        for refresh in refreshes:
+            refresh.cancel()
+        await asyncio.gather(*refreshes, return_exceptions=True)
         await self._lane.close()
         await self._r.aclose()
 
@@ -482,11 +491,30 @@ class RedisStore:
     @_reachable
     async def model_spec(self, model: str) -> WorkerSpec | None:
         # Asked on every Lookup; a model's block layout holds while any of its workers is registered
-        # (register refuses another), so a second-old answer is as good as a fresh one.
+        # (register refuses another), so a recent answer is as good as a fresh one. An older one is
+        # refreshed beside the Lookup, not before it: a model whose Lookups came a second or more
+        # apart paid two round trips through redis-py's client on every one.
         cached = self._model_specs.get(model)
+        if cached is not None:
+            age = time.monotonic() - cached[0]
+            if age < MODEL_SPEC_FRESH_S:
+                return cached[1]
+            if age < MODEL_SPEC_STALE_S:
+                if model not in self._spec_refreshes:
+                    self._spec_refreshes[model] = asyncio.create_task(self._refresh_model_spec(model))
+                return cached[1]
+        return await self._fetch_model_spec(model)
+
+    async def _refresh_model_spec(self, model: str) -> None:
+        try:
+            await self._fetch_model_spec(model)
+        except (RedisError, OSError) as exc:  # the cached spec stays; the next Lookup tries again
+            log.debug("model spec refresh failed", model=model, error=str(exc))
+        finally:
+            self._spec_refreshes.pop(model, None)
+
+    async def _fetch_model_spec(self, model: str) -> WorkerSpec | None:
         now = time.monotonic()
-        if cached is not None and now - cached[0] < 1.0:
-            return cached[1]
         base = self._base(model)
         worker: Any = await self._r.srandmember(f"{base}workers")
         raw = await self._r.hget(f"{base}w:{_text(worker)}", "spec") if worker is not None else None
