@@ -414,9 +414,8 @@ local function lookup(keys, args)
   local n = #hs / hl
   if local_blocks >= n then return {'none', ''} end
   if redis.call('SCARD', base .. 'resync') > 0 then return {'none', 'directory_resyncing'} end
-  local runs, verdicts, live, entries, epochs = {}, {}, {}, {}, {}
+  local runs, verdicts, live, epochs = {}, {}, {}, {}
 
-  local function hash_at(i) return string.sub(hs, i * hl + 1, (i + 1) * hl) end
   local function run(rid)
     local r = runs[rid]
     if r == nil then
@@ -450,20 +449,13 @@ local function lookup(keys, args)
     end
     return v
   end
-  local function any_servable(i)
-    local entry = redis.call('HGET', ret, hash_at(i))
-    if not entry then return false end
-    entries[i] = entry
-    for _, rid in ipairs(split(entry, ',')) do
-      if servable(rid) then return true end
-    end
-    return false
+  local entry = redis.call('HGET', ret, string.sub(hs, local_blocks * hl + 1, (local_blocks + 1) * hl))
+  if not entry then return {'none', ''} end
+  local held, servable_runs = split(entry, ','), {}
+  for _, rid in ipairs(held) do
+    if servable(rid) then servable_runs[#servable_runs + 1] = rid end
   end
-
-  if not any_servable(local_blocks) then
-    local entry = entries[local_blocks]
-    if not entry then return {'none', ''} end
-    local held = split(entry, ',')
+  if #servable_runs == 0 then
     for _, rid in ipairs(held) do if run(rid).cl then return {'none', 'claimed'} end end
     for _, rid in ipairs(held) do if run(rid).dl <= floor then return {'none', 'expired'} end end
     for _, rid in ipairs(held) do
@@ -471,12 +463,8 @@ local function lookup(keys, args)
     end
     return {'none', 'peer_unavailable'}
   end
-  local servable_runs = {}
-  for _, rid in ipairs(split(entries[local_blocks], ',')) do
-    if servable(rid) then
-      servable_runs[#servable_runs + 1] = rid
-      if run(rid).k ~= '1' then move_keys_apart(p .. 'run:' .. rid) end
-    end
+  for _, rid in ipairs(servable_runs) do
+    if run(rid).k ~= '1' then move_keys_apart(p .. 'run:' .. rid) end
   end
   -- The prompt and the XOR are scratch keys of this call alone: not replicated, gone when it returns.
   local prompt, xor = p .. 'scratch:prompt', p .. 'scratch:xor'
