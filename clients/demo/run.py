@@ -68,6 +68,7 @@ def run_demo(
                 fault = kill_decode_replica(stack, turn)
                 emit(fault, as_json, progress)
             elif faults.get(turn) == "redis_primary":
+                past_epoch = max((epoch for epoch, _ in stack.directory_epochs() or []), default=0)
                 killed = stack.kill_redis_primary()
                 primary_killed_at = time.monotonic()
                 progress(
@@ -98,6 +99,11 @@ def run_demo(
                 )
                 primary_killed_at = None
             # The agent's tool runs now; meanwhile the decode's retained blocks reach the directory.
+            if primary_killed_at is not None:
+                # a tool that takes as long as Sentinel's failover and the agents' re-push, so a short
+                # conversation still shows the recovery (the next turn transfers when the wait ends)
+                progress("tool", "runs while Sentinel fails over and the agents re-push their state")
+                stack.wait_failed_over(killed, past_epoch)
             stack.wait_retained(len(results))
             if as_json:
                 sys.stdout.write(json.dumps(result.as_dict()) + "\n")

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
-from kvloop.clients.client import DaemonUnavailable, DirectoryClient
+from kvloop.clients.client import DaemonUnavailable, DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
+from kvloop.v1 import directory_pb2 as pb
 
 
 @dataclass
@@ -349,6 +350,49 @@ class Stack:
             local_redis(self.config.workdir / "redis", port=port, extra=["--replicaof", new_host, new_port])
         )
         return primary
+
+    def directory_epochs(self) -> list[tuple[int, bool]] | None:
+        """Per live kvloopd replica, its directory epoch and whether it waits for agents to re-push
+        (a probe Lookup answered RECOMPUTE ``directory_resyncing``); None when one does not answer."""
+        answers = []
+        for address, process, _ in self.replicas:
+            if process.poll() is not None:
+                continue
+            try:
+                with DirectoryClient(address, timeout=2) as client:
+                    answer = client.lookup(self.config.served_model_name, [bytes(32)])
+            except KvloopError:
+                return None
+            answers.append((answer.directory_epoch, answer.reason == pb.DECISION_REASON_DIRECTORY_RESYNCING))
+        return answers
+
+    def settled(self, past_epoch: int = -1) -> bool:
+        """Every live replica serves one directory epoch, newer than ``past_epoch``, and none waits for
+        its agents to re-push: a failover's resync wave, which reaches each replica when that replica
+        sees the primary move, is over."""
+        answers = self.directory_epochs()
+        if not answers:
+            return False
+        return (
+            len({epoch for epoch, _ in answers}) == 1
+            and answers[0][0] > past_epoch
+            and not any(resyncing for _, resyncing in answers)
+        )
+
+    def wait_failed_over(self, old_primary: str, past_epoch: int, timeout_s: float = 60.0) -> bool:
+        """Wait until Sentinel names a primary other than ``old_primary`` and every replica has moved
+        past ``past_epoch`` with its agents' state re-pushed (--ha)."""
+        from redis.exceptions import RedisError
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.primary() != old_primary and self.settled(past_epoch):
+                    return True
+            except RedisError:  # a Sentinel between answers
+                pass
+            time.sleep(0.05)  # polling Sentinel and the replicas
+        return False
 
     def wait_retained(self, runs: int, timeout_s: float = 5.0) -> bool:
         """Wait until the directory lists at least `runs` retained runs (the decode's announcement of a

@@ -13,9 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvloop.clients.bench.chaos import checked_request, stream_chat
-from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation
-from kvloop.v1 import directory_pb2 as pb
 from tests.e2e.conftest import HAVE_ENGINES
 from tests.support import wait_until
 
@@ -118,6 +117,8 @@ def test_redis_primary_failover(ha_stack):
             time.sleep(0.05)  # polling Sentinel for the promotion
 
     watcher = threading.Thread(target=watch_sentinel)
+    epochs = ha_stack.directory_epochs()
+    assert epochs, "a replica did not answer before the failover"
     ha_stack.kill_redis_primary()
     killed_at = time.monotonic()
     watcher.start()
@@ -137,29 +138,16 @@ def test_redis_primary_failover(ha_stack):
         f"again {started - promoted[0]:.2f}s after that; paths {paths}"
     )
     turns.check_against_recompute(result)
+    # what `kvloop demo --ha` waits for: every replica past the old epoch, the agents' state re-pushed
+    assert ha_stack.wait_failed_over(old, max(epoch for epoch, _ in epochs), timeout_s=30)
     ha_stack.rejoin_redis(old)
-
-
-def _settled(ha_stack) -> bool:
-    """Every replica serves one directory epoch and none waits for its agents to re-push: a failover's
-    resync wave, which reaches each replica when that replica sees the primary move, is over."""
-    answers = []
-    for address, *_ in ha_stack.replicas:
-        try:
-            with DirectoryClient(address, timeout=2) as client:
-                answers.append(client.lookup(MODEL, [bytes(32)]))
-        except KvloopError:
-            return False
-    return len({a.directory_epoch for a in answers}) == 1 and all(
-        a.reason != pb.DECISION_REASON_DIRECTORY_RESYNCING for a in answers
-    )
 
 
 def test_restarting_every_replica_keeps_the_directory(ha_stack):
     turns = Turns(ha_stack, seed=63)
     turns.next()
     # An earlier failover's resyncs must be over before counting the ones a restart would cause.
-    wait_until(lambda: _settled(ha_stack), timeout=60, what="every replica on one epoch, no resync pending")
+    wait_until(ha_stack.settled, timeout=60, what="every replica on one epoch, no resync pending")
     with DirectoryClient(ha_stack.daemon_address) as directory:
         before = {w.registration.worker_id: w.resyncs for w in directory.list_workers(MODEL)}
         retained = directory.stats().retained_runs
