@@ -451,6 +451,35 @@ async def test_a_runs_keys_and_ids_live_beside_it_and_older_runs_are_still_serve
         await store.close()
 
 
+async def test_a_lookup_whose_longest_runs_lost_their_ids_answers_the_next_shorter_holder(redis_url):
+    """Runs whose ids are gone (a maxmemory policy evicted them) are never handed out; a Lookup then
+    answers the longest holder that has its ids, not RECOMPUTE."""
+    from kvloop.daemon.index import IndexConfig, Namespace
+    from kvloop.daemon.index.redis_store import RedisStore
+    from tests.test_index import retain, spec
+
+    store = await RedisStore.connect(redis_url, IndexConfig())
+    control = redis.Redis.from_url(redis_url)
+    try:
+        await store.flush()
+        now = store.clock()
+        for worker in ("a", "b", "c"):
+            await store.register(spec(worker), 0, now)
+        prompt = conversation("evicted", 12)
+        await store.apply("a", 1, 1, [retain(prompt[:10], "ha")], now)
+        await store.apply("b", 1, 1, [retain(prompt[:10], "hb")], now)
+        await store.apply("c", 1, 1, [retain(prompt[:6], "hc")], now)
+        for run_key in control.keys("*:run:*"):
+            if not run_key.endswith((b":ids", b":hs")) and control.hget(run_key, "w") in (b"a", b"b"):
+                control.delete(run_key + b":ids")
+        match = await store.lookup(Namespace("m"), prompt, 0, "p", store.clock(), False)
+        assert match.best is not None and match.best.worker.worker_id == "c" and not match.others
+        assert match.best.matched_blocks == 6 and list(match.best.block_ids) == list(range(6))
+    finally:
+        control.close()
+        await store.close()
+
+
 async def test_a_lookups_scratch_keys_never_reach_a_replica_and_its_claim_does(tmp_path):
     """A Lookup compares in scratch strings it deletes before returning, unreplicated: the primary's
     replication stream does not move for a Lookup that claims nothing, and moves, reaching the

@@ -483,25 +483,36 @@ local function lookup(keys, args)
   end
   redis.call('DEL', prompt, xor)
   redis.set_repl(redis.REPL_ALL)
-  local candidates = {}
-  for _, rid in ipairs(servable_runs) do
-    if reach[rid] == matched then candidates[#candidates + 1] = rid end
-  end
-  table.sort(candidates, function(a, b) return runs[a].dl > runs[b].dl end)
-  local out = {'found', matched}
-  for _, rid in ipairs(candidates) do
-    if #out == 10 then break end  -- 8 holders
-    local runkey, r = p .. 'run:' .. rid, runs[rid]
-    local ids = run_ids(runkey, r.n, r.g, 0, matched)
-    if ids then  -- a run short of its ids (a maxmemory policy evicted them) is never handed out
-      if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
-      local whole = matched == r.n
-      out[#out + 1] = {r.w, epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
-        whole and r.tt or '', whole and r.tb or ''}
+  -- The runs reaching furthest, longest-lived first; a run short of its ids (a maxmemory policy
+  -- evicted them) is never handed out, and when no run at a reach has its ids the next shorter
+  -- reach is tried (every run reaching further holds that prefix too).
+  while matched > local_blocks do
+    local candidates = {}
+    for _, rid in ipairs(servable_runs) do
+      if (reach[rid] or 0) >= matched then candidates[#candidates + 1] = rid end
     end
+    table.sort(candidates, function(a, b) return runs[a].dl > runs[b].dl end)
+    local out = {'found', matched}
+    for _, rid in ipairs(candidates) do
+      if #out == 10 then break end  -- 8 holders
+      local runkey, r = p .. 'run:' .. rid, runs[rid]
+      local ids = run_ids(runkey, r.n, r.g, 0, matched)
+      if ids then
+        if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
+        local whole = matched == r.n
+        out[#out + 1] = {r.w, epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
+          whole and r.tt or '', whole and r.tb or ''}
+      end
+    end
+    if #out > 2 then return out end
+    local shorter = local_blocks
+    for _, rid in ipairs(servable_runs) do
+      local c = reach[rid]
+      if c and c < matched and c > shorter then shorter = c end
+    end
+    matched = shorter
   end
-  if #out == 2 then return {'none', ''} end
-  return out
+  return {'none', ''}
 end
 
 -- release(keys: P..something) base, p, holder, handle, requester
