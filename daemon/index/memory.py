@@ -189,39 +189,20 @@ def _values(entry: int | list[int]) -> Iterable[int]:
     return entry if isinstance(entry, list) else (entry,)
 
 
-def _hash_at(hashes: Sequence[bytes]) -> Callable[[int], bytes]:
-    """The prompt's i-th hash; a packed prompt is sliced directly (no per-probe method dispatch)."""
-    if isinstance(hashes, PackedHashes):
-        data, width = hashes.data, hashes.width
-        return lambda i: data[i * width : i * width + width]
-    return hashes.__getitem__
-
-
-def _common_prefix(run: _Run, hashes: Sequence[bytes], known: int, n: int) -> int:
+def _common_prefix(run: _Run, hashes: PackedHashes, known: int, n: int) -> int:
     """Blocks the run shares with the prompt, given that both hold block ``known``: chained hashes
     make equality at block i imply it for every block before i, so a binary search finds the end.
-    A packed prompt is sliced inline: this runs on every continuation's Lookup."""
+    The prompt is sliced inline: this runs on every continuation's Lookup."""
     keys, w = run.keys, run.width
     top = min(run.blocks, n) - 1
-    if isinstance(hashes, PackedHashes):
-        data, pw = hashes.data, hashes.width  # pw == w within a namespace; each side sliced by its own
-        # keys.startswith(key, offset): one slice a probe, compared in place (~15% of the search)
-        if keys.startswith(data[top * pw : top * pw + pw], top * w):  # the usual continuation
-            return top + 1
-        lo, hi = known, top - 1
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if keys.startswith(data[mid * pw : mid * pw + pw], mid * w):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo + 1
-    if keys[top * w : top * w + w] == hashes[top]:
+    data, pw = hashes.data, hashes.width  # pw == w within a namespace; each side sliced by its own
+    # keys.startswith(key, offset): one slice a probe, compared in place (~15% of the search)
+    if keys.startswith(data[top * pw : top * pw + pw], top * w):  # the usual continuation
         return top + 1
     lo, hi = known, top - 1
     while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if keys[mid * w : mid * w + w] == hashes[mid]:
+        mid = (lo + hi + 1) >> 1
+        if keys.startswith(data[mid * pw : mid * pw + pw], mid * w):
             lo = mid
         else:
             hi = mid - 1
@@ -554,14 +535,17 @@ class MemoryStore:
         claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
         check) takes its worker."""
         ns = self._namespaces.get(namespace)
-        if isinstance(hashes, PackedHashes):  # a Lookup's prompt: sliced without a call per probe
-            n, w = hashes.n, hashes.width
-            key = hashes.data[local_blocks * w : local_blocks * w + w]
+        if isinstance(hashes, PackedHashes):  # a Lookup's prompt
+            prompt = hashes
+        elif local_blocks < len(hashes):  # other callers' hashes, packed once here
+            prompt = PackedHashes(b"".join(hashes), len(hashes[0]))
         else:
-            n = len(hashes)
-            key = hashes[local_blocks] if local_blocks < n else b""
+            return PrefixMatch(None, [])
+        n, w = prompt.n, prompt.width
+        data = prompt.data  # sliced inline: no call per probe
         if ns is None or local_blocks >= n:
             return PrefixMatch(None, [])
+        key = data[local_blocks * w : local_blocks * w + w]
         index = ns.retained
         runs = self._runs
         first = index.get(key)
@@ -580,11 +564,10 @@ class MemoryStore:
                 and self._servable(run, floor, now, requester)
                 and (accept is None or accept(run.worker.spec))
             ):
-                best = self._holding(run, _common_prefix(run, hashes, local_blocks, n), now)
+                best = self._holding(run, _common_prefix(run, prompt, local_blocks, n), now)
                 if claim and run.single_use:
                     run.claimed_by = requester
                 return PrefixMatch(best, [])
-        at = _hash_at(hashes)
         verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
         accepted: dict[str, bool] = {}
 
@@ -602,7 +585,7 @@ class MemoryStore:
             return verdict
 
         def any_servable(position: int) -> bool:
-            entry = index.get(at(position))
+            entry = index.get(data[position * w : position * w + w])
             if entry is None:
                 return False
             if isinstance(entry, int):
@@ -620,7 +603,7 @@ class MemoryStore:
             else:
                 hi = mid - 1
         matched = lo + 1
-        last = at(lo)
+        last = data[lo * w : lo * w + w]
         candidates = [
             run
             for rid in _values(index[last])
