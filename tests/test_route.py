@@ -353,6 +353,33 @@ async def test_a_plan_reaches_a_connector_streaming_from_another_replica(daemon_
                 assert (planned.matched_blocks, planned.holder.retention_handle) == (20, "h")
 
 
+async def test_plans_go_over_redis_only_for_workers_another_replica_streams(redis_url):
+    """Each replica announces the workers whose connectors stream plans from it; another replica
+    relays a plan only for a worker announced lately, and stops once that stream ends."""
+    import redis.asyncio as aioredis
+
+    from kvloop.daemon.index.redis_store import RedisChangeRelay
+    from kvloop.daemon.plans import PlanBoard
+
+    client = aioredis.from_url(redis_url)
+    asked, streamed = (PlanBoard(relay=RedisChangeRelay(client, "kvl:test-plans")) for _ in range(2))
+    relays = [asyncio.create_task(board.relay()) for board in (asked, streamed)]
+    try:
+        assert not asked.wants("p")  # no replica streams p's plans: Route posts none
+        with streamed.subscription("p") as queue:
+            await asyncio.to_thread(wait_until, lambda: asked.wants("p"), 10, "the announcement")
+            assert not asked.wants("q") and not streamed.wants("q")
+            asked.post("p", pb.PlansResponse(prompt_blocks=7))
+            plan = await asyncio.wait_for(queue.get(), 10)
+            assert plan is not None and plan.prompt_blocks == 7
+        await asyncio.to_thread(wait_until, lambda: not asked.wants("p"), 10, "the stream's end announced")
+    finally:
+        for relay in relays:
+            relay.cancel()
+        await asyncio.gather(*relays, return_exceptions=True)
+        await client.aclose()
+
+
 def test_shutdown_ends_the_plans_streams_at_once(daemon_factory):
     """A connector's Plans stream ends cleanly when kvloopd shuts down, so a shutdown does not wait out
     its grace for it (the stream would then end cancelled)."""
