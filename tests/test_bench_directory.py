@@ -40,6 +40,7 @@ def test_bench_directory_reports_a_paired_floor_and_every_figure():
     assert figures["route_prompt_tokens_mean"] == 256 + 19 * 32 // 2
     # the handler called in-process, hot, on a directory of its own: in memory only
     assert 0 < figures["lookup_handler_hot_p50_us"] <= figures["lookup_handler_hot_p99_us"]
+    assert figures["lookup_handler_after_idle_p50_us"] > 0
     # both stores measured in one run: Redis is compared with memory's figures of the same run
     redis = stores["redis"]
     assert redis["entries"] == 4096 and redis["memory_measured"] == "redis used_memory"
@@ -49,4 +50,4 @@ def test_bench_directory_reports_a_paired_floor_and_every_figure():
     adjusted = redis["lookup_e2e_p50_over_health_check"] / figures["lookup_e2e_p50_over_health_check"]
     assert abs(redis["lookup_e2e_p50_over_memory_floor_adjusted"] - adjusted) < 0.01
     assert "lookup_e2e_p50_over_memory" not in figures
-    assert "lookup_handler_hot_p50_us" not in redis
+    assert "lookup_handler_hot_p50_us" not in redis and "lookup_handler_after_idle_p50_us" not in redis
