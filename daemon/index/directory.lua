@@ -149,6 +149,15 @@ local function move_keys_apart(runkey)
   redis.call('HSET', runkey, 'k', '1')
 end
 
+-- Whether a worker's blocks may be served now (active, heard from within the lease, its liveness
+-- key unexpired), and its epoch: the one rule for lookup, find and stored_prefixes.
+local function worker_live(base, w, now, lease_s)
+  local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen', 'epoch')
+  local live = f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s
+    and redis.call('EXISTS', base .. 'alive:' .. w) == 1
+  return live, f[3]
+end
+
 local function drop_run(base, runkey)
   local run = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'p')
   if not run[1] then return 0 end
@@ -427,13 +436,11 @@ local function lookup(keys, args)
     end
     return r
   end
-  local function worker_live(w)
+  local function live_worker(w)
     local v = live[w]
     if v == nil then
-      local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen', 'epoch')
-      v = f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s
-        and redis.call('EXISTS', base .. 'alive:' .. w) == 1
-      live[w], epochs[w] = v, f[3]
+      v, epochs[w] = worker_live(base, w, now, lease_s)
+      live[w] = v
     end
     return v
   end
@@ -441,7 +448,7 @@ local function lookup(keys, args)
     local v = verdicts[rid]
     if v == nil or ignore_exclusion then
       local r = run(rid)
-      v = r.w ~= nil and r.dl > floor and not r.cl and r.w ~= requester and worker_live(r.w)
+      v = r.w ~= nil and r.dl > floor and not r.cl and r.w ~= requester and live_worker(r.w)
       if not ignore_exclusion then
         v = v and not excluded[r.w]
         verdicts[rid] = v
@@ -539,9 +546,7 @@ local function find(keys, args)
       if string.sub(hs, i * hl + 1, (i + 1) * hl) == h then position = i break end
     end
     local dl = tonumber(f[7])
-    local w = redis.call('HMGET', base .. 'w:' .. f[1], 'state', 'seen')
-    local servable = dl > floor and not f[8] and w[1] == ACTIVE and (now - tonumber(w[2])) <= lease_s
-      and redis.call('EXISTS', base .. 'alive:' .. f[1]) == 1
+    local servable = dl > floor and not f[8] and worker_live(base, f[1], now, lease_s)
     out[#out + 1] = {'retained', f[1], position, run_ids(runkey, n, tonumber(f[6]), position, 1) or '', f[2],
       math.max(0, math.floor((dl - now) * 1000)), servable and 1 or 0, tonumber(f[9])}
   end
@@ -561,8 +566,7 @@ local function stored_prefixes(keys, args)
   local alive, out, count = {}, {}, 0
   for i = 6, #args do
     local w = args[i]
-    local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen')
-    if f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s and redis.call('EXISTS', base .. 'alive:' .. w) == 1 then
+    if worker_live(base, w, now, lease_s) then
       alive[w] = '\n' .. w .. '\n'  -- as it appears in a block's "\n"-separated holders, bounded
       count = count + 1
     end
