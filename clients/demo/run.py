@@ -68,7 +68,7 @@ def run_demo(
                 fault = kill_decode_replica(stack, turn)
                 emit(fault, as_json, progress)
             elif faults.get(turn) == "redis_primary":
-                past_epoch = max((epoch for epoch, _ in stack.directory_epochs() or []), default=0)
+                past_epoch = stack.directory_epoch()
                 killed = stack.kill_redis_primary()
                 primary_killed_at = time.monotonic()
                 progress(

@@ -366,6 +366,16 @@ class Stack:
             answers.append((answer.directory_epoch, answer.reason == pb.DECISION_REASON_DIRECTORY_RESYNCING))
         return answers
 
+    def directory_epoch(self, timeout_s: float = 10.0) -> int:
+        """The newest directory epoch the live replicas serve, once every one of them answers (a
+        failover is judged against it: with a replica silent the epoch read would be too old)."""
+        deadline = time.monotonic() + timeout_s
+        while (answers := self.directory_epochs()) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a kvloopd replica did not answer within {timeout_s:.0f}s")
+            time.sleep(0.05)  # polling the replicas
+        return max((epoch for epoch, _ in answers), default=0)
+
     def settled(self, past_epoch: int = -1) -> bool:
         """Every live replica serves one directory epoch, newer than ``past_epoch``, and none waits for
         its agents to re-push: a failover's resync wave, which reaches each replica when that replica
