@@ -41,6 +41,12 @@ class KvloopConfig(BaseModel):
     lookup_backoff_s: float = Field(default=0.5, ge=0)
     # Lease of retained runs announced to the directory. None -> vLLM's decoder_kv_blocks_ttl.
     retention_ttl_s: float | None = Field(default=None, gt=0)
+    # Share of this engine's KV-cache blocks that retained runs may pin together. A finished request
+    # whose blocks would take retention past it is freed at once and not announced (its next turn
+    # recomputes; counted as retention_declined{reason="capped"}). Without a bound, leases
+    # (decoder_kv_blocks_ttl: 480 s by default) can pin the whole cache, and new requests wait for
+    # leases to end. 1.0 leaves it unbounded, as vLLM does.
+    retention_max_share: float = Field(default=0.5, gt=0, le=1)
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
     # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
     sharing: Literal["multi", "single"] = "multi"

@@ -5,6 +5,8 @@ reverse pull; :meth:`DecodeSide.announce` tells the directory (through the KV-ev
 sidecar forwards) which complete blocks, by chained hash, and which partly filled tail it holds,
 and marks kvloop runs multi-reader so the worker keeps them until the lease ends instead of
 freeing after one READ. :meth:`DecodeSide.released` reports each run vLLM frees.
+:meth:`DecodeSide.admits` keeps retained runs within their share of the KV cache
+(``retention_max_share``): live requests always keep the rest.
 """
 
 from __future__ import annotations
@@ -40,33 +42,70 @@ def aligned(groups: Any, num_blocks: int | None) -> list[list[int]]:
     return [[NULL_BLOCK] * (total - len(g)) + g for g in lists]
 
 
+def pinned_ids(block_ids: Any) -> set[int]:
+    """The KV-cache blocks a finished request's groups hold (vLLM's null block is no block)."""
+    return {b for group in block_ids for b in group if b != NULL_BLOCK}
+
+
 @dataclass
 class _Retained:
     deadline: float  # perf_counter
     multi: bool  # kept until the lease ends (not freed by a READ's notice)
+    pinned: set[int]  # block ids held until vLLM frees the run
 
 
 class DecodeSide:
-    def __init__(self, cfg: KvloopConfig, block_size: int, emit: Callable[[Any], None]) -> None:
+    def __init__(
+        self, cfg: KvloopConfig, block_size: int, emit: Callable[[Any], None], num_kv_blocks: int
+    ) -> None:
         self.cfg = cfg
         self.block_size = block_size
         self._emit = emit if cfg.publish_events else (lambda event: None)
         self._retained: dict[str, _Retained] = {}
+        # Runs of one conversation share blocks (a later turn's prefix is an earlier turn's run,
+        # found in vLLM's prefix cache), so what retention pins is counted per block id.
+        self._pins: dict[int, int] = {}
+        self.max_pinned = int(cfg.retention_max_share * num_kv_blocks)
+        self._capped = False
         # For the worker: runs announced this step that it keeps until their lease ends.
         self.multi_reader_new: set[str] = set()
 
-    def announce(
-        self, request: Request, out: dict[str, Any], default_ttl_s: float, num_blocks: int | None = None
-    ) -> None:
+    @property
+    def pinned_blocks(self) -> int:
+        """KV-cache blocks the retained runs hold between them."""
+        return len(self._pins)
+
+    def admits(self, block_ids: Any) -> bool:
+        """Whether retaining a finished request that holds ``block_ids`` (its groups, as vLLM hands
+        them to ``request_finished``) keeps retention within ``retention_max_share``."""
+        added = sum(1 for b in pinned_ids(block_ids) if b not in self._pins)
+        fits = self.pinned_blocks + added <= self.max_pinned
+        if fits != (not self._capped):
+            self._capped = not fits
+            # once per change, not per request: under pressure every finished request is declined
+            tm.log.warning(
+                "kvloop.retention_capped" if self._capped else "kvloop.retention_uncapped",
+                pinned_blocks=self.pinned_blocks,
+                max_pinned_blocks=self.max_pinned,
+            )
+        if not fits:
+            tm.RETENTION_DECLINED.labels("capped").inc()
+        return fits
+
+    def announce(self, request: Request, out: dict[str, Any], default_ttl_s: float, block_ids: Any) -> None:
         """``out`` is vLLM's returned kv_transfer_params for a finished request it retains;
-        ``num_blocks`` the request's block count before vLLM clipped its groups (see :func:`aligned`)."""
+        ``block_ids`` the request's groups as vLLM handed them over, before it clipped them (see
+        :func:`aligned`): all of them stay pinned until vLLM frees the run."""
         bs = self.block_size
-        groups = aligned(out["remote_block_ids"], num_blocks)
+        groups = aligned(out["remote_block_ids"], max((len(g) for g in block_ids), default=0))
         n = min([len(request.block_hashes), request.num_computed_tokens // bs] + [len(g) for g in groups])
         rid = request.request_id
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
         multi = self.cfg.sharing == "multi"
-        self._retained[rid] = _Retained(deadline=deadline, multi=multi)
+        pinned = pinned_ids(block_ids)
+        self._retained[rid] = _Retained(deadline=deadline, multi=multi, pinned=pinned)
+        for b in pinned:
+            self._pins[b] = self._pins.get(b, 0) + 1
         if multi:
             self.multi_reader_new.add(rid)
         if n <= 0:
@@ -106,6 +145,11 @@ class DecodeSide:
             run = self._retained.pop(rid, None)
             if run is None:
                 continue
+            for b in run.pinned:
+                if self._pins[b] == 1:
+                    del self._pins[b]
+                else:
+                    self._pins[b] -= 1
             reason = "expired" if now >= run.deadline - 1.0 else "read"
             tm.RELEASED.labels(reason).inc()
             self._emit(KvloopRetentionReleased(retention_handle=rid, reason=reason, ts=time.time()))

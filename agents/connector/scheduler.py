@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
+from vllm.v1.request import RequestStatus
 
 from kvloop.agents.connector import idle
 from kvloop.agents.connector import telemetry as tm
@@ -87,7 +88,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if cfg.retention_ttl_s is not None:
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
-        self.decode = DecodeSide(cfg, self.block_size, self._events.append)
+        self.decode = DecodeSide(cfg, self.block_size, self._events.append, kv_cache_config.num_blocks)
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
         self.prefill: PrefillSide | None = None
@@ -166,10 +167,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if declines_retention(request.kv_transfer_params):
-            # vLLM's own path for a decode that does not retain (bidirectional off): free at once
-            self._stop_heartbeat(request.request_id)
-            return False, None
+            tm.RETENTION_DECLINED.labels("asked").inc()
+            return self._free_at_once(request)
         outcome = self.prefill.finished(request) if self.prefill is not None else None
+        if self._would_retain(request, block_ids) and not self.decode.admits(block_ids):
+            return self._free_at_once(request)
         delay, out = super().request_finished(request, block_ids)
         if outcome is not None and out is not None:
             out.update(outcome)  # what this prefill did, for the caller: kvloop_path, ...
@@ -180,10 +182,27 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             and self.is_bidirectional_kv_xfer_enabled
         ):
             # this engine holds the finished request's blocks for a reverse pull
-            self.decode.announce(
-                request, out, self.decoder_kv_blocks_ttl, max((len(g) for g in block_ids), default=0)
-            )
+            self.decode.announce(request, out, self.decoder_kv_blocks_ttl, block_ids)
         return delay, out
+
+    def _would_retain(self, request: Request, block_ids: Any) -> bool:
+        """Whether vLLM's NixlConnector will keep this finished request's blocks for a reverse pull
+        (the conditions of its ``request_finished``, for a decode-side request)."""
+        params = request.kv_transfer_params
+        return (
+            params is not None
+            and bool(params)
+            and self.is_bidirectional_kv_xfer_enabled
+            and not params.get("do_remote_decode")
+            and not params.get("do_remote_prefill")  # still loading: vLLM's own cleanup must run
+            and request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            and any(len(g) > 0 for g in block_ids)
+        )
+
+    def _free_at_once(self, request: Request) -> tuple[bool, None]:
+        # vLLM's own path for a decode that does not retain (bidirectional off)
+        self._stop_heartbeat(request.request_id)
+        return False, None
 
     def parked_until(self, request_id: str) -> float | None:
         """For the engine loop's idle wait (idle.py): until when the finished request

@@ -126,7 +126,7 @@ class KvloopKVConnectorStats(KVConnectorStats):
                 out[f"kvloop avg {label} (ms)"] = round(sum(kv[key]) / len(kv[key]) * 1e3, 3)
         if "lookup_errors" in kv:
             out["kvloop lookup errors"] = _total(kv["lookup_errors"])
-        for key in ("retained_runs", "released_runs", "reads_served"):
+        for key in ("retained_runs", "released_runs", "retention_declined", "reads_served"):
             if key in kv:
                 out[f"kvloop {key.replace('_', ' ')}"] = _total(kv[key])
         return out

@@ -164,6 +164,10 @@ SPECS = (
     MetricSpec("retained_runs", "counter", "Retained runs announced (decode role)"),
     MetricSpec("retained_blocks", "counter", "Blocks in announced retained runs"),
     MetricSpec("released_runs", "counter", "Retained runs released", ("reason",)),
+    # reason: asked (kv_transfer_params kvloop_retain false) | capped (retention_max_share reached)
+    MetricSpec(
+        "retention_declined", "counter", "Finished decode requests freed at once, not retained", ("reason",)
+    ),
     MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
     MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
     # outcome: received | used | unmatched (another local prefix or too short a pull) | expired |
@@ -189,6 +193,7 @@ LOOKUP_ERRORS = _METRICS["lookup_errors"]
 RETAINED = _METRICS["retained_runs"]
 RETAINED_BLOCKS = _METRICS["retained_blocks"]
 RELEASED = _METRICS["released_runs"]
+RETENTION_DECLINED = _METRICS["retention_declined"]
 READS_SERVED = _METRICS["reads_served"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
 IDLE_WAKEUPS = _METRICS["idle_wakeups"]

@@ -177,3 +177,55 @@ def test_lease_timer_wakes_once_at_the_last_time_given():
     timer.wake_at(at)  # the loop re-arms with the current earliest lease end
     wait_until(lambda: woken, 5, "the lease timer's wake-up", interval=0.01)
     assert woken[0] >= at and len(woken) == 1
+
+
+class _Finished:
+    """The parts of a finished vLLM Request that DecodeSide.announce reads."""
+
+    def __init__(self, rid: str, n_blocks: int, bs: int = 4) -> None:
+        self.request_id = rid
+        self.block_hashes = [bytes([i]) * 32 for i in range(n_blocks)]
+        self.num_computed_tokens = n_blocks * bs
+        self.all_token_ids = list(range(n_blocks * bs + 1))
+        self.lora_request = None
+
+
+def _declined_capped() -> float:
+    from kvloop.agents.connector import telemetry as tm
+
+    return tm.LOCAL.get_sample_value("kvloop_connector_retention_declined_total", {"reason": "capped"}) or 0
+
+
+def test_retention_stays_within_its_share_of_the_kv_cache():
+    from kvloop.agents.connector.decode import DecodeSide
+
+    events: list = []
+    cfg = KvloopConfig(retention_max_share=0.1)
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100)  # at most 10 blocks pinned
+    assert side.max_pinned == 10
+
+    def retain(rid: str, groups: list[list[int]]) -> None:
+        assert side.admits(groups)
+        side.announce(_Finished(rid, len(groups[0])), {"remote_block_ids": groups}, 60.0, groups)
+
+    declined = _declined_capped()
+    retain("t1", [[1, 2, 3, 4]])
+    # turn 2 of the same conversation: its prefix is turn 1's blocks (vLLM's prefix cache), so
+    # only its 4 new blocks count; the null block (0, out of a sliding window) is no block
+    retain("t2", [[1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 9, 10]])
+    assert side.pinned_blocks == 10 and len(events) == 2
+    assert not side.admits([[11]])  # one more block would pass the share
+    assert side.admits([[1, 2]])  # already pinned: retaining it again costs nothing
+    assert _declined_capped() == declined + 1
+    side.released({"t1"})  # t2 still holds every block t1 did
+    assert side.pinned_blocks == 10 and not side.admits([[11]])
+    side.released({"t2"})
+    assert side.pinned_blocks == 0 and side.admits([[11] * 1, list(range(12, 21))])
+    assert _declined_capped() == declined + 2
+
+
+def test_retention_share_must_be_a_share():
+    for bad in (0, 1.5, -0.1):
+        with pytest.raises(ValidationError):
+            KvloopConfig.from_extra_config({"kvloop_retention_max_share": bad})
+    assert KvloopConfig.from_extra_config({"kvloop_retention_max_share": 1}).retention_max_share == 1

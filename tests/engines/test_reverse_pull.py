@@ -18,7 +18,7 @@ import signal
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -525,24 +525,72 @@ def test_every_path_reached_the_otlp_receiver(engines, otlp_receiver):
     assert transfer["attributes"]["kvloop.bytes"] > 0 and transfer["duration_ns"] > 0
 
 
-def test_relaunched_decode_engine_serves_pulls_again(engines):
-    """AFTER the dead-decode test: the decode engine relaunched on the same NIXL side-channel and
-    KV-event ports under the same engine id, its agent still running. The prefill's connector drops
-    the dead process's NIXL agent (vLLM alone would keep it and every READ would fail) and
-    handshakes the new one: the next turn transfers from the new engine, KV equal to recompute."""
+def relaunch_decode(engines, **extra_config: Any) -> dict[str, Any]:
+    """The decode engine killed (if it still runs) and started again on the same NIXL side-channel
+    and KV-event ports under the same engine id, its agent still running; ``extra_config`` goes over
+    its kv_connector_extra_config. Returns the new engine's ready info."""
     from engine_harness import EngineHandle
 
-    if engines.decode.proc.is_alive():  # run alone: the dead-decode test did not kill it
+    if engines.decode.proc.is_alive():
         old_epoch = decode_epoch(engines)
         engines.decode.kill()
         wait_until(lambda: decode_epoch(engines) != old_epoch, what="the agent's new epoch")
-    engines.decode = EngineHandle(engines.decode.spec)
-    engines.decode.wait_ready()
+    spec = engines.decode.spec
+    engines.decode = EngineHandle(replace(spec, extra_config={**spec.extra_config, **extra_config}))
+    info = engines.decode.wait_ready()
     engines.kvloop.wait_agent_connected()
     engines.prefill.timeout_s = 120
+    return info
+
+
+def test_relaunched_decode_engine_serves_pulls_again(engines):
+    """AFTER the dead-decode test: the decode engine relaunched (see relaunch_decode). The prefill's
+    connector drops the dead process's NIXL agent (vLLM alone would keep it and every READ would
+    fail) and handshakes the new one: the next turn transfers from the new engine, KV equal to
+    recompute."""
+    relaunch_decode(engines)
     _rnd, prompt = _history(engines, 21)
     assert engines.kvloop.runs[-1].handle  # announced by the new process, under the agent's epoch
     pf = prefill_and_check(engines, prompt)
     assert pf.span["kvloop.path"] == "transfer", pf.span
     assert pf.span["kvloop.bytes"] > 0
     assert pf.out["num_cached_tokens"] == pf.span["kvloop.matched_tokens"] == len(prompt) - 64 - 1
+
+
+def _declined_capped(engine) -> float:
+    return engine.call("metrics").get(
+        ("kvloop_connector_retention_declined_total", (("reason", "capped"),)), 0.0
+    )
+
+
+def test_retention_stops_at_its_share_of_the_kv_cache(engines):
+    """LAST TEST of this pair (relaunches the decode with a retention cap, kvloop_retention_max_share):
+    one conversation's run fits under the cap, a second's would not. The second decode still
+    answers in full, but its blocks are freed at once (vLLM holds no lease for it) and never
+    announced: its next turn misses and recomputes, with the same answer as a recompute, while the
+    first conversation's next turn still transfers."""
+    share = 0.03
+    info = relaunch_decode(engines, kvloop_retention_max_share=share)
+    max_pinned = int(share * info["kv_shapes"][0][0])  # KV layout [blocks, heads, bs, 2 * head_dim]
+    tokens = int(0.6 * max_pinned) * BS  # one such run fits, two do not
+    rnd = random.Random(31)
+    prompt_a = rand_tokens(rnd, tokens)
+    d_a = first_turn(engines, prompt_a, 32, prefill_salt=f"cold-{uuid.uuid4()}")
+    declined = _declined_capped(engines.decode)
+
+    prompt_b = rand_tokens(rnd, tokens)
+    p_b = engines.prefill.generate(prompt_b, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
+    d_b = engines.decode.generate(prompt_b, 32, p_b["kv_transfer_params"], logprobs=5)
+    assert len(d_b["token_ids"]) == 32 and d_b["kv_transfer_params"] is None
+    assert _declined_capped(engines.decode) == declined + 1
+    # the worker takes a finished request's lease from the next step's metadata: one more step,
+    # then only a's run holds blocks
+    engines.decode.generate(rand_tokens(rnd, 8), 1)
+    leases = set(engines.decode.call("connector_state")["leases"])
+    assert leases == {d_a["kv_transfer_params"]["remote_request_id"]}
+    assert not engines.kvloop.locations(engines.decode.call("block_hashes", prompt_b)[0], "retained")
+
+    pf_b = prefill_and_check(engines, prompt_b + d_b["token_ids"] + rand_tokens(rnd, 64))
+    assert pf_b.span["kvloop.path"] == "miss", pf_b.span
+    pf_a = prefill_and_check(engines, prompt_a + d_a["token_ids"] + rand_tokens(rnd, 64))
+    assert pf_a.span["kvloop.path"] == "transfer", pf_a.span
