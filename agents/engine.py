@@ -44,6 +44,8 @@ class EngineConfig:
     dtype: str = "bfloat16"  # vLLM --dtype (weights, activations and KV cache)
     kv_cache_gib: int = 2
     retention_ttl_s: float = 480.0
+    # share of the decode's KV cache its retained runs may pin (kvloop_retention_max_share)
+    retention_max_share: float = 0.5
     recompute_threshold_tokens: int = 64
     max_model_len: int = 16384
     max_num_batched_tokens: int = 16384
@@ -74,13 +76,21 @@ class EngineConfig:
             "kvloop_worker_id": self.worker_id,
             "kvloop_model": self.served_model_name,
             "kvloop_retention_ttl_s": self.retention_ttl_s,
+            "kvloop_retention_max_share": self.retention_max_share,
             # The lookup runs off the engine loop (the scheduler asks again next step), so a loaded
             # host can afford a generous deadline; past it the turn recomputes.
             "kvloop_lookup_timeout_ms": 500,
         }
         if self.mode == "builtin":
-            # vLLM's semantics: the decode frees retained blocks after the first read.
-            extra.update({"kvloop_sharing": "single", "kvloop_publish_events": False})
+            # vLLM's semantics: the decode frees retained blocks after the first read, and retains
+            # without bound.
+            extra.update(
+                {
+                    "kvloop_sharing": "single",
+                    "kvloop_publish_events": False,
+                    "kvloop_retention_max_share": 1.0,
+                }
+            )
         return {
             "kv_connector": "KvloopConnector",
             "kv_connector_module_path": CONNECTOR_MODULE,

@@ -1303,10 +1303,19 @@ def bench_multiturn(
         float,
         typer.Option(
             min=1,
-            help="seconds a decode retains a finished turn's KV (retention does not yet yield under KV "
-            "pressure: long answers with several sessions fill a decode with runs no one needs)",
+            help="seconds a decode retains a finished turn's KV (retention does not yield to new runs: "
+            "long leases with several sessions fill a decode with runs no one needs)",
         ),
     ] = 90.0,
+    retention_max_share: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="share of a kvloop decode's KV cache retained runs may pin (kvloop engines default to "
+            "0.5; 1: no bound, as vLLM's, and as this bench's figures were taken)",
+        ),
+    ] = 1.0,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
     ucx_tls: Annotated[
         str,
@@ -1392,6 +1401,7 @@ def bench_multiturn(
         answer_tokens=answer_tokens,
         tokenizer=tokenizer,
         retention_ttl_s=retention_ttl,
+        retention_max_share=retention_max_share,
         dtype=dtype,
         warmup_turns=warmup_turns,
         ucx_tls=ucx_tls,
@@ -1601,6 +1611,10 @@ def engine(
     retention_ttl: Annotated[
         float, typer.Option(help="seconds a decode retains finished turns' blocks")
     ] = 480.0,
+    retention_max_share: Annotated[
+        float,
+        typer.Option(min=0.01, max=1.0, help="share of a decode's KV cache its retained runs may pin"),
+    ] = 0.5,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
     json_output: JsonFlag = False,
 ) -> None:
@@ -1628,6 +1642,7 @@ def engine(
         block_size=block_size,
         kv_cache_gib=kv_cache_gib,
         retention_ttl_s=retention_ttl,
+        retention_max_share=retention_max_share,
         prefix_caching=prefix_caching,
     )
     if Path(model).is_dir():

@@ -229,3 +229,24 @@ def test_retention_share_must_be_a_share():
         with pytest.raises(ValidationError):
             KvloopConfig.from_extra_config({"kvloop_retention_max_share": bad})
     assert KvloopConfig.from_extra_config({"kvloop_retention_max_share": 1}).retention_max_share == 1
+
+
+@pytest.mark.parametrize("mode", ["kvloop", "builtin"])
+def test_the_engine_launcher_passes_settings_the_connector_accepts(mode):
+    from kvloop.agents.engine import EngineConfig
+
+    launcher = EngineConfig(
+        role="decode",
+        model="m",
+        served_model_name="m",
+        worker_id="decode-0",
+        port=1,
+        nixl_port=2,
+        kv_events_port=3,
+        daemon="127.0.0.1:50051",
+        mode=mode,
+    )
+    cfg = KvloopConfig.from_extra_config(launcher.kv_transfer_config()["kv_connector_extra_config"])
+    # vLLM's own reverse mode (builtin) retains without bound; kvloop caps retention at half the cache
+    assert cfg.retention_max_share == (1.0 if mode == "builtin" else 0.5)
+    assert cfg.retention_ttl_s == launcher.retention_ttl_s
