@@ -10,7 +10,7 @@ installed from here: this half is built in the engine-core process before its lo
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -66,14 +66,18 @@ def kv_dtype_name(kv_cache_config: KVCacheConfig) -> str:
 RETAIN_PARAM = "kvloop_retain"
 
 
+def is_decode_side(params: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+    """A decode-side request (its KV came from a prefill, or none) whose KV is in place: one vLLM's
+    NixlConnector retains when it finishes, with bidirectional transfer on."""
+    if not params:
+        return False
+    # still loading (do_remote_prefill): vLLM's own cleanup must run
+    return not params.get("do_remote_decode") and not params.get("do_remote_prefill")
+
+
 def declines_retention(params: dict[str, Any] | None) -> bool:
-    """A decode-side request (its KV came from a prefill, or none) that asked not to be retained."""
-    return (
-        params is not None
-        and params.get(RETAIN_PARAM) is False
-        and not params.get("do_remote_decode")
-        and not params.get("do_remote_prefill")  # still loading: vLLM's own cleanup must run
-    )
+    """A decode-side request that asked not to be retained."""
+    return is_decode_side(params) and params.get(RETAIN_PARAM) is False
 
 
 class KvloopConnectorScheduler(NixlPullConnectorScheduler):
@@ -188,13 +192,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def _would_retain(self, request: Request, block_ids: Any) -> bool:
         """Whether vLLM's NixlConnector will keep this finished request's blocks for a reverse pull
         (the conditions of its ``request_finished``, for a decode-side request)."""
-        params = request.kv_transfer_params
         return (
-            params is not None
-            and bool(params)
-            and self.is_bidirectional_kv_xfer_enabled
-            and not params.get("do_remote_decode")
-            and not params.get("do_remote_prefill")  # still loading: vLLM's own cleanup must run
+            self.is_bidirectional_kv_xfer_enabled
+            and is_decode_side(request.kv_transfer_params)
             and request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
             and any(len(g) > 0 for g in block_ids)
         )
