@@ -80,7 +80,7 @@ class DecodeSide:
         them to ``request_finished``) keeps retention within ``retention_max_share``."""
         added = sum(1 for b in pinned_ids(block_ids) if b not in self._pins)
         fits = self.pinned_blocks + added <= self.max_pinned
-        if fits != (not self._capped):
+        if fits == self._capped:
             self._capped = not fits
             # once per change, not per request: under pressure every finished request is declined
             tm.log.warning(
