@@ -769,6 +769,29 @@ def observe_good(client: DirectoryClient) -> dict:
     return state
 
 
+def _settled_views(
+    client: DirectoryClient, attempts: int = 20
+) -> tuple[list[pb.WorkerInfo], pb.GetStatsResponse]:
+    """ListWorkers and a GetStats that saw the same workers.
+
+    Each call reads the directory at its own instant, and the fuzzed workers' leases lapse on their
+    own, so a lease ending between the two calls is not a disagreement. GetStats is taken between two
+    ListWorkers that list the same workers and runs; only then must the counts agree.
+    """
+    workers = client.list_workers()
+    for _ in range(attempts):
+        stats = client.stats()
+        after = client.list_workers()
+        if _roster(after) == _roster(workers):
+            return workers, stats
+        workers = after
+    return workers, stats
+
+
+def _roster(workers: list[pb.WorkerInfo]) -> list[tuple[str, int]]:
+    return sorted((w.registration.worker_id, w.retained_runs) for w in workers)
+
+
 def check_invariants(client: DirectoryClient, baseline: dict) -> list[str]:
     """The good agents' state is unchanged, and the directory's views agree with each other."""
     problems: list[str] = []
@@ -792,8 +815,7 @@ def check_invariants(client: DirectoryClient, baseline: dict) -> list[str]:
         holders = [answer.holder, *answer.other_holders] if answer.HasField("holder") else []
         if any(h.worker_id == GOOD_DECODE for h in holders):
             problems.append(f"Lookup under lora {lora!r} returned the good agent's run of another namespace")
-    workers = client.list_workers()
-    stats = client.stats()
+    workers, stats = _settled_views(client)
     if stats.workers != len(workers):
         problems.append(f"GetStats.workers {stats.workers} != ListWorkers {len(workers)}")
     if stats.retained_runs != sum(w.retained_runs for w in workers):
