@@ -46,6 +46,8 @@ class EngineConfig:
     retention_ttl_s: float = 480.0
     # share of the decode's KV cache its retained runs may pin (kvloop_retention_max_share)
     retention_max_share: float = 0.5
+    # past 0.9 of that share, give up the oldest runs for newer ones (kvloop_retention_yield)
+    retention_yield: bool = True
     recompute_threshold_tokens: int = 64
     max_model_len: int = 16384
     max_num_batched_tokens: int = 16384
@@ -77,6 +79,7 @@ class EngineConfig:
             "kvloop_model": self.served_model_name,
             "kvloop_retention_ttl_s": self.retention_ttl_s,
             "kvloop_retention_max_share": self.retention_max_share,
+            "kvloop_retention_yield": self.retention_yield,
             # The lookup runs off the engine loop (the scheduler asks again next step), so a loaded
             # host can afford a generous deadline; past it the turn recomputes.
             "kvloop_lookup_timeout_ms": 500,
@@ -89,6 +92,7 @@ class EngineConfig:
                     "kvloop_sharing": "single",
                     "kvloop_publish_events": False,
                     "kvloop_retention_max_share": 1.0,
+                    "kvloop_retention_yield": False,
                 }
             )
         return {

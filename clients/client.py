@@ -257,6 +257,12 @@ class _ClientBase:
             lambda r: list(r.locations),
         )
 
+    def find_block_response(self, model: str, block_hash: bytes, lora_name: str = "") -> pb.FindBlockResponse:
+        """FindBlock's whole answer: the locations and the directory's read window."""
+        return self._invoke(
+            "FindBlock", pb.FindBlockRequest(model=model, lora_name=lora_name, block_hash=block_hash)
+        )
+
     def pairs(self, model: str = "") -> pb.ListPairsResponse:
         """The cost model's estimates per holder -> puller pair and per puller."""
         return self._invoke("ListPairs", pb.ListPairsRequest(model=model))

@@ -28,7 +28,8 @@ METHOD_ROLES: Mapping[str, tuple[Role, ...]] = {
     "Plans": (Role.PREFILL,),
     "ReleaseClaim": (Role.PREFILL,),
     "ListWorkers": (Role.READ, Role.PREFILL),
-    "FindBlock": (Role.READ, Role.PREFILL),
+    # agents too: a decode's connector confirms the directory dropped a run it gave up (yielding.py)
+    "FindBlock": (Role.READ, Role.PREFILL, Role.AGENT),
     "GetStats": (Role.READ, Role.PREFILL),
     "ListPairs": (Role.READ, Role.PREFILL),
     "Watch": (Role.READ,),

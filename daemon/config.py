@@ -88,6 +88,12 @@ class DaemonSettings(BaseSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0)
     drop_after_s: float = Field(60.0, gt=0)
     expiry_margin_s: float = Field(2.0, ge=0)
+    # A puller reads a run it is handed (Lookup, Route plans) within this long, or recomputes: a
+    # decode that gives up a retained run early (its retention share is full) frees the blocks this
+    # long after the directory dropped the run. At least 10 s: a connector keeps a Route plan for
+    # the window less its own expiry margin (6 s by default), and reads within the window less its
+    # READ margin (2 s).
+    read_window_s: float = Field(30.0, ge=10)
     max_entries: int = Field(4_000_000, gt=0)
     reap_interval_s: float = Field(0.5, gt=0)
     # Largest accepted gRPC message and most block hashes in one message.
@@ -133,6 +139,7 @@ class DaemonSettings(BaseSettings):
             lease_s=self.lease_s,
             drop_after_s=self.drop_after_s,
             expiry_margin_s=self.expiry_margin_s,
+            read_window_s=self.read_window_s,
             max_entries=self.max_entries,
         )
 

@@ -338,7 +338,10 @@ def cost_fields(cost: Cost | None) -> dict | None:
     return None if cost is None else structs.asdict(cost)
 
 
-def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb.LookupResponse:
+def lookup_response(
+    answer: Answer, block_size: int, pack_block_ids: bool, read_window_ms: int
+) -> pb.LookupResponse:
+    """``read_window_ms`` caps each holder's expires_in_ms: how long the puller may read the run."""
     response = pb.LookupResponse(
         decision=answer.decision,
         reason=answer.reason,
@@ -351,13 +354,13 @@ def lookup_response(answer: Answer, block_size: int, pack_block_ids: bool) -> pb
     )
     match = answer.match
     if match.best is not None:
-        _fill_holder(response.holder, match.best, pack_block_ids)
+        _fill_holder(response.holder, match.best, pack_block_ids, read_window_ms)
         for other in match.others:
-            _fill_holder(response.other_holders.add(), other, pack_block_ids)
+            _fill_holder(response.other_holders.add(), other, pack_block_ids, read_window_ms)
     return response
 
 
-def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
+def _fill_holder(message: pb.Holder, holding: Holding, packed: bool, read_window_ms: int) -> None:
     spec = holding.worker
     # Fields left at their default are not set (proto3 sends none): every Lookup fills a holder.
     message.worker_id = spec.worker_id
@@ -367,7 +370,7 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool) -> None:
         message.http_endpoint = spec.http_endpoint
     message.matched_blocks = holding.matched_blocks
     message.retention_handle = holding.handle
-    message.expires_in_ms = holding.expires_in_ms
+    message.expires_in_ms = min(holding.expires_in_ms, read_window_ms)
     if packed:
         message.packed_block_ids = holding.packed_block_ids
     else:

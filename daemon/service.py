@@ -56,6 +56,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         traced: bool = True,
     ) -> None:
         self.store = store
+        self._read_window_ms = int(store.config.read_window_s * 1000)
         # False when this process exports no spans: no request span is ever recorded, so the
         # handlers skip asking for the current one (a context-variable walk per call)
         self.traced = traced
@@ -116,7 +117,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         except (BadInput, Refused) as exc:
             await self._refuse(context, "Lookup", exc)
         answer = await self.policy.answer(self.store, query, self.store.clock())
-        response = convert.lookup_response(answer, query.block_size, request.pack_block_ids)
+        response = convert.lookup_response(
+            answer, query.block_size, request.pack_block_ids, self._read_window_ms
+        )
         if not self.store.in_process:  # 0 in one process: left unset
             response.directory_epoch = self.store.epoch  # read after the lookup: it may have moved it
         elapsed = time.perf_counter() - started
@@ -248,7 +251,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
                 f"block_hash is {len(request.block_hash)} bytes; a block hash has at least {KEY_BYTES}",
             )
         found = await self.store.find(namespace, request.block_hash[:KEY_BYTES], self.store.clock())
-        return pb.FindBlockResponse(locations=[convert.block_location(loc) for loc in found])
+        return pb.FindBlockResponse(
+            locations=[convert.block_location(loc) for loc in found], read_window_ms=self._read_window_ms
+        )
 
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -278,7 +283,9 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             worker_id = score.candidate.worker_id
             if score.plan is None or not self.plans.wants(worker_id):
                 continue
-            lookup = convert.lookup_response(score.plan, block_size, pack_block_ids=True)
+            lookup = convert.lookup_response(
+                score.plan, block_size, pack_block_ids=True, read_window_ms=self._read_window_ms
+            )
             lookup.directory_epoch = self.store.epoch
             self.plans.post(
                 worker_id,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import urllib.request
 
 import grpc
@@ -55,6 +56,34 @@ async def test_retained_blocks_are_found_and_transfer_is_decided(daemon):
     # the packed fast path answers the same
     assert packed.matched_blocks == 40 and not packed.holder.block_ids
     assert holder_block_ids(packed.holder) == list(answer.holder.block_ids)
+
+
+async def test_a_handout_is_readable_for_the_read_window_and_a_dropped_run_is_confirmed_gone(daemon):
+    """Holder.expires_in_ms is the lease left, capped at the directory's read window (30 s), which
+    FindBlock says; a decode that gave up a run (yielding.py) frees it a read window after FindBlock
+    stops listing it, and not before."""
+    from kvloop.agents.connector.yielding import GivenUp, ReleaseConfirmer
+
+    model = "m-window"
+    prompt = conversation("window", 8)
+    run = GivenUp("long-lease", prompt[0], "")
+    confirmer = ReleaseConfirmer(daemon.address, model, read_margin_s=2.0)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(
+            client, "dec-w", model, retained(prompt, "long-lease", expires_in_ms=300_000)
+        ) as agent:
+            answer = await client.lookup(model, prompt, requester="pre-w")
+            assert answer.holder.retention_handle == "long-lease"
+            assert 29_000 < answer.holder.expires_in_ms <= 30_000  # not the 300 s lease
+            with DirectoryClient(daemon.address) as sync_client:
+                found = sync_client.find_block_response(model, prompt[0])
+                assert found.read_window_ms == 30_000
+                assert confirmer.check(sync_client, run) is None  # still listed: never freed early
+                agent.publish([pb.BlockEvent(released=pb.RetentionReleased(retention_handle="long-lease"))])
+                await agent.wait_acked(timeout=5)
+                before = time.perf_counter()
+                free_at = confirmer.check(sync_client, run)
+    assert free_at is not None and before + 32.0 <= free_at <= time.perf_counter() + 32.0
 
 
 async def test_a_runs_partly_filled_last_block_is_served_with_a_whole_run_match(daemon):

@@ -47,6 +47,11 @@ class KvloopConfig(BaseModel):
     # (decoder_kv_blocks_ttl: 480 s by default) can pin the whole cache, and new requests wait for
     # leases to end. 1.0 leaves it unbounded, as vLLM does.
     retention_max_share: float = Field(default=0.5, gt=0, le=1)
+    # Past 0.9 of that share, give up the oldest retained runs so newer turns (likelier to continue)
+    # fit: each is dropped from the directory, and freed once kvloopd confirms the drop and its read
+    # window has passed (yielding.py; needs kvloop_daemon and kvloop_model). False: past the share,
+    # finished requests are declined while older runs keep their whole lease.
+    retention_yield: bool = True
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
     # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
     sharing: Literal["multi", "single"] = "multi"

@@ -6,7 +6,8 @@ sidecar forwards) which complete blocks, by chained hash, and which partly fille
 and marks kvloop runs multi-reader so the worker keeps them until the lease ends instead of
 freeing after one READ. :meth:`DecodeSide.released` reports each run vLLM frees.
 :meth:`DecodeSide.admits` keeps retained runs within their share of the KV cache
-(``retention_max_share``): live requests always keep the rest.
+(``retention_max_share``): live requests always keep the rest. Past ``YIELD_AT`` of that share the
+oldest runs are given up (:mod:`.yielding`), so newer turns, likelier to continue, fit.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.yielding import YIELD_AT, GivenUp, ReleaseConfirmer
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -52,11 +54,20 @@ class _Retained:
     deadline: float  # perf_counter
     multi: bool  # kept until the lease ends (not freed by a READ's notice)
     pinned: set[int]  # block ids held until vLLM frees the run
+    first_hash: bytes | None = None  # the announced run's first block (None: never announced)
+    lora_name: str = ""
+    given_up: bool = False  # its release went out before its lease ended (see yielding.py)
+    settled: bool = False  # given up, and the directory's drop confirmed (or not, in time)
 
 
 class DecodeSide:
     def __init__(
-        self, cfg: KvloopConfig, block_size: int, emit: Callable[[Any], None], num_kv_blocks: int
+        self,
+        cfg: KvloopConfig,
+        block_size: int,
+        emit: Callable[[Any], None],
+        num_kv_blocks: int,
+        confirmer: ReleaseConfirmer | None = None,
     ) -> None:
         self.cfg = cfg
         self.block_size = block_size
@@ -65,8 +76,15 @@ class DecodeSide:
         # Runs of one conversation share blocks (a later turn's prefix is an earlier turn's run,
         # found in vLLM's prefix cache), so what retention pins is counted per block id.
         self._pins: dict[int, int] = {}
+        # The same count over the runs not given up: what retention holds once those are freed.
+        self._kept: dict[int, int] = {}
         self.max_pinned = int(cfg.retention_max_share * num_kv_blocks)
         self._capped = False
+        # Without one (no daemon to confirm a drop with), runs keep their lease: nothing is given up.
+        self._confirmer = confirmer if cfg.publish_events else None
+        self._yield_above = int(YIELD_AT * self.max_pinned)
+        # Given-up runs the worker may free, and when (perf_counter): for the next step's metadata.
+        self._free_early: dict[str, float] = {}
         # For the worker: runs announced this step that it keeps until their lease ends.
         self.multi_reader_new: set[str] = set()
 
@@ -78,8 +96,11 @@ class DecodeSide:
     def admits(self, block_ids: Any) -> bool:
         """Whether retaining a finished request that holds ``block_ids`` (its groups, as vLLM hands
         them to ``request_finished``) keeps retention within ``retention_max_share``."""
-        added = sum(1 for b in pinned_ids(block_ids) if b not in self._pins)
+        ids = pinned_ids(block_ids)
+        added = sum(1 for b in ids if b not in self._pins)
         fits = self.pinned_blocks + added <= self.max_pinned
+        if self._confirmer is not None and self.pinned_blocks + added > self._yield_above:
+            self._give_up_oldest(ids)
         if fits == self._capped:
             self._capped = not fits
             # once per change, not per request: under pressure every finished request is declined
@@ -92,6 +113,51 @@ class DecodeSide:
             tm.RETENTION_DECLINED.labels("capped").inc()
         return fits
 
+    def _give_up_oldest(self, incoming: set[int]) -> None:
+        """Give up the oldest runs until retention, with ``incoming`` (a finishing request's blocks)
+        added and the given-up runs' blocks gone, is back within ``YIELD_AT`` of its share."""
+        kept = self._kept
+        for rid, run in self._retained.items():  # announce order: oldest first
+            if len(kept) + sum(1 for b in incoming if b not in kept) <= self._yield_above:
+                return
+            if run.given_up:
+                continue
+            self._unpin(kept, run.pinned)
+            run.given_up = True
+            tm.YIELDED.labels("given_up").inc()
+            if run.first_hash is None:  # never announced, never handed out: free it now
+                run.settled = True
+                self._free_early[rid] = time.perf_counter()
+                continue
+            self._emit(KvloopRetentionReleased(retention_handle=rid, reason="yielded", ts=time.time()))
+            assert self._confirmer is not None
+            self._confirmer.submit(GivenUp(rid, run.first_hash, run.lora_name))
+            tm.log.debug("kvloop.run_given_up", handle=rid, blocks=len(run.pinned))
+
+    @staticmethod
+    def _unpin(pins: dict[int, int], blocks: set[int]) -> None:
+        for b in blocks:
+            if pins[b] == 1:
+                del pins[b]
+            else:
+                pins[b] -= 1
+
+    def take_free_early(self) -> dict[str, float]:
+        """Given-up runs whose drop the directory confirmed, and when (perf_counter) the worker may
+        free each: for this step's metadata. A run not confirmed in time keeps its lease."""
+        if self._confirmer is not None:
+            for done in self._confirmer.take():
+                run = self._retained.get(done.handle)
+                if run is None:
+                    continue
+                run.settled = True
+                tm.YIELDED.labels("confirmed" if done.free_at is not None else "unconfirmed").inc()
+                if done.free_at is not None and done.free_at < run.deadline:
+                    run.deadline = done.free_at
+                    self._free_early[done.handle] = done.free_at
+        free, self._free_early = self._free_early, {}
+        return free
+
     def announce(self, request: Request, out: dict[str, Any], default_ttl_s: float, block_ids: Any) -> None:
         """``out`` is vLLM's returned kv_transfer_params for a finished request it retains;
         ``block_ids`` the request's groups as vLLM handed them over, before it clipped them (see
@@ -103,13 +169,17 @@ class DecodeSide:
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
         multi = self.cfg.sharing == "multi"
         pinned = pinned_ids(block_ids)
-        self._retained[rid] = _Retained(deadline=deadline, multi=multi, pinned=pinned)
+        run = _Retained(deadline=deadline, multi=multi, pinned=pinned)
+        self._retained[rid] = run
         for b in pinned:
             self._pins[b] = self._pins.get(b, 0) + 1
+            self._kept[b] = self._kept.get(b, 0) + 1
         if multi:
             self.multi_reader_new.add(rid)
         if n <= 0:
             return
+        run.first_hash = bytes(request.block_hashes[0])
+        run.lora_name = request.lora_request.lora_name if request.lora_request else ""
         lease_ms = max(0, int((deadline - time.perf_counter()) * 1000))
         # The last sampled token never went through the model: KV exists for the tokens before it.
         with_kv = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
@@ -137,7 +207,13 @@ class DecodeSide:
         a multi-reader run, whose READ notices only count reads. None for anything else (a
         single-use run is freed by its READ's notice, which only an engine step picks up)."""
         run = self._retained.get(request_id)
-        return run.deadline if run is not None and run.multi else None
+        if run is None or not run.multi or (run.given_up and not run.settled):
+            return None  # a run given up steps until its drop is settled (a round trip)
+        return run.deadline
+
+    def shutdown(self) -> None:
+        if self._confirmer is not None:
+            self._confirmer.stop()
 
     def released(self, finished_sending: set[str]) -> None:
         now = time.perf_counter()
@@ -145,11 +221,12 @@ class DecodeSide:
             run = self._retained.pop(rid, None)
             if run is None:
                 continue
-            for b in run.pinned:
-                if self._pins[b] == 1:
-                    del self._pins[b]
-                else:
-                    self._pins[b] -= 1
+            self._unpin(self._pins, run.pinned)
+            self._free_early.pop(rid, None)
+            if run.given_up:  # its release went out when it was given up (if it was ever announced)
+                tm.RELEASED.labels("yielded").inc()
+                continue
+            self._unpin(self._kept, run.pinned)
             reason = "expired" if now >= run.deadline - 1.0 else "read"
             tm.RELEASED.labels(reason).inc()
             self._emit(KvloopRetentionReleased(retention_handle=rid, reason=reason, ts=time.time()))

@@ -17,7 +17,9 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
     * ``pull_deadlines``: for each pull this step (prefill role), when the holder's lease ends, in
       the scheduler's ``perf_counter`` clock (rebased by the worker like vLLM's ``reqs_to_send``);
     * ``pull_holder_epochs``: for each pull this step, the holder's registration epoch its run was
-      announced under (the worker does not read it from a holder process of another epoch).
+      announced under (the worker does not read it from a holder process of another epoch);
+    * ``free_early``: retained runs given up before their lease ends (decode role, yielding.py) and
+      when the worker may free each, in the scheduler's clock (a lease end brought forward).
     """
 
     def __init__(self) -> None:
@@ -25,6 +27,7 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         self.multi_reader: set[str] = set()
         self.pull_deadlines: dict[str, float] = {}
         self.pull_holder_epochs: dict[str, int] = {}
+        self.free_early: dict[str, float] = {}
 
     @classmethod
     def extend(
@@ -33,6 +36,7 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         multi_reader: set[str],
         pull_deadlines: dict[str, float],
         pull_holder_epochs: dict[str, int] | None = None,
+        free_early: dict[str, float] | None = None,
     ) -> KvloopConnectorMetadata:
         """The metadata vLLM's scheduler built, with kvloop's fields added."""
         meta = cls()
@@ -40,6 +44,7 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         meta.multi_reader = multi_reader
         meta.pull_deadlines = pull_deadlines
         meta.pull_holder_epochs = pull_holder_epochs or {}
+        meta.free_early = free_early or {}
         return meta
 
 

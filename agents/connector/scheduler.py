@@ -25,6 +25,7 @@ from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraint
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.agents.connector.prefill import PrefillSide
+from kvloop.agents.connector.yielding import ReleaseConfirmer
 from kvloop.common.tracing import configure_tracing
 
 if TYPE_CHECKING:
@@ -92,7 +93,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if cfg.retention_ttl_s is not None:
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
-        self.decode = DecodeSide(cfg, self.block_size, self._events.append, kv_cache_config.num_blocks)
+        confirmer = (
+            ReleaseConfirmer(cfg.daemon, cfg.model, cfg.read_margin_s)
+            if cfg.daemon and cfg.model and cfg.retention_yield and self.is_bidirectional_kv_xfer_enabled
+            else None
+        )
+        self.decode = DecodeSide(
+            cfg, self.block_size, self._events.append, kv_cache_config.num_blocks, confirmer
+        )
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
         self.prefill: PrefillSide | None = None
@@ -230,7 +238,9 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
             )
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
-        return KvloopConnectorMetadata.extend(base, multi, deadlines, holder_epochs)
+        return KvloopConnectorMetadata.extend(
+            base, multi, deadlines, holder_epochs, self.decode.take_free_early()
+        )
 
     def take_events(self) -> list[Any]:
         events = self._events[:]
@@ -239,5 +249,6 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self.decode.shutdown()
         if self.prefill is not None:
             self.prefill.shutdown()

@@ -168,6 +168,14 @@ SPECS = (
     MetricSpec(
         "retention_declined", "counter", "Finished decode requests freed at once, not retained", ("reason",)
     ),
+    # outcome: given_up (its release sent) | confirmed (the directory dropped it: freed a read window
+    # later) | unconfirmed (no answer in time: it keeps its lease)
+    MetricSpec(
+        "yielded_runs",
+        "counter",
+        "Retained runs given up before their lease ended, to keep retention within its share",
+        ("outcome",),
+    ),
     MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
     MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
     # outcome: received | used | unmatched (another local prefix or too short a pull) | expired |
@@ -194,6 +202,7 @@ RETAINED = _METRICS["retained_runs"]
 RETAINED_BLOCKS = _METRICS["retained_blocks"]
 RELEASED = _METRICS["released_runs"]
 RETENTION_DECLINED = _METRICS["retention_declined"]
+YIELDED = _METRICS["yielded_runs"]
 READS_SERVED = _METRICS["reads_served"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
 IDLE_WAKEUPS = _METRICS["idle_wakeups"]

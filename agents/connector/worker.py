@@ -262,6 +262,17 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 self._pull_deadlines[req_id] = now + (dl - sched_clock)
             self._pull_holder_epochs.update(metadata.pull_holder_epochs)
         super().start_load_kv(metadata)
+        if isinstance(metadata, KvloopConnectorMetadata) and metadata.free_early:
+            self._bring_leases_forward(metadata.free_early, metadata.scheduler_clock)
+
+    def _bring_leases_forward(self, free_at: dict[str, float], sched_clock: float | None) -> None:
+        """Given-up runs (decode role) end their lease at ``free_at`` (scheduler clock) instead:
+        vLLM's lease reaping frees them then. A lease only ever moves earlier here."""
+        now = time.perf_counter()
+        for req_id, at in free_at.items():
+            held = self._reqs_to_send.get(req_id)
+            if held is not None:
+                self._reqs_to_send[req_id] = min(held, now + (at - (sched_clock or now)))
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         declined = None if meta.remote is None else self._holder_epoch_veto(req_id, meta.remote.engine_id)

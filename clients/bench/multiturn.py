@@ -98,6 +98,8 @@ class MultiturnConfig:
     # workload reaches the cap near its last turns (1 GiB float32 decodes), and those turns pull older
     # runs: see the README.
     retention_max_share: float = 1.0
+    # past 0.9 of that share, give up the oldest runs for newer ones (kvloop_retention_yield)
+    retention_yield: bool = True
     # reasoning workload: tokens the decode generates per turn (all of it thinking the template drops)
     thinking_tokens: int = 128
     repeats: int = 1
@@ -1354,6 +1356,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     decode_servers=config.decodes,
                     retention_ttl_s=config.retention_ttl_s,
                     retention_max_share=config.retention_max_share,
+                    retention_yield=config.retention_yield,
                     ucx_tls=config.ucx_tls,
                     with_proxy=False,
                     # four engines starting at once on a small shared host take several minutes
@@ -1375,6 +1378,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                     decode_servers=0 if floor else 1,
                     retention_ttl_s=config.retention_ttl_s,
                     retention_max_share=config.retention_max_share,
+                    retention_yield=config.retention_yield,
                     ucx_tls=config.ucx_tls,
                     with_proxy=False,
                 )

@@ -1316,6 +1316,10 @@ def bench_multiturn(
             "0.5; 1: no bound, as vLLM's, and as this bench's figures were taken)",
         ),
     ] = 1.0,
+    retention_yield: Annotated[
+        bool,
+        typer.Option(help="past 0.9 of that share, kvloop decodes give up their oldest runs for newer ones"),
+    ] = True,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
     ucx_tls: Annotated[
         str,
@@ -1402,6 +1406,7 @@ def bench_multiturn(
         tokenizer=tokenizer,
         retention_ttl_s=retention_ttl,
         retention_max_share=retention_max_share,
+        retention_yield=retention_yield,
         dtype=dtype,
         warmup_turns=warmup_turns,
         ucx_tls=ucx_tls,
@@ -1615,6 +1620,13 @@ def engine(
         float,
         typer.Option(min=0.01, max=1.0, help="share of a decode's KV cache its retained runs may pin"),
     ] = 0.5,
+    retention_yield: Annotated[
+        bool,
+        typer.Option(
+            help="past 0.9 of that share, give up the oldest retained runs for newer ones (each freed once "
+            "kvloopd confirms it dropped the run and its read window has passed)"
+        ),
+    ] = True,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
     json_output: JsonFlag = False,
 ) -> None:
@@ -1643,6 +1655,7 @@ def engine(
         kv_cache_gib=kv_cache_gib,
         retention_ttl_s=retention_ttl,
         retention_max_share=retention_max_share,
+        retention_yield=retention_yield,
         prefix_caching=prefix_caching,
     )
     if Path(model).is_dir():

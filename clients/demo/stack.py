@@ -37,6 +37,7 @@ class StackConfig:
     dtype: str = "bfloat16"
     retention_ttl_s: float = 480.0
     retention_max_share: float = 0.5  # see EngineConfig
+    retention_yield: bool = True  # see EngineConfig
     # Where spans go when no OTLP endpoint is configured: the stack then runs an OTLP receiver
     # writing this file and points every process at it (vLLM exports its request spans only over OTLP).
     span_file: Path | None = None
@@ -170,6 +171,7 @@ class Stack:
                         kv_cache_gib=cfg.kv_cache_gib,
                         retention_ttl_s=cfg.retention_ttl_s,
                         retention_max_share=cfg.retention_max_share,
+                        retention_yield=cfg.retention_yield,
                         kv_bytes_per_block=bytes_per_block // (cfg.decode_tp if role == "decode" else 1),
                         tensor_parallel_size=cfg.decode_tp if role == "decode" else 1,
                         kv_group_windows=kv_group_windows(cfg.model_dir),

@@ -40,6 +40,9 @@ class IndexConfig:
     drop_after_s: float = 60.0
     # Never hand out a retained run whose lease ends sooner than this.
     expiry_margin_s: float = 2.0
+    # A handed-out run may be read for at most this long (Holder.expires_in_ms is capped at it):
+    # how long a holder that dropped a run before its lease ended keeps the blocks for old handouts.
+    read_window_s: float = 30.0
     max_entries: int = 4_000_000
 
 

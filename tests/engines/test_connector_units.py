@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from pydantic import ValidationError
@@ -222,6 +224,61 @@ def test_retention_stays_within_its_share_of_the_kv_cache():
     side.released({"t2"})
     assert side.pinned_blocks == 0 and side.admits([[11] * 1, list(range(12, 21))])
     assert _declined_capped() == declined + 2
+
+
+def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon):
+    """With a daemon to confirm drops with (yielding.py), a finishing request that takes retention past
+    0.9 of its share makes the oldest runs go: their release is sent at once; they are freed only
+    once kvloopd no longer lists them, a read window (30 s) plus the READ margin later."""
+    from kvloop.agents.connector import telemetry as tm
+    from kvloop.agents.connector.decode import DecodeSide
+    from kvloop.agents.connector.yielding import ReleaseConfirmer
+    from tests.support import wait_until
+
+    events: list = []
+    cfg = KvloopConfig(retention_max_share=0.2, daemon=daemon.address, model="m-yield")
+    confirmer = ReleaseConfirmer(daemon.address, "m-yield", cfg.read_margin_s)
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer)  # 20 pinned at most
+
+    def retain(rid: str, blocks: list[int]) -> None:
+        assert side.admits([blocks])
+        side.announce(_Finished(rid, len(blocks)), {"remote_block_ids": [blocks]}, 300.0, [blocks])
+
+    def yielded(outcome: str) -> float:
+        return tm.LOCAL.get_sample_value("kvloop_connector_yielded_runs_total", {"outcome": outcome}) or 0
+
+    given_up, confirmed = yielded("given_up"), yielded("confirmed")
+    retain("t1", [1, 2, 3, 4])
+    retain("t2", [1, 2, 3, 4, 5, 6, 7, 8])  # the same conversation's next turn: t1's blocks and 4 more
+    retain("x", list(range(9, 17)))
+    assert side.pinned_blocks == 16 and len(events) == 3  # within 0.9 of the share: nothing given up
+    started = time.perf_counter()
+    retain("y", list(range(17, 21)))  # 20 > 18: t1 alone frees nothing (t2 holds its blocks), t2 does
+    released = [e.retention_handle for e in events[3:] if isinstance(e, KvloopRetentionReleased)]
+    assert released == ["t1", "t2"] and yielded("given_up") == given_up + 2
+    assert side.parked_until("t1") is None  # the engine steps until the drop is settled
+    free: dict[str, float] = {}
+    wait_until(lambda: free.update(side.take_free_early()) or len(free) == 2, 10, "the drops confirmed")
+    assert yielded("confirmed") == confirmed + 2
+    for rid in ("t1", "t2"):
+        assert started + 32.0 <= free[rid] <= time.perf_counter() + 32.0
+        assert side.parked_until(rid) == free[rid]
+    assert side.parked_until("x") is not None and side.parked_until("x") > started + 299
+    side.released({"t1", "t2"})  # vLLM freed them at the new lease end
+    assert side.pinned_blocks == 12
+    assert not [e for e in events[5:] if isinstance(e, KvloopRetentionReleased)]  # said once, not twice
+    side.shutdown()
+
+
+def test_without_a_daemon_retention_never_gives_up_a_run():
+    from kvloop.agents.connector.decode import DecodeSide
+
+    events: list = []
+    side = DecodeSide(KvloopConfig(retention_max_share=0.1), 4, events.append, num_kv_blocks=100)
+    side.admits([[1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    side.announce(_Finished("a", 9), {"remote_block_ids": [list(range(1, 10))]}, 60.0, [list(range(1, 10))])
+    assert side.admits([[10]]) and not side.admits([[11, 12]])  # past 0.9, past the share: no give-up
+    assert len(events) == 1 and side.take_free_early() == {}
 
 
 def test_retention_share_must_be_a_share():

@@ -594,3 +594,79 @@ def test_retention_stops_at_its_share_of_the_kv_cache(engines):
     assert pf_b.span["kvloop.path"] == "miss", pf_b.span
     pf_a = prefill_and_check(engines, prompt_a + d_a["token_ids"] + rand_tokens(rnd, 64))
     assert pf_a.span["kvloop.path"] == "transfer", pf_a.span
+
+
+def _yielded(engine, outcome: str) -> float:
+    return engine.call("metrics").get(("kvloop_connector_yielded_runs_total", (("outcome", outcome),)), 0.0)
+
+
+def test_past_most_of_its_share_retention_gives_up_the_oldest_run(engines):
+    """LAST TEST of this pair (relaunches the decode with a retention cap and a daemon to confirm drops
+    with; kvloopd runs with a 10 s read window). Three conversations of 0.4 of the share each: the
+    third takes retention past its share, so it is declined, and the oldest run is given up. The
+    directory drops it at once; the decode frees it only a read window after kvloopd confirmed the
+    drop. Its next turn misses (same answer and KV as a recompute), the second conversation's next
+    turn still transfers, and a fourth conversation fits again once the first is freed."""
+    engines.kvloop.restart_daemon(env={"KVLOOP_READ_WINDOW_S": "10"})
+    engines.probe_directory()
+    share = 0.03
+    info = relaunch_decode(
+        engines,
+        kvloop_retention_max_share=share,
+        kvloop_daemon=engines.kvloop.address,
+        kvloop_model=engines.kvloop.model,
+    )
+    max_pinned = int(share * info["kv_shapes"][0][0])
+    # each run: 0.35 of the share, and up to 3 blocks of answer: two stay within 0.9 of it when the
+    # share holds 30 blocks or more
+    assert max_pinned >= 30, max_pinned
+    tokens = int(0.35 * max_pinned) * BS
+    rnd = random.Random(37)
+    prompts = [rand_tokens(rnd, tokens) for _ in range(4)]
+    d_a = first_turn(engines, prompts[0], 32, prefill_salt=f"cold-{uuid.uuid4()}")
+    d_b = first_turn(engines, prompts[1], 32, prefill_salt=f"cold-{uuid.uuid4()}")
+    run_a = engines.kvloop.runs[-2]
+    handle_a = d_a["kv_transfer_params"]["remote_request_id"]
+    assert run_a.handle == handle_a
+    given_up, declined = _yielded(engines.decode, "given_up"), _declined_capped(engines.decode)
+
+    p_c = engines.prefill.generate(
+        prompts[2], 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}"
+    )
+    d_c = engines.decode.generate(prompts[2], 32, p_c["kv_transfer_params"], logprobs=5)
+    assert d_c["kv_transfer_params"] is None  # past the share: declined
+    assert _declined_capped(engines.decode) == declined + 1
+    assert _yielded(engines.decode, "given_up") == given_up + 1
+    # a's release went out at once: the directory hands it out no more ...
+    wait_until(
+        lambda: not engines.kvloop.locations(run_a.hashes[0], "retained", handle_a), 20, "a's run dropped"
+    )
+
+    # ... but the decode keeps its blocks until the drop is confirmed and a read window has passed.
+    # (This harness's engine runs in process and steps only for requests: a one-token request steps it.)
+    def held_after_a_step() -> bool:
+        engines.decode.generate(rand_tokens(rnd, 8), 1)
+        return handle_a in engines.decode.call("connector_state")["leases"]
+
+    dropped_at = time.monotonic()
+    assert held_after_a_step()
+    wait_until(
+        lambda: held_after_a_step() and _yielded(engines.decode, "confirmed") >= 1, 20, "the drop confirmed"
+    )
+    wait_until(
+        lambda: not held_after_a_step(), 40, "a's blocks freed a read window after the drop", interval=0.5
+    )
+    assert time.monotonic() - dropped_at >= 10.0  # never before the read window
+    released = engines.decode.call("metrics").get(
+        ("kvloop_connector_released_runs_total", (("reason", "yielded"),)), 0.0
+    )
+    assert released >= 1
+
+    pf_a = prefill_and_check(engines, prompts[0] + d_a["token_ids"] + rand_tokens(rnd, 64))
+    assert pf_a.span["kvloop.path"] == "miss", pf_a.span
+    pf_b = prefill_and_check(engines, prompts[1] + d_b["token_ids"] + rand_tokens(rnd, 64))
+    assert pf_b.span["kvloop.path"] == "transfer", pf_b.span
+    # with a's blocks back, a fourth conversation is retained again
+    d_d = first_turn(engines, prompts[3], 32, prefill_salt=f"cold-{uuid.uuid4()}")
+    assert d_d["kv_transfer_params"] is not None
+    assert _declined_capped(engines.decode) == declined + 1

@@ -544,10 +544,12 @@ class BlockLocation(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., kind: _Optional[str] = ..., position: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., servable: _Optional[bool] = ..., tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
 
 class FindBlockResponse(_message.Message):
-    __slots__ = ("locations",)
+    __slots__ = ("locations", "read_window_ms")
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    READ_WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
-    def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ...) -> None: ...
+    read_window_ms: int
+    def __init__(self, locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., read_window_ms: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
