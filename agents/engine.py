@@ -48,6 +48,7 @@ class EngineConfig:
     retention_max_share: float = 0.5
     # past 0.9 of that share, give up the oldest runs for newer ones (kvloop_retention_yield)
     retention_yield: bool = True
+    retention_yield_after_s: float = 60.0  # only runs older than this are given up
     recompute_threshold_tokens: int = 64
     max_model_len: int = 16384
     max_num_batched_tokens: int = 16384
@@ -80,6 +81,7 @@ class EngineConfig:
             "kvloop_retention_ttl_s": self.retention_ttl_s,
             "kvloop_retention_max_share": self.retention_max_share,
             "kvloop_retention_yield": self.retention_yield,
+            "kvloop_retention_yield_after_s": self.retention_yield_after_s,
             # The lookup runs off the engine loop (the scheduler asks again next step), so a loaded
             # host can afford a generous deadline; past it the turn recomputes.
             "kvloop_lookup_timeout_ms": 500,

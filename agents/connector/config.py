@@ -47,11 +47,17 @@ class KvloopConfig(BaseModel):
     # (decoder_kv_blocks_ttl: 480 s by default) can pin the whole cache, and new requests wait for
     # leases to end. 1.0 leaves it unbounded, as vLLM does.
     retention_max_share: float = Field(default=0.5, gt=0, le=1)
-    # Past 0.9 of that share, give up the oldest retained runs so newer turns (likelier to continue)
-    # fit: each is dropped from the directory, and freed once kvloopd confirms the drop and its read
-    # window has passed (yielding.py; needs kvloop_daemon and kvloop_model). False: past the share,
-    # finished requests are declined while older runs keep their whole lease.
+    # Past 0.9 of that share, give up the oldest retained runs retained longer than
+    # retention_yield_after_s, so newer turns fit: each is dropped from the directory, and freed once
+    # kvloopd confirms the drop and its read window has passed (yielding.py; needs kvloop_daemon and
+    # kvloop_model). False: past the share, finished requests are declined while older runs keep their
+    # whole lease.
     retention_yield: bool = True
+    # Only runs older than this are given up. A conversation still going on keeps its latest run young
+    # (each turn retains a new one), so this gives up what no one came back for; giving up the oldest
+    # runs outright would drop, under sessions taking turns in a cycle, the very run whose turn is next
+    # (measured: see the README).
+    retention_yield_after_s: float = Field(default=60.0, ge=0)
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
     # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
     sharing: Literal["multi", "single"] = "multi"

@@ -7,7 +7,8 @@ and marks kvloop runs multi-reader so the worker keeps them until the lease ends
 freeing after one READ. :meth:`DecodeSide.released` reports each run vLLM frees.
 :meth:`DecodeSide.admits` keeps retained runs within their share of the KV cache
 (``retention_max_share``): live requests always keep the rest. Past ``YIELD_AT`` of that share the
-oldest runs are given up (:mod:`.yielding`), so newer turns, likelier to continue, fit.
+oldest runs retained longer ago than ``retention_yield_after_s`` are given up (:mod:`.yielding`), so
+newer turns fit.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def pinned_ids(block_ids: Any) -> set[int]:
 @dataclass
 class _Retained:
     deadline: float  # perf_counter
+    since: float  # perf_counter when it was retained
     multi: bool  # kept until the lease ends (not freed by a READ's notice)
     pinned: set[int]  # block ids held until vLLM frees the run
     first_hash: bytes | None = None  # the announced run's first block (None: never announced)
@@ -115,11 +117,15 @@ class DecodeSide:
 
     def _give_up_oldest(self, incoming: set[int]) -> None:
         """Give up the oldest runs until retention, with ``incoming`` (a finishing request's blocks)
-        added and the given-up runs' blocks gone, is back within ``YIELD_AT`` of its share."""
+        added and the given-up runs' blocks gone, is back within ``YIELD_AT`` of its share; only runs
+        retained longer ago than ``retention_yield_after_s``."""
         kept = self._kept
+        old_enough = time.perf_counter() - self.cfg.retention_yield_after_s
         for rid, run in self._retained.items():  # announce order: oldest first
             if len(kept) + sum(1 for b in incoming if b not in kept) <= self._yield_above:
                 return
+            if run.since > old_enough:
+                return  # this run and every later one were retained too recently
             if run.given_up:
                 continue
             self._unpin(kept, run.pinned)
@@ -169,7 +175,7 @@ class DecodeSide:
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
         multi = self.cfg.sharing == "multi"
         pinned = pinned_ids(block_ids)
-        run = _Retained(deadline=deadline, multi=multi, pinned=pinned)
+        run = _Retained(deadline=deadline, since=time.perf_counter(), multi=multi, pinned=pinned)
         self._retained[rid] = run
         for b in pinned:
             self._pins[b] = self._pins.get(b, 0) + 1

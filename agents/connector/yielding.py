@@ -1,9 +1,9 @@
 """Confirming that the directory dropped a retained run a decode gives up before its lease ends.
 
-Past ``YIELD_AT`` of its retention share, a decode gives up its oldest retained runs so that newer
-turns, likelier to continue, fit (:class:`~.decode.DecodeSide`). Freeing a run's blocks while a
-prefill may still READ them would hand that prefill another request's KV, so a run is given up in
-three steps:
+Past ``YIELD_AT`` of its retention share, a decode gives up its oldest retained runs, those retained
+longer ago than ``retention_yield_after_s``, so that newer turns fit (:class:`~.decode.DecodeSide`).
+Freeing a run's blocks while a prefill may still READ them would hand that prefill another request's
+KV, so a run is given up in three steps:
 
 1. its ``RetentionReleased`` goes out at once: the directory drops it and hands it out no more;
 2. :class:`ReleaseConfirmer` (a thread) asks FindBlock until the directory no longer lists it. That

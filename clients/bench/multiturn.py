@@ -89,9 +89,10 @@ class MultiturnConfig:
     # answers almost never do (see kvloop.clients.demo.model._save_tokenizer).
     tokenizer: str = "words"
     # How long a decode retains a finished turn's KV: a conversation's next turn comes within a turn of
-    # all arms (seconds to tens of seconds). Retention does not yield to new runs: with vLLM's 480 s the
-    # runs of turns long done fill a 1 GiB decode within one workload of 4 sessions, and new requests
-    # wait for the oldest leases to end (or, under a retention cap, later turns retain nothing).
+    # all arms (seconds to tens of seconds). vLLM's retention (the builtin arm) never yields to new runs:
+    # with its 480 s the runs of turns long done fill a 1 GiB decode within one workload of 4 sessions,
+    # and new requests wait for the oldest leases to end. kvloop's decodes give up their oldest runs
+    # past 0.9 of their share (retention_yield), but every arm runs under the same lease.
     retention_ttl_s: float = 90.0
     # kvloop_retention_max_share of the kvloop arms' decodes. Unbounded here, as vLLM's (the builtin
     # arm's) is: this bench bounds retention by its short lease. At the product's 0.5 the 8-session

@@ -1303,8 +1303,8 @@ def bench_multiturn(
         float,
         typer.Option(
             min=1,
-            help="seconds a decode retains a finished turn's KV (retention does not yield to new runs: "
-            "long leases with several sessions fill a decode with runs no one needs)",
+            help="seconds a decode retains a finished turn's KV (vLLM's retention, the builtin arm's, never "
+            "yields to new runs: long leases with several sessions fill a decode with runs no one needs)",
         ),
     ] = 90.0,
     retention_max_share: Annotated[
@@ -1627,6 +1627,9 @@ def engine(
             "kvloopd confirms it dropped the run and its read window has passed)"
         ),
     ] = True,
+    retention_yield_after: Annotated[
+        float, typer.Option(min=0, help="seconds a run is retained before it may be given up")
+    ] = 60.0,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
     json_output: JsonFlag = False,
 ) -> None:
@@ -1656,6 +1659,7 @@ def engine(
         retention_ttl_s=retention_ttl,
         retention_max_share=retention_max_share,
         retention_yield=retention_yield,
+        retention_yield_after_s=retention_yield_after,
         prefix_caching=prefix_caching,
     )
     if Path(model).is_dir():

@@ -236,7 +236,9 @@ def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon):
     from tests.support import wait_until
 
     events: list = []
-    cfg = KvloopConfig(retention_max_share=0.2, daemon=daemon.address, model="m-yield")
+    cfg = KvloopConfig(
+        retention_max_share=0.2, daemon=daemon.address, model="m-yield", retention_yield_after_s=0
+    )
     confirmer = ReleaseConfirmer(daemon.address, "m-yield", cfg.read_margin_s)
     side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer)  # 20 pinned at most
 
@@ -268,6 +270,23 @@ def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon):
     assert side.pinned_blocks == 12
     assert not [e for e in events[5:] if isinstance(e, KvloopRetentionReleased)]  # said once, not twice
     side.shutdown()
+
+
+def test_retention_gives_up_no_run_retained_more_recently_than_yield_after(daemon):
+    """A conversation still going on keeps its latest run young: only older runs are given up."""
+    from kvloop.agents.connector.decode import DecodeSide
+    from kvloop.agents.connector.yielding import ReleaseConfirmer
+
+    events: list = []
+    cfg = KvloopConfig(retention_max_share=0.1, daemon=daemon.address, model="m-young")
+    assert cfg.retention_yield_after_s == 60
+    confirmer = ReleaseConfirmer(daemon.address, "m-young", cfg.read_margin_s)
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer)  # 10 at most
+    blocks = list(range(1, 10))
+    assert side.admits([blocks])
+    side.announce(_Finished("a", 9), {"remote_block_ids": [blocks]}, 300.0, [blocks])
+    assert not side.admits([[10, 11]])  # past the share: declined, and "a" (seconds old) is kept
+    assert len(events) == 1 and side.parked_until("a") is not None
 
 
 def test_without_a_daemon_retention_never_gives_up_a_run():

@@ -615,6 +615,7 @@ def test_past_most_of_its_share_retention_gives_up_the_oldest_run(engines):
         kvloop_retention_max_share=share,
         kvloop_daemon=engines.kvloop.address,
         kvloop_model=engines.kvloop.model,
+        kvloop_retention_yield_after_s=0,  # any run may go (by default only those older than 60 s)
     )
     max_pinned = int(share * info["kv_shapes"][0][0])
     # each run: 0.35 of the share, and up to 3 blocks of answer: two stay within 0.9 of it when the
