@@ -92,7 +92,8 @@ class DaemonSettings(BaseSettings):
     # decode that gives up a retained run early (its retention share is full) frees the blocks this
     # long after the directory dropped the run. At least 10 s: a connector keeps a Route plan for
     # the window less its own expiry margin (6 s by default), and reads within the window less its
-    # READ margin (2 s).
+    # READ margin (2 s). Replicas over one Redis must share it: a decode takes the window from the
+    # replica that confirms its drop.
     read_window_s: float = Field(30.0, ge=10)
     max_entries: int = Field(4_000_000, gt=0)
     reap_interval_s: float = Field(0.5, gt=0)
