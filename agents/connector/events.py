@@ -62,10 +62,11 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
 
 
 class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
-    """The holder freed a retained run (lease expired; or read, for single-use runs)."""
+    """The holder freed a retained run (lease expired; or read, for single-use runs), or gave it up
+    before its lease ended (yielded: freed once the directory's drop is confirmed, yielding.py)."""
 
     retention_handle: str
-    reason: str = "expired"  # "expired" | "read" | "aborted"
+    reason: str = "expired"  # "expired" | "read" | "aborted" | "yielded"
     ts: float = 0.0
 
 
