@@ -50,6 +50,11 @@ class LookupAnswer:
     detail: str
     # Where it came from: "lookup" (the RPC), "route_plan" or "continuation_plan" (plans.py)
     source: str = "lookup"
+    # perf_counter when the Lookup was sent: the holder's expires_in_ms counts from no earlier, so a
+    # READ deadline taken from here is never later than the directory meant, however long the answer
+    # waited for the engine loop. None: expires_in_ms counts from when the answer is used (plans.py
+    # takes the time a plan waited off it).
+    asked_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ def holder_from_proto(h: pb.Holder, directory_epoch: int = 0) -> HolderInfo:
     )
 
 
-def answer_from_proto(resp: pb.LookupResponse) -> LookupAnswer:
+def answer_from_proto(resp: pb.LookupResponse, asked_at: float | None = None) -> LookupAnswer:
     holder = (
         holder_from_proto(resp.holder, resp.directory_epoch)
         if resp.HasField("holder") and resp.holder.engine_id
@@ -102,7 +107,9 @@ def answer_from_proto(resp: pb.LookupResponse) -> LookupAnswer:
     )
     if resp.path == pb.TURN_PATH_TRANSFER and (holder is None or resp.matched_blocks == 0):
         raise ValueError("TRANSFER without a holder")
-    return LookupAnswer(resp.path, resp.reason, int(resp.matched_blocks), holder, resp.detail)
+    return LookupAnswer(
+        resp.path, resp.reason, int(resp.matched_blocks), holder, resp.detail, asked_at=asked_at
+    )
 
 
 class TracedDirectoryClient(DirectoryClient):
@@ -185,7 +192,7 @@ class DirectoryLookups:
             tm.LOOKUP_SECONDS.observe(time.perf_counter() - t0)
         self.epoch = max(self.epoch, resp.directory_epoch)
         try:
-            return answer_from_proto(resp)
+            return answer_from_proto(resp, asked_at=t0)
         except Exception as e:  # must never break the engine loop
             tm.LOOKUP_ERRORS.labels("bad_response").inc()
             tm.log.warning("kvloop.lookup_bad_response", error=repr(e))

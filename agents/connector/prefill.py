@@ -357,7 +357,8 @@ class PrefillSide:
         )
         count, is_async = vllm_match(request, num_computed_tokens)
         if count:
-            self.pull_deadlines[request.request_id] = time.perf_counter() + h.expires_in_ms / 1000.0
+            counted_from = answer.asked_at if answer.asked_at is not None else time.perf_counter()
+            self.pull_deadlines[request.request_id] = counted_from + h.expires_in_ms / 1000.0
             self.pull_holder_epochs[request.request_id] = h.holder_epoch
         else:
             for k in HANDLE_KEYS:

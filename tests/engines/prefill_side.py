@@ -36,8 +36,12 @@ class Request:
         return [1] * self.num_prompt_tokens
 
 
-def prefill_side(daemon_address: str, model: str, worker_id: str) -> PrefillSide:
-    cfg = KvloopConfig(daemon=daemon_address, model=model, lookup_wait_ms=1000, publish_events=False)
+def prefill_side(
+    daemon_address: str, model: str, worker_id: str, lookup_wait_ms: float = 1000
+) -> PrefillSide:
+    cfg = KvloopConfig(
+        daemon=daemon_address, model=model, lookup_wait_ms=lookup_wait_ms, publish_events=False
+    )
     lookups = DirectoryLookups(
         daemon_address, PullerConstraints(model, worker_id, BLOCK, 0, 0, 0, "", 0), timeout_ms=5000
     )
@@ -46,12 +50,17 @@ def prefill_side(daemon_address: str, model: str, worker_id: str) -> PrefillSide
 
 @asynccontextmanager
 async def beside_a_holder(
-    daemon_address: str, model: str, prefill_id: str, decode_id: str, blocks: int = 8
+    daemon_address: str,
+    model: str,
+    prefill_id: str,
+    decode_id: str,
+    blocks: int = 8,
+    lookup_wait_ms: float = 1000,
 ) -> AsyncIterator[tuple[PrefillSide, AsyncDirectoryClient, list[bytes]]]:
     """A prefill side, and a decode streaming to kvloopd that retains a prompt of ``blocks`` blocks:
     (the side, a client of kvloopd, the prompt's block hashes)."""
     prompt = conversation(model, blocks)
-    side = prefill_side(daemon_address, model, prefill_id)
+    side = prefill_side(daemon_address, model, prefill_id, lookup_wait_ms)
     try:
         async with AsyncDirectoryClient(daemon_address) as client:
             async with running_agent(client, decode_id, model, retained(prompt, f"h-{decode_id}")):
