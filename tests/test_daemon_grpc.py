@@ -67,7 +67,9 @@ async def test_a_handout_is_readable_for_the_read_window_and_a_dropped_run_is_co
     model = "m-window"
     prompt = conversation("window", 8)
     run = GivenUp("long-lease", prompt[0], "")
-    confirmer = ReleaseConfirmer(daemon.address, model, read_margin_s=2.0)
+    confirmer = ReleaseConfirmer(daemon.address, model, "dec-w", read_margin_s=2.0)
+    # a decode the directory does not serve in sync (here: not registered) confirms nothing
+    stranger = ReleaseConfirmer(daemon.address, model, "dec-unknown", read_margin_s=2.0)
     async with AsyncDirectoryClient(daemon.address) as client:
         async with running_agent(
             client, "dec-w", model, retained(prompt, "long-lease", expires_in_ms=300_000)
@@ -83,6 +85,7 @@ async def test_a_handout_is_readable_for_the_read_window_and_a_dropped_run_is_co
                 await agent.wait_acked(timeout=5)
                 before = time.perf_counter()
                 free_at = confirmer.check(sync_client, run)
+                assert stranger.check(sync_client, run) is None
     assert free_at is not None and before + 32.0 <= free_at <= time.perf_counter() + 32.0
 
 

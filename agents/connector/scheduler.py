@@ -94,7 +94,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
         confirmer = (
-            ReleaseConfirmer(cfg.daemon, cfg.model, cfg.read_margin_s)
+            ReleaseConfirmer(cfg.daemon, cfg.model, self.worker_id, cfg.read_margin_s)
             if cfg.daemon and cfg.model and cfg.retention_yield and self.is_bidirectional_kv_xfer_enabled
             else None
         )

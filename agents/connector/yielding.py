@@ -6,7 +6,9 @@ Freeing a run's blocks while a prefill may still READ them would hand that prefi
 KV, so a run is given up in three steps:
 
 1. its ``RetentionReleased`` goes out at once: the directory drops it and hands it out no more;
-2. :class:`ReleaseConfirmer` (a thread) asks FindBlock until the directory no longer lists it. That
+2. :class:`ReleaseConfirmer` (a thread) asks FindBlock until the directory no longer lists it, while
+   it serves this decode in sync (ACTIVE, no resync in between: a directory still rebuilding the
+   decode's state from its agent's snapshot lists nothing yet, and may list the run again). That
    answer also carries the directory's read window: every handout (Lookup, Route plan) caps
    ``Holder.expires_in_ms`` at it, so a puller reads a run within that long of being handed it, or
    recomputes;
@@ -28,6 +30,7 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.directory import TracedDirectoryClient
 from kvloop.clients.client import DirectoryClient, KvloopError
 from kvloop.common.tracing import not_sampled
+from kvloop.v1 import directory_pb2 as pb
 
 # Share of ``retention_max_share`` past which the oldest retained runs are given up: the rest of
 # the share takes the turns that finish during the read window it takes to free them.
@@ -57,12 +60,14 @@ class ReleaseConfirmer:
         self,
         daemon: str,
         model: str,
+        worker_id: str,
         read_margin_s: float,
         poll_s: float = 0.05,
         give_up_after_s: float = 10.0,
     ) -> None:
         self.daemon = daemon
         self.model = model
+        self.worker_id = worker_id
         self.read_margin_s = read_margin_s
         self.poll_s = poll_s
         self.give_up_after_s = give_up_after_s
@@ -90,13 +95,28 @@ class ReleaseConfirmer:
         self._stop.set()
 
     def check(self, client: DirectoryClient, run: GivenUp) -> float | None:
-        """When ``run``'s blocks may be freed, if the directory no longer lists it; else None."""
+        """When ``run``'s blocks may be freed, if the directory no longer lists it while it serves
+        this decode in sync; else None."""
+        in_sync = self._serving_state(client)
+        if in_sync is None:
+            return None
         answer = client.find_block_response(self.model, run.first_hash, run.lora_name)
         if any(loc.retention_handle == run.handle for loc in answer.locations):
             return None
         if not answer.read_window_ms:
             raise KvloopError("the directory does not say its read window (kvloopd older than the connector)")
+        if self._serving_state(client) != in_sync:
+            return None  # re-registered or resynced meanwhile: the answer may predate its state
         return time.perf_counter() + answer.read_window_ms / 1000 + self.read_margin_s
+
+    def _serving_state(self, client: DirectoryClient) -> tuple[int, int] | None:
+        """This decode's (epoch, resyncs) while the directory serves it in sync; None otherwise."""
+        for worker in client.list_workers(self.model):
+            if worker.registration.worker_id == self.worker_id:
+                if worker.lease_state != pb.LEASE_STATE_ACTIVE:
+                    return None
+                return worker.registration.epoch, worker.resyncs
+        return None
 
     def _run(self) -> None:
         waiting: list[tuple[GivenUp, float]] = []

@@ -226,20 +226,24 @@ def test_retention_stays_within_its_share_of_the_kv_cache():
     assert _declined_capped() == declined + 2
 
 
-def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon):
+async def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon):
     """With a daemon to confirm drops with (yielding.py), a finishing request that takes retention past
     0.9 of its share makes the oldest runs go: their release is sent at once; they are freed only
-    once kvloopd no longer lists them, a read window (30 s) plus the READ margin later."""
+    once kvloopd, serving this decode in sync, no longer lists them, a read window (30 s) plus the
+    READ margin later."""
+    import asyncio
+
     from kvloop.agents.connector import telemetry as tm
     from kvloop.agents.connector.decode import DecodeSide
     from kvloop.agents.connector.yielding import ReleaseConfirmer
-    from tests.support import wait_until
+    from kvloop.clients.client import AsyncDirectoryClient
+    from tests.support import running_agent, wait_until
 
     events: list = []
     cfg = KvloopConfig(
         retention_max_share=0.2, daemon=daemon.address, model="m-yield", retention_yield_after_s=0
     )
-    confirmer = ReleaseConfirmer(daemon.address, "m-yield", cfg.read_margin_s)
+    confirmer = ReleaseConfirmer(daemon.address, "m-yield", "dec-yield", cfg.read_margin_s)
     side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer)  # 20 pinned at most
 
     def retain(rid: str, blocks: list[int]) -> None:
@@ -250,17 +254,25 @@ def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon):
         return tm.LOCAL.get_sample_value("kvloop_connector_yielded_runs_total", {"outcome": outcome}) or 0
 
     given_up, confirmed = yielded("given_up"), yielded("confirmed")
-    retain("t1", [1, 2, 3, 4])
-    retain("t2", [1, 2, 3, 4, 5, 6, 7, 8])  # the same conversation's next turn: t1's blocks and 4 more
-    retain("x", list(range(9, 17)))
-    assert side.pinned_blocks == 16 and len(events) == 3  # within 0.9 of the share: nothing given up
-    started = time.perf_counter()
-    retain("y", list(range(17, 21)))  # 20 > 18: t1 alone frees nothing (t2 holds its blocks), t2 does
-    released = [e.retention_handle for e in events[3:] if isinstance(e, KvloopRetentionReleased)]
-    assert released == ["t1", "t2"] and yielded("given_up") == given_up + 2
-    assert side.parked_until("t1") is None  # the engine steps until the drop is settled
     free: dict[str, float] = {}
-    wait_until(lambda: free.update(side.take_free_early()) or len(free) == 2, 10, "the drops confirmed")
+
+    def give_up_and_wait_for_confirmation() -> float:
+        retain("t1", [1, 2, 3, 4])
+        retain("t2", [1, 2, 3, 4, 5, 6, 7, 8])  # the same conversation's next turn: t1's blocks and 4 more
+        retain("x", list(range(9, 17)))
+        assert side.pinned_blocks == 16 and len(events) == 3  # within 0.9 of the share: nothing given up
+        started = time.perf_counter()
+        retain("y", list(range(17, 21)))  # 20 > 18: t1 alone frees nothing (t2 holds its blocks), t2 does
+        released = [e.retention_handle for e in events[3:] if isinstance(e, KvloopRetentionReleased)]
+        assert released == ["t1", "t2"] and yielded("given_up") == given_up + 2
+        assert side.parked_until("t1") is None  # the engine steps until the drop is settled
+        wait_until(lambda: free.update(side.take_free_early()) or len(free) == 2, 10, "the drops confirmed")
+        return started
+
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-yield", "m-yield"):  # this decode, registered and in sync
+            # (in a thread: the event loop keeps the agent's stream alive meanwhile)
+            started = await asyncio.to_thread(give_up_and_wait_for_confirmation)
     assert yielded("confirmed") == confirmed + 2
     for rid in ("t1", "t2"):
         assert started + 32.0 <= free[rid] <= time.perf_counter() + 32.0
@@ -280,7 +292,7 @@ def test_retention_gives_up_no_run_retained_more_recently_than_yield_after(daemo
     events: list = []
     cfg = KvloopConfig(retention_max_share=0.1, daemon=daemon.address, model="m-young")
     assert cfg.retention_yield_after_s == 60
-    confirmer = ReleaseConfirmer(daemon.address, "m-young", cfg.read_margin_s)
+    confirmer = ReleaseConfirmer(daemon.address, "m-young", "dec-young", cfg.read_margin_s)
     side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer)  # 10 at most
     blocks = list(range(1, 10))
     assert side.admits([blocks])
