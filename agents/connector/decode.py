@@ -121,14 +121,20 @@ class DecodeSide:
         retained longer ago than ``retention_yield_after_s``."""
         kept = self._kept
         old_enough = time.perf_counter() - self.cfg.retention_yield_after_s
+
+        def projected() -> int:
+            return len(kept) + sum(1 for b in incoming if b not in kept)
+
+        held = projected()
         for rid, run in self._retained.items():  # announce order: oldest first
-            if len(kept) + sum(1 for b in incoming if b not in kept) <= self._yield_above:
+            if held <= self._yield_above:
                 return
             if run.since > old_enough:
                 return  # this run and every later one were retained too recently
             if run.given_up:
                 continue
             self._unpin(kept, run.pinned)
+            held = projected()
             run.given_up = True
             tm.YIELDED.labels("given_up").inc()
             if run.first_hash is None:  # never announced, never handed out: free it now
