@@ -84,12 +84,7 @@ class ReleaseConfirmer:
 
     def take(self) -> list[Confirmed]:
         """The runs settled since the last call (engine loop)."""
-        done = []
-        while True:
-            try:
-                done.append(self._done.get_nowait())
-            except queue.Empty:
-                return done
+        return _drain(self._done)
 
     def stop(self) -> None:
         self._stop.set()
@@ -97,17 +92,30 @@ class ReleaseConfirmer:
     def check(self, client: DirectoryClient, run: GivenUp) -> float | None:
         """When ``run``'s blocks may be freed, if the directory no longer lists it while it serves
         this decode in sync; else None."""
+        return self.check_all(client, [run]).get(run.handle)
+
+    def check_all(self, client: DirectoryClient, runs: list[GivenUp]) -> dict[str, float]:
+        """When each of ``runs`` the directory no longer lists, while it serves this decode in sync
+        (one check of that around all their FindBlocks), may be freed: handle -> perf_counter."""
         in_sync = self._serving_state(client)
         if in_sync is None:
-            return None
-        answer = client.find_block_response(self.model, run.first_hash, run.lora_name)
-        if any(loc.retention_handle == run.handle for loc in answer.locations):
-            return None
-        if not answer.read_window_ms:
-            raise KvloopError("the directory does not say its read window (kvloopd older than the connector)")
-        if self._serving_state(client) != in_sync:
-            return None  # re-registered or resynced meanwhile: the answer may predate its state
-        return time.perf_counter() + answer.read_window_ms / 1000 + self.read_margin_s
+            return {}
+        gone: list[str] = []
+        window_ms = 0
+        for run in runs:
+            answer = client.find_block_response(self.model, run.first_hash, run.lora_name)
+            if any(loc.retention_handle == run.handle for loc in answer.locations):
+                continue
+            if not answer.read_window_ms:
+                raise KvloopError(
+                    "the directory does not say its read window (kvloopd older than the connector)"
+                )
+            gone.append(run.handle)
+            window_ms = max(window_ms, answer.read_window_ms)
+        if not gone or self._serving_state(client) != in_sync:
+            return {}  # re-registered or resynced meanwhile: the answers may predate its state
+        free_at = time.perf_counter() + window_ms / 1000 + self.read_margin_s
+        return dict.fromkeys(gone, free_at)
 
     def _serving_state(self, client: DirectoryClient) -> tuple[int, int] | None:
         """This decode's (epoch, resyncs) while the directory serves it in sync; None otherwise."""
@@ -124,18 +132,20 @@ class ReleaseConfirmer:
             while not self._stop.is_set():
                 try:
                     waiting.append(self._asked.get(timeout=self.poll_s if waiting else 1.0))
-                    while True:
-                        waiting.append(self._asked.get_nowait())
                 except queue.Empty:
                     pass
+                waiting += _drain(self._asked)
+                if not waiting:
+                    continue
+                try:
+                    with not_sampled():
+                        confirmed = self.check_all(client, [run for run, _ in waiting])
+                except KvloopError as e:
+                    tm.log.debug("kvloop.release_confirm_failed", runs=len(waiting), error=str(e))
+                    confirmed = {}
                 still: list[tuple[GivenUp, float]] = []
                 for run, since in waiting:
-                    try:
-                        with not_sampled():
-                            free_at = self.check(client, run)
-                    except KvloopError as e:
-                        tm.log.debug("kvloop.release_confirm_failed", handle=run.handle, error=str(e))
-                        free_at = None
+                    free_at = confirmed.get(run.handle)
                     if free_at is not None:
                         self._done.put(Confirmed(run.handle, free_at))
                     elif time.perf_counter() - since > self.give_up_after_s:
@@ -148,3 +158,13 @@ class ReleaseConfirmer:
                     else:
                         still.append((run, since))
                 waiting = still
+
+
+def _drain(q: queue.SimpleQueue) -> list:
+    """Everything ``q`` holds now, without waiting."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
