@@ -59,7 +59,8 @@ class EngineConfig:
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
-    # handles a proxy passes along, positional pull); "recompute": plain disaggregation, no reverse pull.
+    # handles a proxy passes along, positional pull); "recompute": plain disaggregation, no reverse pull;
+    # "plain": an aggregated `vllm serve` without a connector or sidecar (a reference to compare with).
     mode: str = "kvloop"
     extra_vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -69,7 +70,7 @@ class EngineConfig:
         return f"http://{self.host}:{self.port}"
 
     def kv_transfer_config(self) -> dict:
-        if self.mode not in ("kvloop", "builtin", "recompute"):
+        if self.mode not in ("kvloop", "builtin", "recompute", "plain"):
             raise ValueError(f"unknown engine mode {self.mode!r}")
         extra = {
             "bidirectional_kv_xfer": self.mode != "recompute",
@@ -145,11 +146,14 @@ class EngineConfig:
             "uni" if self.tensor_parallel_size == 1 else "mp",
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
-            "--kv-transfer-config",
-            json.dumps(self.kv_transfer_config()),
-            "--kv-events-config",
-            json.dumps(self.kv_events_config()),
         ]
+        if self.mode != "plain":
+            cmd += [
+                "--kv-transfer-config",
+                json.dumps(self.kv_transfer_config()),
+                "--kv-events-config",
+                json.dumps(self.kv_events_config()),
+            ]
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         if self.tensor_parallel_size != 1:

@@ -84,18 +84,22 @@ def test_backend_down_is_503_with_reason(lonely_proxy):
 
 
 @pytest.mark.parametrize(
-    "path, body, fragment",
+    "path, body",
     [
-        ("/v1/chat/completions", b"{not json", "not valid JSON"),
-        ("/v1/chat/completions", b'{"messages": []}', "'messages' must be a non-empty list"),
-        ("/v1/completions", b'{"model": "m"}', "'prompt' is required"),
-        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "'max_tokens' must be a positive integer"),
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b'{"messages": []}'),
+        ("/v1/completions", b'{"model": "m"}'),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}'),
     ],
 )
-def test_bad_requests_are_400(lonely_proxy, path, body, fragment):
+def test_bad_requests_are_vllms_to_judge(lonely_proxy, path, body):
+    """vLLM refuses an invalid request through the proxy as it would alone
+    (tests/e2e/test_proxy_conformance.py); with no server up the proxy says so, in vLLM's error shape."""
     url, _ = lonely_proxy
     status, answer = call(f"{url}{path}", body)
-    assert status == 400 and fragment in answer["error"]["message"]
+    assert status == 503
+    assert set(answer["error"]) == {"message", "type", "param", "code"}
+    assert "no healthy" in answer["error"]["message"]
 
 
 def test_proxy_serves_https_with_mutual_tls(tmp_path):

@@ -1204,10 +1204,37 @@ def proxy(
     client_ca_file: Annotated[
         Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
     ] = None,
+    api_key: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            envvar="KVLOOP_PROXY_API_KEY",
+            show_envvar=True,
+            help="require `Authorization: Bearer KEY` on /v1/* as `vllm serve --api-key` does (repeatable: "
+            "any of them); prefer the environment variable, which other users cannot read from the "
+            "process list",
+        ),
+    ] = None,
+    server_api_key: Annotated[
+        str,
+        typer.Option(
+            envvar="KVLOOP_SERVER_API_KEY",
+            show_envvar=True,
+            help="the key every prefill and decode server was started with (`vllm serve --api-key`)",
+        ),
+    ] = "",
+    prefill_api_key: Annotated[
+        str,
+        typer.Option(envvar="KVLOOP_PREFILL_API_KEY", show_envvar=True, help="the prefill servers' key"),
+    ] = "",
+    decode_api_key: Annotated[
+        str,
+        typer.Option(envvar="KVLOOP_DECODE_API_KEY", show_envvar=True, help="the decode servers' key"),
+    ] = "",
     json_output: JsonFlag = False,
 ) -> None:
-    """Serve /v1/chat/completions and /v1/completions over vLLM prefill and decode servers (--json: log
-    lines as JSON). Stops on SIGTERM, SIGINT and SIGHUP."""
+    """Serve vLLM's OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /tokenize,
+    /detokenize) over vLLM prefill and decode servers (--json: log lines as JSON). Stops on SIGTERM,
+    SIGINT and SIGHUP."""
     import asyncio
     import signal as signals
 
@@ -1242,6 +1269,9 @@ def proxy(
         max_attempts=max_attempts,
         continuation_ttl_s=continuation_ttl,
         burst_window_s=burst_window / 1e3,
+        api_keys=[k for k in api_key or [] if k],
+        prefill_api_key=prefill_api_key or server_api_key,
+        decode_api_key=decode_api_key or server_api_key,
     )
 
     async def run() -> None:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import ssl
 import time
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import structlog
@@ -33,15 +34,20 @@ from kvloop.clients.client import AsyncDirectoryClient
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
 from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, error_event, sse
+from kvloop.clients.proxy.legs import decode_body, prefill_body, whole_request_reason
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
-from kvloop.common.route_estimate import ROUTE_SETTLED_KEY
 from kvloop.common.tracing import trace_id_hex
 
 log = structlog.get_logger("kvloop.proxy")
 tracer = trace.get_tracer("kvloop.proxy")
 
 REQUESTS = Counter("kvloop_proxy_requests_total", "Proxied requests", ["endpoint", "outcome"])
+WHOLE_REQUESTS = Counter(
+    "kvloop_proxy_whole_requests_total",
+    "Requests sent unchanged to one decode server, which prefills them itself (they cannot be split)",
+    ["endpoint", "reason"],
+)
 TTFT = Histogram(
     "kvloop_proxy_ttft_seconds",
     "Request arrival to first streamed token",
@@ -82,6 +88,12 @@ class ProxyConfig:
     # prompt waits this long for the rest of its burst, then they are placed together (burst.py).
     # 0: every request is placed as it comes.
     burst_window_s: float = 0.005
+    # Keys a client may present (`Authorization: Bearer KEY`) on /v1/* paths, as `vllm serve --api-key`
+    # checks them; empty: no check.
+    api_keys: list[str] = field(default_factory=list)
+    # Keys the prefill and decode servers were started with (`vllm serve --api-key`).
+    prefill_api_key: str = field(default="", repr=False)
+    decode_api_key: str = field(default="", repr=False)
 
 
 @dataclass
@@ -97,7 +109,9 @@ class _State:
 
 class UpstreamError(Exception):
     """A prefill or decode request that failed. `retryable`: the server failed (unreachable, dropped the
-    connection, answered 5xx), so another server may succeed; `reason` labels the retry metric."""
+    connection, answered 5xx), so another server may succeed; `reason` labels the retry metric.
+    `answer`: the server's own error body when it refused the request (4xx), relayed to the client as
+    vLLM wrote it."""
 
     def __init__(
         self,
@@ -106,12 +120,14 @@ class UpstreamError(Exception):
         backend: Backend | None = None,
         reason: str = "http_4xx",
         retryable: bool = False,
+        answer: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.backend = backend
         self.reason = reason
         self.retryable = retryable
+        self.answer = answer
 
 
 def _status_error(backend: Backend, status: int, text: str) -> UpstreamError:
@@ -122,6 +138,7 @@ def _status_error(backend: Backend, status: int, text: str) -> UpstreamError:
         backend,
         reason="http_5xx" if server_failed else "http_4xx",
         retryable=server_failed,
+        answer=None if server_failed else text.encode(),
     )
 
 
@@ -134,45 +151,35 @@ def _connection_error(backend: Backend, exc: Exception) -> UpstreamError:
     )
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+# vLLM's error types by status, for the proxy's own errors
+_ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 503: "ServiceUnavailable"}
 
 
-def _validate(body: Any, chat: bool) -> str | None:
-    if not isinstance(body, dict):
-        return "request body must be a JSON object"
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return "'messages' must be a non-empty list"
-        if not all(isinstance(m, dict) and "role" in m for m in messages):
-            return "every message needs a 'role'"
-    elif "prompt" not in body:
-        return "'prompt' is required"
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        if key in body and (not isinstance(body[key], int) or body[key] < 1):
-            return f"'{key}' must be a positive integer"
-    if body.get("n", 1) != 1:
-        return "only n=1 is supported"
-    return None
+def _error(status: int, message: str, kind: str | None = None) -> web.Response:
+    """An error of the proxy's own, in the shape vLLM's OpenAI server answers errors in."""
+    body = {"message": message, "type": kind or _ERROR_TYPES.get(status, "UpstreamError"), "param": None}
+    return web.json_response({"error": {**body, "code": status}}, status=status)
 
 
-def _prefill_body(body: dict, chat: bool, settled: str | None) -> dict:
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    out["max_tokens"] = 1
-    if chat:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    out["kv_transfer_params"] = {"do_remote_decode": True}
-    if settled is not None:  # Route found nothing to pull beyond this prefill's own prefix
-        out["kv_transfer_params"][ROUTE_SETTLED_KEY] = settled
-    return out
+def _upstream_error(exc: UpstreamError) -> web.Response:
+    """A server's refusal as it wrote it (vLLM's own error object and status), or the proxy's error
+    naming the leg that failed."""
+    if exc.answer is not None:
+        try:
+            answer = json.loads(exc.answer)
+        except ValueError:
+            answer = None
+        if isinstance(answer, dict) and "error" in answer:
+            return web.Response(body=exc.answer, status=exc.status, content_type="application/json")
+    return _error(exc.status, str(exc))
 
 
 async def _post_json(state: _State, backend: Backend, path: str, body: dict, headers: dict) -> dict:
     assert state.session is not None
     try:
-        async with state.session.post(f"{backend.url}{path}", json=body, headers=headers) as r:
+        async with state.session.post(
+            f"{backend.url}{path}", json=body, headers=backend.headers(headers)
+        ) as r:
             text = await r.text()
             if r.status != 200:
                 raise _status_error(backend, r.status, text)
@@ -215,9 +222,7 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
             pspan.set_attribute("kvloop.backend", prefill.url)
             headers: dict[str, str] = {}
             propagate.inject(headers)
-            answer = await _post_json(
-                state, prefill, path, _prefill_body(body, chat, choice.settled), headers
-            )
+            answer = await _post_json(state, prefill, path, prefill_body(body, chat, choice.settled), headers)
     finally:
         choice.release()
     prefill_s = time.perf_counter() - started
@@ -254,11 +259,8 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
         response_headers["x-kvloop-trace-id"] = trace_id
     response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
     # this prefill's handle goes to this decode only: a retry runs its own prefill
-    decode_body = {
-        **body,
-        "kv_transfer_params": {k: v for k, v in kv.items() if not k.startswith(KVLOOP_PREFIX)},
-    }
-    return _Leg(prefill, decode, decode_body, response_headers)
+    handle = {k: v for k, v in kv.items() if not k.startswith(KVLOOP_PREFIX)}
+    return _Leg(prefill, decode, decode_body(body, handle), response_headers)
 
 
 def _mark_failed(state: _State, exc: UpstreamError) -> None:
@@ -309,16 +311,16 @@ def _decoding(decode: Backend) -> Iterator[trace.Span]:
 async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
     state: _State = request.app["state"]
     endpoint = "chat" if chat else "completions"
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        REQUESTS.labels(endpoint, "bad_request").inc()
-        return _error(400, "request body is not valid JSON")
-    problem = _validate(body, chat)
-    if problem:
-        REQUESTS.labels(endpoint, "bad_request").inc()
-        return _error(400, problem)
     path = "/v1/chat/completions" if chat else "/v1/completions"
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+        whole = whole_request_reason(body, chat)
+    except (ValueError, UnicodeDecodeError):
+        whole = "the body is not valid JSON"
+    if whole is not None:
+        # vLLM judges (and refuses) it exactly as an aggregated server would
+        return await _relay(request, state, state.decode, path, raw, endpoint, whole)
     stream = bool(body.get("stream"))
     started = time.perf_counter()
     parent = propagate.extract(request.headers)
@@ -358,6 +360,9 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
                         result = await _post_json(state, leg.decode, path, decode_body, headers)
                     if keeps:
                         result = _after_answer(state, body, result)
+                    if result.get("kv_transfer_params") is not None:
+                        # the decode's retention handle is the proxy's business: a plain server answers none
+                        result = {**result, "kv_transfer_params": None}
                     REQUESTS.labels(endpoint, "ok").inc()
                     return web.json_response(result, headers=leg.headers)
                 except UpstreamError as exc:
@@ -366,12 +371,84 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         except NoBackend as exc:
             REQUESTS.labels(endpoint, "no_backend").inc()
             span.set_status(Status(StatusCode.ERROR, str(exc)))
-            return _error(503, str(exc), "service_unavailable")
+            return _error(503, str(exc))
         except UpstreamError as exc:
             REQUESTS.labels(endpoint, f"upstream_{exc.status}").inc()
             span.set_status(Status(StatusCode.ERROR, str(exc)))
             log.warning("upstream failed", error=str(exc), status=exc.status, attempts=attempts)
-            return _error(exc.status, str(exc), "upstream_error")
+            return _upstream_error(exc)
+
+
+async def _relay(
+    request: web.Request,
+    state: _State,
+    pool: BackendPool,
+    path: str,
+    raw: bytes,
+    endpoint: str,
+    why: str,
+) -> web.StreamResponse:
+    """Send the client's request unchanged to one server of `pool` and relay its answer as it comes
+    (status, body, streamed chunks). While nothing has reached the client, a server that fails
+    (unreachable, 5xx) is replaced by another; a stream that breaks later ends there."""
+    assert state.session is not None
+    parent = propagate.extract(request.headers)
+    with tracer.start_as_current_span(f"kvloop.proxy {path}", context=parent, kind=SpanKind.SERVER) as span:
+        span.set_attributes({"http.route": path, "kvloop.route": "whole", "kvloop.whole_reason": why})
+        if endpoint in ("chat", "completions"):
+            WHOLE_REQUESTS.labels(endpoint, why).inc()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                backend = pool.pick()
+            except NoBackend as exc:
+                REQUESTS.labels(endpoint, "no_backend").inc()
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                return _error(503, str(exc))
+            headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+            propagate.inject(headers)
+            backend.in_flight += 1
+            try:
+                try:
+                    upstream = await state.session.post(
+                        f"{backend.url}{path}", data=raw, headers=backend.headers(headers)
+                    )
+                except aiohttp.ClientConnectionError as exc:
+                    failed = _connection_error(backend, exc)
+                    pool.mark_failed(backend, str(failed))
+                    if attempts < state.config.max_attempts:
+                        RETRIES.labels("whole", failed.reason).inc()
+                        continue
+                    return _upstream_error(failed)
+                async with upstream:
+                    if upstream.status >= 500 and attempts < state.config.max_attempts:
+                        pool.mark_failed(backend, f"{path} answered {upstream.status}")
+                        RETRIES.labels("whole", "http_5xx").inc()
+                        continue
+                    response = web.StreamResponse(
+                        status=upstream.status,
+                        headers={
+                            "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                            "x-kvloop-route": "whole",
+                            f"x-kvloop-{pool.role}": backend.url,
+                            "x-kvloop-attempts": str(attempts),
+                        },
+                    )
+                    await response.prepare(request)
+                    try:
+                        async for chunk in upstream.content.iter_any():
+                            await response.write(chunk)
+                    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                        log.warning("server broke a relayed answer", backend=backend.url, error=str(exc))
+                        REQUESTS.labels(endpoint, "stream_failed").inc()
+                        return response
+                    await response.write_eof()
+                    outcome = "ok" if upstream.status == 200 else f"upstream_{upstream.status}"
+                    REQUESTS.labels(endpoint, outcome).inc()
+                    return response
+            finally:
+                backend.in_flight -= 1
 
 
 def _route_attributes(choice) -> dict[str, str | int | float]:
@@ -401,7 +478,9 @@ async def _events(state: _State, backend: Backend, path: str, body: dict) -> Asy
     headers: dict[str, str] = {}
     propagate.inject(headers)
     try:
-        upstream = await state.session.post(f"{backend.url}{path}", json=body, headers=headers)
+        upstream = await state.session.post(
+            f"{backend.url}{path}", json=body, headers=backend.headers(headers)
+        )
     except aiohttp.ClientConnectionError as exc:
         raise _connection_error(backend, exc) from None
     except TimeoutError:
@@ -614,11 +693,45 @@ async def _give_up(
 
 
 async def _models(request: web.Request) -> web.Response:
+    """The served models as the servers list them (max_model_len, root, parent and the rest), each once."""
     state: _State = request.app["state"]
-    names = sorted({m for pool in (state.prefill, state.decode) for b in pool.backends for m in b.models})
-    return web.json_response(
-        {"object": "list", "data": [{"id": n, "object": "model", "owned_by": "kvloop"} for n in names]}
-    )
+    cards: dict[str, dict] = {}
+    for pool in (state.prefill, state.decode):
+        for backend in pool.backends:
+            for card in backend.cards:
+                cards.setdefault(str(card.get("id")), card)
+    return web.json_response({"object": "list", "data": [cards[k] for k in sorted(cards)]})
+
+
+async def _tokens(request: web.Request) -> web.StreamResponse:
+    """vLLM's /tokenize and /detokenize, answered by a prefill server."""
+    state: _State = request.app["state"]
+    endpoint = request.path.strip("/")
+    return await _relay(request, state, state.prefill, request.path, await request.read(), endpoint, "")
+
+
+# Paths `vllm serve --api-key` guards (vllm/entrypoints/serve/middleware/authenticate.py).
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+
+
+def _key_digests(keys: list[str]) -> list[bytes]:
+    return [hashlib.sha256(k.encode()).digest() for k in keys if k]
+
+
+@web.middleware
+async def _authenticate(request: web.Request, handler) -> web.StreamResponse:
+    """`Authorization: Bearer KEY` on the paths vLLM guards, answered as vLLM answers a wrong key."""
+    digests: list[bytes] = request.app["api_key_digests"]
+    if digests and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIX):
+        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+        given = hashlib.sha256(key.encode()).digest()
+        matched = False
+        for digest in digests:
+            matched |= hmac.compare_digest(given, digest)
+        if scheme.lower() != "bearer" or not matched:
+            REQUESTS.labels("auth", "unauthorized").inc()
+            return web.json_response({"error": "Unauthorized"}, status=401)
+    return await handler(request)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -644,11 +757,11 @@ async def _metrics(request: web.Request) -> web.Response:
 def build_app(config: ProxyConfig) -> web.Application:
     if not config.prefill or not config.decode:
         raise ValueError("the proxy needs at least one prefill and one decode server")
-    prefill = BackendPool("prefill", config.prefill, config.health_interval_s)
+    prefill = BackendPool("prefill", config.prefill, config.health_interval_s, config.prefill_api_key)
     state = _State(
         config,
         prefill,
-        BackendPool("decode", config.decode, config.health_interval_s),
+        BackendPool("decode", config.decode, config.health_interval_s, config.decode_api_key),
         Router(
             prefill,
             None,
@@ -658,8 +771,9 @@ def build_app(config: ProxyConfig) -> web.Application:
             config.burst_window_s,
         ),
     )
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_authenticate])
     app["state"] = state
+    app["api_key_digests"] = _key_digests(config.api_keys)
 
     async def lifecycle(app: web.Application):
         state.session = aiohttp.ClientSession(
@@ -693,6 +807,8 @@ def build_app(config: ProxyConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", lambda r: _handle(r, chat=True))
     app.router.add_post("/v1/completions", lambda r: _handle(r, chat=False))
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _tokens)
+    app.router.add_post("/detokenize", _tokens)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app

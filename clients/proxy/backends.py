@@ -24,6 +24,17 @@ class Backend:
     models: list[str] = field(default_factory=list)
     # Served model name -> the model's path or Hugging Face id as the server loaded it (`root`).
     roots: dict[str, str] = field(default_factory=dict)
+    # The server's /v1/models entries as it wrote them (max_model_len, root, parent, permission).
+    cards: list[dict] = field(default_factory=list)
+    # The key the server was started with (`vllm serve --api-key`); never logged.
+    api_key: str = field(default="", repr=False)
+
+    def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Headers for a request to this server: `extra` and its API key."""
+        out = dict(extra or {})
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        return out
 
 
 class NoBackend(Exception):
@@ -31,9 +42,9 @@ class NoBackend(Exception):
 
 
 class BackendPool:
-    def __init__(self, role: str, urls: list[str], health_interval_s: float = 2.0) -> None:
+    def __init__(self, role: str, urls: list[str], health_interval_s: float = 2.0, api_key: str = "") -> None:
         self.role = role
-        self.backends = [Backend(u.rstrip("/"), role) for u in urls]
+        self.backends = [Backend(u.rstrip("/"), role, api_key=api_key) for u in urls]
         self.health_interval_s = health_interval_s
         # Called with a backend when its served models are first known (its /v1/models answered):
         # at start-up, or at a later check when the server was not up or too slow then.
@@ -65,10 +76,16 @@ class BackendPool:
                 backend.last_error = "" if ok else f"/health answered {r.status}"
             if ok and not backend.models:
                 async with session.get(
-                    f"{backend.url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)
+                    f"{backend.url}/v1/models",
+                    headers=backend.headers(),
+                    timeout=aiohttp.ClientTimeout(total=3),
                 ) as r:
-                    if r.status == 200:
+                    if r.status == 401:  # every request would be refused: not one to send them to
+                        ok = False
+                        backend.last_error = "/v1/models answered 401: wrong key for this server"
+                    elif r.status == 200:
                         served = (await r.json()).get("data", [])
+                        backend.cards = [m for m in served if isinstance(m, dict)]
                         backend.models = [m["id"] for m in served]
                         backend.roots = {m["id"]: m["root"] for m in served if m.get("root")}
                         if self.on_models is not None:

@@ -138,12 +138,15 @@ class StreamState:
             self._record(choice)
         if chunk.get("usage") is not None and not chunk.get("choices"):
             self.usage_sent = True
+        # the decode's retention handle is the proxy's business, as a plain server's stream has none
+        chunk = {k: v for k, v in chunk.items() if k != "kv_transfer_params"}
         if self.client_wants_token_ids:
             return chunk
-        out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
+        # as a plain server streams them when they were not asked for: present, and null
+        out = {k: None if k == "prompt_token_ids" else v for k, v in chunk.items()}
         if "choices" in out:
             out["choices"] = [
-                {k: v for k, v in c.items() if k not in ("token_ids", "prompt_token_ids")}
+                {k: None if k in ("token_ids", "prompt_token_ids") else v for k, v in c.items()}
                 for c in out["choices"]
             ]
         return out

@@ -414,7 +414,7 @@ class Router:
         else:
             request["prompt"] = body.get("prompt")
         try:
-            async with session.post(f"{backend.url}/tokenize", json=request) as r:
+            async with session.post(f"{backend.url}/tokenize", json=request, headers=backend.headers()) as r:
                 if r.status != 200:
                     log.warning("tokenize failed", backend=backend.url, status=r.status)
                     return None
