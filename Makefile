@@ -66,6 +66,7 @@ lint: setup setup-engines
 	$(BIN)/mypy daemon agents clients common
 	$(BIN)/python scripts/gen_protos.py --check
 	cd proto && ../$(BIN)/buf lint
+	$(BIN)/python scripts/check_wording.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""Let vLLM's engine loop sleep while the engine only holds retained runs (issue 17).
+"""Let vLLM's engine loop sleep while the engine only holds retained runs.
 
 This is kvloop's one override of vLLM's engine core (``EngineCoreProc``) and scheduler; like the
 NIXL overrides in :mod:`.worker` it mirrors vLLM 0.32.0 and refuses another version at import.

@@ -1,4 +1,4 @@
-"""`kvloop bench decode-tpot`: where a kvloop decode's time per output token goes (issue 16, item 5).
+"""`kvloop bench decode-tpot`: where a kvloop decode's time per output token goes.
 
 One stack (kvloopd, a prefill and a decode `vllm serve` with the kvloop connector, their sidecars), and
 the SAME decode engine decoding sets of requests under conditions that differ in one factor each,

@@ -1,5 +1,5 @@
 """`kvloop bench idle`: CPU of a served prefill + decode pair at rest while the decode holds N retained
-runs, and the decode's time per output token with and without retained runs (issue 17).
+runs, and the decode's time per output token with and without retained runs.
 
 The stack is the one `kvloop demo` starts (kvloopd, a prefill and a decode `vllm serve` with the kvloop
 connector, their sidecars), without the proxy: the bench drives prefill -> decode itself, as the proxy

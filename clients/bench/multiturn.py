@@ -429,7 +429,7 @@ class ArmClient:
         return totals
 
     def sources(self, session: Session) -> list[list[int]]:
-        """What a pull for this session may legitimately have read from."""
+        """What a pull for this conversation (session) may legitimately have read from."""
         if self.arm == "builtin":
             return [self.latest[session.seed]] if session.seed in self.latest else []
         return self.computed

@@ -1,0 +1,100 @@
+"""Fail when the project's files speak of how it was developed instead of what it is.
+
+The README, docs, code and comments describe kvloop itself. A reference to a development round
+("measured in session 12", "since the last stop", "issue 17", "#42") or a commit id given as
+evidence ("commit 1a2b3c4", "(1a2b3c4)") means nothing to a reader of the project and goes stale.
+Upstream projects' references stay allowed ("vLLM #42892", "vllm-project/vllm#123").
+
+Usage: ``python scripts/check_wording.py [FILE ...]``. Without files it checks every file
+``git ls-files`` lists outside ``tests/`` whose kind is prose or source (Markdown, Python, proto,
+TOML, Lua, YAML, Makefile, systemd units, the CI script). Prints ``file:line: match`` per hit and
+exits 1 when there is any, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+SUFFIXES = (".md", ".py", ".pyi", ".proto", ".toml", ".lua", ".yaml", ".yml", ".service")
+NAMES = ("Makefile", "run")  # .ci/run
+SKIPPED_DIRS = ("tests/",)
+
+# "session 12", "stop 37", "round 3", "issue 17" (not a decimal: "1 session 1.79 ms").
+_ROUND = re.compile(r"\b(?:session|stop|round|issue) [0-9]+\b(?![.,][0-9])", re.IGNORECASE)
+# "this session", "last stop", "an earlier round"...
+_RELATIVE = re.compile(
+    r"\b(?:this|last|earlier|previous|later) (?:session|stop|round)\b",
+    re.IGNORECASE,
+)
+# "#17" as an issue or pull-request number: not a colour or an anchor (hex digits or letters
+# follow), not "vLLM #42892" or "owner/repo#12" (an upstream project named right before it).
+_NUMBER_REF = re.compile(r"(?<![\w/&#])#([0-9]{1,5})\b")
+_UPSTREAM_BEFORE = re.compile(
+    r"(?:[A-Za-z][\w.-]*/[\w.-]+|\b(?:vLLM|vllm|NIXL|nixl|UCX|ucx|gRPC|grpc|grpcio|protobuf|Redis|redis|"
+    r"Valkey|valkey|PyTorch|torch|llm-d|Dynamo|LMCache|transformers|tokenizers|structlog|OpenTelemetry|"
+    r"opentelemetry|CPython|Python|python|pydantic|typer|hypothesis|ruff|mypy|buf|numpy|aiohttp|pyzmq|"
+    r"hiredis|msgspec|prometheus_client|upstream))\s?$"
+)
+# A commit id given as evidence: "commit 1a2b3c4" or "(1a2b3c4)" / "(1a2b3c4, ...". Only strings of
+# 7-12 hex characters with at least one digit and one letter, so neither numbers nor words match.
+_HEX = r"(?=[0-9a-f]{0,11}[0-9])(?=[0-9a-f]{0,11}[a-f])[0-9a-f]{7,12}"
+_COMMIT = re.compile(rf"\bcommits? {_HEX}\b|\({_HEX}(?=[,;:)])", re.IGNORECASE)
+
+
+def hits(text: str) -> Iterator[tuple[int, str]]:
+    """(line number, matched text) for every development-round reference in ``text``."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        for pattern in (_ROUND, _RELATIVE, _COMMIT):
+            for match in pattern.finditer(line):
+                yield number, match.group(0)
+        for match in _NUMBER_REF.finditer(line):
+            if not _UPSTREAM_BEFORE.search(line[: match.start()]):
+                yield number, match.group(0)
+
+
+def tracked_files(root: Path) -> list[Path]:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.split("\0")
+    return [
+        root / name
+        for name in listed
+        if name
+        and not name.startswith(SKIPPED_DIRS)
+        and (name.endswith(SUFFIXES) or Path(name).name in NAMES)
+    ]
+
+
+def check(paths: Iterable[Path], root: Path) -> list[str]:
+    problems = []
+    for path in paths:
+        if not path.is_file():  # listed by git but deleted in the working tree
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        shown = path.relative_to(root) if path.is_relative_to(root) else path
+        problems += [f"{shown}:{number}: {found}" for number, found in hits(text)]
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    root = Path(__file__).resolve().parent.parent
+    paths = [Path(arg).resolve() for arg in argv] if argv else tracked_files(root)
+    problems = check(paths, root)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(
+            f"{len(problems)} reference(s) to how the project was developed: the project speaks of "
+            "itself only (say what the code does and how it was measured, with the command and date)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
