@@ -1,9 +1,10 @@
 """Fail when the project's files speak of how it was developed instead of what it is.
 
-The README, docs, code and comments describe kvloop itself. A reference to a development round
-("measured in session 12", "since the last stop", "issue 17", "#42") or a commit id given as
-evidence ("commit 1a2b3c4", "(1a2b3c4)") means nothing to a reader of the project and goes stale.
-Upstream projects' references stay allowed ("vLLM #42892", "vllm-project/vllm#123").
+The README, docs, code and comments describe kvloop itself. A reference to a development round (the
+words session, stop, round or issue followed by a number; "this" or "last" before one of the first
+three; a bare issue number after a hash sign) or a commit id given as evidence (after the word commit,
+or alone in parentheses) means nothing to a reader of the project and goes stale. Upstream projects'
+issue references stay allowed: a project or owner/repo name right before the hash sign.
 
 Usage: ``python scripts/check_wording.py [FILE ...]``. Without files it checks every file
 ``git ls-files`` lists outside ``tests/`` whose kind is prose or source (Markdown, Python, proto,
@@ -23,15 +24,15 @@ SUFFIXES = (".md", ".py", ".pyi", ".proto", ".toml", ".lua", ".yaml", ".yml", ".
 NAMES = ("Makefile", "run")  # .ci/run
 SKIPPED_DIRS = ("tests/",)
 
-# "session 12", "stop 37", "round 3", "issue 17" (not a decimal: "1 session 1.79 ms").
+# One of the four words, a space and a number (not a decimal such as a figure in milliseconds).
 _ROUND = re.compile(r"\b(?:session|stop|round|issue) [0-9]+\b(?![.,][0-9])", re.IGNORECASE)
-# "this session", "last stop", "an earlier round"...
+# The same words after this, last, earlier, previous or later.
 _RELATIVE = re.compile(
     r"\b(?:this|last|earlier|previous|later) (?:session|stop|round)\b",
     re.IGNORECASE,
 )
-# "#17" as an issue or pull-request number: not a colour or an anchor (hex digits or letters
-# follow), not "vLLM #42892" or "owner/repo#12" (an upstream project named right before it).
+# A hash sign and up to five digits as an issue or pull-request number: not a colour or an anchor
+# (hex digits or letters follow), not an upstream project's (its name or owner/repo right before it).
 _NUMBER_REF = re.compile(r"(?<![\w/&#])#([0-9]{1,5})\b")
 _UPSTREAM_BEFORE = re.compile(
     r"(?:[A-Za-z][\w.-]*/[\w.-]+|\b(?:vLLM|vllm|NIXL|nixl|UCX|ucx|gRPC|grpc|grpcio|protobuf|Redis|redis|"
@@ -39,8 +40,9 @@ _UPSTREAM_BEFORE = re.compile(
     r"opentelemetry|CPython|Python|python|pydantic|typer|hypothesis|ruff|mypy|buf|numpy|aiohttp|pyzmq|"
     r"hiredis|msgspec|prometheus_client|upstream))\s?$"
 )
-# A commit id given as evidence: "commit 1a2b3c4" or "(1a2b3c4)" / "(1a2b3c4, ...". Only strings of
-# 7-12 hex characters with at least one digit and one letter, so neither numbers nor words match.
+# A commit id given as evidence: after the word commit, or opening a parenthesis (closed, or followed
+# by a comma, semicolon or colon). Only strings of 7-12 hex characters with at least one digit and one
+# letter, so neither numbers nor words match.
 _HEX = r"(?=[0-9a-f]{0,11}[0-9])(?=[0-9a-f]{0,11}[a-f])[0-9a-f]{7,12}"
 _COMMIT = re.compile(rf"\bcommits? {_HEX}\b|\({_HEX}(?=[,;:)])", re.IGNORECASE)
 
