@@ -1,10 +1,11 @@
 """Fail when the project's files speak of how it was developed instead of what it is.
 
 The README, docs, code and comments describe kvloop itself. A reference to a development round (the
-words session, stop, round or issue followed by a number; "this" or "last" before one of the first
-three; a bare issue number after a hash sign) or a commit id given as evidence (after the word commit,
-or alone in parentheses) means nothing to a reader of the project and goes stale. Upstream projects'
-issue references stay allowed: a project or owner/repo name right before the hash sign.
+words session, stop, round or issue followed by a number; this, last, earlier, previous or later
+before one of the first three; a bare issue number after a hash sign) or a commit id given as
+evidence (after the word commit, or alone in parentheses) means nothing to a reader of the project
+and goes stale. Upstream projects' issue references stay allowed: a project or owner/repo name right
+before the hash sign.
 
 Usage: ``python scripts/check_wording.py [FILE ...]``. Without files it checks every file
 ``git ls-files`` lists outside ``tests/`` whose kind is prose or source (Markdown, Python, proto,
