@@ -143,11 +143,11 @@ class StreamState:
         if self.client_wants_token_ids:
             return chunk
         # as a plain server streams them when they were not asked for: present, and null
-        out = {k: None if k == "prompt_token_ids" else v for k, v in chunk.items()}
-        if "choices" in out:
+        out: dict[str, Any] = {k: None if k == "prompt_token_ids" else v for k, v in chunk.items()}
+        if isinstance(out.get("choices"), list):
             out["choices"] = [
                 {k: None if k in ("token_ids", "prompt_token_ids") else v for k, v in c.items()}
-                for c in out["choices"]
+                for c in chunk["choices"]
             ]
         return out
 
