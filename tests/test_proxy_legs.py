@@ -94,3 +94,12 @@ def test_requests_that_cannot_be_split_say_why(body, chat, reason):
 )
 def test_requests_that_split(body, chat):
     assert whole_request_reason(body, chat) is None
+
+
+def test_the_docs_show_the_placement_the_proxy_uses():
+    from pathlib import Path
+
+    from kvloop.clients.proxy.legs import fields_table
+
+    docs = (Path(__file__).parents[1] / "docs" / "proxy.md").read_text()
+    assert fields_table() in docs, "regenerate the table: python -m kvloop.clients.proxy.legs"

@@ -171,3 +171,19 @@ def prefill_body(body: dict, chat: bool, settled: str | None = None) -> dict:
 def decode_body(body: dict, handle: dict) -> dict:
     """The decode leg: the client's request as sent, with the prefill's handle."""
     return {**body, "kv_transfer_params": handle}
+
+
+def fields_table() -> str:
+    """The placement of every field, as docs/proxy.md shows it (a Markdown table)."""
+    rows = ["| field | chat | completions |", "|---|---|---|"]
+    chat, completions = FIELDS["chat"], FIELDS["completions"]
+    for name in sorted({*chat, *completions}):
+        rows.append(
+            f"| `{name}` | {chat[name].value if name in chat else '-'} | "
+            f"{completions[name].value if name in completions else '-'} |"
+        )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(fields_table())
