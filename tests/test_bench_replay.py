@@ -222,7 +222,7 @@ def test_paced_replay_takes_the_trace_time_and_pulls_the_same(tmp_path):
 def test_chat_log_tokenized_and_hashed_like_vllm(tmp_path):
     from transformers import AutoTokenizer
 
-    from kvloop.clients.demo.model import WORDS, build_tiny_llama
+    from kvloop.clients.fleet.model import WORDS, build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", hidden_size=64, layers=1, heads=2, intermediate_size=64)
     system = {"role": "system", "content": " ".join(WORDS[i % len(WORDS)] for i in range(300))}

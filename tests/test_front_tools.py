@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from tests.support import conversation, retained, running_agent
 
 ROOT = Path(__file__).resolve().parent.parent

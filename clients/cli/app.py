@@ -15,8 +15,8 @@ from google.protobuf.json_format import MessageToDict
 from rich.table import Table
 
 from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, DEFAULT_WORKLOADS, ROUTING_ARMS, WORKLOADS
-from kvloop.clients.client import DirectoryClient, KvloopError, default_target
 from kvloop.clients.console import make_console
+from kvloop.clients.directory_client import DirectoryClient, KvloopError, default_target
 from kvloop.common.logging import configure_logging
 from kvloop.common.outcomes import path_name, reason_name
 from kvloop.common.security import ClientSecurity
@@ -1367,7 +1367,7 @@ def bench_multiturn(
     ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
     --json prints the results JSON on stdout instead of the tables."""
     from kvloop.clients.bench.multiturn import MultiturnConfig, run_multiturn
-    from kvloop.clients.demo.model import DTYPE_BYTES, TOKENIZERS
+    from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
     from kvloop.common.processes import supervisor
 
     known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else ARMS
@@ -1663,7 +1663,7 @@ def engine(
         prefix_caching=prefix_caching,
     )
     if Path(model).is_dir():
-        from kvloop.clients.demo.model import kv_bytes_per_block, kv_group_windows
+        from kvloop.clients.fleet.model import kv_bytes_per_block, kv_group_windows
 
         config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
         config.kv_group_windows = kv_group_windows(Path(model))

@@ -17,8 +17,8 @@ HAVE_ENGINES = all(importlib.util.find_spec(m) is not None for m in ("vllm", "ni
 def served_stack(tmp_path_factory, otlp_receiver) -> Iterator:
     if not HAVE_ENGINES:
         pytest.fail("the e2e tests need vLLM's CPU build and NIXL: run `make setup-engines` (make test does)")
-    from kvloop.clients.demo.model import build_tiny_llama, build_tiny_lora
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.model import build_tiny_llama, build_tiny_lora
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     workdir = tmp_path_factory.mktemp("stack")
     model = build_tiny_llama(workdir / "model")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
-from kvloop.clients.client import DaemonUnavailable, DirectoryClient, KvloopError
+from kvloop.clients.directory_client import DaemonUnavailable, DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
@@ -146,7 +146,7 @@ class Stack:
             with DirectoryClient(address, timeout=2) as client:
                 client.wait_ready(30)
             progress("kvloopd", f"ready on {address}")
-        from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
+        from kvloop.clients.fleet.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
 
         bytes_per_block = kv_bytes_per_block(
             cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
@@ -252,7 +252,7 @@ class Stack:
         config that points at the Sentinels."""
         import redis
 
-        from kvloop.daemon.index.redis_local import local_redis, local_sentinel
+        from kvloop.clients.fleet.redis_local import local_redis, local_sentinel
 
         workdir = self.config.workdir / "redis"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -340,7 +340,7 @@ class Stack:
     def rejoin_redis(self, old_primary: str, timeout_s: float = 60.0) -> str:
         """Once Sentinel has promoted another server, start the stopped ``old_primary`` again as a
         replica of the new one (so a later failover has somewhere to go); returns the new primary."""
-        from kvloop.daemon.index.redis_local import local_redis
+        from kvloop.clients.fleet.redis_local import local_redis
 
         deadline = time.monotonic() + timeout_s
         while (primary := self.primary()) == old_primary:
