@@ -304,7 +304,7 @@ def test_runs_of_other_setups_are_refused_by_the_setting_that_differs():
 def test_the_cli_pools_results_files_and_refuses_what_is_not_one(tmp_path: Path):
     from typer.testing import CliRunner
 
-    from kvloop.clients.cli.app import app
+    from kvloop.clients.cli.main import app
 
     paths = []
     for i, scale in enumerate((1.0, 2.0)):

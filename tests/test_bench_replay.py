@@ -12,7 +12,7 @@ pytest.importorskip("vllm")  # the replay hashes blocks with vLLM's own helpers
 
 from kvloop.clients.bench.replay import parse_sweep
 from kvloop.clients.bench.replay_gen import SyntheticConfig, generate
-from kvloop.clients.cli.app import app
+from kvloop.clients.cli.main import app
 
 BS = 16  # vLLM block size in these tests; a 512-token trace block is 32 vLLM blocks
 

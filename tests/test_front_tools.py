@@ -118,7 +118,7 @@ async def test_json_before_or_after_the_command(daemon, populated):
 def test_every_command_takes_json_and_bench_multiturn_writes_to_output():
     import typer
 
-    from kvloop.clients.cli.app import app
+    from kvloop.clients.cli.main import app
 
     def leaves(command, path=()):
         for name, sub in getattr(command, "commands", {}).items():
