@@ -1,5 +1,2 @@
-"""kvloop clients: the typed directory client, the `kvloop` CLI, benchmarks."""
-
-from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, DirectoryClient, KvloopError
-
-__all__ = ["AsyncDirectoryClient", "DaemonUnavailable", "DirectoryClient", "KvloopError"]
+"""kvloop clients: the directory client library, the `kvloop` CLI, the proxy, benchmarks, the fleet
+launcher and the demo (each a package of its own; importing this one loads none of them)."""

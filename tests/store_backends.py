@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvloop.clients.fleet.redis_local import local_redis
 from kvloop.daemon.index import DirectoryStore, IndexConfig, MemoryStore
-from kvloop.daemon.index.redis_local import local_redis
 from kvloop.daemon.index.redis_store import RedisStore
 
 BACKENDS = ["memory", "redis"]

@@ -304,7 +304,7 @@ def test_runs_of_other_setups_are_refused_by_the_setting_that_differs():
 def test_the_cli_pools_results_files_and_refuses_what_is_not_one(tmp_path: Path):
     from typer.testing import CliRunner
 
-    from kvloop.clients.cli.app import app
+    from kvloop.clients.cli.main import app
 
     paths = []
     for i, scale in enumerate((1.0, 2.0)):
@@ -425,7 +425,7 @@ def test_decode_tpot_is_paired_per_turn_on_every_turn_it_was_measured():
 def test_reasoning_workload_drops_earlier_thinking_from_the_next_prompt():
     import jinja2
 
-    from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE
+    from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE
 
     template = jinja2.Environment().from_string(REASONING_CHAT_TEMPLATE)
     session = Session(seed=3, messages=[{"role": "user", "content": "Task: a b"}])
@@ -442,7 +442,7 @@ def test_reasoning_workload_drops_earlier_thinking_from_the_next_prompt():
 
 
 def test_pinned_engines_split_the_cores_between_prefill_and_decode():
-    from kvloop.clients.demo.stack import engine_cores
+    from kvloop.clients.fleet.stack import engine_cores
 
     assert (engine_cores("prefill", 2), engine_cores("decode", 2)) == ("0", "1")
     assert (engine_cores("prefill", 16), engine_cores("decode", 16)) == ("0-7", "8-15")
@@ -450,7 +450,7 @@ def test_pinned_engines_split_the_cores_between_prefill_and_decode():
 
 
 def test_the_engines_transport_and_cores_reach_their_environment(tmp_path: Path):
-    from kvloop.clients.demo.stack import Stack, StackConfig, engine_cores
+    from kvloop.clients.fleet.stack import Stack, StackConfig, engine_cores
 
     tcp = Stack(StackConfig(tmp_path, tmp_path, ucx_tls="tcp,self", pin_engines=True))
     assert tcp.engine_env("decode") == {

@@ -12,7 +12,7 @@ pytest.importorskip("vllm")  # the replay hashes blocks with vLLM's own helpers
 
 from kvloop.clients.bench.replay import parse_sweep
 from kvloop.clients.bench.replay_gen import SyntheticConfig, generate
-from kvloop.clients.cli.app import app
+from kvloop.clients.cli.main import app
 
 BS = 16  # vLLM block size in these tests; a 512-token trace block is 32 vLLM blocks
 
@@ -222,7 +222,7 @@ def test_paced_replay_takes_the_trace_time_and_pulls_the_same(tmp_path):
 def test_chat_log_tokenized_and_hashed_like_vllm(tmp_path):
     from transformers import AutoTokenizer
 
-    from kvloop.clients.demo.model import WORDS, build_tiny_llama
+    from kvloop.clients.fleet.model import WORDS, build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", hidden_size=64, layers=1, heads=2, intermediate_size=64)
     system = {"role": "system", "content": " ".join(WORDS[i % len(WORDS)] for i in range(300))}

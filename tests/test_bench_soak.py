@@ -70,7 +70,7 @@ def test_link_that_overflows_while_connected_still_delivers_everything(daemon):
     from kvloop.agents.sidecar.link import DirectoryLink
     from kvloop.agents.sidecar.mirror import WorkerMirror
     from kvloop.clients.bench.soak import MODEL, _registration
-    from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+    from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
 
     hashes = [hashlib.sha256(f"overflow-{i}".encode()).digest() for i in range(40)]
 

@@ -11,7 +11,12 @@ import grpc
 import pytest
 
 from kvloop.agents.sidecar.link import DirectoryLink
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError, holder_block_ids
+from kvloop.clients.directory_client import (
+    AsyncDirectoryClient,
+    DirectoryClient,
+    KvloopError,
+    holder_block_ids,
+)
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, registration, retained, running_agent
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvloop.clients.bench.faulty_link import FaultyLink
-from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, DirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient, DaemonUnavailable, DirectoryClient
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, retained, running_agent, wait_until
 

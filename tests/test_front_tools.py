@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from tests.support import conversation, retained, running_agent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ async def test_json_before_or_after_the_command(daemon, populated):
 def test_every_command_takes_json_and_bench_multiturn_writes_to_output():
     import typer
 
-    from kvloop.clients.cli.app import app
+    from kvloop.clients.cli.main import app
 
     def leaves(command, path=()):
         for name, sub in getattr(command, "commands", {}).items():

@@ -24,7 +24,7 @@ from kvloop.clients.bench.fuzz import (
     good_registration,
     run_fuzz,
 )
-from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.clients.directory_client import DirectoryClient, KvloopError
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc

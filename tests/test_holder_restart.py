@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from kvloop.agents.connector.peers import Peer, PeerWarmer
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, retained, running_agent
 

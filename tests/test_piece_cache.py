@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, _save_tokenizer
+from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE, WORDS, _save_tokenizer
 from kvloop.clients.proxy.piece_cache import PieceCache
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
 

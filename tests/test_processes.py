@@ -153,7 +153,7 @@ def test_spawn_while_grpc_threads_run(daemon):
     gRPC's fork handlers and children aborted before exec (epoll_wait: Bad file descriptor)."""
     import threading
 
-    from kvloop.clients.client import DirectoryClient
+    from kvloop.clients.directory_client import DirectoryClient
 
     children = ChildProcesses(grace_s=1, watchdog=False)
     stop = threading.Event()

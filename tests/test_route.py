@@ -14,7 +14,7 @@ import pytest
 
 from kvloop.agents.connector.directory import answer_from_proto
 from kvloop.agents.connector.plans import PlanInbox
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient, KvloopError
+from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
 from kvloop.clients.proxy.burst import ThreadedBurstWindow, place_together
 from kvloop.clients.proxy.continuation import HISTORY_PREFIX_ROUTES, ContinuationRoutes

@@ -23,7 +23,7 @@ from kvloop.agents.connector.events import (
     KvloopRetentionReleased,
     KvloopTransferReport,
 )
-from kvloop.clients.client import DirectoryClient
+from kvloop.clients.directory_client import DirectoryClient
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import free_port
 from tests.support import conversation, wait_until

@@ -12,11 +12,11 @@ import pytest
 import redis
 
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
-from kvloop.clients.client import AsyncDirectoryClient, KvloopError
+from kvloop.clients.directory_client import AsyncDirectoryClient, KvloopError
+from kvloop.clients.fleet.redis_local import local_redis, local_sentinel
 from kvloop.common.addresses import free_port
 from kvloop.common.block_keys import block_keys, packed_keys
 from kvloop.daemon.index import PackedHashes
-from kvloop.daemon.index.redis_local import local_redis, local_sentinel
 from kvloop.daemon.index.redis_store import _keys
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import KVLOOPD

@@ -10,7 +10,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from kvloop.clients.demo.model import CHAT_TEMPLATE, _save_tokenizer
+from kvloop.clients.fleet.model import CHAT_TEMPLATE, _save_tokenizer
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
 
 SPECIAL_IDS = (0, 1)  # <s>, </s>

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.clients.directory_client import DirectoryClient, KvloopError
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import KVLOOPD, free_port, start_daemon

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvloop.agents.connector import telemetry as tm
-from kvloop.clients.client import DirectoryClient, KvloopError, holder_block_ids
+from kvloop.clients.directory_client import DirectoryClient, KvloopError, holder_block_ids
 from kvloop.v1 import directory_pb2 as pb
 
 

@@ -35,7 +35,7 @@ import grpc
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.directory import LookupAnswer, answer_from_proto
-from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.clients.directory_client import DirectoryClient, KvloopError
 from kvloop.common.block_keys import KEY_BYTES
 from kvloop.v1 import directory_pb2 as pb
 

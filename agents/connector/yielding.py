@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.directory import TracedDirectoryClient
-from kvloop.clients.client import DirectoryClient, KvloopError
+from kvloop.clients.directory_client import DirectoryClient, KvloopError
 from kvloop.common.tracing import not_sampled
 from kvloop.v1 import directory_pb2 as pb
 

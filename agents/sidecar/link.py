@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import grpc
 import structlog
 
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent.link")

@@ -38,7 +38,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     from kvloop.agents.sidecar.kv_events import KvEventSubscriber, PublisherRestarted, read_or_count
     from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
     from kvloop.agents.sidecar.mirror import WorkerMirror
-    from kvloop.clients.client import AsyncDirectoryClient
+    from kvloop.clients.directory_client import AsyncDirectoryClient
     from kvloop.common import block_hash
     from kvloop.v1 import directory_pb2 as pb
 

@@ -45,10 +45,10 @@ from typing import Any
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.bench.faulty_link import FaultyLink
-from kvloop.clients.client import DaemonUnavailable, DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation
-from kvloop.clients.demo.model import build_tiny_llama
-from kvloop.clients.demo.stack import Stack, StackConfig
+from kvloop.clients.directory_client import DaemonUnavailable, DirectoryClient
+from kvloop.clients.fleet.model import build_tiny_llama
+from kvloop.clients.fleet.stack import Stack, StackConfig
 from kvloop.common.addresses import free_port, free_port_pair
 
 MEMORY_FAULTS = ("decode_kill", "sidecar_kill", "daemon_kill", "decode_stop", "stream_reset", "network_drop")

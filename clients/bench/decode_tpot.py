@@ -320,10 +320,10 @@ class CpuClock:
         self.groups = process_groups(stack)
 
     def read(self) -> dict[str, float]:
-        from kvloop.clients.bench.idle import CLK_TCK, _ticks
+        from kvloop.clients.bench.common import CLK_TCK, ticks
 
         totals = {
-            group: sum(t for pid in pids if (t := _ticks(pid)) is not None) / CLK_TCK
+            group: sum(t for pid in pids if (t := ticks(pid)) is not None) / CLK_TCK
             for group, pids in self.groups.items()
         }
         for pid in self.groups.get(THREADS_OF, []):
@@ -513,7 +513,7 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
     """Every round on each of ``cfg.stacks`` fresh stacks in turn (the same prompts and order on each):
     ``summary`` pools their trials (pairs within a stack), ``stacks`` has each stack's own summary and
     ``across_stacks`` the spread of each effect over them."""
-    from kvloop.clients.demo.model import build_tiny_llama
+    from kvloop.clients.fleet.model import build_tiny_llama
 
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(cfg.workdir / "model", hidden_size=cfg.hidden_size, layers=cfg.layers)
@@ -539,7 +539,7 @@ def run_decode_tpot(cfg: DecodeTpotConfig, progress: Callable[[str], None] = lam
 def _run_stack(
     cfg: DecodeTpotConfig, model: Path, index: int, progress: Callable[[str], None]
 ) -> list[Trial]:
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     stack = Stack(
         StackConfig(

@@ -19,11 +19,8 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,8 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvloop.agents.sidecar.link import DirectoryLink
-from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, DirectoryClient
-from kvloop.common.addresses import free_port
+from kvloop.clients.bench.common import percentile, rss_bytes, start_daemon
+from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
 from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
 
@@ -58,50 +55,6 @@ class BenchConfig:
     listen: str = "127.0.0.1:0"
     seed: int = 7
     stores: tuple[str, ...] = ("memory",)
-
-
-def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _start_daemon(
-    listen: str, workdir: Path, extra_args: Sequence[str] = (), extra_env: Mapping[str, str] | None = None
-) -> tuple[subprocess.Popen, str]:
-    """A kvloopd of the bench's own (`extra_args`: more flags, e.g. a store option; `extra_env`:
-    KVLOOP_* settings), ready to answer."""
-    host, _, port = listen.rpartition(":")
-    if port == "0":
-        listen = f"{host}:{free_port()}"
-    kvloopd = str(Path(sys.executable).parent / "kvloopd")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLOOP_", "OTEL_"))}
-    env["KVLOOP_MAX_ENTRIES"] = "100000000"
-    env.update(extra_env or {})
-    with (workdir / "kvloopd.log").open("w") as log:
-        process = supervisor().spawn(
-            [kvloopd, "--listen", listen, "--metrics-listen", "", "--log-json", *extra_args],
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            env=env,
-        )
-    with DirectoryClient(listen, timeout=2) as client:
-        for attempt in range(30):
-            try:
-                client.wait_ready(1)
-                break
-            except DaemonUnavailable:
-                if process.poll() is not None:  # refused its flags or config: say so now
-                    raise RuntimeError(f"kvloopd exited with status {process.returncode}") from None
-                if attempt == 29:
-                    raise
-    return process, listen
 
 
 class _Fleet:
@@ -309,9 +262,9 @@ async def _route_figures(target: str, config: BenchConfig) -> dict:
             for runner in runners:
                 runner.cancel()
     return {
-        "route_server_p50_us": _percentile(server_us, 0.50),
-        "route_server_p99_us": _percentile(server_us, 0.99),
-        "route_e2e_p50_ms": round(_percentile(e2e_us, 0.50) / 1e3, 3),
+        "route_server_p50_us": percentile(server_us, 0.50),
+        "route_server_p99_us": percentile(server_us, 0.99),
+        "route_e2e_p50_ms": round(percentile(e2e_us, 0.50) / 1e3, 3),
         "route_first_server_us": server_us[0],
         "route_turns": config.route_turns,
         "route_ranked_history_holder_first": holder_first,
@@ -407,9 +360,9 @@ async def _handler_figures(config: BenchConfig, prompts: list[bytes]) -> dict:
             fleet_proc.terminate()
         await server.stop(None)
     return {
-        "lookup_handler_hot_p50_us": round(_percentile(handler_us, 0.50)),
-        "lookup_handler_hot_p99_us": round(_percentile(handler_us, 0.99)),
-        "lookup_handler_after_idle_p50_us": round(_percentile(after_idle_us, 0.50)),
+        "lookup_handler_hot_p50_us": round(percentile(handler_us, 0.50)),
+        "lookup_handler_hot_p99_us": round(percentile(handler_us, 0.99)),
+        "lookup_handler_after_idle_p50_us": round(percentile(after_idle_us, 0.50)),
     }
 
 
@@ -434,12 +387,12 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
 
         with redis.Redis.from_url(redis_url) as client:
             client.flushdb()
-    daemon, target = _start_daemon(config.listen, workdir, ["--store", store])
+    daemon, target = start_daemon(config.listen, workdir, ["--store", store])
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     fleet_proc = ctx.Process(target=_fleet_process, args=(config, target, child_conn), daemon=True)
     try:
-        rss_before = _rss_bytes(daemon.pid)
+        rss_before = rss_bytes(daemon.pid)
         redis_before = _redis_used_memory(redis_url)
         fleet_proc.start()
         fleet = _Fleet(config)  # the same seeded runs, to build prompts that hit them
@@ -464,7 +417,7 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
                 health.Check(check)
                 alone_us.append((time.perf_counter() - t0) * 1e6)
             stats = sync.stats()
-            rss_after = _rss_bytes(daemon.pid)
+            rss_after = rss_bytes(daemon.pid)
             redis_after = _redis_used_memory(redis_url)
             prompts = _prompts(fleet, config, min(config.lookups, 500))
             for p in prompts[:50]:  # warm up
@@ -501,16 +454,16 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
             "ingest_block_events": hashes,
             "ingest_seconds": round(ingest_seconds, 3),
             "ingest_block_events_per_s": round(hashes / ingest_seconds),
-            "lookup_server_p50_us": _percentile(server_us, 0.50),
-            "lookup_server_p99_us": _percentile(server_us, 0.99),
-            "lookup_e2e_p50_ms": round(_percentile(e2e_us, 0.50) / 1e3, 3),
-            "lookup_e2e_p99_ms": round(_percentile(e2e_us, 0.99) / 1e3, 3),
+            "lookup_server_p50_us": percentile(server_us, 0.50),
+            "lookup_server_p99_us": percentile(server_us, 0.99),
+            "lookup_e2e_p50_ms": round(percentile(e2e_us, 0.50) / 1e3, 3),
+            "lookup_e2e_p99_ms": round(percentile(e2e_us, 0.99) / 1e3, 3),
             "lookup_e2e_mean_ms": round(statistics.fmean(e2e_us) / 1e3, 3),
-            "grpc_health_check_e2e_p50_ms": round(_percentile(floor_us, 0.50) / 1e3, 3),
+            "grpc_health_check_e2e_p50_ms": round(percentile(floor_us, 0.50) / 1e3, 3),
             "lookup_e2e_p50_over_health_check": round(
-                _percentile(e2e_us, 0.50) / _percentile(floor_us, 0.50), 3
+                percentile(e2e_us, 0.50) / percentile(floor_us, 0.50), 3
             ),
-            "grpc_health_check_alone_e2e_p50_ms": round(_percentile(alone_us, 0.50) / 1e3, 3),
+            "grpc_health_check_alone_e2e_p50_ms": round(percentile(alone_us, 0.50) / 1e3, 3),
             "lookups_per_s_concurrent": round(throughput),
             "concurrency": config.concurrency,
             "lookups": config.lookups,
@@ -630,7 +583,7 @@ def run_directory_bench(config: BenchConfig, progress: bool = True) -> dict:
         for store in config.stores:
             url = store
             if store == "redis":
-                from kvloop.daemon.index.redis_local import local_redis
+                from kvloop.clients.fleet.redis_local import local_redis
 
                 workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvloop-bench-redis-")))
                 url = stack.enter_context(local_redis(workdir))

@@ -38,8 +38,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from kvloop.clients.bench.directory import _start_daemon
-from kvloop.clients.client import AsyncDirectoryClient, DirectoryClient
+from kvloop.clients.bench.common import start_daemon
+from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
 from kvloop.common.processes import supervisor
 from kvloop.common.security import ClientSecurity
 from kvloop.v1 import directory_pb2 as pb
@@ -611,7 +611,7 @@ def start_fuzz_daemon(
         "KVLOOP_HEARTBEAT_INTERVAL_S": "1",
         "KVLOOP_DROP_AFTER_S": "10",
     }
-    return _start_daemon(listen, workdir, ("--store", store, "--log-level", "warning"), env)
+    return start_daemon(listen, workdir, ("--store", store, "--log-level", "warning"), env)
 
 
 def good_registration(worker_id: str, role: int, epoch: int) -> pb.WorkerRegistration:
@@ -857,7 +857,7 @@ def fuzz_target(
     tokens = Tokens.fresh()
     with ExitStack() as stack:
         if store == "redis":
-            from kvloop.daemon.index.redis_local import local_redis
+            from kvloop.clients.fleet.redis_local import local_redis
 
             store = stack.enter_context(local_redis(workdir))
         elif store != "memory":

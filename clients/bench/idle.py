@@ -27,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloop.clients.demo.model import build_tiny_llama
+from kvloop.clients.bench.common import CLK_TCK, ticks
+from kvloop.clients.fleet.model import build_tiny_llama
 
 MODEL = "kvloop-tiny"
-CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 @dataclass
@@ -85,16 +85,6 @@ def _descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def _ticks(pid: int) -> int | None:
-    """utime + stime of the process (all its threads), in clock ticks; None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[11]) + int(fields[12])
-
-
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -128,7 +118,7 @@ def process_groups(stack) -> dict[str, list[int]]:
 
 def measure_idle(stack, runs: int, seconds: float) -> Window:
     groups = process_groups(stack)
-    start = {pid: _ticks(pid) for pids in groups.values() for pid in pids}
+    start = {pid: ticks(pid) for pids in groups.values() for pid in pids}
     t0 = time.monotonic()
     time.sleep(seconds)  # the measurement window itself: nothing is sent to the stack meanwhile
     wall = time.monotonic() - t0
@@ -136,7 +126,7 @@ def measure_idle(stack, runs: int, seconds: float) -> Window:
     for name, pids in groups.items():
         used = 0
         for pid in pids:
-            a, b = start.get(pid), _ticks(pid)
+            a, b = start.get(pid), ticks(pid)
             if a is not None and b is not None:
                 used += b - a
         window.cpu_percent[name] = round(100.0 * used / CLK_TCK / wall, 2)
@@ -277,7 +267,7 @@ def measure_tpot(stack, rnd: random.Random, cfg: IdleConfig) -> list[float]:
 
 
 def run_idle_bench(cfg: IdleConfig, progress: Callable[[str], None] = lambda line: None) -> dict:
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     model_dir = build_tiny_llama(cfg.workdir / "model")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
-from kvloop.clients.demo.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
+from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
 from kvloop.clients.proxy.burst import ThreadedBurstWindow, holds_longest_prefix, place_together
 from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
@@ -42,7 +42,7 @@ from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, settled_without_pull
 from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
-    from kvloop.clients.demo.stack import Stack
+    from kvloop.clients.fleet.stack import Stack
     from kvloop.v1 import directory_pb2 as pb
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
@@ -86,7 +86,7 @@ class MultiturnConfig:
     answer_tokens: int = 128
     # "words": answers tokenize back to the ids the decode generated, as a real model's mostly do, so
     # the KV of an answer a decode retains can serve the next turn; "bpe": a random-weight model's
-    # answers almost never do (see kvloop.clients.demo.model._save_tokenizer).
+    # answers almost never do (see kvloop.clients.fleet.model._save_tokenizer).
     tokenizer: str = "words"
     # How long a decode retains a finished turn's KV: a conversation's next turn comes within a turn of
     # all arms (seconds to tens of seconds). vLLM's retention (the builtin arm) never yields to new runs:
@@ -541,7 +541,7 @@ class RoutedArmClient(ArmClient):
         block_size: int,
         tokenizer: PromptTokenizer,
     ) -> None:
-        from kvloop.clients.client import DirectoryClient
+        from kvloop.clients.directory_client import DirectoryClient
         from kvloop.clients.proxy.app import ProxyConfig
 
         super().__init__(arm, prefill_urls[0], decode_urls[0])
@@ -589,7 +589,7 @@ class RoutedArmClient(ArmClient):
         if self.arm in ("load_pull", "recompute"):
             with self._lock:
                 return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None, None)
-        from kvloop.clients.client import KvloopError
+        from kvloop.clients.directory_client import KvloopError
         from kvloop.v1 import directory_pb2 as pb
 
         continued = self.continuations.take(MODEL, self.salt, messages) if self.continuations else None
@@ -718,7 +718,7 @@ class RoutedArmClient(ArmClient):
     def _after_turn(self, messages: list[dict], answer: str, token_ids: list[int]) -> None:
         """Route about the conversation as this turn left it, after the proxy's delay, in the
         background (as the proxy's Router.turn_ended does)."""
-        from kvloop.clients.client import KvloopError
+        from kvloop.clients.directory_client import KvloopError
         from kvloop.clients.proxy.app import ProxyConfig
         from kvloop.v1 import directory_pb2 as pb
 
@@ -1329,7 +1329,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     from rich.progress import Progress
 
     from kvloop.clients.console import make_console
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     config.workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(

@@ -1,7 +1,7 @@
 """`kvloop bench proxy-load`: many concurrent streaming clients that hang up at random points, through
 `kvloop proxy` in front of real `vllm serve` engines; afterwards no upstream request may still run.
 
-The upstream is the smallest real served stack this project has (`clients/demo/stack.py`): kvloopd,
+The upstream is the smallest real served stack this project has (`clients/fleet/stack.py`): kvloopd,
 one prefill and one decode `vllm serve` with the kvloop connector and their sidecars, the tiny
 random-weight Llama, and the proxy. Each client loops for the duration: a chat completion with
 ``stream: true`` and a random output length; about ``disconnect_fraction`` of them hang up, half of
@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from kvloop.clients.bench.directory import _percentile
+from kvloop.clients.bench.common import percentile
 
 MODEL = "kvloop-tiny"
 _GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
@@ -68,7 +68,7 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> aiohttp
 async def _client(
     n: int, config: ProxyLoadConfig, proxy_url: str, stop: asyncio.Event, outcomes: Counter, ttft: list
 ) -> None:
-    from kvloop.clients.demo.model import random_text
+    from kvloop.clients.fleet.model import random_text
 
     rng = random.Random(config.seed * 1000 + n)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -188,8 +188,8 @@ async def load_proxy(
         "hung_up": hung_up,
         "errors": sum(errors.values()),
         "upstream_requests_peak": peak_upstream,
-        "ttft_p50_ms": round(_percentile(ttft, 0.5), 1) if ttft else None,
-        "ttft_p99_ms": round(_percentile(ttft, 0.99), 1) if ttft else None,
+        "ttft_p50_ms": round(percentile(ttft, 0.5), 1) if ttft else None,
+        "ttft_p99_ms": round(percentile(ttft, 0.99), 1) if ttft else None,
         "proxy_rss_mib": [(t, round(m, 1)) for t, m in rss],
         "proxy_rss_growth_last_half_percent": round((max(half) - half[0]) / half[0] * 100, 2)
         if len(half) > 1
@@ -202,8 +202,8 @@ def run_proxy_load(
     config: ProxyLoadConfig, workdir: Path | None = None, progress: Callable[[dict], None] = lambda s: None
 ) -> dict:
     """Start the served stack (kvloopd, prefill + decode `vllm serve`, sidecars, proxy), load it, stop it."""
-    from kvloop.clients.demo.model import build_tiny_llama
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.model import build_tiny_llama
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     with tempfile.TemporaryDirectory(prefix="kvloop-proxy-load-") as tmp:
         base = workdir or Path(tmp)

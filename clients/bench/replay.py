@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvloop.clients.bench.directory import _start_daemon
+from kvloop.clients.bench.common import start_daemon
 from kvloop.clients.bench.replay_fleet import Fleet, FleetConfig
 from kvloop.clients.bench.replay_report import CostModel, build_report
 from kvloop.clients.bench.replay_trace import TraceRequest
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.common.processes import supervisor
 
 # --sweep keys -> FleetConfig fields.
@@ -65,7 +65,7 @@ def replay(
     }
     try:
         try:
-            daemon, target = _start_daemon("127.0.0.1:0", workdir, config.daemon_args, env)
+            daemon, target = start_daemon("127.0.0.1:0", workdir, config.daemon_args, env)
         except Exception as exc:
             log = (workdir / "kvloopd.log").read_text(errors="replace").strip().splitlines()[-5:]
             raise ReplayError(f"kvloopd did not start ({exc}): " + " | ".join(log)) from None

@@ -35,9 +35,9 @@ from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, Pu
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
-from kvloop.clients.bench.directory import _rss_bytes as rss_bytes
+from kvloop.clients.bench.common import rss_bytes
 from kvloop.clients.bench.replay_trace import TraceRequest
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.common.outcomes import path_name, reason_name
 from kvloop.v1 import directory_pb2 as pb
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, TurnResult, chat_turn
-from kvloop.clients.demo.model import build_tiny_llama
-from kvloop.clients.demo.stack import Stack, StackConfig
+from kvloop.clients.directory_client import DirectoryClient
+from kvloop.clients.fleet.model import build_tiny_llama
+from kvloop.clients.fleet.stack import Stack, StackConfig
 
 
 @dataclass

@@ -45,8 +45,8 @@ import psutil
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
-from kvloop.clients.bench.directory import _percentile, _start_daemon
-from kvloop.clients.client import AsyncDirectoryClient, KvloopError
+from kvloop.clients.bench.common import percentile, start_daemon
+from kvloop.clients.directory_client import AsyncDirectoryClient, KvloopError
 from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
 
@@ -637,7 +637,7 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
 
         with redis.Redis.from_url(store_url) as r:
             r.flushdb()
-    daemon, target = _start_daemon(config.listen, workdir, ["--store", store_url])
+    daemon, target = start_daemon(config.listen, workdir, ["--store", store_url])
     ctx = multiprocessing.get_context("spawn")
     conns, procs = [], []
     probes = ctx.Queue()
@@ -747,14 +747,14 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
             "phantom_samples": verdict["phantom_samples"],
             "unacked_links": [u for r in agents_done for u in r["unacked"]],
             "event_lag_samples": len(lags),
-            "event_lag_p50_ms": round(_percentile(lags, 0.5), 2) if lags else None,
-            "event_lag_p99_ms": round(_percentile(lags, 0.99), 2) if lags else None,
+            "event_lag_p50_ms": round(percentile(lags, 0.5), 2) if lags else None,
+            "event_lag_p99_ms": round(percentile(lags, 0.99), 2) if lags else None,
             "probes_not_seen_in_30s": sum(r["probes_unseen"] for r in lookups_done),
             "probes_skipped_busy": sum(r["probes_skipped"] for r in lookups_done),
             "lookups": len(lookup_ms),
             "lookups_per_s": round(len(lookup_ms) / wall),
-            "lookup_p50_ms": round(_percentile(lookup_ms, 0.5), 2) if lookup_ms else None,
-            "lookup_p99_ms": round(_percentile(lookup_ms, 0.99), 2) if lookup_ms else None,
+            "lookup_p50_ms": round(percentile(lookup_ms, 0.5), 2) if lookup_ms else None,
+            "lookup_p99_ms": round(percentile(lookup_ms, 0.99), 2) if lookup_ms else None,
             "lookup_errors": dict(sum((Counter(r["lookup_errors"]) for r in lookups_done), Counter())),
             "cpu_percent_of_one_core": cpu,
             "rss_mib": {name: [(t, round(m, 1)) for t, m in samples] for name, samples in rss.items()},
@@ -792,7 +792,7 @@ def run_soak(config: SoakConfig, progress: Callable[[dict], None] = lambda state
     with ExitStack() as stack:
         url = config.store
         if url == "redis":
-            from kvloop.daemon.index.redis_local import local_redis
+            from kvloop.clients.fleet.redis_local import local_redis
 
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvloop-soak-redis-")))
             url = stack.enter_context(local_redis(workdir))

@@ -7,7 +7,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from kvloop.clients.demo.model import random_text
+from kvloop.clients.fleet.model import random_text
 
 SYSTEM_PROMPT_WORDS = 600
 TOOL_OUTPUT_WORDS = 350

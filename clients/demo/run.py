@@ -12,8 +12,8 @@ from rich.table import Table
 
 from kvloop.clients.console import make_console
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.demo.model import MODEL_BUILDERS
-from kvloop.clients.demo.stack import Stack, StackConfig
+from kvloop.clients.fleet.model import MODEL_BUILDERS
+from kvloop.clients.fleet.stack import Stack, StackConfig
 from kvloop.common.processes import Terminated
 
 

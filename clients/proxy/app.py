@@ -30,7 +30,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.clients.proxy.backends import Backend, BackendPool, NoBackend
 from kvloop.clients.proxy.continuation import ContinuationRoutes
 from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, error_event, sse

@@ -30,7 +30,7 @@ import aiohttp
 import structlog
 from prometheus_client import Counter, Histogram
 
-from kvloop.clients.client import AsyncDirectoryClient, DaemonUnavailable, KvloopError
+from kvloop.clients.directory_client import AsyncDirectoryClient, DaemonUnavailable, KvloopError
 from kvloop.clients.proxy.backends import Backend, BackendPool
 from kvloop.clients.proxy.burst import BurstWindow, holds_longest_prefix, place_together
 from kvloop.clients.proxy.continuation import CONTINUATION_ROUTES, ContinuationRoutes

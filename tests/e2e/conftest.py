@@ -17,8 +17,8 @@ HAVE_ENGINES = all(importlib.util.find_spec(m) is not None for m in ("vllm", "ni
 def served_stack(tmp_path_factory, otlp_receiver) -> Iterator:
     if not HAVE_ENGINES:
         pytest.fail("the e2e tests need vLLM's CPU build and NIXL: run `make setup-engines` (make test does)")
-    from kvloop.clients.demo.model import build_tiny_llama, build_tiny_lora
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.model import build_tiny_llama, build_tiny_lora
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     workdir = tmp_path_factory.mktemp("stack")
     model = build_tiny_llama(workdir / "model")
@@ -28,7 +28,16 @@ def served_stack(tmp_path_factory, otlp_receiver) -> Iterator:
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = otlp_receiver.endpoint
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"
     stack = Stack(
-        StackConfig(model_dir=model, workdir=workdir, decode_servers=2, kv_cache_gib=1, lora_modules=adapters)
+        StackConfig(
+            model_dir=model,
+            workdir=workdir,
+            decode_servers=2,
+            kv_cache_gib=1,
+            lora_modules=adapters,
+            # named and required tool choices (tests/e2e/test_proxy_conformance.py); pythonic needs no
+            # special tokens in the tiny model's vocabulary
+            extra_vllm_args=["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"],
+        )
     )
     try:
         stack.start()

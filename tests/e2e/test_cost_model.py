@@ -3,8 +3,8 @@ kvloopd's ListPairs on the served stack (prefill + decodes with their sidecars).
 
 from __future__ import annotations
 
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from kvloop.clients.directory_client import DirectoryClient
 from tests.support import wait_until
 
 MODEL = "kvloop-tiny"

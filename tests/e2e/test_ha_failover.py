@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvloop.clients.bench.chaos import checked_request, stream_chat
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation
+from kvloop.clients.directory_client import DirectoryClient
 from tests.e2e.conftest import HAVE_ENGINES
 from tests.support import wait_until
 
@@ -26,8 +26,8 @@ LOGPROB_BOUND = 1e-3
 def ha_stack(tmp_path_factory) -> Iterator:
     if not HAVE_ENGINES:
         pytest.fail("the e2e tests need vLLM's CPU build and NIXL: run `make setup-engines` (make test does)")
-    from kvloop.clients.demo.model import build_tiny_llama
-    from kvloop.clients.demo.stack import Stack, StackConfig
+    from kvloop.clients.fleet.model import build_tiny_llama
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
     workdir = tmp_path_factory.mktemp("ha")
     model = build_tiny_llama(workdir / "model")

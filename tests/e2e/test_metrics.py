@@ -9,8 +9,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from kvloop.clients.directory_client import DirectoryClient
 
 MODEL = "kvloop-tiny"
 

@@ -11,9 +11,9 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlparse
 
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.demo.model import random_text
+from kvloop.clients.directory_client import DirectoryClient
+from kvloop.clients.fleet.model import random_text
 from tests.e2e.traces import check_turn_trace
 
 MODEL = "kvloop-tiny"

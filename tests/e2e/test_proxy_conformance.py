@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvloop.agents.engine import Engine, EngineConfig
+from kvloop.clients.fleet.model import random_text
 from kvloop.common.addresses import free_port
 
 MODEL = "kvloop-tiny"
@@ -190,8 +191,6 @@ def same_stream(proxied: str, direct: str, chat: bool) -> None:
 
 
 def _prompt(seed: int) -> str:
-    from kvloop.clients.demo.model import random_text  # the stack's module: the tiny model's words
-
     return random_text(60, seed)
 
 

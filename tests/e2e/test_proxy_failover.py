@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvloop.clients.demo.model import random_text
+from kvloop.clients.fleet.model import random_text
 from tests.e2e.test_proxy import MODEL, post
 from tests.support import wait_until
 

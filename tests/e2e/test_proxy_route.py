@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.demo.model import random_text
-from kvloop.clients.demo.stack import _wait_http
+from kvloop.clients.directory_client import DirectoryClient
+from kvloop.clients.fleet.model import random_text
+from kvloop.clients.fleet.stack import _wait_http
 from kvloop.clients.proxy.continuation import HISTORY_PREFIX_ROUTES
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor

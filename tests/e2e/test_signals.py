@@ -32,7 +32,7 @@ BIN = Path(sys.executable).parent
 def tiny_model(tmp_path_factory) -> Path:
     if not HAVE_ENGINES:
         pytest.fail("these tests need vLLM's CPU build and NIXL: run `make setup-engines` (make test does)")
-    from kvloop.clients.demo.model import build_tiny_llama
+    from kvloop.clients.fleet.model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("signals") / "model")
 

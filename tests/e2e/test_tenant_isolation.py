@@ -4,8 +4,8 @@ its tokens are identical."""
 
 from __future__ import annotations
 
-from kvloop.clients.client import DirectoryClient
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from kvloop.clients.directory_client import DirectoryClient
 from tests.e2e.conftest import LORAS
 
 MODEL = "kvloop-tiny"

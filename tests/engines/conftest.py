@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.clients.client import DaemonUnavailable
+from kvloop.clients.directory_client import DaemonUnavailable
 from kvloop.common.addresses import free_port_pair
 from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD, DaemonProcess, free_port, start_daemon
@@ -80,7 +80,7 @@ class KvloopStack:
 
     @property
     def client(self):
-        from kvloop.clients.client import DirectoryClient
+        from kvloop.clients.directory_client import DirectoryClient
 
         if self._client is None:
             self._client = DirectoryClient(self.address, timeout=5.0)

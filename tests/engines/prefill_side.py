@@ -11,7 +11,7 @@ from typing import Any
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
 from kvloop.agents.connector.prefill import PrefillSide
-from kvloop.clients.client import AsyncDirectoryClient
+from kvloop.clients.directory_client import AsyncDirectoryClient
 from tests.support import conversation, retained, running_agent
 
 BLOCK = 16

@@ -236,7 +236,7 @@ async def test_past_most_of_its_share_retention_gives_up_its_oldest_runs(daemon)
     from kvloop.agents.connector import telemetry as tm
     from kvloop.agents.connector.decode import DecodeSide
     from kvloop.agents.connector.yielding import ReleaseConfirmer
-    from kvloop.clients.client import AsyncDirectoryClient
+    from kvloop.clients.directory_client import AsyncDirectoryClient
     from tests.support import running_agent, wait_until
 
     events: list = []

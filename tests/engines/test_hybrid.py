@@ -22,7 +22,7 @@ from conftest import BS, EnginePair, EngineSlot, Run
 from test_reverse_pull import empty_prefill_cache
 
 from kvloop.agents.connector.decode import NULL_BLOCK, aligned
-from kvloop.clients.demo.model import HYBRID_SLIDING_WINDOW, build_tiny_hybrid
+from kvloop.clients.fleet.model import HYBRID_SLIDING_WINDOW, build_tiny_hybrid
 from kvloop.v1 import directory_pb2 as pb
 
 pytestmark = pytest.mark.engines

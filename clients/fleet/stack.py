@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
-from kvloop.clients.client import DaemonUnavailable, DirectoryClient, KvloopError
+from kvloop.clients.directory_client import DaemonUnavailable, DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
@@ -59,6 +59,8 @@ class StackConfig:
     daemon_front: Callable[[str], str] | None = None
     # LoRA adapters every engine serves (name -> directory), as models of their own through the proxy.
     lora_modules: dict[str, Path] = field(default_factory=dict)
+    # More `vllm serve` arguments for every engine (a tool-call parser, ...).
+    extra_vllm_args: list[str] = field(default_factory=list)
 
 
 def engine_cores(role: str, cores: int | None = None) -> str:
@@ -146,7 +148,7 @@ class Stack:
             with DirectoryClient(address, timeout=2) as client:
                 client.wait_ready(30)
             progress("kvloopd", f"ready on {address}")
-        from kvloop.clients.demo.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
+        from kvloop.clients.fleet.model import DTYPE_BYTES, kv_bytes_per_block, kv_group_windows
 
         bytes_per_block = kv_bytes_per_block(
             cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
@@ -179,7 +181,7 @@ class Stack:
                         prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
                         mode=cfg.mode,
                         env=engine_env,
-                        extra_vllm_args=_lora_args(cfg.lora_modules),
+                        extra_vllm_args=[*_lora_args(cfg.lora_modules), *cfg.extra_vllm_args],
                     ),
                     logs,
                     self.children,
@@ -252,7 +254,7 @@ class Stack:
         config that points at the Sentinels."""
         import redis
 
-        from kvloop.daemon.index.redis_local import local_redis, local_sentinel
+        from kvloop.clients.fleet.redis_local import local_redis, local_sentinel
 
         workdir = self.config.workdir / "redis"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -340,7 +342,7 @@ class Stack:
     def rejoin_redis(self, old_primary: str, timeout_s: float = 60.0) -> str:
         """Once Sentinel has promoted another server, start the stopped ``old_primary`` again as a
         replica of the new one (so a later failover has somewhere to go); returns the new primary."""
-        from kvloop.daemon.index.redis_local import local_redis
+        from kvloop.clients.fleet.redis_local import local_redis
 
         deadline = time.monotonic() + timeout_s
         while (primary := self.primary()) == old_primary:

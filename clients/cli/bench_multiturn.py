@@ -1,0 +1,357 @@
+"""`kvloop bench multiturn`, `multiturn-pool`: continuation TTFT per arm on real engines, and its tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from kvloop.clients.cli.output import JsonFlag, _blank, _emit_json, _fail, console, state
+
+
+def bench_multiturn(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")
+    ] = False,
+    sessions_turns: Annotated[int, typer.Option("--turns", min=2, help="turns per session")] = 10,
+    concurrency: Annotated[list[int] | None, typer.Option(help="concurrent sessions (repeatable)")] = None,
+    workload: Annotated[
+        list[str] | None,
+        typer.Option(help="plain, shared_prefix, edited, reasoning (repeatable; default: all but reasoning)"),
+    ] = None,
+    arm: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="recompute, builtin, kvloop, local (repeatable; local is the "
+            "ideal reference: a prefill that kept its own cache)"
+        ),
+    ] = None,
+    tool_tokens: Annotated[
+        Optional[int],
+        typer.Option(min=1, help="words of tool output appended per turn [default: 600, --quick 400]"),
+    ] = None,
+    system_tokens: Annotated[
+        Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
+    ] = None,
+    answer_tokens: Annotated[
+        int,
+        typer.Option(
+            min=2,
+            help="tokens each turn's answer decodes: an agent's tool call (the reasoning workload "
+            "decodes 128 tokens of thinking instead)",
+        ),
+    ] = 128,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="words: answers tokenize back to the ids generated, as a real model's mostly do; "
+            "bpe: a random-weight model's answers almost never do (the next turn departs from its KV)"
+        ),
+    ] = "words",
+    retention_ttl: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="seconds a decode retains a finished turn's KV (vLLM's retention, the builtin arm's, never "
+            "yields to new runs: long leases with several sessions fill a decode with runs no one needs)",
+        ),
+    ] = 90.0,
+    retention_max_share: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=1.0,
+            help="share of a kvloop decode's KV cache retained runs may pin (kvloop engines default to "
+            "0.5; 1: no bound, as vLLM's, and as this bench's figures were taken)",
+        ),
+    ] = 1.0,
+    retention_yield: Annotated[
+        bool,
+        typer.Option(help="past 0.9 of that share, kvloop decodes give up their oldest runs for newer ones"),
+    ] = True,
+    prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
+    ucx_tls: Annotated[
+        str,
+        typer.Option(
+            help="UCX transports of the engines' pulls (UCX_TLS): cma moves KV between processes of this "
+            "host at memory speed; tcp,self costs what a pull between hosts over TCP does",
+        ),
+    ] = "cma,tcp,self",
+    prefills: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="prefill engines; with --prefills or --decodes above 1 the routing bench runs instead: "
+            "arms kvloop (Route + pull), load_pull, prefix_route, recompute on one shared fleet",
+        ),
+    ] = 1,
+    decodes: Annotated[int, typer.Option(min=1, help="decode engines (see --prefills)")] = 1,
+    pin_engines: Annotated[
+        bool,
+        typer.Option(
+            help="prefill engines compute on the first half of the cores, decodes on the other half "
+            "(as on separate hosts): a decode's TPOT without co-located prefill compute"
+        ),
+    ] = False,
+    repeats: Annotated[int, typer.Option(min=1, help="repeat every workload")] = 1,
+    seed: Annotated[
+        int, typer.Option(help="conversations' seed: runs with other seeds replay other conversations")
+    ] = 1,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="engines' dtype: float32 keeps bf16 rounding from flipping the "
+            "random-weight model's greedy near-ties"
+        ),
+    ] = "float32",
+    warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
+    workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
+    ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
+    --json prints the results JSON on stdout instead of the tables."""
+    from kvloop.clients.bench.multiturn import (
+        ARMS,
+        DEFAULT_WORKLOADS,
+        ROUTING_ARMS,
+        WORKLOADS,
+        MultiturnConfig,
+        run_multiturn,
+    )
+    from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
+    from kvloop.common.processes import supervisor
+
+    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else ARMS
+    if arm is None:
+        arm = list(known_arms)
+    if workload is None:
+        workload = list(DEFAULT_WORKLOADS)
+    if concurrency is None:
+        concurrency = [1, 4, 8]
+    if dtype not in DTYPE_BYTES:
+        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    if tokenizer not in TOKENIZERS:
+        raise typer.BadParameter(
+            f"{tokenizer!r} is not one of {', '.join(TOKENIZERS)}", param_hint="--tokenizer"
+        )
+    for name, given, known in (("--arm", arm, known_arms), ("--workload", workload, WORKLOADS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise typer.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(known)}", param_hint=name)
+    config = MultiturnConfig(
+        workdir=workdir.resolve(),
+        turns=5 if quick else sessions_turns,
+        concurrency=(1, 4) if quick else tuple(concurrency),
+        workloads=tuple(workload),
+        arms=tuple(a for a in known_arms if a in arm),
+        prefill_prefix_caching=prefix_caching,
+        prefills=prefills,
+        decodes=decodes,
+        pin_engines=pin_engines,
+        repeats=repeats,
+        seed=seed,
+        quick=quick,
+        system_tokens=system_tokens or (800 if quick else 1500),
+        tool_tokens=tool_tokens or (400 if quick else 600),
+        answer_tokens=answer_tokens,
+        tokenizer=tokenizer,
+        retention_ttl_s=retention_ttl,
+        retention_max_share=retention_max_share,
+        retention_yield=retention_yield,
+        dtype=dtype,
+        warmup_turns=warmup_turns,
+        ucx_tls=ucx_tls,
+    )
+    with supervisor().stop_on_signals():
+        result = run_multiturn(config)  # progress on stderr (a line per stage off a terminal)
+    out = output or (config.workdir / "multiturn.json")
+    out.write_text(json.dumps(result, indent=2))
+    if state.json:
+        _emit_json(result)
+        return
+    _print_multiturn(result["summary"])
+    console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
+
+
+def bench_multiturn_pool(
+    results: Annotated[
+        list[Path], typer.Argument(help="results JSONs of `bench multiturn` runs of one setup (seeds apart)")
+    ],
+    json_output: JsonFlag = False,
+) -> None:
+    """The tables of `bench multiturn` over several runs pooled (each run's turns a repeat of their
+    own), as seeds run apart instead of --repeats on one fleet. --json prints the pooled summary."""
+    from kvloop.clients.bench.multiturn import pooled_summary
+
+    loaded = []
+    for path in results:
+        try:
+            loaded.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            _fail(f"cannot read {path}: {exc}")
+    try:
+        summary = pooled_summary(loaded)
+    except KeyError as exc:
+        _fail(f"not results of `kvloop bench multiturn` (no {exc} in one of them)", 2)
+    except ValueError as exc:
+        _fail(f"cannot pool these results: {exc}", 2)
+    if state.json:
+        _emit_json(summary)
+        return
+    _print_multiturn(summary)
+
+
+def _print_multiturn(summary: dict) -> None:
+    from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, ROUTING_ARMS
+
+    table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
+    for column in (
+        "workload",
+        "sessions",
+        "arm",
+        "turns",
+        "p50 ms",
+        "p90 ms",
+        "p50 per repeat",
+        "x recompute",
+        "transfer share",
+        "pulled tokens",
+        "prompt tokens",
+        "answers = recompute",
+        "wrong blocks",
+        "MiB moved",
+        "READ ms",
+        "lookup ms",
+    ):
+        table.add_column(column)
+    for row in summary["rows"]:
+        table.add_row(
+            row["workload"],
+            str(row["concurrency"]),
+            row["arm"],
+            str(row["continuation_turns"]),
+            f"{row['ttft_p50_ms']:.0f}",
+            f"{row['ttft_p90_ms']:.0f}",
+            " ".join(f"{v:.0f}" for v in row["ttft_p50_by_repeat_ms"]),
+            str(row["ratio_to_recompute_p50"]),
+            str(row["transfer_share"]),
+            str(row["mean_pulled_tokens"]),
+            str(row["mean_prompt_tokens"]),
+            _blank(row["answer_agreement_with_recompute"]),
+            f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}",
+            _blank(row.get("bytes_moved_mib")),
+            _blank(row.get("nixl_read_ms_mean")),
+            _blank(row.get("lookup_ms_p50")),
+        )
+    console.print(table)
+    table = Table(
+        title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)"
+    )
+    present = [a for a in dict.fromkeys(ARMS + ROUTING_ARMS) if any(r["arm"] == a for r in summary["rows"])]
+    for column in ("workload", "sessions", "context", "turns", *present):
+        table.add_column(column)
+    cells: dict[tuple, dict[str, dict]] = {}
+    for cell in summary["by_context"]:
+        cells.setdefault((cell["workload"], cell["concurrency"], cell["context_k"]), {})[cell["arm"]] = cell
+    for (workload, concurrency, k), arms in cells.items():
+        table.add_row(
+            workload,
+            str(concurrency),
+            f"~{k}K",
+            str(max(c["turns"] for c in arms.values())),
+            *(
+                f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
+                for a in present
+            ),
+        )
+    console.print(table)
+    table = Table(
+        title="where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
+        "request metrics) and outside it (HTTP, chat template, tokenizer)"
+    )
+    for column in (
+        "workload",
+        "sessions",
+        "arm",
+        "TTFT",
+        "waiting (lookup + READ)",
+        "of which READ",
+        "prefill compute",
+        "outside the engine",
+        "decode TPOT",
+    ):
+        table.add_column(column)
+    for row in summary["rows"]:
+        if "engine_e2e_ms_mean" in row:
+            ttft = row["ttft_mean_all_turns_ms"]
+            table.add_row(
+                row["workload"],
+                str(row["concurrency"]),
+                row["arm"],
+                f"{ttft:.0f}",
+                f"{row['engine_queue_ms_mean']:.0f}",
+                _blank(row.get("nixl_read_ms_mean")),
+                f"{row['engine_prefill_ms_mean']:.0f}",
+                f"{ttft - row['engine_e2e_ms_mean']:.0f}",
+                _blank(row.get("decode_tpot_ms_mean")),
+            )
+    console.print(table)
+    decode_rows = [row for row in summary["rows"] if "decode_tpot_ms_mean" in row]
+    if decode_rows:
+        table = Table(
+            title="the decode side: time per output token, mean batch (tokens per engine step) and CPU "
+            "seconds each process used in the measured turns"
+        )
+        cpu_columns = [f"CPU s {role}" for role in CPU_ROLES]
+        for column in ("workload", "sessions", "arm", "decode TPOT ms", "decode batch", *cpu_columns):
+            table.add_column(column)
+        for row in decode_rows:
+            cpu = row.get("cpu_s", {})
+            table.add_row(
+                row["workload"],
+                str(row["concurrency"]),
+                row["arm"],
+                _blank(row.get("decode_tpot_ms_mean")),
+                _blank(row.get("decode_batch_mean")),
+                *(_blank(cpu.get(role)) for role in CPU_ROLES),
+            )
+        console.print(table)
+    table = Table(title="paired per-turn ratios (same turn, same prompt)")
+    for column in ("of", "workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
+        table.add_column(column)
+    paired = [("TTFT", p) for p in summary["paired"]]
+    paired += [("decode TPOT", p) for p in summary.get("paired_decode_tpot", [])]
+    for measure, pair in paired:
+        low, high = pair["median_ci95"]
+        table.add_row(
+            measure,
+            pair["workload"],
+            str(pair["concurrency"]),
+            pair["ratio"],
+            str(pair["turns"]),
+            f"{pair['median']:.3f}",
+            f"{low:.2f}-{high:.2f}",
+            f"{pair['q1']:.2f}-{pair['q3']:.2f}",
+        )
+    console.print(table)
+    for row in summary.get("decode_step_at_equal_batch", []):
+        console.print(
+            f"decode step at equal batch (steps without an arrival), {row['ratio']}, {row['workload']}, "
+            f"{row['concurrency']} sessions: {row['ratio_weighted']} weighted; by batch "
+            + ", ".join(f"{b['batch']}: {b['ratio']}" for b in row["by_batch"])
+        )
+    for row in summary["shared_prefix_new_conversations"]:
+        console.print(
+            f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: "
+            f"first-turn "
+            f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
+            f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks"
+        )

@@ -1,0 +1,69 @@
+"""`kvloop demo`: the whole loop on one machine (kvloop.clients.demo)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvloop.clients.cli.output import JsonFlag, _fail, state
+
+
+class DemoModel(StrEnum):
+    llama = "llama"
+    hybrid = "hybrid"
+
+
+def demo(
+    turns: Annotated[int, typer.Option(min=2, help="conversation turns")] = 6,
+    max_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per turn")] = 16,
+    workdir: Annotated[Path, typer.Option(help="model, logs and spans go here")] = Path(".kvloop-demo"),
+    hidden_size: Annotated[int, typer.Option(help="random-weight model hidden size")] = 384,
+    layers: Annotated[int, typer.Option(help="random-weight model layers")] = 4,
+    model: Annotated[
+        DemoModel,
+        typer.Option(help="llama, or hybrid: a Gemma-3-like model, sliding-window + full attention layers"),
+    ] = DemoModel.llama,
+    decode_tp: Annotated[
+        int, typer.Option(min=1, help="tensor-parallel size of the decode (a worker process per rank)")
+    ] = 1,
+    keep_running: Annotated[
+        bool,
+        typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
+    ] = False,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="two kvloopd replicas on Redis (primary, replica, three Sentinels, on loopback); kill the "
+            "replica the decode's sidecar streams to, later the Redis primary, and show what recovered when",
+        ),
+    ] = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
+    agent conversation through it; print each turn's path and TTFT (--json: one JSON line per turn);
+    stop everything (also on SIGTERM, SIGINT, SIGHUP, or if this command dies)."""
+    from kvloop.agents.engine import EngineStartError
+    from kvloop.clients.demo.run import run_demo
+    from kvloop.common.processes import supervisor
+
+    with supervisor().stop_on_signals():
+        try:
+            code = run_demo(
+                workdir.resolve(),
+                turns,
+                max_tokens,
+                state.json,
+                hidden_size,
+                layers,
+                keep_running,
+                model.value,
+                decode_tp,
+                ha,
+            )
+        except EngineStartError as exc:
+            _fail(str(exc))
+    raise typer.Exit(code)

@@ -1,0 +1,113 @@
+"""`kvloop engine`: one host's `vllm serve` with the kvloop connector and its sidecar
+(kvloop.agents.engine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvloop.clients.cli.output import JsonFlag, _fail, err_console, state
+
+
+def engine(
+    role: Annotated[str, typer.Option(help="prefill or decode")],
+    model: Annotated[str, typer.Option(help="model directory or name for vllm serve")],
+    worker_id: Annotated[str, typer.Option(help="this worker's stable name in the directory")],
+    port: Annotated[int, typer.Option(help="OpenAI HTTP port")] = 8000,
+    served_model_name: Annotated[str, typer.Option(help="model name clients use")] = "",
+    host: Annotated[str, typer.Option(help="address peers reach this host on (HTTP and NIXL)")] = "127.0.0.1",
+    nixl_port: Annotated[int, typer.Option(help="NIXL side-channel port")] = 5600,
+    kv_events_port: Annotated[int, typer.Option(help="ZMQ KV-event port (replay on +1)")] = 5557,
+    block_size: Annotated[int, typer.Option(help="KV block size (a multiple of 32 on CPU)")] = 32,
+    kv_cache_gib: Annotated[int, typer.Option(help="CPU KV cache size")] = 2,
+    retention_ttl: Annotated[
+        float, typer.Option(help="seconds a decode retains finished turns' blocks")
+    ] = 480.0,
+    retention_max_share: Annotated[
+        float,
+        typer.Option(min=0.01, max=1.0, help="share of a decode's KV cache its retained runs may pin"),
+    ] = 0.5,
+    retention_yield: Annotated[
+        bool,
+        typer.Option(
+            help="past 0.9 of that share, give up the oldest retained runs for newer ones (each freed once "
+            "kvloopd confirms it dropped the run and its read window has passed)"
+        ),
+    ] = True,
+    retention_yield_after: Annotated[
+        float, typer.Option(min=0, help="seconds a run is retained before it may be given up")
+    ] = 60.0,
+    prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
+    json_output: JsonFlag = False,
+) -> None:
+    """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
+    stop with this command (SIGTERM, SIGINT, SIGHUP, or its death). kvloopd is --daemon /
+    KVLOOP_DAEMON. --json prints one JSON object when the engine is ready."""
+    import time
+
+    from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
+    from kvloop.common.processes import Terminated, supervisor
+
+    if role not in ("prefill", "decode"):
+        _fail("--role must be prefill or decode", code=2)
+    name = served_model_name or model
+    config = EngineConfig(
+        role=role,
+        model=model,
+        served_model_name=name,
+        worker_id=worker_id,
+        port=port,
+        nixl_port=nixl_port,
+        kv_events_port=kv_events_port,
+        daemon=state.daemon,
+        host=host,
+        block_size=block_size,
+        kv_cache_gib=kv_cache_gib,
+        retention_ttl_s=retention_ttl,
+        retention_max_share=retention_max_share,
+        retention_yield=retention_yield,
+        retention_yield_after_s=retention_yield_after,
+        prefix_caching=prefix_caching,
+    )
+    if Path(model).is_dir():
+        from kvloop.clients.fleet.model import kv_bytes_per_block, kv_group_windows
+
+        config.kv_bytes_per_block = kv_bytes_per_block(Path(model), block_size)
+        config.kv_group_windows = kv_group_windows(Path(model))
+    children = supervisor()
+    worker = Engine(config, Path(".kvloop-engine-logs") / worker_id, children)
+    with children.stop_on_signals():
+        try:
+            worker.launch()
+            err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
+            while not worker.ready():
+                time.sleep(0.5)  # polling /health while vLLM loads
+            err_console.print(
+                f"{worker_id} ready at {config.url} (NIXL {host}:{nixl_port}) in {worker.started_s:.0f}s"
+            )
+            if state.json:  # one line, for scripts that wait for it
+                ready = {
+                    "worker_id": worker_id,
+                    "role": role,
+                    "url": config.url,
+                    "nixl": f"{host}:{nixl_port}",
+                    "started_s": round(worker.started_s or 0, 1),
+                    "pids": {
+                        "vllm": worker.vllm.pid if worker.vllm else None,
+                        "agent": worker.agent.pid if worker.agent else None,
+                    },
+                }
+                sys.stdout.write(json.dumps(ready) + "\n")
+                sys.stdout.flush()
+            while True:
+                worker.ready()  # raises when vLLM or the sidecar died
+                time.sleep(1)  # until a signal
+        except EngineStartError as exc:
+            _fail(str(exc))
+        except Terminated as exc:
+            err_console.print(f"{exc}: stopping {worker_id}")
+            raise
