@@ -161,3 +161,17 @@ def test_logprobs_continue_in_the_chat_format():
     # the best alternatives, best first, as many as the client asked for
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["token_id:8"]
     assert [t["token"] for t in content[1]["top_logprobs"]] == ["token_id:4"]
+
+
+def test_a_chat_chunk_that_only_carried_token_ids_is_left_out_as_vllm_leaves_it_out():
+    """The proxy asks the decode for token ids (to continue a broken stream); vLLM then sends a chunk
+    for a token whose text is still empty, which a plain server's stream does not have."""
+    stream = StreamState(chat=True, body=CHAT)
+    assert (
+        stream.forward(chat_chunk({"index": 0, "delta": {}, "finish_reason": None, "token_ids": [7]})) is None
+    )
+    assert stream.sent_token_ids == [7]  # still counted for a continuation
+    last = chat_chunk({"index": 0, "delta": {}, "finish_reason": "length", "token_ids": [8]})
+    assert stream.forward(last) is not None  # the finish is sent
+    asked = StreamState(chat=True, body={**CHAT, "return_token_ids": True})
+    assert asked.forward(chat_chunk({"index": 0, "delta": {}, "finish_reason": None, "token_ids": [7]}))

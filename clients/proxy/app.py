@@ -545,10 +545,12 @@ async def _stream(
                 await response.prepare(request)
                 TTFT.observe(time.perf_counter() - started)
                 span.add_event("first_chunk")
-                await response.write(sse(stream.forward(first)))
+                if (out := stream.forward(first)) is not None:
+                    await response.write(sse(out))
                 try:
                     async for chunk in events:
-                        await response.write(sse(stream.forward(chunk)))
+                        if (out := stream.forward(chunk)) is not None:
+                            await response.write(sse(out))
                 except StreamBroken as exc:
                     broken = exc
         if broken is not None:

@@ -71,6 +71,23 @@ class StreamBroken(Exception):
         self.reason = reason
 
 
+def _only_token_ids(chunk: dict) -> bool:
+    """A chat chunk vLLM sends only because token ids were asked for (an empty delta, no logprobs, no
+    finish): vLLM's chat stream leaves such chunks out otherwise."""
+    choices = chunk.get("choices")
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(
+            isinstance(c, dict)
+            and not c.get("delta")
+            and c.get("logprobs") is None
+            and c.get("finish_reason") is None
+            for c in choices
+        )
+    )
+
+
 def unresumable_reason(body: dict, chat: bool) -> str | None:
     """Why a stream of this request cannot be continued token-exactly elsewhere, or None."""
     if body.get("temperature") != 0:
@@ -128,8 +145,9 @@ class StreamState:
             return body
         return {**body, "return_token_ids": True}
 
-    def forward(self, chunk: dict) -> dict:
-        """Record an original-stream chunk; the chunk the client gets (token ids only if it asked)."""
+    def forward(self, chunk: dict) -> dict | None:
+        """Record an original-stream chunk; the chunk the client gets (token ids only if it asked), or
+        None when a plain server would not have sent it: a chat chunk that only carried token ids."""
         if self.id is None:
             self.id, self.created, self.model = chunk.get("id"), chunk.get("created"), chunk.get("model")
         if self.prompt_token_ids is None and chunk.get("prompt_token_ids"):
@@ -142,6 +160,8 @@ class StreamState:
         chunk = {k: v for k, v in chunk.items() if k != "kv_transfer_params"}
         if self.client_wants_token_ids:
             return chunk
+        if self.chat and _only_token_ids(chunk):
+            return None
         # as a plain server streams them when they were not asked for: present, and null
         out: dict[str, Any] = {k: None if k == "prompt_token_ids" else v for k, v in chunk.items()}
         if isinstance(out.get("choices"), list):
