@@ -57,6 +57,10 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
     # block_size; empty when the run ends on a block boundary) and its block id per group.
     tail_token_ids: list[int] = msgspec.field(default_factory=list)
     tail_block_ids: list[int] = msgspec.field(default_factory=list)
+    # Where the run's blocks live: "device" (the engine's KV cache) or "host" (the worker's
+    # host-memory pool, registered with NIXL as an engine of its own; block_ids are then its slot
+    # ids). Omitted from the wire when "device", so older events read the same.
+    tier: str = "device"
     # Who holds the run (engine id, NIXL endpoint, block size, layout) is not repeated here: the
     # sidecar's registration states it once for every event of its worker.
 
@@ -86,6 +90,7 @@ class KvloopTransferReport(KvloopEvent, tag=TRANSFER_TAG):
     first_contact: bool = False  # first READ from this holder: duration_us includes the handshake
     nixl_measured: bool = False  # duration_us and bytes are NIXL's telemetry of the transfer
     wait_us: int = 0  # engine-step wait around the READ (reported apart, not learnt from)
+    source_tier: str = "device"  # tier of the run read: "device" | "host" (the holder's tier)
 
 
 PREFILL_TAG = "kvloop.prefill"

@@ -123,7 +123,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows", "hash_seed")
+    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows", "hash_seed", "host_engine_id", "host_nixl_endpoint")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,8 @@ class WorkerRegistration(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    HOST_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -165,7 +167,9 @@ class WorkerRegistration(_message.Message):
     kv_dtype: str
     kv_group_windows: _containers.RepeatedScalarFieldContainer[int]
     hash_seed: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+    host_engine_id: str
+    host_nixl_endpoint: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ..., host_engine_id: _Optional[str] = ..., host_nixl_endpoint: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier")
@@ -222,7 +226,7 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact", "nixl_measured", "wait_us")
+    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact", "nixl_measured", "wait_us", "source_tier")
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +236,7 @@ class TransferReport(_message.Message):
     FIRST_CONTACT_FIELD_NUMBER: _ClassVar[int]
     NIXL_MEASURED_FIELD_NUMBER: _ClassVar[int]
     WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
     source_worker_id: str
     bytes: int
     blocks: int
@@ -241,7 +246,8 @@ class TransferReport(_message.Message):
     first_contact: bool
     nixl_measured: bool
     wait_us: int
-    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ..., nixl_measured: _Optional[bool] = ..., wait_us: _Optional[int] = ...) -> None: ...
+    source_tier: BlockTier
+    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ..., nixl_measured: _Optional[bool] = ..., wait_us: _Optional[int] = ..., source_tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
 
 class PrefillReport(_message.Message):
     __slots__ = ("tokens", "duration_us")
@@ -398,7 +404,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., packed_hash_bytes: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size")
+    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size", "tier")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +421,7 @@ class Holder(_message.Message):
     TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine_id: str
     nixl_endpoint: str
@@ -431,7 +438,8 @@ class Holder(_message.Message):
     tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tail_block_ids: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    tier: BlockTier
+    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_ms", "recompute_ms", "transfer_bytes", "transfer_basis", "recompute_basis")
@@ -619,7 +627,7 @@ class ListPairsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class PairEstimate(_message.Message):
-    __slots__ = ("holder_worker_id", "puller_worker_id", "transfer_gbytes_per_s", "setup_ms", "sample_gbytes_per_s", "verdicts", "last_transfer_s_ago", "mean_wait_ms")
+    __slots__ = ("holder_worker_id", "puller_worker_id", "transfer_gbytes_per_s", "setup_ms", "sample_gbytes_per_s", "verdicts", "last_transfer_s_ago", "mean_wait_ms", "tier")
     class VerdictsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -635,6 +643,7 @@ class PairEstimate(_message.Message):
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     LAST_TRANSFER_S_AGO_FIELD_NUMBER: _ClassVar[int]
     MEAN_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     holder_worker_id: str
     puller_worker_id: str
     transfer_gbytes_per_s: float
@@ -643,7 +652,8 @@ class PairEstimate(_message.Message):
     verdicts: _containers.ScalarMap[str, int]
     last_transfer_s_ago: float
     mean_wait_ms: float
-    def __init__(self, holder_worker_id: _Optional[str] = ..., puller_worker_id: _Optional[str] = ..., transfer_gbytes_per_s: _Optional[float] = ..., setup_ms: _Optional[float] = ..., sample_gbytes_per_s: _Optional[_Iterable[float]] = ..., verdicts: _Optional[_Mapping[str, int]] = ..., last_transfer_s_ago: _Optional[float] = ..., mean_wait_ms: _Optional[float] = ...) -> None: ...
+    tier: BlockTier
+    def __init__(self, holder_worker_id: _Optional[str] = ..., puller_worker_id: _Optional[str] = ..., transfer_gbytes_per_s: _Optional[float] = ..., setup_ms: _Optional[float] = ..., sample_gbytes_per_s: _Optional[_Iterable[float]] = ..., verdicts: _Optional[_Mapping[str, int]] = ..., last_transfer_s_ago: _Optional[float] = ..., mean_wait_ms: _Optional[float] = ..., tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
 
 class PullerEstimate(_message.Message):
     __slots__ = ("worker_id", "prefill_tokens_per_s", "sample_tokens_per_s")
@@ -742,7 +752,7 @@ class RouteRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., packed_hash_bytes: _Optional[int] = ..., packed_token_ids: _Optional[bytes] = ..., continuation: _Optional[bool] = ...) -> None: ...
 
 class RouteScore(_message.Message):
-    __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis", "pull_wait_ms")
+    __slots__ = ("worker_id", "http_endpoint", "registered", "local_blocks", "pull_blocks", "pull_holder_worker_id", "pull_holder_blocks", "pull_reason", "pull_cost", "compute_tokens", "queue_ms", "transfer_ms", "compute_ms", "expected_ttft_ms", "prefill_tokens_per_s", "prefill_basis", "pull_wait_ms", "pull_holder_tier")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HTTP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
@@ -760,6 +770,7 @@ class RouteScore(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BASIS_FIELD_NUMBER: _ClassVar[int]
     PULL_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PULL_HOLDER_TIER_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     http_endpoint: str
     registered: bool
@@ -777,7 +788,8 @@ class RouteScore(_message.Message):
     prefill_tokens_per_s: float
     prefill_basis: str
     pull_wait_ms: float
-    def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., registered: _Optional[bool] = ..., local_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., pull_holder_worker_id: _Optional[str] = ..., pull_holder_blocks: _Optional[int] = ..., pull_reason: _Optional[_Union[DecisionReason, str]] = ..., pull_cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., compute_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., expected_ttft_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_basis: _Optional[str] = ..., pull_wait_ms: _Optional[float] = ...) -> None: ...
+    pull_holder_tier: BlockTier
+    def __init__(self, worker_id: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., registered: _Optional[bool] = ..., local_blocks: _Optional[int] = ..., pull_blocks: _Optional[int] = ..., pull_holder_worker_id: _Optional[str] = ..., pull_holder_blocks: _Optional[int] = ..., pull_reason: _Optional[_Union[DecisionReason, str]] = ..., pull_cost: _Optional[_Union[CostEstimate, _Mapping]] = ..., compute_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., expected_ttft_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefill_basis: _Optional[str] = ..., pull_wait_ms: _Optional[float] = ..., pull_holder_tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
 
 class PlansRequest(_message.Message):
     __slots__ = ("worker_id",)
