@@ -56,6 +56,10 @@ class EngineConfig:
     # Sliding window per KV-cache group (0: full attention), for the agent's registration; empty: unknown.
     kv_group_windows: list[int] = field(default_factory=list)
     tensor_parallel_size: int = 1
+    # Decode: GiB of host memory retained runs are copied into (kvloop_host_retention_gib; 0: none),
+    # served as the NIXL engine `<worker_id>@host` on host_nixl_port.
+    host_retention_gib: float = 0.0
+    host_nixl_port: int = 0
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -87,6 +91,13 @@ class EngineConfig:
             # host can afford a generous deadline; past it the turn recomputes.
             "kvloop_lookup_timeout_ms": 500,
         }
+        if self.host_retention_gib:
+            extra.update(
+                {
+                    "kvloop_host_retention_gib": self.host_retention_gib,
+                    "kvloop_host_side_channel_port": self.host_nixl_port,
+                }
+            )
         if self.mode == "builtin":
             # vLLM's semantics: the decode frees retained blocks after the first read, and retains
             # without bound.
@@ -227,6 +238,16 @@ class EngineConfig:
             f"tcp://127.0.0.1:{self.kv_events_port + 1}",
             "--health-listen",
             f"127.0.0.1:{self.agent_health_port}" if self.agent_health_port else "",
+            *(
+                [
+                    "--host-engine-id",
+                    f"{self.worker_id}@host",
+                    "--host-nixl-endpoint",
+                    f"{self.host}:{self.host_nixl_port}",
+                ]
+                if self.host_retention_gib
+                else []
+            ),
         ]
 
 

@@ -58,6 +58,19 @@ class KvloopConfig(BaseModel):
     # runs outright would drop, under sessions taking turns in a cycle, the very run whose turn is next
     # (measured: see the README).
     retention_yield_after_s: float = Field(default=60.0, ge=0)
+    # Host retention tier (decode role): GiB of host memory, registered with NIXL, that retained runs
+    # are copied into when they finish (host_tier.py). A run then stays pullable from host memory after
+    # its blocks leave the KV cache: a finished run with a host copy is the first given up under
+    # pressure, with no age guard. 0: no host tier.
+    host_retention_gib: float = Field(default=0.0, ge=0)
+    # The host pool's NIXL side channel (it is served as an engine of its own, `<engine id>@host`):
+    # a port of this host distinct from every engine's VLLM_NIXL_SIDE_CHANNEL_PORT. Needed with a pool.
+    host_side_channel_port: int = Field(default=0, ge=0, le=65535)
+    # Lease of a run's host copy, from when its copy is announced.
+    host_retention_ttl_s: float = Field(default=1800.0, gt=0)
+    # Give a run's KV-cache blocks up this long after its host copy is announced, pressure or not
+    # (None: only under pressure, see retention_yield). 0 frees the KV cache soonest.
+    host_demote_after_s: float | None = Field(default=None, ge=0)
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
     # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
     sharing: Literal["multi", "single"] = "multi"
@@ -100,6 +113,20 @@ class KvloopConfig(BaseModel):
             return daemon_addresses(v) if v else ""
         except ValueError as exc:
             raise ValueError(f"kvloop_daemon: {exc}") from None
+
+    @model_validator(mode="after")
+    def _check_host_tier(self) -> KvloopConfig:
+        if self.host_retention_gib > 0:
+            if not self.host_side_channel_port:
+                raise ValueError("kvloop_host_retention_gib needs kvloop_host_side_channel_port")
+            if not (self.daemon and self.model):
+                raise ValueError(
+                    "kvloop_host_retention_gib needs kvloop_daemon and kvloop_model: a host copy is "
+                    "announced to, and its eviction confirmed by, the directory"
+                )
+            if self.sharing != "multi":
+                raise ValueError("kvloop_host_retention_gib needs kvloop_sharing 'multi'")
+        return self
 
     @model_validator(mode="after")
     def _check_margins(self) -> KvloopConfig:

@@ -24,14 +24,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.metadata import KvloopHandshakePayload
 from kvloop.agents.connector.scheduler import KvloopConnectorScheduler
 from kvloop.agents.connector.stats import KvloopKVConnectorStats, KvloopPromMetrics, collect
 from kvloop.agents.connector.worker import KvloopConnectorWorker
@@ -83,6 +89,17 @@ class KvloopConnector(NixlPullConnector):
             )
         else:
             raise ValueError(f"unsupported role {role}")
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        own = super().get_handshake_metadata()
+        worker = self.connector_worker
+        if not isinstance(own, NixlHandshakePayload) or not isinstance(worker, KvloopConnectorWorker):
+            return own
+        if worker.host_pool is None:
+            return own
+        return KvloopHandshakePayload(
+            own.compatibility_hash, own.agent_metadata_bytes, worker.host_pool.handshake
+        )
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if isinstance(self.connector_worker, KvloopConnectorWorker):

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.host_pool import HOST_SUFFIX
+from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import YIELD_AT, GivenUp, ReleaseConfirmer
 
 if TYPE_CHECKING:
@@ -70,8 +73,11 @@ class DecodeSide:
         emit: Callable[[Any], None],
         num_kv_blocks: int,
         confirmer: ReleaseConfirmer | None = None,
+        host: HostTier | None = None,
     ) -> None:
         self.cfg = cfg
+        # The host retention tier (host_tier.py): copies of retained runs that outlive their blocks here.
+        self._host = host
         self.block_size = block_size
         self._emit = emit if cfg.publish_events else (lambda event: None)
         self._retained: dict[str, _Retained] = {}
@@ -126,25 +132,32 @@ class DecodeSide:
             return len(kept) + sum(1 for b in incoming if b not in kept)
 
         held = projected()
-        for rid, run in self._retained.items():  # announce order: oldest first
+        # runs with a host copy first, whatever their age: they stay pullable from the pool
+        copied = [rid for rid in self._retained if self._host is not None and self._host.has_copy(rid)]
+        for rid in [*copied, *self._retained]:  # then in announce order: oldest first
             if held <= self._yield_above:
                 return
-            if run.since > old_enough:
-                return  # this run and every later one were retained too recently
+            run = self._retained[rid]
             if run.given_up:
                 continue
+            if run.since > old_enough and not (self._host is not None and self._host.has_copy(rid)):
+                return  # this run and every later one were retained too recently
             self._unpin(kept, run.pinned)
             held = projected()
-            run.given_up = True
-            tm.YIELDED.labels("given_up").inc()
-            if run.first_hash is None:  # never announced, never handed out: free it now
-                run.settled = True
-                self._free_early[rid] = time.perf_counter()
-                continue
-            self._emit(KvloopRetentionReleased(retention_handle=rid, reason="yielded", ts=time.time()))
-            assert self._confirmer is not None
-            self._confirmer.submit(GivenUp(rid, run.first_hash, run.lora_name))
-            tm.log.debug("kvloop.run_given_up", handle=rid, blocks=len(run.pinned))
+            self._give_up(rid, run)
+
+    def _give_up(self, rid: str, run: _Retained) -> None:
+        """Drop a run from the directory now; free its blocks once the drop is confirmed."""
+        run.given_up = True
+        tm.YIELDED.labels("given_up").inc()
+        if run.first_hash is None:  # never announced, never handed out: free it now
+            run.settled = True
+            self._free_early[rid] = time.perf_counter()
+            return
+        self._emit(KvloopRetentionReleased(retention_handle=rid, reason="yielded", ts=time.time()))
+        assert self._confirmer is not None
+        self._confirmer.submit(GivenUp(rid, run.first_hash, run.lora_name))
+        tm.log.debug("kvloop.run_given_up", handle=rid, blocks=len(run.pinned))
 
     @staticmethod
     def _unpin(pins: dict[int, int], blocks: set[int]) -> None:
@@ -157,8 +170,15 @@ class DecodeSide:
     def take_free_early(self) -> dict[str, float]:
         """Given-up runs whose drop the directory confirmed, and when (perf_counter) the worker may
         free each: for this step's metadata. A run not confirmed in time keeps its lease."""
+        if self._host is not None:
+            self._host.step()
+            self._demote()
         if self._confirmer is not None:
             for done in self._confirmer.take():
+                if done.handle.endswith(HOST_SUFFIX):
+                    if self._host is not None:
+                        self._host.confirmed(done)
+                    continue
                 run = self._retained.get(done.handle)
                 if run is None:
                     continue
@@ -169,6 +189,25 @@ class DecodeSide:
                     self._free_early[done.handle] = done.free_at
         free, self._free_early = self._free_early, {}
         return free
+
+    def _demote(self) -> None:
+        """Give up the KV-cache blocks of runs whose host copy is older than host_demote_after_s."""
+        after = self.cfg.host_demote_after_s
+        if after is None or self._host is None or self._confirmer is None:
+            return
+        now = time.perf_counter()
+        for rid, at in list(self._host.announced_at.items()):
+            run = self._retained.get(rid)
+            if run is not None and not run.given_up and now - at >= after:
+                self._unpin(self._kept, run.pinned)
+                self._give_up(rid, run)
+
+    def host_copied(self, done: dict[str, bool]) -> None:
+        if self._host is not None:
+            self._host.copied(done)
+
+    def take_host_copies(self) -> list[HostCopy]:
+        return self._host.take_copies() if self._host is not None else []
 
     def announce(self, request: Request, out: dict[str, Any], default_ttl_s: float, block_ids: Any) -> None:
         """``out`` is vLLM's returned kv_transfer_params for a finished request it retains;
@@ -197,19 +236,20 @@ class DecodeSide:
         with_kv = min(request.num_computed_tokens, len(request.all_token_ids) - 1)
         has_tail = n == with_kv // bs and all(len(g) > n and g[n] != NULL_BLOCK for g in groups)
         tail = list(request.all_token_ids[n * bs : with_kv]) if has_tail else []
-        self._emit(
-            KvloopBlocksRetained(
-                block_hashes=[bytes(h) for h in request.block_hashes[:n]],
-                block_ids=[g[:n] for g in groups],
-                retention_handle=rid,
-                lease_ms=lease_ms,
-                single_use=not multi,
-                lora_name=request.lora_request.lora_name if request.lora_request else None,
-                ts=time.time(),
-                tail_token_ids=tail,
-                tail_block_ids=[g[n] for g in groups] if tail else [],
-            )
+        event = KvloopBlocksRetained(
+            block_hashes=[bytes(h) for h in request.block_hashes[:n]],
+            block_ids=[g[:n] for g in groups],
+            retention_handle=rid,
+            lease_ms=lease_ms,
+            single_use=not multi,
+            lora_name=request.lora_request.lora_name if request.lora_request else None,
+            ts=time.time(),
+            tail_token_ids=tail,
+            tail_block_ids=[g[n] for g in groups] if tail else [],
         )
+        self._emit(event)
+        if self._host is not None and multi:
+            self._host.plan(event)
         tm.RETAINED.inc()
         tm.RETAINED_BLOCKS.inc(n)
         tm.log.debug("kvloop.retained", handle=rid, blocks=n, lease_ms=lease_ms, multi=multi)
@@ -221,6 +261,8 @@ class DecodeSide:
         run = self._retained.get(request_id)
         if run is None or not run.multi or (run.given_up and not run.settled):
             return None  # a run given up steps until its drop is settled (a round trip)
+        if self._host is not None and self._host.copying(request_id):
+            return None  # its host copy is reported at an engine step
         return run.deadline
 
     def shutdown(self) -> None:
@@ -231,6 +273,8 @@ class DecodeSide:
         now = time.perf_counter()
         for rid in finished_sending:
             run = self._retained.pop(rid, None)
+            if self._host is not None:
+                self._host.device_released(rid)
             if run is None:
                 continue
             self._unpin(self._pins, run.pinned)

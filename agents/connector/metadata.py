@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    NixlHandshakePayload,
+)
 
 
 class KvloopConnectorMetadata(NixlConnectorMetadata):
@@ -19,7 +22,8 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
     * ``pull_holder_epochs``: for each pull this step, the holder's registration epoch its run was
       announced under (the worker does not read it from a holder process of another epoch);
     * ``free_early``: retained runs given up before their lease ends (decode role, yielding.py) and
-      when the worker may free each, in the scheduler's clock (a lease end brought forward).
+      when the worker may free each, in the scheduler's clock (a lease end brought forward);
+    * ``host_copies``: retained runs to copy into the host pool this step (decode role, host_tier.py).
     """
 
     def __init__(self) -> None:
@@ -28,6 +32,7 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         self.pull_deadlines: dict[str, float] = {}
         self.pull_holder_epochs: dict[str, int] = {}
         self.free_early: dict[str, float] = {}
+        self.host_copies: list[HostCopy] = []
 
     @classmethod
     def extend(
@@ -46,6 +51,16 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         meta.pull_holder_epochs = pull_holder_epochs or {}
         meta.free_early = free_early or {}
         return meta
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """Copy a retained run's KV-cache blocks into host-pool slots: ``block_ids[g][i]`` goes to
+    ``slots[g][i]`` (group-major, as vLLM hands block ids over; null blocks left out)."""
+
+    handle: str
+    block_ids: list[list[int]]
+    slots: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -74,10 +89,22 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
     finished READ, so the cost model learns from the transfer itself, not from engine steps."""
 
     reads: dict[str, ReadTiming] = field(default_factory=dict)
+    # Host copies finished since the last step (decode role): handle -> whether the copy succeeded.
+    host_copied: dict[str, bool] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvloopWorkerMetadata):
             for req_id, timing in other.reads.items():
                 mine = self.reads.get(req_id)
                 self.reads[req_id] = timing if mine is None else mine.merge(timing)
+            for handle, ok in other.host_copied.items():  # every rank's copy must succeed
+                self.host_copied[handle] = self.host_copied.get(handle, True) and ok
         return self
+
+
+@dataclass
+class KvloopHandshakePayload(NixlHandshakePayload):
+    """A worker's NIXL handshake metadata, with its host pool's (served on a side channel of its own,
+    as the engine ``<engine id>@host``); peers only ever receive the two apart."""
+
+    host: NixlHandshakePayload | None = None

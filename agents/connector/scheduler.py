@@ -10,8 +10,11 @@ installed from here: this half is built in the engine-core process before its lo
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -22,7 +25,13 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
-from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata
+from kvloop.agents.connector.host_pool import host_engine_id, pool_slots
+from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.metadata import (
+    KvloopConnectorMetadata,
+    KvloopHandshakePayload,
+    KvloopWorkerMetadata,
+)
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.agents.connector.prefill import PrefillSide
 from kvloop.agents.connector.yielding import ReleaseConfirmer
@@ -93,13 +102,23 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         if cfg.retention_ttl_s is not None:
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
+        self._host_listener: threading.Thread | None = None
+        host_slots = pool_slots(kv_cache_config, cfg.host_retention_gib)
         confirmer = (
             ReleaseConfirmer(cfg.daemon, cfg.model, self.worker_id, cfg.read_margin_s)
-            if cfg.daemon and cfg.model and cfg.retention_yield and self.is_bidirectional_kv_xfer_enabled
+            if cfg.daemon
+            and cfg.model
+            and (cfg.retention_yield or host_slots)
+            and self.is_bidirectional_kv_xfer_enabled
+            else None
+        )
+        host = (
+            HostTier(host_slots, cfg.host_retention_ttl_s, cfg.read_margin_s, self._events.append, confirmer)
+            if host_slots and self.is_bidirectional_kv_xfer_enabled
             else None
         )
         self.decode = DecodeSide(
-            cfg, self.block_size, self._events.append, kv_cache_config.num_blocks, confirmer
+            cfg, self.block_size, self._events.append, kv_cache_config.num_blocks, confirmer, host
         )
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
@@ -217,10 +236,41 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         ``request_id``, whose blocks this connector holds, needs no engine step."""
         return self.decode.parked_until(request_id)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """vLLM's side channel serves the engine's own metadata; the host pool's, when there is one,
+        is served the same way on ``kvloop_host_side_channel_port``."""
+        own = {rank: m for rank, m in metadata.items()}
+        host: dict[tuple[int, int], bytes] = {}
+        encoder = msgspec.msgpack.Encoder()
+        for rank, m in metadata.items():
+            if isinstance(m, KvloopHandshakePayload):
+                own[rank] = NixlHandshakePayload(m.compatibility_hash, m.agent_metadata_bytes)
+                if m.host is not None:
+                    host[rank] = encoder.encode(m.host)
+        super().set_xfer_handshake_metadata(own)
+        if host and self._host_listener is None:
+            ready = threading.Event()
+            listener = threading.Thread(
+                target=self._nixl_handshake_listener,
+                args=(host, ready, self._stop_event, self.side_channel_host, self.cfg.host_side_channel_port),
+                daemon=True,
+                name="kvloop_host_pool_handshake_listener",
+            )
+            listener.start()
+            ready.wait()
+            self._host_listener = listener
+            tm.log.info(
+                "kvloop.host_pool_serving",
+                engine_id=host_engine_id(self.engine_id),
+                nixl_endpoint=f"{self.side_channel_host}:{self.cfg.host_side_channel_port}",
+            )
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvloopWorkerMetadata) and meta.host_copied:
+            self.decode.host_copied(meta.host_copied)
         if self.prefill is not None:
-            meta = connector_output.kv_connector_worker_meta
             self.prefill.reads_done(
                 set(connector_output.finished_recving or ()),
                 set(connector_output.failed_recving or ()),
@@ -238,9 +288,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
             )
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
-        return KvloopConnectorMetadata.extend(
+        meta = KvloopConnectorMetadata.extend(
             base, multi, deadlines, holder_epochs, self.decode.take_free_early()
         )
+        meta.host_copies = self.decode.take_host_copies()
+        return meta
 
     def take_events(self) -> list[Any]:
         events = self._events[:]

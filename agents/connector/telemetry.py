@@ -177,6 +177,12 @@ SPECS = (
         ("outcome",),
     ),
     MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
+    # outcome: copied (announced as a host run) | failed (the WRITE failed) | no_room (the pool had no
+    # free slots: the run stays in the KV cache only)
+    MetricSpec("host_copies", "counter", "Retained runs copied into the host pool", ("outcome",)),
+    # reason: evicted (the pool needed room) | superseded (a later turn's copy holds it) | expired
+    MetricSpec("host_released", "counter", "Host copies released", ("reason",)),
+    MetricSpec("host_reads", "counter", "READs of host copies by prefills"),
     MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
     # outcome: received | used | unmatched (another local prefix or too short a pull) | expired |
     # stale (an older directory epoch) | bad
@@ -204,6 +210,9 @@ RELEASED = _METRICS["released_runs"]
 RETENTION_DECLINED = _METRICS["retention_declined"]
 YIELDED = _METRICS["yielded_runs"]
 READS_SERVED = _METRICS["reads_served"]
+HOST_COPIES = _METRICS["host_copies"]
+HOST_RELEASED = _METRICS["host_released"]
+HOST_READS = _METRICS["host_reads"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
 IDLE_WAKEUPS = _METRICS["idle_wakeups"]
 ROUTE_PLANS = _METRICS["route_plans"]

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.host_pool import HostPool, pool_slots
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
 from kvloop.agents.connector.peers import Peer, PeerWarmer
 
@@ -134,9 +135,16 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
         self._replaced_peers: dict[str, Peer] = {}
         self._warmer: PeerWarmer | None = None
+        # Decode role: the host retention pool (host_pool.py), once the KV cache is registered.
+        self._host_slots = (
+            pool_slots(kv_cache_config, cfg.host_retention_gib) if cfg.host_retention_gib else 0
+        )
+        self.host_pool: HostPool | None = None
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
+        if self._host_slots and self._bidirectional_kv_xfer_enabled:
+            self.host_pool = HostPool(self, self._host_slots)
         # A handshake sends this engine's registered memory: start warming peers once it is registered.
         cfg = self.cfg
         if cfg.daemon and cfg.lookup and cfg.warm_peers_s and self._bidirectional_kv_xfer_enabled:
@@ -251,6 +259,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         if self._warmer is not None:
             self._warmer.stop()
         super().shutdown()
+        if self.host_pool is not None:
+            self.host_pool.shutdown()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         if isinstance(metadata, KvloopConnectorMetadata):
@@ -264,6 +274,9 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         super().start_load_kv(metadata)
         if isinstance(metadata, KvloopConnectorMetadata) and metadata.free_early:
             self._bring_leases_forward(metadata.free_early, metadata.scheduler_clock)
+        if isinstance(metadata, KvloopConnectorMetadata) and metadata.host_copies and self.host_pool:
+            for copy in metadata.host_copies:
+                self.host_pool.start(copy)
 
     def _bring_leases_forward(self, free_at: dict[str, float], sched_clock: float | None) -> None:
         """Given-up runs (decode role) end their lease at ``free_at`` (scheduler clock) instead:
@@ -375,13 +388,25 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             del agent.get_xfer_telemetry
 
     def take_worker_meta(self) -> KvloopWorkerMetadata | None:
-        if not self._read_timings:
+        copied = self.host_pool.take_done() if self.host_pool is not None else {}
+        if not self._read_timings and not copied:
             return None
         reads, self._read_timings = self._read_timings, {}
-        return KvloopWorkerMetadata(reads)
+        return KvloopWorkerMetadata(reads, copied)
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        if self.host_pool is not None:
+            # a run whose blocks are being copied into the pool is not freed before the copy ends
+            copying = self.host_pool.copying_runs()
+            now = time.perf_counter()
+            for req_id in copying & self._reqs_to_send.keys():
+                self._reqs_to_send[req_id] = max(self._reqs_to_send[req_id], now + 1.0)
+        self._reap_retained(done_sending)
 
     def get_transfer_results(self) -> Any:
         self.kvloop_steps += 1
+        if self.host_pool is not None:
+            self.host_pool.poll()
         results = super().get_transfer_results()
         for req_id in results.finished_recving or ():
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
@@ -389,7 +414,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             self._handshake_reads.discard(req_id)
         return results
 
-    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+    def _reap_retained(self, done_sending: set[str]) -> None:
         super()._reap_expired_send_leases(done_sending)
         for req_id in done_sending:
             if req_id in self._multi_reader:

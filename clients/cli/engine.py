@@ -42,6 +42,17 @@ def engine(
         float, typer.Option(min=0, help="seconds a run is retained before it may be given up")
     ] = 60.0,
     prefix_caching: Annotated[bool, typer.Option(help="vLLM prefix caching")] = True,
+    host_retention_gib: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="decode: GiB of host memory retained runs are copied into, pullable after their blocks "
+            "leave the KV cache (0: none)",
+        ),
+    ] = 0.0,
+    host_nixl_port: Annotated[
+        int, typer.Option(help="the host pool's NIXL side-channel port (0: --nixl-port + 1000)")
+    ] = 0,
     json_output: JsonFlag = False,
 ) -> None:
     """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
@@ -72,6 +83,8 @@ def engine(
         retention_yield=retention_yield,
         retention_yield_after_s=retention_yield_after,
         prefix_caching=prefix_caching,
+        host_retention_gib=host_retention_gib,
+        host_nixl_port=host_nixl_port or nixl_port + 1000,
     )
     if Path(model).is_dir():
         from kvloop.clients.fleet.model import kv_bytes_per_block, kv_group_windows

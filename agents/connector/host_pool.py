@@ -1,0 +1,207 @@
+"""The decode's host retention pool, worker side: host memory laid out like the KV cache, registered
+with NIXL under an engine of its own, that retained runs are copied into.
+
+A prefill reads a run's host copy exactly as it reads a run in a KV cache: through vLLM's NIXL
+handshake with the pool's engine (``<engine id>@host``, served on its own side channel by the
+scheduler side, host_tier.py), whose metadata is this engine's with the pool's addresses. Every
+region of the KV cache has a pool region of ``slots`` blocks of the same length, so a pool slot id
+is a block id there, and vLLM's descriptor arithmetic (``_compute_desc_ids``) serves both. Slot 0 is
+never handed out: it stands for vLLM's null block.
+
+The copy is one NIXL WRITE per run from this engine's agent (the KV cache is registered there) into
+the pool's agent, built from vLLM's own descriptors, posted after the step's forward and polled
+each step; the scheduler keeps the run's KV-cache blocks until the copy is reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+)
+from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.metadata import HostCopy
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvloop.agents.connector.worker import KvloopConnectorWorker
+
+HOST_SUFFIX = "@host"
+
+
+def host_engine_id(engine_id: str) -> str:
+    return f"{engine_id}{HOST_SUFFIX}"
+
+
+def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+    """Bytes one block id holds across every KV-cache tensor (what a pool slot holds)."""
+    return sum(t.size for t in kv_cache_config.kv_cache_tensors) // max(1, kv_cache_config.num_blocks)
+
+
+def pool_slots(kv_cache_config: KVCacheConfig, gib: float) -> int:
+    """Usable slots of a ``gib`` pool (slot 0, the null block, comes on top); the scheduler side and
+    every worker compute the same."""
+    per_block = bytes_per_block(kv_cache_config)
+    return max(0, int(gib * 2**30) // per_block - 1) if per_block else 0
+
+
+class UnsupportedLayout(ValueError):
+    """A KV-cache layout the host pool does not mirror (the engine then refuses to start)."""
+
+
+class HostPool:
+    """The pool's memory, its NIXL agent and the copies into it (one per worker rank)."""
+
+    def __init__(self, worker: KvloopConnectorWorker, slots: int) -> None:
+        self._check(worker)
+        self.worker = worker
+        self.slots = slots  # usable; ids 1..slots
+        rows = slots + 1
+        self.engine_id = host_engine_id(worker.engine_id)
+        block_lens = list(worker.block_len_per_layer)
+        # Host memory, pinned where a GPU would copy into it; one dense buffer per KV-cache region.
+        pin = torch.cuda.is_available()
+        self._buffers = [torch.zeros(rows * n, dtype=torch.uint8, pin_memory=pin) for n in block_lens]
+        bases = [int(b.data_ptr()) for b in self._buffers]
+        config = nixl_agent_config(num_threads=1, capture_telemetry=False) if nixl_agent_config else None
+        self.agent = NixlWrapper(f"{self.engine_id}-{uuid.uuid4()}", config)
+        self._reg = self.agent.get_reg_descs(
+            [(base, rows * n, 0, "") for base, n in zip(bases, block_lens, strict=True)], "DRAM"
+        )
+        self.agent.register_memory(self._reg, backends=worker.nixl_backends)
+        # The engine's own agent writes into the pool's.
+        self._pool_agent_name = worker.nixl_wrapper.add_remote_agent(self.agent.get_agent_metadata())
+        order = worker._transfer_layer_region_indices or range(len(bases))
+        descs = np.concatenate(
+            [
+                worker._stack_descs(
+                    bases[i] + np.arange(rows, dtype=np.uint64) * np.uint64(block_lens[i]), block_lens[i], 0
+                )
+                for i in order
+            ]
+        )
+        self._dst = worker.nixl_wrapper.prep_xfer_dlist(
+            self._pool_agent_name, worker.nixl_wrapper.get_xfer_descs(descs, "DRAM")
+        )
+        self.region_num_blocks = [rows] * len(worker.region_num_blocks or bases)
+        self.handshake = self._handshake_payload(bases, rows)
+        self._copies: dict[str, int] = {}  # handle -> NIXL transfer handle
+        self._done: dict[str, bool] = {}
+        tm.log.info(
+            "kvloop.host_pool_registered",
+            engine_id=self.engine_id,
+            slots=slots,
+            bytes=sum(b.numel() for b in self._buffers),
+        )
+
+    @staticmethod
+    def _check(worker: KvloopConnectorWorker) -> None:
+        problems = []
+        if worker.world_size != 1:
+            problems.append("tensor parallelism")
+        if worker._has_mamba:
+            problems.append("Mamba/SSM state")
+        if worker.use_host_buffer:
+            problems.append("a host staging buffer (kv_buffer_device cpu on a GPU)")
+        if worker._mixed_mem_types:
+            problems.append("KV cache regions of mixed memory types")
+        if worker._physical_blocks_per_logical_kv_block != 1:
+            problems.append("kernel blocks smaller than the scheduler's")
+        if problems:
+            raise UnsupportedLayout(
+                "kvloop_host_retention_gib does not support " + ", ".join(problems) + ": set it to 0"
+            )
+
+    def _handshake_payload(self, bases: list[int], rows: int) -> NixlHandshakePayload:
+        """This engine's handshake metadata, as the pool's engine: its agent, addresses and size."""
+        own = self.worker.xfer_handshake_metadata
+        assert isinstance(own, NixlHandshakePayload)
+        meta = msgspec.msgpack.decode(own.agent_metadata_bytes, type=NixlAgentMetadata)
+        pool = dataclasses.replace(
+            meta,
+            engine_id=self.engine_id,
+            agent_metadata=self.agent.get_agent_metadata(),
+            kv_caches_base_addr=bases,
+            device_id=0,
+            num_blocks=rows,
+            block_strides=list(meta.block_lens),
+            region_num_blocks=list(self.region_num_blocks),
+            region_mem_types=["DRAM"] * len(meta.region_mem_types or bases),
+        )
+        return NixlHandshakePayload(
+            compatibility_hash=own.compatibility_hash,
+            agent_metadata_bytes=msgspec.msgpack.Encoder().encode(pool),
+        )
+
+    def _desc_ids(self, groups: list[list[int]], num_blocks: int, region_num_blocks: list[int]) -> Any:
+        w = self.worker
+        return w._compute_desc_ids(
+            block_ids=groups,
+            dst_num_blocks=num_blocks,
+            block_size_ratio=None,
+            physical_blocks_per_logical=1,
+            region_num_blocks=region_num_blocks,
+            region_group_ids=w.region_group_ids or None,
+            uses_region_group_mapping=w._uses_region_group_mapping,
+        )
+
+    def start(self, copy: HostCopy) -> None:
+        """Post the WRITE of a run's blocks into its slots."""
+        w = self.worker
+        try:
+            src = self._desc_ids(copy.block_ids, w.num_blocks, list(w.region_num_blocks))
+            dst = self._desc_ids(copy.slots, self.slots + 1, self.region_num_blocks)
+            assert len(src) == len(dst)
+            handle = w.nixl_wrapper.make_prepped_xfer(
+                "WRITE", w.src_xfer_handles_by_block_size[w.block_size], src, self._dst, dst
+            )
+            w.nixl_wrapper.transfer(handle)
+        except Exception as exc:  # the run keeps its KV-cache blocks; no host copy is announced
+            tm.log.warning("kvloop.host_copy_failed", handle=copy.handle, error=repr(exc))
+            self._done[copy.handle] = False
+            return
+        self._copies[copy.handle] = handle
+
+    def poll(self) -> None:
+        """Collect finished copies; drain the pool agent's READ notices (prefills reading copies)."""
+        wrapper = self.worker.nixl_wrapper
+        for run, handle in list(self._copies.items()):
+            state = wrapper.check_xfer_state(handle)
+            if state == "PROC":
+                continue
+            del self._copies[run]
+            wrapper.release_xfer_handle(handle)
+            self._done[run] = state == "DONE"
+            if state != "DONE":
+                tm.log.warning("kvloop.host_copy_failed", handle=run, state=state)
+        for notices in self.agent.get_new_notifs().values():
+            tm.HOST_READS.inc(len(notices))
+
+    def copying_runs(self) -> set[str]:
+        """Device handles of the runs whose copy is in flight."""
+        return {handle.removesuffix(HOST_SUFFIX) for handle in self._copies}
+
+    def take_done(self) -> dict[str, bool]:
+        done, self._done = self._done, {}
+        return done
+
+    def read_slots(self, slots: list[int]) -> list[torch.Tensor]:
+        """The pool's bytes of ``slots`` per region (tests compare them with the KV cache's)."""
+        lens = self.worker.block_len_per_layer
+        return [buf.view(-1, n)[slots].clone() for buf, n in zip(self._buffers, lens, strict=True)]
+
+    def shutdown(self) -> None:
+        try:
+            self.agent.deregister_memory(self._reg)
+        except Exception as exc:  # shutting down: the process's memory goes anyway
+            tm.log.debug("kvloop.host_pool_deregister_failed", error=repr(exc))

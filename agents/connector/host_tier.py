@@ -1,0 +1,192 @@
+"""The decode's host retention tier, scheduler side: which retained runs get a copy in the host pool
+(host_pool.py), where, and for how long; their announcements and their fenced release.
+
+When a retained run is announced, its KV-cache blocks are copied into free pool slots (one slot per
+distinct block). Once the worker reports the copy, the copy is announced as a run of its own: handle
+``<request id>@host``, tier ``host``, slot ids for block ids, its own lease
+(``kvloop_host_retention_ttl_s``). The directory then knows both; the run's KV-cache blocks may go
+(decode.py gives up runs with a host copy first) while the copy stays pullable.
+
+A copy's slots are reused only when no prefill can still READ them: a copy released before its lease
+ends (the pool needed room, or a later turn's copy holds the same prefix) is dropped from the
+directory first, and its slots come free once kvloopd confirms the drop and its read window has passed
+(the fence of yielding.py); an expired copy's slots come free after the READ margin, since the
+directory never hands out a run that close to its lease's end. Copies are kept oldest first: each
+turn of a conversation makes a newer one and supersedes its older copy, so the oldest copy is the
+conversation least recently active.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.host_pool import HOST_SUFFIX
+from kvloop.agents.connector.metadata import HostCopy
+from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
+
+NULL_BLOCK = 0
+# Start releasing the oldest copies when fewer than this share of the pool's slots are free, so
+# that the next runs find room (a released copy's slots stay fenced for a read window).
+FREE_LOW = 0.1
+FREE_TARGET = 0.25
+
+
+@dataclass
+class _Copy:
+    event: KvloopBlocksRetained  # the host run's announcement, slot ids for block ids
+    slots: list[int]
+    deadline: float = 0.0  # perf_counter; set once announced
+    state: str = "copying"  # copying | announced | released
+    free_at: float | None = None  # released: when its slots may be reused (perf_counter)
+    hashes: tuple[bytes, ...] = field(default=())
+
+
+class HostTier:
+    def __init__(
+        self,
+        slots: int,
+        ttl_s: float,
+        read_margin_s: float,
+        emit: Callable[[Any], None],
+        confirmer: ReleaseConfirmer | None,
+    ) -> None:
+        self.slots = slots
+        self.ttl_s = ttl_s
+        self.read_margin_s = read_margin_s
+        self._emit = emit
+        self._confirmer = confirmer
+        self._free = list(range(slots, 0, -1))  # pop() hands out the lowest first
+        self._copies: OrderedDict[str, _Copy] = OrderedDict()  # host handle -> copy, oldest first
+        self._pending: list[HostCopy] = []
+        self.announced_at: dict[str, float] = {}  # device handle -> when its copy was announced
+
+    @staticmethod
+    def handle_of(device_handle: str) -> str:
+        return device_handle + HOST_SUFFIX
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def has_copy(self, device_handle: str) -> bool:
+        return device_handle in self.announced_at
+
+    def copying(self, device_handle: str) -> bool:
+        copy = self._copies.get(self.handle_of(device_handle))
+        return copy is not None and copy.state == "copying"
+
+    def plan(self, device: KvloopBlocksRetained) -> None:
+        """Copy the run ``device`` announces (its KV-cache block ids) into the pool, if there is room."""
+        handle = self.handle_of(device.retention_handle)
+        ids = sorted({b for g in device.block_ids for b in g} | set(device.tail_block_ids) - {NULL_BLOCK})
+        self._make_room(len(ids))
+        if len(ids) > len(self._free):
+            tm.HOST_COPIES.labels("no_room").inc()
+            return
+        slot_of = {b: self._free.pop() for b in ids}
+        slot_groups = [[slot_of.get(b, NULL_BLOCK) for b in g] for g in device.block_ids]
+        # what the worker copies, per group: the run's blocks and its partly filled tail block
+        tails = device.tail_block_ids or [NULL_BLOCK] * len(device.block_ids)
+        copied = [
+            [b for b in [*g, tail] if b != NULL_BLOCK]
+            for g, tail in zip(device.block_ids, tails, strict=True)
+        ]
+        event = KvloopBlocksRetained(
+            block_hashes=device.block_hashes,
+            block_ids=slot_groups,
+            retention_handle=handle,
+            lease_ms=int(self.ttl_s * 1000),
+            single_use=False,
+            lora_name=device.lora_name,
+            tail_token_ids=device.tail_token_ids,
+            tail_block_ids=[slot_of.get(b, NULL_BLOCK) for b in device.tail_block_ids],
+            tier="host",
+        )
+        self._copies[handle] = _Copy(event, list(slot_of.values()), hashes=tuple(device.block_hashes))
+        self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
+
+    def take_copies(self) -> list[HostCopy]:
+        out, self._pending = self._pending, []
+        return out
+
+    def copied(self, done: dict[str, bool]) -> None:
+        """The worker's report: announce each copy made; give back the slots of each that failed."""
+        now = time.perf_counter()
+        for handle, ok in done.items():
+            copy = self._copies.get(handle)
+            if copy is None or copy.state != "copying":
+                continue
+            if not ok:
+                tm.HOST_COPIES.labels("failed").inc()
+                del self._copies[handle]
+                self._free.extend(copy.slots)
+                continue
+            copy.state, copy.deadline = "announced", now + self.ttl_s
+            self._emit(_with_ts(copy.event))
+            self._supersede(handle, copy.hashes)
+            self.announced_at[handle.removesuffix(HOST_SUFFIX)] = now
+            tm.HOST_COPIES.labels("copied").inc()
+
+    def device_released(self, device_handle: str) -> None:
+        self.announced_at.pop(device_handle, None)
+
+    def confirmed(self, done: Confirmed) -> None:
+        """kvloopd's answer for a released copy: its slots come free a read window after the drop was
+        confirmed; unconfirmed, when its lease has ended."""
+        copy = self._copies.get(done.handle)
+        if copy is not None and copy.state == "released":
+            copy.free_at = done.free_at if done.free_at is not None else copy.deadline + self.read_margin_s
+
+    def step(self) -> None:
+        """Expire copies whose lease ended; give back the slots of released copies past their fence."""
+        now = time.perf_counter()
+        for handle, copy in list(self._copies.items()):
+            if copy.state == "announced" and now >= copy.deadline:
+                self._release(handle, copy, "expired", fence=False)
+            if copy.state == "released" and copy.free_at is not None and now >= copy.free_at:
+                del self._copies[handle]
+                self._free.extend(copy.slots)
+
+    def _supersede(self, newer: str, hashes: tuple[bytes, ...]) -> None:
+        """Release the copies whose blocks the newer copy ``newer`` starts with: it holds them all."""
+        for handle, copy in list(self._copies.items()):
+            covered = len(copy.hashes) <= len(hashes) and hashes[: len(copy.hashes)] == copy.hashes
+            if handle != newer and copy.state == "announced" and covered:
+                self._release(handle, copy, "superseded")
+
+    def _make_room(self, needed: int) -> None:
+        """Release the oldest copies while too few slots are free or coming free."""
+        coming = sum(len(c.slots) for c in self._copies.values() if c.state == "released")
+        if self.free_slots >= max(needed, FREE_LOW * self.slots):
+            return
+        want = max(needed, int(FREE_TARGET * self.slots))
+        for handle, copy in list(self._copies.items()):
+            if self.free_slots + coming >= want:
+                return
+            if copy.state == "announced":
+                self._release(handle, copy, "evicted")
+                coming += len(copy.slots)
+
+    def _release(self, handle: str, copy: _Copy, reason: str, fence: bool = True) -> None:
+        copy.state = "released"
+        self.announced_at.pop(handle.removesuffix(HOST_SUFFIX), None)
+        self._emit(KvloopRetentionReleased(retention_handle=handle, reason=reason, ts=time.time()))
+        tm.HOST_RELEASED.labels(reason).inc()
+        if not fence:  # past its lease: never handed out again, so the READ margin is enough
+            copy.free_at = copy.deadline + self.read_margin_s
+        elif self._confirmer is not None and copy.hashes:
+            self._confirmer.submit(GivenUp(handle, copy.hashes[0], copy.event.lora_name or ""))
+        else:
+            copy.free_at = copy.deadline + self.read_margin_s
+
+
+def _with_ts(event: KvloopBlocksRetained) -> KvloopBlocksRetained:
+    return msgspec.structs.replace(event, ts=time.time())

@@ -1,0 +1,136 @@
+"""The host retention tier's scheduler side (agents/connector/host_tier.py): which runs get a copy in
+the host pool, where, what is announced, and when a copy's slots may be reused (no engine needed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.yielding import Confirmed, GivenUp
+
+H = [bytes([i]) * 32 for i in range(20)]
+
+
+class FakeConfirmer:
+    def __init__(self) -> None:
+        self.asked: list[GivenUp] = []
+
+    def submit(self, run: GivenUp) -> None:
+        self.asked.append(run)
+
+
+def _device(handle: str, n: int, first_id: int = 10, tail: bool = False) -> KvloopBlocksRetained:
+    return KvloopBlocksRetained(
+        block_hashes=H[:n],
+        block_ids=[[first_id + i for i in range(n)]],
+        retention_handle=handle,
+        lease_ms=60_000,
+        single_use=False,
+        tail_token_ids=[1, 2, 3] if tail else [],
+        tail_block_ids=[first_id + n] if tail else [],
+    )
+
+
+def _tier(slots: int, confirmer: FakeConfirmer | None = None) -> tuple[HostTier, list]:
+    events: list = []
+    return HostTier(slots, 600.0, 2.0, events.append, confirmer or FakeConfirmer()), events  # type: ignore[arg-type]
+
+
+def test_a_copy_is_announced_as_a_host_run_only_once_the_worker_made_it():
+    tier, events = _tier(16)
+    tier.plan(_device("r1", 3, tail=True))
+    (copy,) = tier.take_copies()
+    assert copy.handle == "r1@host" and copy.block_ids == [[10, 11, 12, 13]]  # the tail block rides along
+    assert sorted(s for g in copy.slots for s in g) == [1, 2, 3, 4]  # slot 0 stands for the null block
+    assert not events and not tier.has_copy("r1")  # nothing said before the copy exists
+    tier.copied({"r1@host": True})
+    (host,) = events
+    assert host.tier == "host" and host.retention_handle == "r1@host" and not host.single_use
+    assert host.block_hashes == H[:3] and host.lease_ms == 600_000
+    slot_of = dict(zip(copy.block_ids[0], copy.slots[0], strict=True))
+    assert host.block_ids == [[slot_of[10], slot_of[11], slot_of[12]]]
+    assert host.tail_block_ids == [slot_of[13]] and host.tail_token_ids == [1, 2, 3]
+    assert tier.has_copy("r1") and tier.free_slots == 12
+
+
+def test_a_failed_copy_is_never_announced_and_gives_its_slots_back():
+    tier, events = _tier(8)
+    tier.plan(_device("r1", 4))
+    tier.take_copies()
+    tier.copied({"r1@host": False})
+    assert not events and tier.free_slots == 8 and not tier.has_copy("r1")
+
+
+def test_without_room_the_run_stays_in_the_kv_cache_only():
+    tier, _ = _tier(4)
+    tier.plan(_device("big", 6))
+    assert tier.take_copies() == [] and tier.free_slots == 4
+
+
+def test_a_released_copys_slots_come_free_only_after_the_directory_confirmed_and_a_read_window():
+    confirmer = FakeConfirmer()
+    tier, events = _tier(10, confirmer)
+    tier.plan(_device("a", 5, first_id=10))
+    tier.take_copies()
+    tier.copied({"a@host": True})
+    tier.plan(_device("b", 6, first_id=30))  # 5 free: the oldest copy goes, and b waits for room
+    released = [e for e in events if isinstance(e, KvloopRetentionReleased)]
+    assert [(e.retention_handle, e.reason) for e in released] == [("a@host", "evicted")]
+    assert [g.handle for g in confirmer.asked] == ["a@host"] and confirmer.asked[0].first_hash == H[0]
+    assert not tier.has_copy("a") and tier.take_copies() == []
+    tier.step()
+    assert tier.free_slots == 5  # a's slots are fenced until the drop is confirmed ...
+    tier.confirmed(Confirmed("a@host", time.perf_counter() + 30))
+    tier.step()
+    assert tier.free_slots == 5  # ... and a read window has passed
+    tier.confirmed(Confirmed("a@host", time.perf_counter() - 0.001))
+    tier.step()
+    assert tier.free_slots == 10
+    tier.plan(_device("c", 6, first_id=50))
+    assert [c.handle for c in tier.take_copies()] == ["c@host"]
+
+
+def test_a_later_turns_copy_supersedes_the_copy_it_starts_with():
+    confirmer = FakeConfirmer()
+    tier, events = _tier(32, confirmer)
+    tier.plan(_device("turn1", 3, first_id=10))
+    tier.take_copies()
+    tier.copied({"turn1@host": True})
+    tier.plan(_device("turn2", 6, first_id=10))
+    tier.take_copies()
+    assert tier.has_copy("turn1")  # still the only copy until turn 2's is made
+    tier.copied({"turn2@host": True})
+    released = [(e.retention_handle, e.reason) for e in events if isinstance(e, KvloopRetentionReleased)]
+    assert released == [("turn1@host", "superseded")]
+    assert tier.has_copy("turn2") and not tier.has_copy("turn1")
+    assert [g.handle for g in confirmer.asked] == ["turn1@host"]
+
+
+def test_an_expired_copy_is_released_and_its_slots_reused_after_the_read_margin(monkeypatch):
+    tier, events = _tier(8)
+    tier.plan(_device("r", 2))
+    tier.take_copies()
+    tier.copied({"r@host": True})
+    now = time.perf_counter()
+    monkeypatch.setattr(time, "perf_counter", lambda: now + 600.5)  # past its lease
+    tier.step()
+    assert [(e.retention_handle, e.reason) for e in events if isinstance(e, KvloopRetentionReleased)] == [
+        ("r@host", "expired")
+    ]
+    assert tier.free_slots == 6  # within the READ margin (2 s) of its lease's end
+    monkeypatch.setattr(time, "perf_counter", lambda: now + 603)
+    tier.step()
+    assert tier.free_slots == 8
+
+
+@pytest.mark.parametrize("gib, per_block, slots", [(1.0, 2**20, 1023), (0.0, 2**20, 0), (2**-20, 2**20, 0)])
+def test_pool_slots_leave_slot_zero_for_the_null_block(gib, per_block, slots):
+    from types import SimpleNamespace
+
+    from kvloop.agents.connector.host_pool import pool_slots
+
+    config = SimpleNamespace(num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * per_block)])
+    assert pool_slots(config, gib) == slots  # type: ignore[arg-type]
