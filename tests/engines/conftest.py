@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,6 +73,8 @@ class KvloopStack:
     agent: subprocess.Popen | None = None
     agent_logs: list[Path] = field(default_factory=list)
     runs: list[Run] = field(default_factory=list)
+    # More kvloop-agent arguments for the decode's agent (its host pool's engine, ...).
+    agent_args: list[str] = field(default_factory=list)
     _client: object = None
 
     @property
@@ -115,7 +118,9 @@ class KvloopStack:
         assert self.agent is None or self.agent.poll() is not None
         log = self.tmp / f"agent-{len(self.agent_logs)}.log"
         self.agent_logs.append(log)
-        self.agent = self.spawn_agent(DECODE_WORKER, "decode", self.side_channel_port, self.ev_port, log)
+        self.agent = self.spawn_agent(
+            DECODE_WORKER, "decode", self.side_channel_port, self.ev_port, log, extra=self.agent_args
+        )
 
     def spawn_agent(
         self,
@@ -125,6 +130,7 @@ class KvloopStack:
         ev_port: int,
         log: Path,
         tp: int | None = None,
+        extra: list[str] | None = None,
     ) -> subprocess.Popen:
         """A kvloop-agent for one engine of this stack (its KV events on ``ev_port``, replay on the next)."""
         return supervisor().spawn(
@@ -154,6 +160,7 @@ class KvloopStack:
                 f"tcp://127.0.0.1:{ev_port + 1}",
                 "--health-listen",
                 "",
+                *(extra or []),
             ],
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
@@ -260,8 +267,10 @@ def start_pair(
     model: str = MODEL,
     kv_bytes_per_block: int = KV_BYTES_PER_BLOCK,
     decode_tp: int = 1,
+    host_retention_gib: float = 0.0,
 ) -> EnginePair:
-    """kvloopd, a decode engine with its kvloop-agent and a prefill engine, all serving ``model_dir``."""
+    """kvloopd, a decode engine with its kvloop-agent and a prefill engine, all serving ``model_dir``;
+    with ``host_retention_gib``, the decode copies retained runs into a host pool of that size."""
     from engine_harness import EngineHandle, EngineSpec
 
     # Same hash seed everywhere (sha256_cbor hashes are seeded by PYTHONHASHSEED's NONE_HASH).
@@ -277,6 +286,21 @@ def start_pair(
         decode_tp,
     )
     kvloop.start_daemon()
+    decode_extra: dict[str, Any] = {}
+    if host_retention_gib:
+        host_port = free_port()
+        decode_extra = {
+            "kvloop_host_retention_gib": host_retention_gib,
+            "kvloop_host_side_channel_port": host_port,
+            "kvloop_daemon": kvloop.address,
+            "kvloop_model": model,
+        }
+        kvloop.agent_args = [
+            "--host-engine-id",
+            f"{DECODE_WORKER}@host",
+            "--host-nixl-endpoint",
+            f"127.0.0.1:{host_port}",
+        ]
     common = {
         "kvloop_retention_ttl_s": RETENTION_TTL_S,
         "kv_recompute_threshold": 32,
@@ -289,7 +313,7 @@ def start_pair(
             str(model_dir),
             kvloop.side_channel_port,
             DECODE_WORKER,
-            {**common, "kvloop_worker_id": DECODE_WORKER},
+            {**common, "kvloop_worker_id": DECODE_WORKER, **decode_extra},
             kv_events_endpoint=f"tcp://*:{ev_port}",
             kv_events_replay_endpoint=f"tcp://*:{ev_port + 1}",
             otlp_endpoint=otlp_endpoint,
@@ -364,12 +388,24 @@ class EngineSlot:
         self.pair: EnginePair | None = None
 
     def get(
-        self, key: str, model_dir: Path, model: str, kv_bytes_per_block: int, decode_tp: int = 1
+        self,
+        key: str,
+        model_dir: Path,
+        model: str,
+        kv_bytes_per_block: int,
+        decode_tp: int = 1,
+        host_retention_gib: float = 0.0,
     ) -> EnginePair:
         if self.key != key or self.pair is None:
             self.close()
             self.pair = start_pair(
-                model_dir, self.tmp_path_factory, self.otlp_endpoint, model, kv_bytes_per_block, decode_tp
+                model_dir,
+                self.tmp_path_factory,
+                self.otlp_endpoint,
+                model,
+                kv_bytes_per_block,
+                decode_tp,
+                host_retention_gib,
             )
             self.key = key
         return self.pair
@@ -382,7 +418,7 @@ class EngineSlot:
 
 # Modules whose engine pair serves another model than the tiny Llama: they run after every other
 # engine test, so the session switches pairs once.
-OTHER_MODEL_MODULES = ("test_hybrid.py", "test_tp.py")
+OTHER_MODEL_MODULES = ("test_host_tier.py", "test_hybrid.py", "test_tp.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -186,6 +186,23 @@ def _connector_state(worker: Any) -> dict[str, Any]:
     return {"steps": w.kvloop_steps, "leases": dict(w._reqs_to_send), "reads": dict(w.kvloop_reads)}
 
 
+def _host_pool_diff(worker: Any, block_ids: list[int], slots: list[int]) -> list[int]:
+    """Per (block, slot) pair, how many bytes of the host pool's slot differ from the KV-cache
+    block's, over every region (the pool mirrors the connector's registered KV caches, in order)."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    w = get_kv_transfer_group().connector_worker  # type: ignore[attr-defined]
+    caches = list(w.device_kv_caches.values())
+    pooled = w.host_pool.read_slots(slots)
+    assert len(caches) == len(pooled), (len(caches), len(pooled))
+    out = torch.zeros(len(block_ids), dtype=torch.long)
+    for cache, pool in zip(caches, pooled, strict=True):
+        rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)[torch.tensor(block_ids)]
+        out += (rows != pool).sum(dim=1)
+    return out.tolist()
+
+
 def _kv_shapes(worker: Any) -> list[list[int]]:
     return [list(c.shape) for c in worker.model_runner.kv_caches]
 
@@ -370,6 +387,8 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                         },
                     )
                 )
+            elif cmd == "host_pool_diff":
+                conn.send(("ok", llm.collective_rpc(_host_pool_diff, args=(args["ids"], args["slots"]))[0]))
             elif cmd == "connector_state":
                 conn.send(("ok", llm.collective_rpc(_connector_state)[0]))
             elif cmd == "sleep":  # let the engine idle without stepping

@@ -134,3 +134,65 @@ def test_pool_slots_leave_slot_zero_for_the_null_block(gib, per_block, slots):
 
     config = SimpleNamespace(num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * per_block)])
     assert pool_slots(config, gib) == slots  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------ with engines
+# This module's engine pair (conftest.EngineSlot) has a decode with a host pool; it runs after the
+# tiny-Llama pair's tests.
+
+
+@pytest.fixture(scope="module")
+def host_pair(engine_slot, tiny_model):
+    from conftest import KV_BYTES_PER_BLOCK, MODEL
+
+    return engine_slot.get("llama-host", tiny_model, MODEL, KV_BYTES_PER_BLOCK, host_retention_gib=0.05)
+
+
+def _host_runs(pair, first_hash: bytes, handle: str) -> list:
+    return pair.kvloop.locations(first_hash, "retained", handle)
+
+
+@pytest.mark.engines
+def test_a_pull_from_the_host_pool_gives_the_kv_a_recompute_gives(host_pair):
+    """Turn 1 retains on the decode, which copies the run into its host pool (the bytes equal the KV
+    cache's, block by block) and announces the copy as a host-tier run of its own engine,
+    ``decode-0@host``. With the decode's copy of the run given up, the next turn's prefill pulls the
+    history from the host pool, and the KV it gets equals a recompute's, block by block."""
+    import random
+    import uuid
+
+    from test_reverse_pull import prefill_and_check, rand_tokens
+
+    from kvloop.v1 import directory_pb2 as pb
+    from tests.support import wait_until
+
+    pair = host_pair
+    rnd = random.Random(41)
+    prompt = rand_tokens(rnd, 700)
+    p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
+    d = pair.decode.generate(prompt, 32, p["kv_transfer_params"])
+    handle = d["kv_transfer_params"]["remote_request_id"]
+    hashes = pair.decode.call("block_hashes", prompt + d["token_ids"])
+    device_ids = d["kv_transfer_params"]["remote_block_ids"][0]
+
+    def copied() -> list:
+        pair.decode.generate(rand_tokens(rnd, 8), 1)  # the in-process engine steps only for requests
+        return _host_runs(pair, hashes[0], f"{handle}@host")
+
+    (host,) = wait_until(copied, 30, "the host copy announced")
+    assert host.tier == pb.BLOCK_TIER_HOST and host.engine_id == "decode-0@host"
+    slots = list(host.block_ids)[: len(hashes)]
+    assert len(slots) == len(hashes) and 0 not in slots
+    assert pair.decode.call("host_pool_diff", {"ids": device_ids[: len(slots)], "slots": slots}) == [0] * len(
+        slots
+    ), "the pool holds other bytes than the KV cache"
+    assert pair.decode.call("metrics").get(("kvloop_connector_host_copies_total", (("outcome", "copied"),)))
+
+    # the decode's own copy goes (the pool still holds the run): the next turn reads the pool
+    wait_until(lambda: not _host_runs(pair, hashes[0], handle), 30, "the KV-cache run dropped")
+    nxt = prompt + d["token_ids"] + rand_tokens(rnd, 64)
+    pf = prefill_and_check(pair, nxt)
+    assert pf.span["kvloop.path"] == "transfer", pf.span
+    assert pf.span["kvloop.tier"] == "host", pf.span
+    # the whole history but its last token (as from a KV cache): the tail block came from the pool too
+    assert pf.out["num_cached_tokens"] == len(nxt) - 64 - 1
