@@ -23,6 +23,7 @@ def _names(enum: EnumTypeWrapper, prefix: str) -> dict[int, str]:
 _PATHS = _names(pb.TurnPath, "TURN_PATH_")
 _REASONS = _names(pb.DecisionReason, "DECISION_REASON_")
 _DECISIONS = _names(pb.Decision, "DECISION_")
+_TIERS = _names(pb.BlockTier, "BLOCK_TIER_")
 
 
 def _short(names: dict[int, str], value: int) -> str:
@@ -45,5 +46,21 @@ def decision_name(decision: int) -> str:
     return _short(_DECISIONS, decision)
 
 
+def tier_name(tier: int) -> str:
+    """``pb.BLOCK_TIER_HOST`` -> ``"host"``; UNSPECIFIED is ``"device"`` (a run announced without a
+    tier is a device run)."""
+    return _short(_TIERS, tier or pb.BLOCK_TIER_DEVICE)
+
+
+def tier_value(name: str) -> int:
+    """``"host"`` -> ``pb.BLOCK_TIER_HOST`` (a connector event's tier, for the protocol); ValueError
+    for a name the protocol has no tier for."""
+    for value, known in _TIERS.items():
+        if value and known == name:
+            return value
+    raise ValueError(f"unknown block tier {name!r} (known: {', '.join(TIER_NAMES)})")
+
+
 PATH_NAMES: tuple[str, ...] = tuple(path_name(v) for v in pb.TurnPath.values() if v)
 REASON_NAMES: tuple[str, ...] = tuple(reason_name(v) for v in pb.DecisionReason.values() if v)
+TIER_NAMES: tuple[str, ...] = tuple(tier_name(v) for v in pb.BlockTier.values() if v)

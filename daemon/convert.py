@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 from msgspec import structs
 
 from kvloop.common import block_hash
+from kvloop.common.addresses import parse_host_port
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
+from kvloop.common.outcomes import tier_name
 from kvloop.common.packed_ids import unpack_u32
 from kvloop.daemon.index import (
+    BlockTier,
     Cleared,
     Event,
     Holding,
@@ -41,6 +45,15 @@ MAX_TOKENS = 2**32 - 1  # LookupResponse's token counts are uint32
 
 class BadInput(Exception):
     """A message that is refused: INVALID_ARGUMENT with this text, counted under `reason`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EventRefused(Exception):
+    """One event of a batch that is left out while the rest of the batch is applied (the stream stays
+    up): counted under `reason` in kvloop_rejected_messages_total, with this text in the log."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -94,6 +107,7 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
         problems.append("epoch must be non-zero (new on every agent restart)")
     if reg.role in (pb.WORKER_ROLE_DECODE, pb.WORKER_ROLE_BOTH) and not reg.nixl_endpoint:
         problems.append("nixl_endpoint must be set for a decode worker (pullers connect to it)")
+    problems += _host_pool_problems(reg)
     if problems:
         raise BadInput("registration", "invalid registration: " + "; ".join(problems))
     p = reg.parallel
@@ -119,7 +133,28 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
         kv_dtype=reg.kv_dtype,
         kv_group_windows=tuple(reg.kv_group_windows),
         hash_seed=reg.hash_seed,
+        host_engine_id=reg.host_engine_id,
+        host_nixl_endpoint=reg.host_nixl_endpoint,
     )
+
+
+def _host_pool_problems(reg: pb.WorkerRegistration) -> list[str]:
+    """A host pool is named by both its engine id and its side channel, or not at all."""
+    if not reg.host_engine_id and not reg.host_nixl_endpoint:
+        return []
+    if not reg.host_engine_id or not reg.host_nixl_endpoint:
+        return ["host_engine_id and host_nixl_endpoint name the host pool together: give both or neither"]
+    problems = []
+    try:
+        parse_host_port(reg.host_nixl_endpoint, "host_nixl_endpoint")
+    except ValueError as exc:
+        problems.append(str(exc))
+    if reg.host_engine_id == reg.engine_id:
+        problems.append(
+            f"host_engine_id must differ from engine_id ({reg.engine_id!r}): the host pool is a NIXL "
+            "engine of its own"
+        )
+    return problems
 
 
 def registration_of(spec: WorkerSpec) -> pb.WorkerRegistration:
@@ -140,6 +175,8 @@ def registration_of(spec: WorkerSpec) -> pb.WorkerRegistration:
         kv_dtype=spec.kv_dtype,
         kv_group_windows=spec.kv_group_windows,
         hash_seed=spec.hash_seed,
+        host_engine_id=spec.host_engine_id,
+        host_nixl_endpoint=spec.host_nixl_endpoint,
         parallel=pb.ParallelLayout(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=rank
         ),
@@ -168,21 +205,34 @@ def worker_info(view: WorkerView, prefill_tokens_per_s: float) -> pb.WorkerInfo:
 _COUNTED_ONCE = ("transfer", "prefill", "released", "cleared")
 
 
-def events_from_batch(
-    batch: pb.EventBatch, spec: WorkerSpec, max_hashes: int
-) -> tuple[list[Event], list[pb.BlockEvent], dict[str, int]]:
+@dataclass(slots=True)
+class BatchEvents:
+    """A validated batch: the directory events, the telemetry events (for the cost model), counts per
+    kind, and the events left out (well-formed, but not servable from this worker)."""
+
+    events: list[Event] = field(default_factory=list)
+    telemetry: list[pb.BlockEvent] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    refused: list[EventRefused] = field(default_factory=list)
+
+
+def events_from_batch(batch: pb.EventBatch, spec: WorkerSpec, max_hashes: int) -> BatchEvents:
     """Validate the whole batch before anything is applied: a bad batch changes nothing.
 
-    Returns the directory events, the telemetry events (for the cost model) and counts per kind."""
+    A well-formed event the directory cannot serve (a run of a tier the worker registered no engine
+    for) is left out and named in ``refused``; the rest of the batch is applied as usual."""
     width = spec.hash_length
-    events: list[Event] = []
-    telemetry: list[pb.BlockEvent] = []
-    counts: dict[str, int] = {}
+    out = BatchEvents()
+    events, telemetry, counts = out.events, out.telemetry, out.counts
     for position, event in enumerate(batch.events):
         kind = event.WhichOneof("event")
         where = f"batch {batch.sequence} event {position} ({kind})"
         if kind == "retained":
-            events.append(_retained(event.retained, spec, max_hashes, where))
+            try:
+                events.append(_retained(event.retained, spec, max_hashes, where))
+            except EventRefused as refused:
+                out.refused.append(refused)
+                continue
         elif kind == "stored":
             hashes = list(event.stored.block_hashes)
             check_hashes(hashes, width, max_hashes, where)
@@ -205,7 +255,7 @@ def events_from_batch(
             counts[kind] = counts.get(kind, 0) + 1
         else:
             counts[kind] = counts.get(kind, 0) + len(getattr(events[-1], "hashes", ()))
-    return events, telemetry, counts
+    return out
 
 
 def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: str) -> Retained:
@@ -229,6 +279,19 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
             )
         if len(r.tail_block_ids) != groups:
             raise BadInput("tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups")
+    tier = r.tier or BlockTier.DEVICE
+    if tier == BlockTier.HOST and not spec.host_nixl_endpoint:
+        raise EventRefused(
+            "no_host_pool",
+            f"{where}: run {r.retention_handle!r} is in host memory, but worker {spec.worker_id!r} "
+            "registered no host pool (host_engine_id, host_nixl_endpoint) to read it from: not indexed",
+        )
+    if tier not in (BlockTier.DEVICE, BlockTier.HOST):
+        raise EventRefused(
+            "unservable_tier",
+            f"{where}: run {r.retention_handle!r} is in tier {tier_name(tier)!r}; only device and host "
+            "runs can be read: not indexed",
+        )
     return Retained(
         block_keys(hashes),
         list(r.block_ids),
@@ -237,7 +300,7 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
         r.expires_in_ms,
         r.single_use,
         r.lora_name,
-        r.tier,
+        tier,
         list(r.tail_token_ids),
         list(r.tail_block_ids),
     )
@@ -364,8 +427,13 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool, read_window
     spec = holding.worker
     # Fields left at their default are not set (proto3 sends none): every Lookup fills a holder.
     message.worker_id = spec.worker_id
-    message.engine_id = spec.engine_id
-    message.nixl_endpoint = spec.nixl_endpoint
+    if holding.tier == BlockTier.HOST:  # read from the worker's host pool, a NIXL engine of its own
+        message.engine_id = spec.host_engine_id
+        message.nixl_endpoint = spec.host_nixl_endpoint
+    else:
+        message.engine_id = spec.engine_id
+        message.nixl_endpoint = spec.nixl_endpoint
+    message.tier = holding.tier
     if spec.http_endpoint:
         message.http_endpoint = spec.http_endpoint
     message.matched_blocks = holding.matched_blocks
@@ -554,6 +622,7 @@ def route_response(query: RouteQuery, ranked: Sequence[RouteScore], tied: int) -
             pull_blocks=score.pull_blocks,
             pull_holder_worker_id=score.pull_holder,
             pull_holder_blocks=score.pull_holder_blocks,
+            pull_holder_tier=score.pull_holder_tier,
             pull_reason=score.pull_reason,
             compute_tokens=score.compute_tokens,
             queue_ms=score.queue_ms,

@@ -23,7 +23,12 @@ Real traffic cannot fool it with a few bad samples:
   re-measured (reason PROBE) every ``reprobe_every`` verdicts and at least every
   ``reprobe_interval_s`` while lookups arrive: a probe is always correct, only possibly slower.
 
-``Policy.pairs`` shows all of it per holder -> puller pair (``ListPairs``, ``kvloop pairs``).
+Transfer estimates are kept per holder -> puller pair and per tier of the holder's runs: a READ from a
+holder's host-memory pool and one from its device KV cache are different transfers, learnt apart
+(``TransferReport.source_tier``), and each Lookup estimates a pull with its holder's tier. A fleet
+without host pools has only device estimates, as before.
+
+``Policy.pairs`` shows all of it per holder -> puller pair and tier (``ListPairs``, ``kvloop pairs``).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvloop.common.outcomes import reason_name
 from kvloop.common.route_estimate import queue_ms, tie_margin_ms
-from kvloop.daemon.index.model import Namespace, PrefixMatch, WorkerSpec
+from kvloop.daemon.index.model import BlockTier, Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
 from kvloop.v1 import directory_pb2 as pb
 
@@ -131,7 +136,7 @@ def _transfer_rates(pair: _Pair | None, config: PolicyConfig) -> tuple[PolicyCon
 
 @dataclass(slots=True)
 class _Pair:
-    """What the model knows of reading from one holder into one puller."""
+    """What the model knows of reading from one holder's tier into one puller."""
 
     model: str
     bandwidth: _Window  # bytes/s of NIXL-measured READs
@@ -246,6 +251,7 @@ class RouteScore:
     pull_blocks: int = 0
     pull_holder: str = ""
     pull_holder_blocks: int = 0
+    pull_holder_tier: int = 0  # the tier of the run the pull would read (set with pull_holder)
     pull_reason: int = pb.DECISION_REASON_MISS
     pull_cost: Cost | None = None
     compute_tokens: int = 0
@@ -365,11 +371,12 @@ class _Verdict(msgspec.Struct, gc=False):
 
 
 class CostModel:
-    """Per (holder, puller) transfer and per-worker prefill estimates, fed by agents' telemetry."""
+    """Per (holder, puller, tier) transfer and per-worker prefill estimates, fed by agents' telemetry."""
 
     def __init__(self, config_for, max_pairs: int = 65_536) -> None:
         self._config_for = config_for
-        self.pairs: dict[tuple[str, str], _Pair] = {}  # (holder, puller); read by Policy.decide
+        # (holder, puller, tier of the holder's run: BlockTier); read by Policy.decide
+        self.pairs: dict[tuple[str, str, int], _Pair] = {}
         # A Lookup's requester is the caller's to name: the pairs kept are bounded (see _make_room).
         self.max_pairs = max_pairs
         self.forgotten_pairs = 0
@@ -377,13 +384,14 @@ class CostModel:
         # worker -> (config, tokens/s, basis) until its next prefill sample: read on every Lookup
         self._prefill_rates: dict[str, tuple[PolicyConfig, float, str]] = {}
 
-    def pair(self, holder: str, puller: str, model: str) -> _Pair:
-        pair = self.pairs.get((holder, puller))
+    def pair(self, holder: str, puller: str, model: str, tier: int = BlockTier.DEVICE) -> _Pair:
+        key = (holder, puller, tier)
+        pair = self.pairs.get(key)
         if pair is None:
             if len(self.pairs) >= self.max_pairs:
                 self._make_room()
             size = self._config_for(model).window_samples
-            pair = self.pairs[(holder, puller)] = _Pair(model, _Window(size), _Window(size))
+            pair = self.pairs[key] = _Pair(model, _Window(size), _Window(size))
         return pair
 
     def forget_worker(self, worker: str) -> None:
@@ -391,7 +399,7 @@ class CostModel:
         drop delay): its prefill rate and every pair it is in. Worker ids churn with pods."""
         self._prefill.pop(worker, None)
         self._prefill_rates.pop(worker, None)
-        for key in [key for key in self.pairs if worker in key]:
+        for key in [key for key in self.pairs if worker in key[:2]]:
             del self.pairs[key]
 
     def _make_room(self) -> None:
@@ -412,8 +420,9 @@ class CostModel:
 
     def record_transfer(self, puller: str, holder: str, report: pb.TransferReport, model: str) -> None:
         """Learn from a READ measured by NIXL itself; a failed READ says nothing about bandwidth, a
-        first READ includes the one-time handshake, and the engine's view includes step waits."""
-        pair = self.pair(holder, puller, model)
+        first READ includes the one-time handshake, and the engine's view includes step waits. The
+        report's source tier (UNSPECIFIED: device) selects the estimate it teaches."""
+        pair = self.pair(holder, puller, model, report.source_tier or BlockTier.DEVICE)
         if not report.first_contact:  # a handshake's wait is paid once, and no longer at start-up
             pair.wait_s += report.wait_us / 1e6
             pair.waits += 1
@@ -445,7 +454,7 @@ class CostModel:
         window = self._prefill.get(worker)
         return statistics.median(window.samples) if window and window.samples else 0.0
 
-    def step_wait_ms(self, holder: str, puller: str) -> float:
+    def step_wait_ms(self, holder: str, puller: str, tier: int = BlockTier.DEVICE) -> float:
         """The engine-step wait a pull adds on this pair: the pulling engine issues a READ at a step
         and schedules the request after the step that saw it done, while a local prefix hit is
         scheduled at once. Lookup leaves it out (recomputing waits for steps too); Route, comparing a
@@ -456,7 +465,7 @@ class CostModel:
         (a local hit queued behind the same prompts waits as long). The mean of a few such waits
         made every later pull on the pair look hundreds of milliseconds dearer than it is, and sent
         conversations away from the prefill holding their history."""
-        pair = self.pairs.get((holder, puller))
+        pair = self.pairs.get((holder, puller, tier))
         if pair is None or not pair.recent_waits:
             return 0.0
         waits = pair.recent_waits
@@ -508,7 +517,7 @@ class CostModel:
     def views(self) -> tuple[list[pb.PairEstimate], list[pb.PullerEstimate]]:
         now = time.monotonic()
         pairs = []
-        for (holder, puller), pair in sorted(self.pairs.items()):
+        for (holder, puller, tier), pair in sorted(self.pairs.items()):
             config = self._config_for(pair.model)
             bandwidth = pair.bandwidth.estimate(
                 config.default_transfer_gbytes_per_s * 1e9, config.min_samples
@@ -517,6 +526,7 @@ class CostModel:
                 pb.PairEstimate(
                     holder_worker_id=holder,
                     puller_worker_id=puller,
+                    tier=tier,
                     transfer_gbytes_per_s=bandwidth / 1e9,
                     setup_ms=pair.setup.estimate(config.default_transfer_setup_ms / 1e3, config.min_samples)
                     * 1e3,
@@ -616,8 +626,8 @@ class Policy:
             return _Verdict(pb.DECISION_RECOMPUTE, pb.DECISION_REASON_DISABLED, "transfer disabled")
         blocks = best.matched_blocks - local_blocks
         gain_tokens = blocks * query.block_size
-        holder, puller = best.worker.worker_id, query.requester
-        pair = self.cost.pairs.get((holder, puller))
+        holder, puller, tier = best.worker.worker_id, query.requester, best.tier
+        pair = self.cost.pairs.get((holder, puller, tier))
         cost = self.cost.estimate_on(
             pair, puller, best.worker.kv_bytes_per_block, blocks, gain_tokens, config
         )
@@ -638,7 +648,7 @@ class Policy:
                 cost,
             )
         if pair is None:  # kept from the first verdict on: ListPairs shows its verdicts
-            pair = self.cost.pair(holder, puller, query.namespace.model)
+            pair = self.cost.pair(holder, puller, query.namespace.model, tier)
         return self._weigh(cost, pair, config, now)
 
     def _weigh(self, cost: Cost, pair: _Pair, config: PolicyConfig, now: float | None) -> _Verdict:
@@ -741,11 +751,14 @@ class Policy:
             if match.best is not None:
                 score.pull_holder = match.best.worker.worker_id
                 score.pull_holder_blocks = match.best.matched_blocks
+                score.pull_holder_tier = match.best.tier
             if verdict.decision == pb.DECISION_TRANSFER and match.best is not None:
                 score.pull_blocks = match.best.matched_blocks - score.local_blocks
                 assert verdict.cost is not None
                 score.transfer_ms = verdict.cost.transfer_ms
-                score.pull_wait_ms = self.cost.step_wait_ms(score.pull_holder, lookup.requester)
+                score.pull_wait_ms = self.cost.step_wait_ms(
+                    score.pull_holder, lookup.requester, score.pull_holder_tier
+                )
                 if not match.best.single_use:
                     score.plan = _answer(lookup, match, verdict)
         for score in scores:

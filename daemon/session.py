@@ -160,7 +160,8 @@ class AgentSession:
         if not self.in_snapshot and self.awaiting_resync:
             metrics.BATCHES.labels("ignored_awaiting_resync").inc()
             return
-        events, telemetry, counts = events_from_batch(batch, spec, self.ctx.max_hashes)
+        validated = events_from_batch(batch, spec, self.ctx.max_hashes)
+        events = validated.events
         # One store call decides and applies: the fence (epoch, next sequence) is checked where the
         # state lives, so two replicas (or a replay after a reconnect) never apply a batch twice.
         applied = await self.ctx.store.apply(
@@ -179,9 +180,16 @@ class AgentSession:
                 f"worker {spec.worker_id!r} epoch {spec.epoch} is no longer registered "
                 f"({applied.fence.value}): re-register",
             )
-        for event in telemetry:
+        for refused in validated.refused:
+            # Left out alone: the rest of the batch is applied and acknowledged, the stream stays up
+            # (refusing the batch would refuse it again on every resend).
+            self.ctx.counters.rejected_message("Connect", refused.reason)
+            log.warning(
+                "agent event left out", worker_id=spec.worker_id, reason=refused.reason, error=str(refused)
+            )
+        for event in validated.telemetry:
             self._telemetry(event, spec)
-        for kind, n in counts.items():
+        for kind, n in validated.counts.items():
             metrics.EVENTS_INGESTED.labels(kind).inc(n)
         metrics.BATCHES.labels("applied").inc()
         if not self.in_snapshot:

@@ -65,9 +65,15 @@ def registration(
 
 
 def retained(
-    hashes: list[bytes], handle: str, expires_in_ms: int = 60_000, single_use: bool = False, groups: int = 1
+    hashes: list[bytes],
+    handle: str,
+    expires_in_ms: int = 60_000,
+    single_use: bool = False,
+    groups: int = 1,
+    tier: int = pb.BLOCK_TIER_UNSPECIFIED,
+    first_id: int = 1000,
 ) -> pb.BlockEvent:
-    ids = [1000 + g * 10_000 + i for g in range(groups) for i in range(len(hashes))]
+    ids = [first_id + g * 10_000 + i for g in range(groups) for i in range(len(hashes))]
     return pb.BlockEvent(
         retained=pb.BlocksRetained(
             block_hashes=hashes,
@@ -76,6 +82,7 @@ def retained(
             retention_handle=handle,
             expires_in_ms=expires_in_ms,
             single_use=single_use,
+            tier=tier,
         )
     )
 

@@ -284,6 +284,20 @@ async def test_sequence_gap_triggers_resync_and_snapshot_replaces_state(daemon):
             grpc.StatusCode.INVALID_ARGUMENT,
             "epoch must be non-zero",
         ),
+        (
+            pb.ConnectRequest(register=registration("x", model="m-bad", host_engine_id="engine-x@host")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "host_engine_id and host_nixl_endpoint name the host pool together",
+        ),
+        (
+            pb.ConnectRequest(
+                register=registration(
+                    "x", model="m-bad", host_engine_id="e@host", host_nixl_endpoint="nohost"
+                )
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "host_nixl_endpoint must be HOST:PORT",
+        ),
     ],
 )
 async def test_bad_registration_gets_precise_status(daemon, first, code, fragment):
@@ -378,6 +392,82 @@ async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, frag
             assert healthy.sessions == 1
     metrics = urllib.request.urlopen(f"http://{daemon.metrics_address}/metrics").read().decode()
     assert 'kvloop_rejected_messages_total{reason="' in metrics and 'rpc="Connect"' in metrics
+
+
+def rejected(daemon, reason: str) -> float:
+    """kvloop_rejected_messages_total for Connect messages refused with `reason`, as kvloopd serves it."""
+    body = urllib.request.urlopen(f"http://{daemon.metrics_address}/metrics").read().decode()
+    series = f'kvloop_rejected_messages_total{{reason="{reason}",rpc="Connect"}} '
+    return sum(float(line.removeprefix(series)) for line in body.splitlines() if line.startswith(series))
+
+
+HOST_POOL = dict(
+    nixl_endpoint="127.0.0.1:5998", host_engine_id="engine-pooled@host", host_nixl_endpoint="127.0.0.1:5999"
+)
+
+
+async def test_a_host_memory_copy_is_read_from_the_host_pool_and_a_device_run_is_preferred(daemon):
+    model = "m-tier"
+    prompt = conversation("tiered", 24)
+    device = retained(prompt[:16], "req-1", expires_in_ms=20_000, tier=pb.BLOCK_TIER_DEVICE)
+    host = retained(prompt[:16], "req-1@host", tier=pb.BLOCK_TIER_HOST, first_id=7)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with (
+            running_agent(client, "pooled", model, host, device, **HOST_POOL) as link,
+            running_agent(client, "pre-tier", model, role=pb.WORKER_ROLE_PREFILL),
+        ):
+            both = await client.lookup(model, prompt, requester="pre-tier")
+            routed = await client.route(model, ["pre-tier"], block_hashes=prompt)
+            (info,) = [
+                w for w in await client.list_workers(model=model) if w.registration.worker_id == "pooled"
+            ]
+            link.publish([pb.BlockEvent(released=pb.RetentionReleased(retention_handle="req-1"))])
+            await link.wait_acked(timeout=5)
+            copy_only = await client.lookup(model, prompt, requester="pre-tier")
+    # the device run first although the copy's lease is longer; the copy comes from the host pool
+    assert (both.holder.retention_handle, both.holder.tier) == ("req-1", pb.BLOCK_TIER_DEVICE)
+    assert (both.holder.engine_id, both.holder.nixl_endpoint) == ("engine-pooled", "127.0.0.1:5998")
+    (other,) = both.other_holders
+    assert (other.retention_handle, other.tier) == ("req-1@host", pb.BLOCK_TIER_HOST)
+    assert (other.engine_id, other.nixl_endpoint) == ("engine-pooled@host", "127.0.0.1:5999")
+    assert list(other.block_ids) == list(range(7, 23))
+    (score,) = routed.ranked
+    assert (score.pull_holder_worker_id, score.pull_holder_tier) == ("pooled", pb.BLOCK_TIER_DEVICE)
+    assert (info.registration.host_engine_id, info.registration.host_nixl_endpoint) == (
+        "engine-pooled@host",
+        "127.0.0.1:5999",
+    )
+    assert copy_only.decision == pb.DECISION_TRANSFER and copy_only.holder.tier == pb.BLOCK_TIER_HOST
+    assert copy_only.holder.engine_id == "engine-pooled@host" and not copy_only.other_holders
+
+
+async def test_a_run_in_a_tier_the_worker_cannot_serve_is_left_out_and_the_rest_applied(daemon):
+    """A host run from a worker that registered no host pool (and a disk run, which nothing reads) is
+    counted and left out; the batch's other events are applied and acknowledged on the same stream."""
+    model = "m-nopool"
+    kept, orphan, disk = conversation("kept", 6), conversation("orphan", 6), conversation("disk", 6)
+    before = rejected(daemon, "no_host_pool"), rejected(daemon, "unservable_tier")
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "unpooled", model) as link:
+            link.publish(
+                [
+                    retained(orphan, "o@host", tier=pb.BLOCK_TIER_HOST),
+                    retained(kept, "k", tier=pb.BLOCK_TIER_DEVICE),
+                    retained(disk, "d", tier=pb.BLOCK_TIER_DISK),
+                ]
+            )
+            await link.wait_acked(timeout=5)  # the batch is acknowledged: no resend, no refusal loop
+            assert (await client.lookup(model, orphan)).decision == pb.DECISION_RECOMPUTE
+            assert (await client.lookup(model, disk)).decision == pb.DECISION_RECOMPUTE
+            assert (await client.lookup(model, kept)).holder.retention_handle == "k"
+            link.publish([retained(conversation("later", 4), "l")])  # the stream is still the same one
+            await link.wait_acked(timeout=5)
+            assert (await client.lookup(model, conversation("later", 4))).matched_blocks == 4
+            assert link.sessions == 1
+    assert (rejected(daemon, "no_host_pool"), rejected(daemon, "unservable_tier")) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
 
 
 async def test_duplicate_worker_is_refused_while_the_first_is_alive(daemon):

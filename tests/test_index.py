@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvloop.daemon.index import (
+    BlockTier,
     Cleared,
     DirectoryError,
     Fence,
@@ -62,9 +63,9 @@ def spec(worker_id: str, epoch: int = 1, model: str = "m", block_size: int = 16)
     )
 
 
-def retain(hashes, handle, ms=60_000, single_use=False, groups=1):
-    ids = [g * 1000 + i for g in range(groups) for i in range(len(hashes))]
-    return Retained(hashes, ids, groups, handle, ms, single_use)
+def retain(hashes, handle, ms=60_000, single_use=False, groups=1, tier=BlockTier.DEVICE, first_id=0):
+    ids = [first_id + g * 1000 + i for g in range(groups) for i in range(len(hashes))]
+    return Retained(hashes, ids, groups, handle, ms, single_use, tier=tier)
 
 
 async def test_longest_prefix_picks_longest_holder_and_its_block_ids(make_store):
@@ -270,6 +271,40 @@ async def test_claim_release_and_runs_tail_and_find(make_store):
     assert await store.find(Namespace("m", "lora"), prompt[1], 1.0) == []
 
 
+async def test_at_equal_reach_a_device_run_is_handed_out_before_its_host_copy(make_store):
+    """A decode copies a run into its host pool and announces the copy as a second run: a lookup
+    prefers the device run while both reach as far (whatever their leases), the copy when it reaches
+    further or is the only one left; each holding says its tier and carries its own block ids."""
+    store = await make_store()
+    pooled = replace(spec("a"), host_engine_id="e-a@host", host_nixl_endpoint="127.0.0.1:2")
+    await store.register(pooled, 0, 0.0)
+    prompt = conversation("c", 16)
+    host = retain(prompt[:10], "r@host", ms=90_000, tier=BlockTier.HOST, first_id=500)
+    await store.apply("a", 1, 1, [host, retain(prompt[:10], "r", ms=30_000)], 0.0)
+    match = await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)
+    assert (match.best.handle, match.best.tier, match.best.matched_blocks) == ("r", BlockTier.DEVICE, 10)
+    (copy,) = match.others
+    assert (copy.handle, copy.tier, list(copy.block_ids)) == ("r@host", BlockTier.HOST, list(range(500, 510)))
+    assert copy.worker.host_engine_id == "e-a@host" and copy.worker.host_nixl_endpoint == "127.0.0.1:2"
+    assert sorted(loc.tier for loc in await store.find(NS, prompt[3], 1.0)) == [
+        BlockTier.DEVICE,
+        BlockTier.HOST,
+    ]
+    # the copy of a longer run reaches further: longest first, the tier only breaks ties
+    longer = retain(prompt[:12], "s@host", tier=BlockTier.HOST, first_id=700)
+    await store.apply("a", 1, 2, [longer], 0.0)
+    best = (await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)).best
+    assert (best.handle, best.tier, best.matched_blocks) == ("s@host", BlockTier.HOST, 12)
+    await store.apply("a", 1, 3, [Released("s@host"), Released("r")], 0.0)
+    best = (await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)).best
+    assert (best.handle, best.tier) == ("r@host", BlockTier.HOST)
+    # a run announced without a tier is a device run
+    await store.apply("a", 1, 4, [retain(prompt[:10], "old", tier=0)], 0.0)
+    best = (await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)).best
+    assert (best.handle, best.tier) == ("old", BlockTier.DEVICE)
+    assert {loc.handle: loc.tier for loc in await store.find(NS, prompt[0], 1.0)}["old"] == BlockTier.DEVICE
+
+
 async def test_registry_views(make_store):
     store = await make_store(IndexConfig(lease_s=5))
     await store.register(spec("a"), 0, 0.0)
@@ -310,6 +345,7 @@ run_strategy = st.tuples(
     st.integers(0, 2),
     st.integers(1, 12),
     st.integers(0, 12),
+    st.sampled_from([BlockTier.DEVICE, BlockTier.HOST]),
 )
 
 
@@ -332,14 +368,16 @@ async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local,
     for w in ("w1", "w2", "w3"):
         await store.register(spec(w), 0, 0.0)
     model: dict[tuple[str, str], list[bytes]] = {}
+    tiers: dict[tuple[str, str], int] = {}
     seq = {"w1": 0, "w2": 0, "w3": 0}
     for op, args in ops:
         if op == "retain":
-            worker, handle, t, keep, tail = args
+            worker, handle, t, keep, tail, tier = args
             # a run shares `keep` blocks of trunk t, then diverges
             hashes = TRUNKS[t][:keep] + conversation(f"{worker}{handle}", tail, start=keep)
-            event = retain(hashes, f"h{handle}")
+            event = retain(hashes, f"h{handle}", tier=tier)
             model[(worker, f"h{handle}")] = hashes
+            tiers[(worker, f"h{handle}")] = tier
         else:
             worker, handle = args
             event = Released(f"h{handle}")
@@ -354,8 +392,12 @@ async def test_lookup_matches_plain_model(make_store, ops, trunk, length, local,
     expected = model_longest(model, prompt, local)
     assert (match.best.matched_blocks if match.best else 0) == expected
     if match.best:
-        held = model[(match.best.worker.worker_id, match.best.handle)]
-        assert held[:expected] == prompt[:expected]
+        best = (match.best.worker.worker_id, match.best.handle)
+        assert model[best][:expected] == prompt[:expected]
+        assert match.best.tier == tiers[best]
+        # a host run is handed out only when no device run reaches as far
+        reaching = [k for k, hashes in model.items() if hashes[:expected] == prompt[:expected]]
+        assert match.best.tier == min(tiers[k] for k in reaching)
     assert (await store.counts()).entries == sum(len(set(h)) for h in model.values())
 
 

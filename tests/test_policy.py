@@ -14,8 +14,8 @@ from kvloop.v1 import directory_pb2 as pb
 HOLDER = WorkerSpec("decode-0", 2, "m", "e", "h:1", 16, "sha256_cbor", 32, 1, kv_bytes_per_block=1 << 20)
 
 
-def match(blocks: int) -> PrefixMatch:
-    return PrefixMatch(Holding(HOLDER, blocks, "h", 60_000, pack_u32(range(blocks)), 1, False), [])
+def match(blocks: int, tier: int = pb.BLOCK_TIER_DEVICE) -> PrefixMatch:
+    return PrefixMatch(Holding(HOLDER, blocks, "h", 60_000, pack_u32(range(blocks)), 1, False, tier=tier), [])
 
 
 def query(model: str, prompt_blocks: int, local_blocks: int, requester: str, min_pull_tokens: int = 0):
@@ -35,6 +35,7 @@ def read(
     first_contact: bool = False,
     nixl_measured: bool = True,
     wait_us: int = 0,
+    source_tier: int = pb.BLOCK_TIER_UNSPECIFIED,
 ) -> None:
     """A TransferReport from `puller` of a READ from decode-0, as the connector sends it."""
     report = pb.TransferReport(
@@ -45,6 +46,7 @@ def read(
         first_contact=first_contact,
         nixl_measured=nixl_measured,
         wait_us=wait_us,
+        source_tier=source_tier,
     )
     policy.cost.record_transfer(puller, "decode-0", report, "m")
 
@@ -74,6 +76,29 @@ def test_threshold_then_cost_then_measurements():
     # failed reads teach nothing about bandwidth
     read(model, "prefill-1", 1, 10, ok=False)
     assert model.decide(query("m", 100, 0, "prefill-1"), match(100)).cost.transfer_basis == "default"
+
+
+def test_reads_from_a_holders_host_pool_are_learnt_apart_from_its_device_reads():
+    policy = Policy(PolicyConfig(reprobe_every=0, reprobe_interval_s=0))
+    for _ in range(5):  # slow READs from decode-0's host pool: 1 MiB/s
+        read(policy, "prefill-0", 1 << 20, 1_000_000, source_tier=pb.BLOCK_TIER_HOST)
+    host = policy.decide(Q100, match(100, pb.BLOCK_TIER_HOST))
+    device = policy.decide(Q100, match(100))
+    assert (host.reason, host.cost.transfer_basis) == (
+        pb.DECISION_REASON_RECOMPUTE_FASTER,
+        "measured (5 reads)",
+    )
+    assert (device.reason, device.cost.transfer_basis) == (pb.DECISION_REASON_TRANSFER_FASTER, "default")
+    read(policy, "prefill-0", 1 << 24, 2_000)  # a report naming no tier is a device READ
+    assert policy.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
+    assert policy.decide(Q100, match(100, pb.BLOCK_TIER_HOST)).cost.transfer_basis == "measured (5 reads)"
+    pairs, _ = policy.cost.views()
+    shown = {p.tier: (len(p.sample_gbytes_per_s), dict(p.verdicts)) for p in pairs}
+    assert shown == {
+        pb.BLOCK_TIER_DEVICE: (1, {"transfer_faster": 2}),
+        pb.BLOCK_TIER_HOST: (5, {"recompute_faster": 2}),
+    }
+    assert {(p.holder_worker_id, p.puller_worker_id) for p in pairs} == {("decode-0", "prefill-0")}
 
 
 def test_per_model_policy_and_local_and_miss():
@@ -213,7 +238,11 @@ def test_pairs_from_requesters_a_caller_names_are_bounded_and_measured_pairs_out
         assert policy.decide(query("m", 100, 0, f"made-up-{i}"), match(100)).decision == pb.DECISION_TRANSFER
     assert len(policy.cost.pairs) <= 16
     assert policy.cost.forgotten_pairs >= 200 + 1 - 16
-    assert ("decode-0", "prefill-0") in policy.cost.pairs  # the only measured pair is kept
+    assert (
+        "decode-0",
+        "prefill-0",
+        pb.BLOCK_TIER_DEVICE,
+    ) in policy.cost.pairs  # the only measured pair is kept
     assert policy.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
 
 
@@ -238,10 +267,11 @@ async def test_a_worker_the_directory_drops_is_forgotten_by_the_cost_model():
     read(policy, "prefill-0", 1 << 24, 2_000)
     policy.cost.record_prefill("prefill-0", 4096, 100_000, "m")
     policy.cost.record_prefill("decode-0", 4096, 100_000, "m")
+    assert ("decode-0", "prefill-0", pb.BLOCK_TIER_DEVICE) in policy.cost.pairs
     await backend.heartbeat("decode-0", 2.5)  # decode-0 keeps talking; prefill-0 goes silent
     now[0] = 3.5
     await service.reap()
-    assert ("decode-0", "prefill-0") not in policy.cost.pairs
+    assert ("decode-0", "prefill-0", pb.BLOCK_TIER_DEVICE) not in policy.cost.pairs
     assert policy.cost.prefill_rate("prefill-0", PolicyConfig())[1] == "default"
     assert policy.cost.prefill_tokens_per_s("prefill-0") == 0.0
     assert policy.cost.prefill_tokens_per_s("decode-0") > 0  # a worker still there keeps its estimates

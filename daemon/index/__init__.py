@@ -2,6 +2,7 @@
 
 from kvloop.daemon.index.memory import MemoryStore
 from kvloop.daemon.index.model import (
+    BlockTier,
     Change,
     Cleared,
     Event,
@@ -33,6 +34,7 @@ from kvloop.daemon.index.store import (
 __all__ = [
     "Applied",
     "BlockIndex",
+    "BlockTier",
     "Change",
     "Cleared",
     "DirectoryError",

@@ -32,6 +32,13 @@ States: 1 active, 2 resyncing, 3 expired, 4 draining (kvloop.v1.LeaseState).
 --]]
 
 local ACTIVE, RESYNCING, EXPIRED = '1', '2', '3'
+local DEVICE = 1  -- kvloop.v1.BlockTier: a run stored without a tier (0) is a device run
+
+local function tier_of(value)
+  local tier = tonumber(value) or 0
+  if tier == 0 then return DEVICE end
+  return tier
+end
 
 local function split(value, sep)
   local out = {}
@@ -429,9 +436,10 @@ local function lookup(keys, args)
     local r = runs[rid]
     if r == nil then
       -- every field a lookup reads, in one call: most prompts have one candidate, and it is answered
-      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k', 'h', 'g', 'su', 'tt', 'tb')
+      local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k', 'h', 'g', 'su', 'tt', 'tb',
+        'tier')
       r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), k = f[5], h = f[6], g = tonumber(f[7]),
-        su = f[8], tt = f[9], tb = f[10]}
+        su = f[8], tt = f[9], tb = f[10], tier = tier_of(f[11])}
       runs[rid] = r
     end
     return r
@@ -490,7 +498,8 @@ local function lookup(keys, args)
   end
   redis.call('DEL', prompt, xor)
   redis.set_repl(redis.REPL_ALL)
-  -- The runs reaching furthest, longest-lived first; a run short of its ids (a maxmemory policy
+  -- The runs reaching furthest, device runs before host ones (a device READ is the cheaper), then
+  -- longest-lived first; a run short of its ids (a maxmemory policy
   -- evicted them) is never handed out, and when no run at a reach has its ids the next shorter
   -- reach is tried (every run reaching further holds that prefix too).
   while matched > local_blocks do
@@ -498,7 +507,11 @@ local function lookup(keys, args)
     for _, rid in ipairs(servable_runs) do
       if (reach[rid] or 0) >= matched then candidates[#candidates + 1] = rid end
     end
-    table.sort(candidates, function(a, b) return runs[a].dl > runs[b].dl end)
+    table.sort(candidates, function(a, b)
+      local ra, rb = runs[a], runs[b]
+      if (ra.tier == DEVICE) ~= (rb.tier == DEVICE) then return ra.tier == DEVICE end
+      return ra.dl > rb.dl
+    end)
     local out = {'found', matched}
     for _, rid in ipairs(candidates) do
       if #out == 10 then break end  -- 8 holders
@@ -508,7 +521,7 @@ local function lookup(keys, args)
         if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
         local whole = matched == r.n
         out[#out + 1] = {r.w, epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
-          whole and r.tt or '', whole and r.tb or ''}
+          whole and r.tt or '', whole and r.tb or '', r.tier}
       end
     end
     if #out > 2 then return out end
@@ -548,7 +561,7 @@ local function find(keys, args)
     local dl = tonumber(f[7])
     local servable = dl > floor and not f[8] and worker_live(base, f[1], now, lease_s)
     out[#out + 1] = {'retained', f[1], position, run_ids(runkey, n, tonumber(f[6]), position, 1) or '', f[2],
-      math.max(0, math.floor((dl - now) * 1000)), servable and 1 or 0, tonumber(f[9])}
+      math.max(0, math.floor((dl - now) * 1000)), servable and 1 or 0, tier_of(f[9])}
   end
   for _, w in ipairs(split(redis.call('HGET', p .. 'sto', h), '\n')) do
     out[#out + 1] = {'stored', w}

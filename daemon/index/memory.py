@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index.model import (
+    BlockTier,
     Change,
     Cleared,
     Event,
@@ -85,7 +86,7 @@ class _Run:
         self.deadline = now + event.expires_in_ms / 1000.0
         self.single_use = event.single_use
         self.claimed_by: str | None = None  # the puller a single-use run was handed to
-        self.tier = event.tier
+        self.tier = event.tier or BlockTier.DEVICE
         # (token ids, block id per group) of the partly filled last block; None for most runs' cost
         self.tail = (
             (array("I", event.tail_token_ids), array("I", event.tail_block_ids))
@@ -613,7 +614,8 @@ class MemoryStore:
         ]
         if not candidates:
             return PrefixMatch(None, [])
-        candidates.sort(key=lambda r: r.deadline, reverse=True)
+        # At equal reach a device run before a host one (its READ is the cheaper), then the longest-lived.
+        candidates.sort(key=lambda r: (r.tier != BlockTier.DEVICE, -r.deadline))
         best = candidates[0]
         if claim and best.single_use:
             best.claimed_by = requester
@@ -695,6 +697,7 @@ class MemoryStore:
             run.ids_for(matched),
             run.num_groups,
             run.single_use,
+            tier=run.tier,
         )
         if run.tail is not None and matched == run.blocks:
             holding.tail_token_ids, holding.tail_block_ids = run.tail

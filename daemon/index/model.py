@@ -20,6 +20,15 @@ class LeaseState(IntEnum):
     DRAINING = 4
 
 
+class BlockTier(IntEnum):
+    """Where a run's blocks live on its worker. Values equal kvloop.v1.BlockTier; a run announced
+    without a tier (UNSPECIFIED, 0) is a DEVICE run, and the directory stores it as one."""
+
+    DEVICE = 1  # the engine's KV cache
+    HOST = 2  # the worker's host-memory pool (WorkerSpec.host_engine_id), a NIXL engine of its own
+    DISK = 3
+
+
 class PackedHashes(Sequence[bytes]):
     """A view of concatenated fixed-length hashes (a Lookup's ``packed_block_hashes``): the in-memory
     index slices only the hashes its search probes; a store that ships the whole prompt elsewhere
@@ -77,6 +86,10 @@ class WorkerSpec:
     kv_dtype: str = ""  # empty: unknown
     kv_group_windows: tuple[int, ...] = ()  # per KV-cache group, 0 = full attention; empty: unknown
     hash_seed: str = ""  # vLLM's block-hash seed (PYTHONHASHSEED); empty: unknown
+    # The worker's host-memory pool, registered with NIXL as an engine of its own: a HOST-tier run is
+    # read from this engine over this side channel (both empty: the worker has no host pool).
+    host_engine_id: str = ""
+    host_nixl_endpoint: str = ""
 
 
 @dataclass(slots=True)
@@ -135,6 +148,8 @@ class Holding(msgspec.Struct, gc=False):
     # The run's partly filled last block, when matched_blocks is the whole run.
     tail_token_ids: Sequence[int] = ()
     tail_block_ids: Sequence[int] = ()
+    # Where the run lives (BlockTier): a HOST run is read from the worker's host pool.
+    tier: int = BlockTier.DEVICE
 
     @property
     def block_ids(self) -> array:

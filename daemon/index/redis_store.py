@@ -40,6 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.common.packed_ids import pack_u32, unpack_u32
 from kvloop.daemon.index.model import (
+    BlockTier,
     Change,
     Cleared,
     Event,
@@ -88,7 +89,9 @@ def _text(value: bytes | str) -> str:
 
 
 def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
-    _, _, handle, expires_ms, ids, groups, single_use, tail_tokens, tail_blocks = entry
+    handle, expires_ms, ids, groups, single_use, tail_tokens, tail_blocks = entry[2:9]
+    # the run's tier (absent from a library an older replica loaded: its runs are device runs)
+    tier = entry[9] if len(entry) > 9 else BlockTier.DEVICE
     return Holding(
         worker=spec,
         matched_blocks=matched,
@@ -99,6 +102,7 @@ def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
         single_use=_text(single_use) == "1",
         tail_token_ids=unpack_u32(tail_tokens),
         tail_block_ids=unpack_u32(tail_blocks),
+        tier=int(tier),
     )
 
 
@@ -678,7 +682,7 @@ class RedisStore:
                     event.handle,
                     event.expires_in_ms,
                     int(event.single_use),
-                    event.tier,
+                    int(event.tier or BlockTier.DEVICE),  # redis-py sends an IntEnum by its repr
                     pack_u32(event.tail_token_ids),
                     pack_u32(event.tail_block_ids),
                 ]
