@@ -35,7 +35,9 @@ MODEL = "m-sidecar"
 BIN = Path(sys.executable).parent
 
 
-def retained_event(hashes: list[bytes], handle: str, lease_ms: int = 120_000) -> KvloopBlocksRetained:
+def retained_event(
+    hashes: list[bytes], handle: str, lease_ms: int = 120_000, tier: str = "device"
+) -> KvloopBlocksRetained:
     return KvloopBlocksRetained(
         block_hashes=hashes,
         block_ids=[list(range(100, 100 + len(hashes)))],
@@ -43,6 +45,7 @@ def retained_event(hashes: list[bytes], handle: str, lease_ms: int = 120_000) ->
         lease_ms=lease_ms,
         single_use=False,
         ts=time.time(),
+        tier=tier,
     )
 
 
@@ -195,6 +198,56 @@ def test_agent_forwards_engine_events_and_recovers_after_restart(daemon, publish
             )  # the release was replayed too
             (worker,) = [w for w in client.list_workers(MODEL) if w.registration.worker_id == "dec-s"]
             assert worker.retained_runs == 1
+    finally:
+        agent.terminate()
+        agent.wait(15)
+
+
+def test_agent_registers_its_host_pool_and_forwards_host_runs_and_reads(daemon, publisher, tmp_path):
+    """--host-nixl-endpoint names the worker's host-memory pool (its engine id defaults to
+    ENGINE_ID@host): a run the connector announces in host memory is served from the pool, and a
+    READ's source tier reaches the cost model."""
+    pub, ports = publisher
+    copy = conversation("side-host", 8)
+    agent = start_agent(
+        daemon.address,
+        ports,
+        tmp_path,
+        free_port(),
+        *("--worker-id", "dec-h", "--engine-id", "eng-h", "--host-nixl-endpoint", "127.0.0.1:6001"),
+    )
+    report = KvloopTransferReport(
+        source_worker_id="dec-other", bytes=1 << 20, blocks=8, duration_us=900, ok=True, source_tier="host"
+    )
+    try:
+        with DirectoryClient(daemon.address) as client:
+            wait_until(
+                lambda: any(w.registration.worker_id == "dec-h" for w in client.list_workers(MODEL)),
+                what="the agent registered",
+            )
+            pub.publish(
+                kv_events.KVEventBatch(
+                    ts=time.time(), events=[retained_event(copy, "req-h@host", tier="host"), report]
+                )
+            )
+            answer = wait_until(
+                lambda: (a := client.lookup(MODEL, copy)).decision == pb.DECISION_TRANSFER and a,
+                what="the host copy served",
+            )
+            holder = answer.holder
+            assert (holder.worker_id, holder.retention_handle, holder.tier) == (
+                "dec-h",
+                "req-h@host",
+                pb.BLOCK_TIER_HOST,
+            )
+            assert (holder.engine_id, holder.nixl_endpoint) == ("eng-h@host", "127.0.0.1:6001")
+            (worker,) = [w for w in client.list_workers(MODEL) if w.registration.worker_id == "dec-h"]
+            assert (worker.registration.host_engine_id, worker.registration.engine_id) == (
+                "eng-h@host",
+                "eng-h",
+            )
+            (pair,) = [p for p in client.pairs(MODEL).pairs if p.puller_worker_id == "dec-h"]
+            assert (pair.holder_worker_id, pair.tier) == ("dec-other", pb.BLOCK_TIER_HOST)
     finally:
         agent.terminate()
         agent.wait(15)

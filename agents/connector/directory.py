@@ -14,6 +14,7 @@ import grpc
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.clients.directory_client import DirectoryClient, KvloopError, holder_block_ids
+from kvloop.common.outcomes import tier_name
 from kvloop.v1 import directory_pb2 as pb
 
 
@@ -39,6 +40,9 @@ class HolderInfo:
     # The holder's registration epoch the run was announced under: its agent registers a new one
     # when the engine process behind it ended (another process's KV then sits at these block ids).
     holder_epoch: int = 0
+    # Where the run lives on the holder: "device" (its KV cache) or "host" (its host-memory pool, whose
+    # engine id, side channel and slot ids engine_id, host, port and block_ids then are).
+    tier: str = "device"
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ def holder_from_proto(h: pb.Holder, directory_epoch: int = 0) -> HolderInfo:
         tail_block_ids=tuple(h.tail_block_ids),
         directory_epoch=directory_epoch,
         holder_epoch=int(h.epoch),
+        tier=tier_name(h.tier),
     )
 
 

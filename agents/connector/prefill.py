@@ -283,6 +283,7 @@ class PrefillSide:
                 self._pulls[request.request_id] = _Pull(
                     span, outcome, answer.holder, request.num_prompt_tokens, started, answered
                 )
+                span.set_attribute("kvloop.tier", answer.holder.tier)
                 return count, is_async
             outcome.path, outcome.reason = pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_ENGINE_DECLINED
             if not unservable:
@@ -486,6 +487,7 @@ class PrefillSide:
                 first_contact=first_contact,
                 nixl_measured=timing is not None,
                 wait_us=max(0, engine_us - xfer_us) if timing else 0,
+                source_tier=pull.holder.tier,
             )
         )
         attributes: dict[str, Any] = {

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -31,6 +31,11 @@ class AgentSettings(BaseSettings):
     engine_id: str = ""
     # NIXL side channel of the engine (VLLM_NIXL_SIDE_CHANNEL_HOST:PORT).
     nixl_endpoint: str = ""
+    # The worker's host-memory pool, when its connector copies retained runs there (a NIXL engine of
+    # its own): its side channel HOST:PORT, and its engine id (default: "<engine_id>@host"). Unset:
+    # no host pool, and runs the engine announces in host memory are not forwarded.
+    host_nixl_endpoint: OptionalHostPort = ""
+    host_engine_id: str = ""
     http_endpoint: str = ""
     block_size: int = Field(gt=0)
     hash_algorithm: str = "sha256_cbor"
@@ -89,6 +94,22 @@ class AgentSettings(BaseSettings):
         if not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {value!r}")
         return value.replace("tcp://*:", "tcp://127.0.0.1:")
+
+    @model_validator(mode="after")
+    def _host_pool(self) -> AgentSettings:
+        if self.host_engine_id and not self.host_nixl_endpoint:
+            raise ValueError("host_engine_id needs host_nixl_endpoint (the host pool's NIXL side channel)")
+        return self
+
+    def registered_engine_id(self) -> str:
+        """The engine id the registration names (the worker id when none is configured)."""
+        return self.engine_id or self.worker_id
+
+    def registered_host_engine_id(self) -> str:
+        """The host pool's engine id ("" without a host pool)."""
+        if not self.host_nixl_endpoint:
+            return ""
+        return self.host_engine_id or f"{self.registered_engine_id()}@host"
 
     def security(self) -> ClientSecurity:
         return ClientSecurity(

@@ -42,13 +42,15 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     from kvloop.common import block_hash
     from kvloop.v1 import directory_pb2 as pb
 
-    mirror = WorkerMirror(settings.hash_length)
+    mirror = WorkerMirror(settings.hash_length, host_pool=bool(settings.host_nixl_endpoint))
     registration = pb.WorkerRegistration(
         worker_id=settings.worker_id,
         role=_ROLES[settings.role],
         model=settings.model,
-        engine_id=settings.engine_id or settings.worker_id,
+        engine_id=settings.registered_engine_id(),
         nixl_endpoint=settings.nixl_endpoint,
+        host_engine_id=settings.registered_host_engine_id(),
+        host_nixl_endpoint=settings.host_nixl_endpoint,
         http_endpoint=settings.http_endpoint,
         block_size=settings.block_size,
         hash_algorithm=settings.hash_algorithm,
@@ -252,6 +254,12 @@ def run(
     model: Annotated[Optional[str], typer.Option(help="served model name")] = None,
     engine_id: Annotated[Optional[str], typer.Option(help="vLLM kv_transfer_config engine_id")] = None,
     nixl_endpoint: Annotated[Optional[str], typer.Option(help="NIXL side channel HOST:PORT")] = None,
+    host_engine_id: Annotated[
+        Optional[str], typer.Option(help="the host-memory pool's NIXL engine id (default: ENGINE_ID@host)")
+    ] = None,
+    host_nixl_endpoint: Annotated[
+        Optional[str], typer.Option(help="the host-memory pool's NIXL side channel HOST:PORT")
+    ] = None,
     http_endpoint: Annotated[Optional[str], typer.Option(help="the engine's OpenAI HTTP base URL")] = None,
     block_size: Annotated[Optional[int], typer.Option(help="vLLM block size")] = None,
     hash_seed: Annotated[
@@ -289,6 +297,8 @@ def run(
         model=model,
         engine_id=engine_id,
         nixl_endpoint=nixl_endpoint,
+        host_engine_id=host_engine_id,
+        host_nixl_endpoint=host_nixl_endpoint,
         http_endpoint=http_endpoint,
         block_size=block_size,
         hash_seed=hash_seed,

@@ -17,6 +17,7 @@ from kvloop.agents.connector.events import (
     KvloopRetentionReleased,
     KvloopTransferReport,
 )
+from kvloop.common.outcomes import tier_value
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent")
@@ -31,11 +32,30 @@ class _Run:
 
 
 class WorkerMirror:
-    def __init__(self, hash_length: int) -> None:
+    def __init__(self, hash_length: int, host_pool: bool = False) -> None:
         self.hash_length = hash_length
+        # The registration names a host-memory pool: runs announced in host memory can be read.
+        self.host_pool = host_pool
         self.retained: dict[str, _Run] = {}
         self.stored: dict[str, dict[bytes, None]] = {}  # lora -> ordered set of hashes
         self._warned_int_hashes = False
+        self._warned: set[str] = set()  # skip reasons already logged (each once)
+
+    def _tier(self, name: str, what: str) -> int | None:
+        """A connector event's tier ("device", "host") as the protocol's, or None (counted, logged
+        once) for a name the protocol does not know."""
+        try:
+            return tier_value(name)
+        except ValueError:
+            self._skip("unknown_tier", f"a {what} names an unknown tier: not forwarded", tier=name)
+            return None
+
+    def _skip(self, reason: str, message: str, **fields: Any) -> None:
+        """Count an event not forwarded; say why in the log the first time."""
+        SKIPPED.labels(reason).inc()
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning(message, **fields)
 
     def _hashes(self, raw: Iterable[Any]) -> list[bytes] | None:
         hashes = list(raw)
@@ -96,6 +116,9 @@ class WorkerMirror:
         if isinstance(event, KvloopPrefillReport):
             return pb.BlockEvent(prefill=pb.PrefillReport(tokens=event.tokens, duration_us=event.duration_us))
         if isinstance(event, KvloopTransferReport):  # telemetry for the cost model, not state
+            source_tier = self._tier(event.source_tier, "transfer report")
+            if source_tier is None:
+                return None
             return pb.BlockEvent(
                 transfer=pb.TransferReport(
                     source_worker_id=event.source_worker_id,
@@ -107,6 +130,7 @@ class WorkerMirror:
                     first_contact=event.first_contact,
                     nixl_measured=event.nixl_measured,
                     wait_us=event.wait_us,
+                    source_tier=source_tier,
                 )
             )
         if isinstance(event, KvloopRetentionReleased):
@@ -114,6 +138,16 @@ class WorkerMirror:
             return pb.BlockEvent(released=pb.RetentionReleased(retention_handle=event.retention_handle))
         hashes = self._hashes(event.block_hashes)
         if hashes is None:
+            return None
+        tier = self._tier(event.tier, "retained run")
+        if tier is None:
+            return None
+        if tier == pb.BLOCK_TIER_HOST and not self.host_pool:  # kvloopd would refuse it
+            self._skip(
+                "no_host_pool",
+                "the engine announces runs in host memory, but this agent registers no host pool "
+                "(--host-nixl-endpoint): they are not forwarded",
+            )
             return None
         age_ms = max(0.0, (time.time() - event.ts) * 1000) if event.ts else 0.0
         remaining = int(event.lease_ms - age_ms)
@@ -128,7 +162,7 @@ class WorkerMirror:
             expires_in_ms=remaining,
             single_use=event.single_use,
             lora_name=event.lora_name or "",
-            tier=pb.BLOCK_TIER_DEVICE,
+            tier=tier,
             tail_token_ids=event.tail_token_ids,
             tail_block_ids=event.tail_block_ids,
         )
