@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, retained, running_agent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,11 +84,13 @@ async def test_cli_tables_and_json(daemon, populated):
     hexes = [h.hex() for h in prompt]
     looked = json.loads((await run("--json", "lookup", "--model", "m-cli", *hexes)).stdout)
     assert looked["decision"] == "DECISION_TRANSFER" and looked["matched_blocks"] == 12
-    assert looked["path"] == "TURN_PATH_TRANSFER"
+    assert looked["path"] == "TURN_PATH_TRANSFER" and looked["holder"]["tier"] == "device"
     human = await run("lookup", "--model", "m-cli", *hexes)
     assert "transfer (transfer_faster)" in human.stdout and "dec-cli" in human.stdout
+    assert "from device memory" in human.stdout
     found = json.loads((await run("--json", "find", hexes[3], "--model", "m-cli")).stdout)
     assert found[0]["position"] == "3" and found[0]["retention_handle"] == "cli-handle"
+    assert found[0]["tier"] == "device"
     blocks = await run("blocks", hexes[3], "--model", "m-cli")
     assert "cli-handle" in blocks.stdout
     stats = json.loads((await run("--json", "stats")).stdout)
@@ -95,9 +98,38 @@ async def test_cli_tables_and_json(daemon, populated):
     # the lookups above asked as requester "" : the cost model shows the pair and its verdicts
     pairs = json.loads((await run("pairs", "--model", "m-cli", "--json")).stdout)
     pair = next(p for p in pairs["pairs"] if p["holder_worker_id"] == "dec-cli")
-    assert int(pair["verdicts"]["transfer_faster"]) >= 2
+    assert int(pair["verdicts"]["transfer_faster"]) >= 2 and pair["tier"] == "device"
     shown = await run("pairs")
     assert shown.returncode == 0 and "dec-cli" in shown.stdout and "transfer_faster" in shown.stdout
+
+
+async def test_cli_shows_a_run_held_in_host_memory(daemon):
+    prompt = conversation("cli-host", 10)
+    copy = retained(prompt, "cli-handle@host", tier=pb.BLOCK_TIER_HOST)
+    pool = dict(host_engine_id="engine-dec-cli-host@host", host_nixl_endpoint="127.0.0.1:5990")
+    loop = asyncio.get_running_loop()
+
+    async def run(*args):
+        return await loop.run_in_executor(None, lambda: kvloop(*args, daemon=daemon.address))
+
+    hexes = [h.hex() for h in prompt]
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-cli-host", "m-cli-host", copy, **pool):
+            looked = json.loads((await run("--json", "lookup", "--model", "m-cli-host", *hexes)).stdout)
+            human = await run("lookup", "--model", "m-cli-host", *hexes)
+            found = json.loads((await run("--json", "find", hexes[2], "--model", "m-cli-host")).stdout)
+            table = await run("find", hexes[2], "--model", "m-cli-host")
+            pairs = json.loads((await run("--json", "pairs", "--model", "m-cli-host")).stdout)
+            pairs_table = await run("pairs", "--model", "m-cli-host")
+    assert looked["holder"]["tier"] == "host" and looked["holder"]["engine_id"] == "engine-dec-cli-host@host"
+    assert "(127.0.0.1:5990) serves 10 blocks from host memory" in human.stdout
+    assert [(loc["tier"], loc["retention_handle"]) for loc in found] == [("host", "cli-handle@host")]
+    (row,) = [line for line in table.stdout.splitlines() if "dec-cli-host" in line]
+    assert "host" in row.split("│")[3]  # the tier column, after worker and kind
+    (pair,) = [p for p in pairs["pairs"] if p["holder_worker_id"] == "dec-cli-host"]
+    assert pair["tier"] == "host"
+    (row,) = [line for line in pairs_table.stdout.splitlines() if "dec-cli-host" in line]
+    assert row.split("│")[2].strip() == "host"  # the tier column, after the holder
 
 
 async def test_json_before_or_after_the_command(daemon, populated):

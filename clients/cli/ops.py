@@ -24,7 +24,7 @@ from kvloop.clients.cli.output import (
 )
 from kvloop.clients.console import make_console
 from kvloop.clients.directory_client import KvloopError
-from kvloop.common.outcomes import path_name, reason_name
+from kvloop.common.outcomes import path_name, reason_name, tier_name
 from kvloop.v1 import directory_pb2 as pb
 
 
@@ -34,6 +34,21 @@ def _hex_hash(value: str) -> bytes:
     except ValueError:
         _fail(f"block hash must be hex, got {value!r}", code=2)
         raise
+
+
+def _tiers_named(value):
+    """A message's dict with every ``tier`` as the CLI names it ("device", "host"), not the enum's
+    proto name (an unset tier is "device")."""
+    if isinstance(value, list):
+        return [_tiers_named(item) for item in value]
+    if isinstance(value, dict):
+        return {
+            key: (tier_name(pb.BlockTier.Value(item) if isinstance(item, str) else item))
+            if key == "tier"
+            else _tiers_named(item)
+            for key, item in value.items()
+        }
+    return value
 
 
 _STATE_STYLE = {"ACTIVE": "green", "RESYNCING": "yellow", "EXPIRED": "red", "DRAINING": "magenta"}
@@ -91,18 +106,19 @@ def find(
     digest = _hex_hash(block_hash)
     found = _call(lambda c: c.find_block(model, digest, lora))
     if state.json:
-        _emit_json([_as_dict(loc) for loc in found])
+        _emit_json([_tiers_named(_as_dict(loc)) for loc in found])
         return
     if not found:
         console.print(f"block {block_hash} is not in the directory for model {model!r}")
         return
     table = Table(title=f"block {block_hash[:16]}...")
-    for column in ("worker", "kind", "position", "block ids", "handle", "expires in", "servable"):
+    for column in ("worker", "kind", "tier", "position", "block ids", "handle", "expires in", "servable"):
         table.add_column(column)
     for loc in found:
         table.add_row(
             loc.worker_id,
             loc.kind,
+            tier_name(loc.tier),
             str(loc.position) if loc.position >= 0 else "-",
             ",".join(map(str, loc.block_ids)) or "-",
             loc.retention_handle or "-",
@@ -137,14 +153,14 @@ def lookup(
         lambda c: c.lookup(model, digests, local_blocks=local_blocks, requester=requester, lora_name=lora)
     )
     if state.json:
-        _emit_json(_as_dict(answer))
+        _emit_json(_tiers_named(_as_dict(answer)))
         return
     console.print(f"[bold]{path_name(answer.path)}[/bold] ({reason_name(answer.reason)}): {answer.detail}")
     if answer.holder.worker_id:
         h = answer.holder
         console.print(
-            f"holder {h.worker_id} ({h.nixl_endpoint}) serves {h.matched_blocks} blocks, "
-            f"handle {h.retention_handle}, lease {h.expires_in_ms / 1000:.1f}s"
+            f"holder {h.worker_id} ({h.nixl_endpoint}) serves {h.matched_blocks} blocks from "
+            f"{tier_name(h.tier)} memory, handle {h.retention_handle}, lease {h.expires_in_ms / 1000:.1f}s"
         )
     console.print(
         f"matched tokens {answer.matched_tokens}, to recompute {answer.recompute_tokens}, "
@@ -187,14 +203,16 @@ def pairs(
     model: Annotated[str, typer.Option(help="only this model's workers")] = "",
     json_output: JsonFlag = False,
 ) -> None:
-    """The cost model: per holder -> puller pair its estimate, samples and verdicts (why turns recompute)."""
+    """The cost model: per holder (and tier of its runs) -> puller pair its estimate, samples and verdicts
+    (why turns recompute)."""
     answer = _call(lambda c: c.pairs(model))
     if state.json:
-        _emit_json(_as_dict(answer))
+        _emit_json(_tiers_named(_as_dict(answer)))
         return
     table = Table(title="transfer estimates (READs timed by NIXL)")
     for column in (
         "holder",
+        "tier",
         "puller",
         "GB/s",
         "setup ms",
@@ -210,6 +228,7 @@ def pairs(
         last = f"{p.last_transfer_s_ago:.1f}s ago" if p.last_transfer_s_ago >= 0 else "never"
         table.add_row(
             p.holder_worker_id,
+            tier_name(p.tier),
             p.puller_worker_id,
             f"{p.transfer_gbytes_per_s:.2f}",
             f"{p.setup_ms:.2f}",
