@@ -292,6 +292,8 @@ def start_pair(
         decode_extra = {
             "kvloop_host_retention_gib": host_retention_gib,
             "kvloop_host_side_channel_port": host_port,
+            # give a run's KV-cache blocks up as soon as its host copy exists: pulls then read the pool
+            "kvloop_host_demote_after_s": 0,
             "kvloop_daemon": kvloop.address,
             "kvloop_model": model,
         }

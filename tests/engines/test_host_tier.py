@@ -180,16 +180,21 @@ def test_a_pull_from_the_host_pool_gives_the_kv_a_recompute_gives(host_pair):
         return _host_runs(pair, hashes[0], f"{handle}@host")
 
     (host,) = wait_until(copied, 30, "the host copy announced")
-    assert host.tier == pb.BLOCK_TIER_HOST and host.engine_id == "decode-0@host"
-    slots = list(host.block_ids)[: len(hashes)]
-    assert len(slots) == len(hashes) and 0 not in slots
+    assert host.tier == pb.BLOCK_TIER_HOST
+    # the slot of each block, as the directory lists it (one id per KV-cache group)
+    slots = [_host_runs(pair, h, f"{handle}@host")[0].block_ids[0] for h in hashes]
+    assert 0 not in slots and len(set(slots)) == len(slots)
     assert pair.decode.call("host_pool_diff", {"ids": device_ids[: len(slots)], "slots": slots}) == [0] * len(
         slots
     ), "the pool holds other bytes than the KV cache"
     assert pair.decode.call("metrics").get(("kvloop_connector_host_copies_total", (("outcome", "copied"),)))
 
     # the decode's own copy goes (the pool still holds the run): the next turn reads the pool
-    wait_until(lambda: not _host_runs(pair, hashes[0], handle), 30, "the KV-cache run dropped")
+    def device_dropped() -> bool:
+        pair.decode.generate(rand_tokens(rnd, 8), 1)
+        return not _host_runs(pair, hashes[0], handle)
+
+    wait_until(device_dropped, 30, "the KV-cache run dropped")
     nxt = prompt + d["token_ids"] + rand_tokens(rnd, 64)
     pf = prefill_and_check(pair, nxt)
     assert pf.span["kvloop.path"] == "transfer", pf.span
