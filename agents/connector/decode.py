@@ -95,18 +95,25 @@ class DecodeSide:
         self._free_early: dict[str, float] = {}
         # For the worker: runs announced this step that it keeps until their lease ends.
         self.multi_reader_new: set[str] = set()
+        # Runs past the share admitted only to move to the host pool (see admits).
+        self._moving: set[str] = set()
 
     @property
     def pinned_blocks(self) -> int:
         """KV-cache blocks the retained runs hold between them."""
         return len(self._pins)
 
-    def admits(self, block_ids: Any) -> bool:
+    def admits(self, block_ids: Any, request_id: str | None = None) -> bool:
         """Whether retaining a finished request that holds ``block_ids`` (its groups, as vLLM hands
-        them to ``request_finished``) keeps retention within ``retention_max_share``."""
+        them to ``request_finished``) keeps retention within ``retention_max_share``. A request past
+        the share that the host pool has room for is admitted to move there: its blocks are copied
+        into the pool and freed here once the copy is made, never announced from the KV cache."""
         ids = pinned_ids(block_ids)
         added = sum(1 for b in ids if b not in self._pins)
         fits = self.pinned_blocks + added <= self.max_pinned
+        if not fits and request_id is not None and self._host is not None and self._host.has_room(ids):
+            self._moving.add(request_id)
+            return True
         if self._confirmer is not None and self.pinned_blocks + added > self._yield_above:
             self._give_up_oldest(ids)
         if fits == self._capped:
@@ -173,6 +180,11 @@ class DecodeSide:
         if self._host is not None:
             self._host.step()
             self._demote()
+            for rid in [r for r in self._moving if not self._host.copying(r)]:
+                # copied (or not: no room, failed): nothing here was ever handed out, free it now
+                self._moving.discard(rid)
+                if rid in self._retained:
+                    self._free_early[rid] = time.perf_counter()
         if self._confirmer is not None:
             for done in self._confirmer.take():
                 if done.handle.endswith(HOST_SUFFIX):
@@ -247,6 +259,13 @@ class DecodeSide:
             tail_token_ids=tail,
             tail_block_ids=[g[n] for g in groups] if tail else [],
         )
+        if rid in self._moving:  # bound for the host pool: announced from there only
+            run.given_up = run.settled = True
+            run.first_hash = None  # never handed out from here
+            self._unpin(self._kept, pinned)
+            assert self._host is not None
+            self._host.plan(event)
+            return
         self._emit(event)
         if self._host is not None and multi:
             self._host.plan(event)
@@ -280,7 +299,9 @@ class DecodeSide:
             self._unpin(self._pins, run.pinned)
             self._free_early.pop(rid, None)
             if run.given_up:  # its release went out when it was given up (if it was ever announced)
-                tm.RELEASED.labels("yielded").inc()
+                tm.RELEASED.labels(
+                    "moved" if run.first_hash is None and self._host is not None else "yielded"
+                ).inc()
                 continue
             self._unpin(self._kept, run.pinned)
             reason = "expired" if now >= run.deadline - 1.0 else "read"

@@ -76,6 +76,10 @@ class HostTier:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def has_room(self, block_ids: set[int]) -> bool:
+        """Whether a run holding ``block_ids`` would get slots now."""
+        return len(block_ids) <= self.free_slots
+
     def has_copy(self, device_handle: str) -> bool:
         return device_handle in self.announced_at
 

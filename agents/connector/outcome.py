@@ -34,6 +34,7 @@ class Outcome:
     group_bytes: list[int] = field(default_factory=list)
     holder: str = ""
     holder_http: str = ""  # the holder's OpenAI endpoint: where the conversation's KV lives
+    tier: str = ""  # where the pulled run lives on the holder: "device" or "host" ("" without a pull)
     lookup_ms: float = 0.0
     pull_ms: float | None = None
 
@@ -51,6 +52,7 @@ class Outcome:
             "group_bytes": list(self.group_bytes),
             "holder": self.holder,
             "holder_http": self.holder_http,
+            "tier": self.tier,
             "lookup_ms": round(self.lookup_ms, 3),
         }
         if self.pull_ms is not None:

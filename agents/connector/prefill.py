@@ -283,7 +283,7 @@ class PrefillSide:
                 self._pulls[request.request_id] = _Pull(
                     span, outcome, answer.holder, request.num_prompt_tokens, started, answered
                 )
-                span.set_attribute("kvloop.tier", answer.holder.tier)
+                outcome.tier = answer.holder.tier  # recorded with the outcome (span, kv_transfer_params)
                 return count, is_async
             outcome.path, outcome.reason = pb.TURN_PATH_RECOMPUTE, pb.DECISION_REASON_ENGINE_DECLINED
             if not unservable:

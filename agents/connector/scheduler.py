@@ -201,7 +201,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             tm.RETENTION_DECLINED.labels("asked").inc()
             return self._free_at_once(request)
         outcome = self.prefill.finished(request) if self.prefill is not None else None
-        if self._would_retain(request, block_ids) and not self.decode.admits(block_ids):
+        if self._would_retain(request, block_ids) and not self.decode.admits(block_ids, request.request_id):
             return self._free_at_once(request)
         delay, out = super().request_finished(request, block_ids)
         if outcome is not None and out is not None:

@@ -62,6 +62,8 @@ WORKLOADS = ("plain", "shared_prefix", "edited", "reasoning")
 DEFAULT_WORKLOADS = ("plain", "shared_prefix", "edited")
 # The ideal reference arm: its prefill keeps its own prefix cache (no disaggregation, no cache loss).
 FLOOR_ARM = "local"
+# kvloop with a host retention pool on the decode (--host-retention-gib): asked for by name.
+HOST_ARM = "kvloop_host"
 MODEL = "kvloop-tiny"
 # Paired per-turn ratios reported (numerator arm, denominator arm): same prompt, adjacent in time.
 PAIRED_RATIOS = (("kvloop", "builtin"), ("kvloop", "local"), ("builtin", "local"))
@@ -99,6 +101,9 @@ class MultiturnConfig:
     # workload reaches the cap near its last turns (1 GiB float32 decodes), and those turns pull older
     # runs: see the README.
     retention_max_share: float = 1.0
+    # Each engine's KV cache (VLLM_CPU_KVCACHE_SPACE, GiB), and the host pool of the kvloop_host arm's decode.
+    kv_cache_gib: int = 1
+    host_retention_gib: float = 0.0
     # past 0.9 of that share, give up the oldest runs for newer ones (kvloop_retention_yield)
     retention_yield: bool = True
     # reasoning workload: tokens the decode generates per turn (all of it thinking the template drops)
@@ -166,6 +171,8 @@ class TurnSample:
     # This turn's decode steps as [batch, arrival, step ms] (see steps.step_gaps; the batch counts the
     # arm's sessions streaming at the same time): TPOT compared at equal batch.
     decode_steps: list[list] = field(default_factory=list)
+    # kvloop arms: where the pulled run lived on its holder ("device" or "host"; None without a pull).
+    tier: str | None = None
 
 
 # Read from each arm's prefill engine (vLLM's Prometheus metrics), the same source in every arm:
@@ -368,6 +375,7 @@ class TurnOutcome:
     route: str | None = None
     route_ms: float | None = None
     decode_stream: Stream | None = None
+    tier: str | None = None
     route_estimates: list[dict] | None = None
     route_timing: dict | None = None
 
@@ -483,6 +491,7 @@ class ArmClient:
             params.get("kvloop_pull_ms"),
             tpot,
             decode_stream=decode_stream,
+            tier=params.get("kvloop_tier") or None,
         )
 
     def _local_turn(self, session: Session) -> TurnOutcome:
@@ -887,6 +896,7 @@ def run_workload(
                         r.route_estimates,
                         r.route_timing,
                         decode_steps=decode_steps_of(r.decode_stream, streams),
+                        tier=r.tier,
                     )
                 )
                 client.latest[session.seed] = r.computed_ids
@@ -1014,6 +1024,7 @@ def summarize(
                 if agree and arm != FLOOR_ARM
                 else None,
                 "pulled_blocks": sum(-(-s.cached_tokens // block_size) for s in group),
+                "pulled_tokens_by_tier": _by_tier(group),
                 "wrong_pulled_blocks": sum(s.wrong_blocks for s in group),
                 "decode_tpot_p50_ms": _median_or_none(
                     [x.decode_tpot_ms for x in all_turns[(workload, concurrency, arm)] if x.decode_tpot_ms]
@@ -1075,6 +1086,15 @@ def pooled_summary(results: Sequence[dict]) -> dict:
         samples += run
     routing = first.get("prefills", 1) > 1 or first.get("decodes", 1) > 1
     return summarize(samples, first["block_size"], pairs=ROUTING_PAIRED_RATIOS if routing else PAIRED_RATIOS)
+
+
+def _by_tier(group: list[TurnSample]) -> dict[str, int]:
+    """Prompt tokens pulled from each tier of the holders (kvloop arms; empty for the others)."""
+    out: dict[str, int] = {}
+    for s in group:
+        if s.tier and s.cached_tokens:
+            out[s.tier] = out.get(s.tier, 0) + s.cached_tokens
+    return out
 
 
 def _by_cell(samples: list[TurnSample]) -> dict[tuple[str, int, str], list[TurnSample]]:
@@ -1347,7 +1367,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
                 StackConfig(
                     model_dir=model,
                     workdir=config.workdir / "fleet",
-                    kv_cache_gib=1,
+                    kv_cache_gib=config.kv_cache_gib,
                     block_size=config.block_size,
                     dtype=config.dtype,
                     prefill_prefix_caching=config.prefill_prefix_caching,
@@ -1366,16 +1386,19 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             )
         for arm in () if config.routing else config.arms:
             floor = arm == FLOOR_ARM
+            if arm == HOST_ARM and not config.host_retention_gib:
+                raise ValueError(f"the {HOST_ARM} arm needs --host-retention-gib")
             stacks[arm] = Stack(
                 StackConfig(
                     model_dir=model,
                     workdir=config.workdir / arm,
-                    kv_cache_gib=1,
+                    kv_cache_gib=config.kv_cache_gib,
+                    host_retention_gib=config.host_retention_gib if arm == HOST_ARM else 0.0,
                     block_size=config.block_size,
                     dtype=config.dtype,
                     prefill_prefix_caching=floor or config.prefill_prefix_caching,
                     pin_engines=config.pin_engines,
-                    mode="recompute" if floor else arm,
+                    mode="recompute" if floor else "kvloop" if arm == HOST_ARM else arm,
                     decode_servers=0 if floor else 1,
                     retention_ttl_s=config.retention_ttl_s,
                     retention_max_share=config.retention_max_share,

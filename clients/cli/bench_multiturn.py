@@ -26,7 +26,8 @@ def bench_multiturn(
         list[str] | None,
         typer.Option(
             help="recompute, builtin, kvloop, local (repeatable; local is the "
-            "ideal reference: a prefill that kept its own cache)"
+            "ideal reference: a prefill that kept its own cache); kvloop_host: kvloop with a host pool on "
+            "the decode (--host-retention-gib; not run unless asked for)"
         ),
     ] = None,
     tool_tokens: Annotated[
@@ -68,6 +69,10 @@ def bench_multiturn(
             "0.5; 1: no bound, as vLLM's, and as this bench's figures were taken)",
         ),
     ] = 1.0,
+    kv_cache_gib: Annotated[int, typer.Option(min=1, help="each engine's KV cache, GiB")] = 1,
+    host_retention_gib: Annotated[
+        float, typer.Option(min=0, help="the kvloop_host arm's decode: GiB of host memory for retained runs")
+    ] = 0.0,
     retention_yield: Annotated[
         bool,
         typer.Option(help="past 0.9 of that share, kvloop decodes give up their oldest runs for newer ones"),
@@ -121,6 +126,7 @@ def bench_multiturn(
     from kvloop.clients.bench.multiturn import (
         ARMS,
         DEFAULT_WORKLOADS,
+        HOST_ARM,
         ROUTING_ARMS,
         WORKLOADS,
         MultiturnConfig,
@@ -129,9 +135,9 @@ def bench_multiturn(
     from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
     from kvloop.common.processes import supervisor
 
-    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else ARMS
+    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else (*ARMS, HOST_ARM)
     if arm is None:
-        arm = list(known_arms)
+        arm = [a for a in known_arms if a != HOST_ARM or host_retention_gib]
     if workload is None:
         workload = list(DEFAULT_WORKLOADS)
     if concurrency is None:
@@ -166,6 +172,8 @@ def bench_multiturn(
         retention_ttl_s=retention_ttl,
         retention_max_share=retention_max_share,
         retention_yield=retention_yield,
+        kv_cache_gib=kv_cache_gib,
+        host_retention_gib=host_retention_gib,
         dtype=dtype,
         warmup_turns=warmup_turns,
         ucx_tls=ucx_tls,
@@ -210,7 +218,7 @@ def bench_multiturn_pool(
 
 
 def _print_multiturn(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, ROUTING_ARMS
+    from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, HOST_ARM, ROUTING_ARMS
 
     table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
     for column in (
@@ -255,7 +263,11 @@ def _print_multiturn(summary: dict) -> None:
     table = Table(
         title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)"
     )
-    present = [a for a in dict.fromkeys(ARMS + ROUTING_ARMS) if any(r["arm"] == a for r in summary["rows"])]
+    present = [
+        a
+        for a in dict.fromkeys((*ARMS, HOST_ARM, *ROUTING_ARMS))
+        if any(r["arm"] == a for r in summary["rows"])
+    ]
     for column in ("workload", "sessions", "context", "turns", *present):
         table.add_column(column)
     cells: dict[tuple, dict[str, dict]] = {}

@@ -33,6 +33,8 @@ class StackConfig:
     prefill_prefix_caching: bool = False  # off: emulates a fleet of prefill workers losing their cache
     mode: str = "kvloop"  # "kvloop" | "builtin" | "recompute" (see EngineConfig.mode)
     kv_cache_gib: int = 2
+    # Decodes: GiB of host memory retained runs are copied into (see EngineConfig.host_retention_gib).
+    host_retention_gib: float = 0.0
     block_size: int = 32
     dtype: str = "bfloat16"
     retention_ttl_s: float = 480.0
@@ -171,6 +173,8 @@ class Stack:
                         block_size=cfg.block_size,
                         dtype=cfg.dtype,
                         kv_cache_gib=cfg.kv_cache_gib,
+                        host_retention_gib=cfg.host_retention_gib if role == "decode" else 0.0,
+                        host_nixl_port=free_port() if role == "decode" and cfg.host_retention_gib else 0,
                         retention_ttl_s=cfg.retention_ttl_s,
                         retention_max_share=cfg.retention_max_share,
                         retention_yield=cfg.retention_yield,

@@ -201,3 +201,42 @@ def test_a_pull_from_the_host_pool_gives_the_kv_a_recompute_gives(host_pair):
     assert pf.span["kvloop.tier"] == "host", pf.span
     # the whole history but its last token (as from a KV cache): the tail block came from the pool too
     assert pf.out["num_cached_tokens"] == len(nxt) - 64 - 1
+
+
+def test_a_run_past_the_share_moves_to_the_pool_instead_of_being_declined():
+    """Past retention_max_share, a finishing request the pool has room for is admitted only to be
+    copied there: it is never announced from the KV cache, and its blocks are freed as soon as the
+    copy is made, while the copy is announced as a host run."""
+    from test_connector_units import _Finished
+
+    from kvloop.agents.connector.config import KvloopConfig
+    from kvloop.agents.connector.decode import DecodeSide
+
+    events: list = []
+    cfg = KvloopConfig(retention_max_share=0.1)
+    host = HostTier(64, 600.0, 2.0, events.append, None)
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, host=host)  # 10 blocks pinned at most
+
+    def finish(rid: str, blocks: list[int]) -> bool:
+        if not side.admits([blocks], rid):
+            return False
+        side.announce(_Finished(rid, len(blocks)), {"remote_block_ids": [blocks]}, 60.0, [blocks])
+        return True
+
+    assert finish("fits", list(range(1, 9)))
+    (device,) = events
+    assert device.retention_handle == "fits" and device.tier == "device"
+    events.clear()
+    assert finish("moves", list(range(20, 28)))  # 8 more blocks: past the share, the pool has room
+    assert events == []  # not announced from the KV cache
+    assert [c.handle for c in side.take_host_copies()] == ["fits@host", "moves@host"]
+    assert side.take_free_early() == {}  # its blocks stay until the copy is made
+    side.host_copied({"moves@host": True})
+    (announced,) = [e for e in events if e.retention_handle == "moves@host"]
+    assert announced.tier == "host"
+    assert set(side.take_free_early()) == {"moves"}  # then they go at once: nobody was handed them
+    host_full = HostTier(2, 600.0, 2.0, events.append, None)
+    full = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, host=host_full)
+    assert full.admits([list(range(1, 11))], "a")
+    full.announce(_Finished("a", 10), {"remote_block_ids": [list(range(1, 11))]}, 60.0, [list(range(1, 11))])
+    assert not full.admits([[50, 51, 52]], "b")  # no room in the pool either: declined as before
