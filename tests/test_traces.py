@@ -119,3 +119,16 @@ def test_warm_peers_are_the_other_holders_of_the_model_once_this_engine_pulls():
     # a decode opens no connections; nor does an engine kvloopd has not registered yet
     assert peers_to_warm(workers, "decode-0", "e-d0", "m") == []
     assert peers_to_warm(workers[2:], "prefill-0", "e-p0", "m") == []
+
+
+def test_a_holders_host_pool_is_warmed_as_an_engine_of_its_own():
+    workers = [
+        _worker("prefill-0", pb.WORKER_ROLE_PREFILL, "e-p0", "10.0.0.1:5600"),
+        _worker("decode-0", pb.WORKER_ROLE_DECODE, "e-d0", "10.0.0.3:5601"),
+    ]
+    workers[1].registration.host_engine_id = "e-d0@host"
+    workers[1].registration.host_nixl_endpoint = "10.0.0.3:6601"
+    assert peers_to_warm(workers, "prefill-0", "e-p0", "m") == [
+        Peer("decode-0", "e-d0", "10.0.0.3", 5601, 1),
+        Peer("decode-0", "e-d0@host", "10.0.0.3", 6601, 1),
+    ]

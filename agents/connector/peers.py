@@ -60,12 +60,12 @@ def peers_to_warm(
             continue
         if model and r.model != model:
             continue
-        host, sep, port = r.nixl_endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            continue
-        peers.append(
-            Peer(r.worker_id, r.engine_id, host, int(port), r.parallel.tensor_parallel_size or 1, r.epoch)
-        )
+        # the engine's KV cache, and its host pool (an engine of its own) where it has one
+        for engine_id, endpoint in ((r.engine_id, r.nixl_endpoint), (r.host_engine_id, r.host_nixl_endpoint)):
+            host, sep, port = endpoint.rpartition(":")
+            if engine_id and sep and port.isdigit():
+                tp = r.parallel.tensor_parallel_size or 1
+                peers.append(Peer(r.worker_id, engine_id, host, int(port), tp, r.epoch))
     return peers
 
 
