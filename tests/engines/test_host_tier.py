@@ -240,3 +240,84 @@ def test_a_run_past_the_share_moves_to_the_pool_instead_of_being_declined():
     assert full.admits([list(range(1, 11))], "a")
     full.announce(_Finished("a", 10), {"remote_block_ids": [list(range(1, 11))]}, 60.0, [list(range(1, 11))])
     assert not full.admits([[50, 51, 52]], "b")  # no room in the pool either: declined as before
+
+
+@pytest.mark.engines
+def test_a_relaunched_decode_forgets_its_pool(host_pair):
+    """The decode killed and relaunched under its agent (a new epoch), its pool with it. The
+    old process's copies leave the directory with its other runs, and the next turn recomputes."""
+    import random
+    import uuid
+
+    from test_reverse_pull import prefill_and_check, rand_tokens, relaunch_decode
+
+    from tests.support import wait_until
+
+    pair = host_pair
+    rnd = random.Random(47)
+    prompt = rand_tokens(rnd, 700)
+    p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
+    d = pair.decode.generate(prompt, 32, p["kv_transfer_params"])
+    handle = d["kv_transfer_params"]["remote_request_id"]
+    first_hash = pair.decode.call("block_hashes", prompt)[0]
+
+    def copied() -> list:
+        pair.decode.generate(rand_tokens(rnd, 8), 1)
+        return _host_runs(pair, first_hash, f"{handle}@host")
+
+    wait_until(copied, 30, "the host copy announced")
+    relaunch_decode(pair)
+    wait_until(lambda: not _host_runs(pair, first_hash, f"{handle}@host"), 30, "the old epoch's copy dropped")
+    pf = prefill_and_check(pair, prompt + d["token_ids"] + rand_tokens(rnd, 64))
+    assert pf.span["kvloop.path"] == "miss", pf.span
+
+
+@pytest.mark.engines
+def test_a_copy_the_pool_released_is_recomputed_and_named(host_pair):
+    """A small pool under churn: once a conversation's copy is released for room (and its KV-cache
+    run is long given up), its next turn recomputes, named as a miss, with the same answer as a
+    recompute; nothing read a released copy."""
+    import random
+    import uuid
+
+    from test_reverse_pull import prefill_and_check, rand_tokens
+
+    from tests.support import wait_until
+
+    pair = host_pair
+    rnd = random.Random(43)
+    slots = _metric(pair, "kvloop_connector_host_released_total", ("reason", "evicted"))
+    first = None
+    histories = []
+    # each conversation takes 23 slots of the pool's 272: the oldest copies are released for room
+    for _ in range(14):
+        prompt = rand_tokens(rnd, 700)
+        p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
+        d = pair.decode.generate(prompt, 32, p["kv_transfer_params"])
+        pair.decode.generate(rand_tokens(rnd, 8), 1)  # a step: the copy is posted and reported
+        histories.append(prompt + d["token_ids"])
+        if first is None:
+            first = (
+                d["kv_transfer_params"]["remote_request_id"],
+                pair.decode.call("block_hashes", prompt)[0],
+            )
+    assert first is not None
+    handle, first_hash = first
+
+    def released() -> bool:
+        pair.decode.generate(rand_tokens(rnd, 8), 1)
+        return _metric(pair, "kvloop_connector_host_released_total", ("reason", "evicted")) > slots
+
+    wait_until(released, 30, "the oldest copies released for room")
+    wait_until(lambda: not _host_runs(pair, first_hash, f"{handle}@host"), 30, "the first copy dropped")
+    assert not _host_runs(pair, first_hash, handle)  # its KV-cache run went long ago (demoted at once)
+    pf = prefill_and_check(pair, histories[0] + rand_tokens(rnd, 64))
+    assert pf.span["kvloop.path"] == "miss" and pf.span["kvloop.reason"] == "miss", pf.span
+    # the latest conversation still pulls (from its copy, or its run still in the KV cache)
+    last = prefill_and_check(pair, histories[-1] + rand_tokens(rnd, 64))
+    assert last.span["kvloop.path"] == "transfer", last.span
+    assert not _metric(pair, "kvloop_connector_host_copies_total", ("outcome", "failed"))
+
+
+def _metric(pair, name: str, label: tuple[str, str]) -> float:
+    return pair.decode.call("metrics").get((name, (label,)), 0.0)
