@@ -177,6 +177,10 @@ def test_cli_refuses_bad_options(tmp_path):
 def test_sweep_keys_and_values():
     assert parse_sweep(["lease=60,300,memory=1000,2000"]) == {"lease": [60, 300], "memory": [1000, 2000]}
     assert parse_sweep(["lease=60", "memory=5"]) == {"lease": [60], "memory": [5]}
+    assert parse_sweep(["memory=5000,50000", "host_memory=0,200000"]) == {
+        "memory": [5000, 50000],
+        "host_memory": [0, 200000],
+    }
     with pytest.raises(ValueError, match="given twice"):
         parse_sweep(["lease=1,lease=2"])
     with pytest.raises(ValueError, match="not a number"):
@@ -189,6 +193,177 @@ def test_sweep_writes_a_plot(tmp_path):
     assert [p["lease"] for p in result["points"]] == [20, 480]
     # A longer lease keeps more runs to pull from.
     assert result["points"][1]["pulled_share"] >= result["points"][0]["pulled_share"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# A small synthetic trace whose decodes evict runs; without a host tier the replay gives these figures.
+SMALL = ("--synthetic", "300", "--decodes", "2", "--retention-blocks", "2000", "--prefill-cache-blocks", "0")
+SMALL_FIGURES = {
+    "local_tokens": 0,
+    "pulled_tokens": 861_952,
+    "recomputed_tokens": 710_850,
+    "missed_pull_tokens": {"evicted": 334_192},
+    "paths": {"miss": 17, "transfer": 283},
+}
+SMALL_DECODES = {"replay-decode-0": (179, 175, 1376), "replay-decode-1": (102, 96, 1510)}
+
+
+def _figures(report: dict) -> dict:
+    return {k: report[k] for k in SMALL_FIGURES}
+
+
+def _decodes(report: dict) -> dict:
+    return {
+        w: (d["retained_runs"], d["evicted_runs"], d["blocks_in_use_at_end"])
+        for w, d in report["decodes"].items()
+    }
+
+
+def test_host_tier_off_gives_the_same_report_and_on_turns_evictions_into_host_pulls():
+    off = replay(*SMALL, "--host-retention-blocks", "0")
+    assert _figures(off) == SMALL_FIGURES and _decodes(off) == SMALL_DECODES
+    assert off["pulled_tokens_by_tier"] == {"device": SMALL_FIGURES["pulled_tokens"], "host": 0}
+    assert off["pulled_share_by_tier"] == {"device": off["pulled_share"], "host": 0.0}
+    assert all(d["moved_to_host_runs"] == 0 for d in off["decodes"].values())
+    assert off["ttft"]["continuation"]["without_kvloop_ms"]["mean"] == 662.489
+    assert _figures(replay(*SMALL)) == SMALL_FIGURES  # the default is no host tier
+
+    on = replay(*SMALL, "--host-retention-blocks", "20000")
+    by_tier = on["pulled_tokens_by_tier"]
+    assert by_tier["host"] > 0 and by_tier["device"] + by_tier["host"] == on["pulled_tokens"]
+    assert on["pulled_share_by_tier"]["device"] + on["pulled_share_by_tier"]["host"] == pytest.approx(
+        on["pulled_share"], abs=1e-12
+    )
+    assert on["pulled_share"] > off["pulled_share"]
+    # Every run the device evicted went to host memory, which had room for all of them: nothing
+    # the decodes held was missed.
+    for worker, d in on["decodes"].items():
+        assert d["moved_to_host_runs"] == d["evicted_runs"] > 0, worker
+        assert d["host_evicted_runs"] == 0 and d["host_blocks_in_use_at_end"] > 0
+    assert on["missed_pull_tokens"] == {}
+    assert on["local_tokens"] + on["pulled_tokens"] + on["recomputed_tokens"] == on["prompt_tokens"]
+
+
+def _host_tier_sessions() -> list[dict]:
+    """`_session` plus session c at 12 s, a short turn whose retention makes the device evict
+    session b's run."""
+    records = _session(lease_gap_s=30)
+    c = {
+        "timestamp": 12_000,
+        "input_length": 700,
+        "output_length": 10,
+        "hash_ids": [80, 81],
+        "session_id": "c",
+    }
+    return [*records[:3], c, records[3]]
+
+
+# One decode with room for one short turn on the device and one long turn in host memory.
+TIGHT = ("--prefill-cache-blocks", "0", "--decodes", "1", "--retention-blocks", "80")
+
+
+def test_host_tier_serves_device_evictions_until_it_evicts_them(tmp_path):
+    trace = write(tmp_path / "sessions.jsonl", _host_tier_sessions())
+    # Device only: session b's run evicts session a's first turn (70 blocks), missed by turns 2 and 3.
+    off = replay("--trace", str(trace), *TIGHT)
+    assert off["pulled_tokens"] == 0
+    assert off["missed_pull_tokens"] == {"evicted": 2 * 70 * BS}
+    # With host memory the evicted turn moves there: turn 2 pulls its 70 blocks from host memory.
+    # Session c's run then evicts b's run from the device, b's takes the host pool's room, and the
+    # host pool evicts turn 1's run: turn 3 misses it, evicted from both tiers.
+    on = replay("--trace", str(trace), *TIGHT, "--host-retention-blocks", "80")
+    assert on["pulled_tokens_by_tier"] == {"device": 0, "host": 70 * BS}
+    assert on["pulled_share_by_tier"]["host"] == on["pulled_share"] > 0
+    assert on["missed_pull_tokens"] == {"evicted": 70 * BS}
+    decode = on["decodes"]["replay-decode-0"]
+    assert (decode["evicted_runs"], decode["moved_to_host_runs"], decode["host_evicted_runs"]) == (2, 2, 1)
+    assert decode["not_retained_too_large"] == 1  # turn 2's 130 blocks never fit the device
+    # A host pull costs more than a device pull of the same tokens (a slower READ), less than none.
+    cont = on["ttft"]["continuation"]
+    assert cont["with_kvloop_ms"]["mean"] < cont["without_kvloop_ms"]["mean"]
+
+
+def test_host_copy_is_a_host_tier_run_of_its_own_in_kvloopd(tmp_path):
+    """While host memory holds the evicted turn, kvloopd lists it under its `@host` handle with the
+    host tier, and no longer the device run; after the host pool evicts it, neither."""
+    import asyncio
+
+    from kvloop.clients.bench.common import start_daemon
+    from kvloop.clients.bench.replay_fleet import MODEL, Fleet, FleetConfig
+    from kvloop.clients.bench.replay_trace import read_trace
+    from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
+    from kvloop.common.processes import supervisor
+    from kvloop.v1 import directory_pb2 as pb
+
+    requests = read_trace(write(tmp_path / "s.jsonl", _host_tier_sessions()), BS, "mooncake")
+    probe = requests[0].held[-1]  # the last block of turn 1's run (its answer)
+    config = FleetConfig(
+        decodes=1, block_size=BS, retention_blocks=80, host_retention_blocks=80, prefill_cache_blocks=0
+    )
+    seen: dict[int, list[tuple[str, int, bool]]] = {}
+    daemon, target = start_daemon("127.0.0.1:0", tmp_path, (), {"KVLOOP_EXPIRY_MARGIN_S": "0"})
+    try:
+        with DirectoryClient(target, timeout=30) as directory:
+
+            def progress(done: int) -> None:
+                # Each request's Lookup waited for the decodes' events to be acknowledged.
+                locations = directory.find_block(MODEL, probe)
+                seen[done] = [(loc.retention_handle, loc.tier, loc.servable) for loc in locations]
+
+            async def go() -> None:
+                async with AsyncDirectoryClient(target, timeout=30) as client:
+                    await Fleet(config, client, target, None, progress).run(requests)
+
+            asyncio.run(go())
+    finally:
+        supervisor().stop(daemon, grace_s=10)
+    assert seen[1] == []  # turn 1 still decoding
+    # Session b's turn arrived after turn 1 ended (2 s) and before b's ended: turn 1 on the device.
+    assert seen[2] == [("replay-decode-0/r0", pb.BLOCK_TIER_DEVICE, True)]
+    # Turn 2 (10 s) came after b's run evicted turn 1's from the device (5.2 s).
+    assert seen[3] == [("replay-decode-0/r0@host", pb.BLOCK_TIER_HOST, True)]
+    # Turn 3 (40 s) came after c's run (12.2 s) pushed b's to host memory, evicting turn 1's.
+    assert seen[5] == []
+
+
+def test_host_reads_cost_the_host_rate_never_less_than_the_link():
+    from kvloop.clients.bench.replay_fleet import RequestRecord
+    from kvloop.clients.bench.replay_report import CostModel, CostModelError
+
+    def pull(tier: str) -> RequestRecord:
+        return RequestRecord(
+            index=0, t_ms=0, prefill="p", decode="d", prompt_tokens=10_000, local_tokens=0,
+            pulled_tokens=8_000, recomputed_tokens=2_000, path="transfer", reason="transfer_faster",
+            missed_tokens=0, missed_reason="", ever_held_tokens=8_000, lookup_ms=1.0, pulled_tier=tier,
+        )  # fmt: skip
+
+    model = CostModel.from_figures(8000, 100, 2, 131_072, host_read_gbps=50)
+    # 128 KiB per token: 0.0105 ms at 100 Gbit/s, twice that at 50.
+    assert model.read_ms_per_token("device") == pytest.approx(131_072 * 8 / 100e6)
+    assert model.read_ms_per_token("host") == pytest.approx(2 * model.read_ms_per_token("device"))
+    gap = model.with_kvloop_ms(pull("host")) - model.with_kvloop_ms(pull("device"))
+    assert gap == pytest.approx(8_000 * model.read_ms_per_token("device"))
+    # A host READ still crosses the link: a faster host path does not beat it.
+    fast_host = CostModel.from_figures(8000, 100, 2, 131_072, host_read_gbps=400)
+    assert fast_host.read_ms_per_token("host") == fast_host.read_ms_per_token("device")
+    assert "host memory reads 50 Gbit/s" in model.basis
+    with pytest.raises(CostModelError):
+        model.with_host_read(0, 131_072)
+
+
+def test_sweep_over_both_memories(tmp_path):
+    png = tmp_path / "memories.png"
+    args = ("--synthetic", "120", "--decodes", "2", "--prefill-cache-blocks", "0")
+    result = replay(*args, "--sweep", "memory=300,3000", "--sweep", "host_memory=0,20000", "--plot", str(png))
+    points = {(p["memory"], p["host_memory"]): p for p in result["points"]}
+    assert set(points) == {(300, 0), (300, 20000), (3000, 0), (3000, 20000)}
+    for (memory, host_memory), p in points.items():
+        host = p["pulled_share_by_tier"]["host"]
+        assert (host > 0) == (host_memory > 0 and p["moved_to_host_runs"] > 0), (memory, host_memory)
+        assert p["pulled_share_by_tier"]["device"] + host == pytest.approx(p["pulled_share"], abs=1e-12)
+    # Little device memory: host memory takes what it evicts and more is pulled.
+    assert points[300, 20000]["pulled_share"] > points[300, 0]["pulled_share"]
+    assert points[300, 20000]["moved_to_host_runs"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -29,6 +29,7 @@ from kvloop.common.processes import supervisor
 SWEEP_KEYS = {
     "lease": "lease_s",
     "memory": "retention_blocks",
+    "host_memory": "host_retention_blocks",
     "prefill_cache": "prefill_cache_blocks",
     "decodes": "decodes",
     "prefills": "prefills",
@@ -126,7 +127,7 @@ def sweep(
     progress: Callable[[str, int], None] = lambda label, done: None,
 ) -> dict[str, Any]:
     """The replay at every point of the grid; a PNG of the saving against the first key, one line
-    per value of the others."""
+    per value of the others (the pulled share's part from host memory dashed, where there is one)."""
     keys = list(grid)
     points = []
     for values in itertools.product(*(grid[k] for k in keys)):
@@ -147,11 +148,13 @@ def sweep(
                 **setting,
                 "local_share": report["local_share"],
                 "pulled_share": report["pulled_share"],
+                "pulled_share_by_tier": report["pulled_share_by_tier"],
                 "recomputed_share": report["recomputed_share"],
                 "continuation_requests": cont["requests"],
                 "continuation_ttft_saving_share": cont.get("saving_share_of_mean"),
                 "missed_pull_tokens": report["missed_pull_tokens"],
                 "evicted_runs": sum(d["evicted_runs"] for d in report["decodes"].values()),
+                "moved_to_host_runs": sum(d["moved_to_host_runs"] for d in report["decodes"].values()),
                 "lookup_ms_p50": (report["daemon"]["lookup_ms"] or {}).get("p50"),
                 "daemon_rss_mib_peak": (report["daemon"]["rss_mib"] or {}).get("peak"),
                 "replay_requests_per_s": report["replay"]["requests_per_s"],
@@ -178,11 +181,20 @@ def plot_sweep(points: list[dict[str, Any]], keys: list[str], png: Path) -> Path
         ps.sort(key=lambda p: p[x_key])
         label = ", ".join(f"{k}={v:g}" for k, v in zip(others, series, strict=True)) or None
         xs = [p[x_key] for p in ps]
-        axes[0].plot(xs, [p["pulled_share"] for p in ps], marker="o", label=label)
+        (line,) = axes[0].plot(xs, [p["pulled_share"] for p in ps], marker="o", label=label)
+        host = [p["pulled_share_by_tier"]["host"] for p in ps]
+        if any(host):
+            axes[0].plot(xs, host, linestyle="--", marker=".", color=line.get_color())
         axes[1].plot(xs, [p["continuation_ttft_saving_share"] or 0.0 for p in ps], marker="o", label=label)
-    unit = {"lease": "lease (s)", "memory": "retention memory per decode (blocks)"}.get(x_key, x_key)
+    unit = {
+        "lease": "lease (s)",
+        "memory": "retention memory per decode (blocks)",
+        "host_memory": "host retention memory per decode (blocks)",
+    }.get(x_key, x_key)
     axes[0].set(
-        xlabel=unit, ylabel="share of prompt tokens pulled", title="prompt tokens served by reverse pull"
+        xlabel=unit,
+        ylabel="share of prompt tokens pulled",
+        title="prompt tokens served by reverse pull (dashed: from host memory)",
     )
     axes[1].set(
         xlabel=unit, ylabel="1 - TTFT with / without (mean)", title="continuation TTFT saved (cost model)"

@@ -7,6 +7,12 @@ protocol, driven through a trace in trace time.
   snapshots) over one Connect stream per worker. A decode keeps a run for the lease and frees it at
   its end; when its retention memory (``retention_blocks``, blocks of equal hash shared as in vLLM's
   prefix-cached block pool) cannot take a new run it evicts the oldest runs first.
+- With a host-memory tier (``host_retention_blocks`` per decode, 0: none) a run the device evicts
+  moves to the decode's host pool instead of being dropped, as the worker does: the host copy is
+  announced as a retained run of its own (handle ``<request id>@host``, tier ``BLOCK_TIER_HOST``,
+  block ids = pool slot ids) and the device run released, both in one event batch, so no Lookup sees
+  neither. The copy keeps the run's lease; the host pool evicts its oldest runs first (blocks of
+  equal hash stored once, as a hash-keyed offload pool does), and those are dropped.
 - Prefill workers keep a local prefix cache (vLLM's LRU over freed blocks, a prompt's tail evicted
   before its head), publish its stored/removed blocks through their own link as a prefill's sidecar
   would, and ask kvloopd with the connector's own ``DirectoryLookups`` (same request, same
@@ -31,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
+from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer, PullerConstraints
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
@@ -42,6 +48,9 @@ from kvloop.common.outcomes import path_name, reason_name
 from kvloop.v1 import directory_pb2 as pb
 
 MODEL = "replay-model"
+TIERS = ("device", "host")
+# A host-memory copy's retention handle: the device run's, with this suffix.
+HOST_SUFFIX = "@host"
 ROUTINGS = ("kvloop", "round_robin", "random")
 # A lease the daemon never sees end before the decode withdraws the run (trace time runs apart
 # from the daemon's clock).
@@ -68,6 +77,8 @@ class FleetConfig:
     block_size: int = 32
     # Decode KV memory set aside for retained runs, in blocks, per decode.
     retention_blocks: int = 50_000
+    # Decode host memory that takes the runs the device evicts, in blocks, per decode (0: no host tier).
+    host_retention_blocks: int = 0
     # Retention lease (vLLM's decoder_kv_blocks_ttl, 480 s) and the puller's margin (connector's 6 s).
     lease_s: float = 480.0
     expiry_margin_s: float = 6.0
@@ -110,6 +121,7 @@ class RequestRecord:
     ever_held_tokens: int
     lookup_ms: float
     holder: str = ""
+    pulled_tier: str = ""  # "device" or "host" when blocks were pulled
 
 
 @dataclass(slots=True)
@@ -117,8 +129,50 @@ class _Run:
     handle: str
     hashes: list[bytes]
     extra_blocks: int  # blocks without a reusable hash (the answer nobody resends, partial blocks)
+    withdraw_ms: float  # trace time the decode withdraws it (its lease end less the puller's margin)
+    expire_ms: float  # trace time its lease ends
+    tier: str = "device"
     servable: bool = True
     freed: bool = False
+
+
+@dataclass
+class _Pool:
+    """One tier of a decode's retention memory: blocks of equal hash held once, runs oldest first."""
+
+    capacity: int
+    refs: dict[bytes, int] = field(default_factory=dict)
+    extra: int = 0
+    runs: OrderedDict[str, _Run] = field(default_factory=OrderedDict)  # oldest first
+    next_slot: int = 0
+
+    @property
+    def used(self) -> int:
+        return len(self.refs) + self.extra
+
+    def need(self, run_hashes: list[bytes], extra: int) -> int:
+        """Blocks a run with these hashes takes beyond what the pool holds already."""
+        return sum(1 for h in dict.fromkeys(run_hashes) if h not in self.refs) + extra
+
+    def add(self, run: _Run) -> list[int]:
+        """Hold the run; its block (slot) ids."""
+        for h in dict.fromkeys(run.hashes):
+            self.refs[h] = self.refs.get(h, 0) + 1
+        self.extra += run.extra_blocks
+        self.runs[run.handle] = run
+        ids = [(self.next_slot + i) % self.capacity for i in range(len(run.hashes))]
+        self.next_slot = (self.next_slot + len(run.hashes)) % self.capacity
+        return ids
+
+    def remove(self, run: _Run) -> None:
+        self.runs.pop(run.handle, None)
+        _unref(self.refs, run.hashes)
+        self.extra -= run.extra_blocks
+
+    def clear(self) -> None:
+        self.runs.clear()
+        self.refs.clear()
+        self.extra = 0
 
 
 @dataclass
@@ -126,23 +180,23 @@ class _Decode:
     worker_id: str
     mirror: WorkerMirror
     link: DirectoryLink
-    refs: dict[bytes, int] = field(default_factory=dict)
-    extra: int = 0
-    runs: OrderedDict[str, _Run] = field(default_factory=OrderedDict)  # oldest first
+    device: _Pool
+    host: _Pool
     active: int = 0
     inflight: set[int] = field(default_factory=set)  # request indexes decoding here
     down: bool = False
     runner: asyncio.Task | None = None
     lag_tasks: set[asyncio.Task] = field(default_factory=set)  # acks awaited on this stream
     failures: int = 0
-    next_block_id: int = 0
     retained_runs: int = 0
     evicted_runs: int = 0
     not_retained: int = 0
+    moved_to_host_runs: int = 0
+    host_evicted_runs: int = 0
 
     @property
     def used(self) -> int:
-        return len(self.refs) + self.extra
+        return self.device.used
 
 
 @dataclass
@@ -183,7 +237,7 @@ class Fleet:
         self.rnd = random.Random(config.seed)
         bs = config.block_size
         kv_bytes_per_block = self._kv_bytes_per_block = config.kv_bytes_per_token * bs
-        self.decodes = [self._decode(f"replay-decode-{i}", kv_bytes_per_block) for i in range(config.decodes)]
+        self.decodes = [self._decode(f"replay-decode-{i}") for i in range(config.decodes)]
         constraints = lambda worker: PullerConstraints(  # noqa: E731
             model=MODEL,
             requester=worker,
@@ -214,12 +268,28 @@ class Fleet:
         self._seq = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-lookup")
 
-    def _decode(self, worker: str, kv_bytes_per_block: int) -> _Decode:
+    def _decode(self, worker: str) -> _Decode:
         mirror = WorkerMirror(32)
-        registration = _registration(
-            worker, pb.WORKER_ROLE_DECODE, self.config.block_size, kv_bytes_per_block
+        registration = self._decode_registration(worker)
+        return _Decode(
+            worker,
+            mirror,
+            DirectoryLink(self.client, registration, mirror.snapshot),
+            device=_Pool(self.config.retention_blocks),
+            host=_Pool(self.config.host_retention_blocks),
         )
-        return _Decode(worker, mirror, DirectoryLink(self.client, registration, mirror.snapshot))
+
+    def _decode_registration(self, worker: str) -> pb.WorkerRegistration:
+        registration = _registration(
+            worker, pb.WORKER_ROLE_DECODE, self.config.block_size, self._kv_bytes_per_block
+        )
+        # The host pool is a NIXL engine of its own, registered with the worker where the protocol
+        # has the fields for it.
+        fields = pb.WorkerRegistration.DESCRIPTOR.fields_by_name
+        if self.config.host_retention_blocks and "host_engine_id" in fields:
+            setattr(registration, "host_engine_id", worker + HOST_SUFFIX)  # noqa: B010
+            setattr(registration, "host_nixl_endpoint", "127.0.0.1:5601")  # noqa: B010
+        return registration
 
     # ---- the replay loop ------------------------------------------------------------------------
 
@@ -274,6 +344,9 @@ class Fleet:
                 "evicted_runs": d.evicted_runs,
                 "not_retained_too_large": d.not_retained,
                 "blocks_in_use_at_end": d.used,
+                "moved_to_host_runs": d.moved_to_host_runs,
+                "host_evicted_runs": d.host_evicted_runs,
+                "host_blocks_in_use_at_end": d.host.used,
                 "failures": d.failures,
             }
             for d in self.decodes
@@ -338,14 +411,13 @@ class Fleet:
             if not any(w.registration.worker_id == decode.worker_id and w.connected for w in workers):
                 break
             await asyncio.sleep(0.005)
-        for run in list(decode.runs.values()):
-            if run.servable:
-                self._forget(run, "peer_unavailable")
-                run.servable = False
-            run.freed = True
-        decode.runs.clear()
-        decode.refs.clear()
-        decode.extra = 0
+        for pool in (decode.device, decode.host):
+            for run in list(pool.runs.values()):
+                if run.servable:
+                    self._forget(run, "peer_unavailable")
+                    run.servable = False
+                run.freed = True
+            pool.clear()
         decode.active = 0
         decode.inflight.clear()
 
@@ -354,12 +426,7 @@ class Fleet:
         if not decode.down:
             return
         decode.mirror = WorkerMirror(32)
-        registration = _registration(
-            decode.worker_id,
-            pb.WORKER_ROLE_DECODE,
-            self.config.block_size,
-            self._kv_bytes_per_block,
-        )
+        registration = self._decode_registration(decode.worker_id)
         decode.link = DirectoryLink(self.client, registration, decode.mirror.snapshot)
         decode.runner = asyncio.create_task(decode.link.run())
         await asyncio.wait_for(decode.link.connected.wait(), 30)
@@ -404,7 +471,7 @@ class Fleet:
             t = time.perf_counter()
             answer = await loop.run_in_executor(self._executor, prefill.lookups.lookup, r.hashes, local)
             lookup_ms = (time.perf_counter() - t) * 1000
-        pulled_blocks = 0
+        pulled_blocks, pulled_tier = 0, ""
         if answer is None:
             path = "recompute" if r.hashes else "miss"
             reason = "directory_unavailable" if r.hashes else "short_prompt"
@@ -412,6 +479,7 @@ class Fleet:
             path, reason = path_name(answer.path), reason_name(answer.reason)
             if answer.path == pb.TURN_PATH_TRANSFER:
                 pulled_blocks = max(0, answer.matched_blocks - local)
+                pulled_tier = holder_tier(answer.holder) if answer.holder is not None else "device"
         served = local + pulled_blocks
         missed = max(0, ever - served)
         missed_reason = ""
@@ -439,6 +507,7 @@ class Fleet:
             ever_held_tokens=ever * bs,
             lookup_ms=lookup_ms,
             holder=answer.holder.worker_id if answer is not None and answer.holder is not None else "",
+            pulled_tier=pulled_tier if pulled_tokens else "",
         )
         self._cache_prompt(prefill, r.hashes)
         decode = self._route_decode(record.holder)
@@ -493,84 +562,129 @@ class Fleet:
     # ---- decode retention -----------------------------------------------------------------------
 
     def _retain(self, decode: _Decode, r: TraceRequest, t_ms: float) -> None:
-        cfg = self.config
-        total_blocks = -(-r.held_tokens // cfg.block_size)
+        cfg, pool = self.config, decode.device
         hashes = r.held
-        extra = max(0, total_blocks - len(hashes))
         if not hashes:
             return
-        need = sum(1 for h in dict.fromkeys(hashes) if h not in decode.refs) + extra
-        if need > cfg.retention_blocks:
+        extra = max(0, -(-r.held_tokens // cfg.block_size) - len(hashes))
+        if pool.need(hashes, extra) > pool.capacity:
             decode.not_retained += 1
             return
-        while decode.used + need > cfg.retention_blocks and decode.runs:
-            _, oldest = decode.runs.popitem(last=False)
-            if oldest.servable:
-                self._unserve(decode, oldest, "evicted")
-            self._free(decode, oldest, forget=False)
+        while pool.used + pool.need(hashes, extra) > pool.capacity and pool.runs:
+            _, oldest = pool.runs.popitem(last=False)
             decode.evicted_runs += 1
-            need = sum(1 for h in dict.fromkeys(hashes) if h not in decode.refs) + extra
-        run = _Run(f"{decode.worker_id}/r{r.index}", list(hashes), extra)
-        for h in dict.fromkeys(hashes):
-            decode.refs[h] = decode.refs.get(h, 0) + 1
-        decode.extra += extra
-        decode.runs[run.handle] = run
+            self._free(decode, oldest)
+            if oldest.servable:
+                self._evict(decode, oldest, t_ms)
+        servable_for = cfg.lease_s - cfg.expiry_margin_s
+        run = _Run(
+            f"{decode.worker_id}/r{r.index}",
+            list(hashes),
+            extra,
+            withdraw_ms=t_ms + servable_for * 1000,
+            expire_ms=t_ms + cfg.lease_s * 1000,
+        )
+        event = self._announce(decode, run, pool.add(run))
         decode.retained_runs += 1
-        ids = list(range(decode.next_block_id, decode.next_block_id + len(hashes)))
-        decode.next_block_id = (decode.next_block_id + len(hashes)) % cfg.retention_blocks
+        if event is not None and servable_for > 0:
+            self._publish(decode, [event])
+            for h in dict.fromkeys(hashes):
+                self._held[h] += 1
+                self._gone.pop(h, None)
+            self._schedule(run.withdraw_ms, "withdraw", decode, run)
+        else:
+            run.servable = False
+        self._schedule(run.expire_ms, "expire", decode, run)
+
+    def _evict(self, decode: _Decode, run: _Run, t_ms: float) -> None:
+        """The device gave up a servable run: it moves to the host pool if the decode has one that
+        can take it before the run's withdrawal, else it is dropped."""
+        host = decode.host
+        if (
+            not host.capacity
+            or run.withdraw_ms <= t_ms
+            or host.need(run.hashes, run.extra_blocks) > host.capacity
+        ):
+            self._unserve(decode, run, "evicted")
+            return
+        batch: list[pb.BlockEvent] = []
+        while host.used + host.need(run.hashes, run.extra_blocks) > host.capacity and host.runs:
+            _, oldest = host.runs.popitem(last=False)
+            decode.host_evicted_runs += 1
+            self._free(decode, oldest)
+            if oldest.servable:
+                self._unserve(decode, oldest, "evicted", batch)
+        copy = _Run(
+            run.handle + HOST_SUFFIX,
+            run.hashes,
+            run.extra_blocks,
+            withdraw_ms=run.withdraw_ms,
+            expire_ms=run.expire_ms,
+            tier="host",
+        )
+        event = self._announce(decode, copy, host.add(copy))
+        decode.moved_to_host_runs += 1
+        if event is None:
+            copy.servable = False
+            self._unserve(decode, run, "evicted", batch)
+        else:
+            # The copy serves the blocks the device run served: no block changes hands in the
+            # ground truth, and the daemon gets both changes in one batch.
+            batch.append(event)
+            run.servable = False
+            batch.append(self._released(decode, run, "moved"))
+            self._schedule(copy.withdraw_ms, "withdraw", decode, copy)
+        self._publish(decode, batch)
+        self._schedule(copy.expire_ms, "expire", decode, copy)
+
+    def _announce(self, decode: _Decode, run: _Run, block_ids: list[int]) -> pb.BlockEvent | None:
+        """The connector's event for a retained run, converted by the sidecar's mirror."""
         event = decode.mirror.convert_kvloop(
             KvloopBlocksRetained(
-                block_hashes=hashes,
-                block_ids=[[i % cfg.retention_blocks for i in ids]],
+                block_hashes=run.hashes,
+                block_ids=[block_ids],
                 retention_handle=run.handle,
                 lease_ms=_DAEMON_LEASE_MS,
                 single_use=False,
                 ts=time.time(),
             )
         )
-        servable_for = cfg.lease_s - cfg.expiry_margin_s
-        if event is not None and servable_for > 0:
-            self._publish(decode, [event])
-            for h in dict.fromkeys(hashes):
-                self._held[h] += 1
-                self._gone.pop(h, None)
-            self._schedule(t_ms + servable_for * 1000, "withdraw", decode, run)
-        else:
-            run.servable = False
-        self._schedule(t_ms + cfg.lease_s * 1000, "expire", decode, run)
+        if event is not None and run.tier == "host":
+            # The connector's event names no tier yet: the protocol event says it, and so does the
+            # mirror's copy that a resync snapshot sends.
+            event.retained.tier = pb.BLOCK_TIER_HOST
+            decode.mirror.retained[run.handle].event.tier = pb.BLOCK_TIER_HOST
+        return event
 
-    def _unserve(self, decode: _Decode, run: _Run, why: str) -> None:
-        run.servable = False
+    def _released(self, decode: _Decode, run: _Run, why: str) -> pb.BlockEvent:
         event = decode.mirror.convert_kvloop(
             KvloopRetentionReleased(retention_handle=run.handle, reason=why, ts=time.time())
         )
-        if event is not None:
+        assert event is not None  # a release always converts
+        return event
+
+    def _unserve(
+        self, decode: _Decode, run: _Run, why: str, batch: list[pb.BlockEvent] | None = None
+    ) -> None:
+        """Withdraw the run from the directory (published now, or added to ``batch``)."""
+        run.servable = False
+        event = self._released(decode, run, why)
+        if batch is None:
             self._publish(decode, [event])
+        else:
+            batch.append(event)
         self._forget(run, why)
 
     def _forget(self, run: _Run, why: str) -> None:
         """Ground truth: the run no longer serves its blocks; a block nobody serves is gone for `why`."""
-        for h in dict.fromkeys(run.hashes):
-            left = self._held[h] - 1
-            if left:
-                self._held[h] = left
-            else:
-                del self._held[h]
-                self._gone[h] = why
+        for h in _unref(self._held, run.hashes):
+            self._gone[h] = why
 
-    def _free(self, decode: _Decode, run: _Run, forget: bool = True) -> None:
+    def _free(self, decode: _Decode, run: _Run) -> None:
         if run.freed:
             return
         run.freed = True
-        if forget:
-            decode.runs.pop(run.handle, None)
-        for h in dict.fromkeys(run.hashes):
-            left = decode.refs[h] - 1
-            if left:
-                decode.refs[h] = left
-            else:
-                del decode.refs[h]
-        decode.extra -= run.extra_blocks
+        (decode.host if run.tier == "host" else decode.device).remove(run)
 
     def _publish(self, decode: _Decode, events: list[pb.BlockEvent]) -> None:
         sent = time.perf_counter()
@@ -583,6 +697,24 @@ class Fleet:
         task = asyncio.get_running_loop().create_task(lag())
         decode.lag_tasks.add(task)
         task.add_done_callback(decode.lag_tasks.discard)
+
+
+def _unref(counts: dict[bytes, int], hashes: list[bytes]) -> list[bytes]:
+    """Drop one count of each distinct hash; the hashes left with none (and removed)."""
+    gone = []
+    for h in dict.fromkeys(hashes):
+        left = counts[h] - 1
+        if left:
+            counts[h] = left
+        else:
+            del counts[h]
+            gone.append(h)
+    return gone
+
+
+def holder_tier(holder: HolderInfo) -> str:
+    """The tier of the run a Lookup answer hands out: a host-memory copy's handle ends in ``@host``."""
+    return "host" if holder.retention_handle.endswith(HOST_SUFFIX) else "device"
 
 
 def _registration(worker: str, role: int, block_size: int, kv_bytes_per_block: int) -> pb.WorkerRegistration:

@@ -6,6 +6,13 @@ to a `kvloop bench multiturn --json` output: the recompute arm's TTFT against pr
 prefill tokens/s and the fixed cost per prefill, the kvloop arm's pull time against pulled tokens
 gives the transfer time per token and the setup. The same figures are the daemon's cost-model
 defaults during the replay, so its transfer-or-recompute verdicts agree with the estimate.
+
+A pull from a decode's host-memory tier moves at the host READ rate (``--host-read-gbps``), never
+faster than the link: its bytes cross the holder's host memory path and then the same link. The
+default, 64 Gbit/s (8 GB/s), is a conservative PCIe-class figure, a quarter of a PCIe Gen4 x16
+link's 32 GB/s per direction, for a pool whose reads share the holder's PCIe with its GPUs' own
+traffic; it is not a measurement, so give your fleet's measured host READ rate. The daemon's
+verdicts still use the one link rate (it learns no per-tier rate from a replay).
 """
 
 from __future__ import annotations
@@ -13,18 +20,25 @@ from __future__ import annotations
 import json
 import statistics
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvloop.clients.bench.replay_fleet import FleetConfig, FleetResult, RequestRecord
+from kvloop.clients.bench.replay_fleet import TIERS, FleetConfig, FleetResult, RequestRecord
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 
+DEFAULT_HOST_READ_GBPS = 64.0
+
+
 class CostModelError(ValueError):
     pass
+
+
+def _ms_per_token(kv_bytes_per_token: int, gbps: float) -> float:
+    return kv_bytes_per_token * 8 / (gbps * 1e9) * 1e3
 
 
 @dataclass(frozen=True)
@@ -35,20 +49,43 @@ class CostModel:
     transfer_ms_per_token: float = 131_072 * 8 / 100e9 * 1e3  # 128 KiB per token over 100 Gbit/s
     setup_ms: float = 2.0
     basis: str = "user figures"
+    # A host-memory READ (module docstring): 128 KiB per token at 64 Gbit/s.
+    host_transfer_ms_per_token: float = 131_072 * 8 / (DEFAULT_HOST_READ_GBPS * 1e9) * 1e3
 
     @classmethod
     def from_figures(
-        cls, prefill_tokens_per_s: float, link_gbps: float, setup_ms: float, kv_bytes_per_token: int
+        cls,
+        prefill_tokens_per_s: float,
+        link_gbps: float,
+        setup_ms: float,
+        kv_bytes_per_token: int,
+        host_read_gbps: float = DEFAULT_HOST_READ_GBPS,
     ) -> CostModel:
         if prefill_tokens_per_s <= 0 or link_gbps <= 0 or setup_ms < 0 or kv_bytes_per_token <= 0:
             raise CostModelError("--prefill-tokens-per-s, --link-gbps and --kv-bytes-per-token must be > 0")
         return cls(
             prefill_tokens_per_s=prefill_tokens_per_s,
-            transfer_ms_per_token=kv_bytes_per_token * 8 / (link_gbps * 1e9) * 1e3,
+            transfer_ms_per_token=_ms_per_token(kv_bytes_per_token, link_gbps),
             setup_ms=setup_ms,
             basis=f"user figures: {prefill_tokens_per_s:g} prefill tokens/s, {link_gbps:g} Gbit/s, "
             f"{setup_ms:g} ms setup, {kv_bytes_per_token:,} KV bytes/token",
+        ).with_host_read(host_read_gbps, kv_bytes_per_token)
+
+    def with_host_read(self, gbps: float, kv_bytes_per_token: int) -> CostModel:
+        """The same model with host-memory READs at ``gbps``."""
+        if gbps <= 0:
+            raise CostModelError("--host-read-gbps must be > 0")
+        return replace(
+            self,
+            host_transfer_ms_per_token=_ms_per_token(kv_bytes_per_token, gbps),
+            basis=f"{self.basis}; host memory reads {gbps:g} Gbit/s",
         )
+
+    def read_ms_per_token(self, tier: str) -> float:
+        """Transfer time per token of a pull from a run on this tier."""
+        if tier == "host":
+            return max(self.transfer_ms_per_token, self.host_transfer_ms_per_token)
+        return self.transfer_ms_per_token
 
     @classmethod
     def from_multiturn(cls, path: Path) -> CostModel:
@@ -92,7 +129,11 @@ class CostModel:
         return self.overhead_ms + (r.prompt_tokens - r.local_tokens) / self.prefill_tokens_per_s * 1e3
 
     def with_kvloop_ms(self, r: RequestRecord) -> float:
-        pull = self.setup_ms + r.pulled_tokens * self.transfer_ms_per_token if r.pulled_tokens else 0.0
+        pull = (
+            self.setup_ms + r.pulled_tokens * self.read_ms_per_token(r.pulled_tier)
+            if r.pulled_tokens
+            else 0.0
+        )
         return self.overhead_ms + r.lookup_ms + r.recomputed_tokens / self.prefill_tokens_per_s * 1e3 + pull
 
 
@@ -120,6 +161,14 @@ def shares(records: list[RequestRecord]) -> dict[str, float]:
     local = sum(r.local_tokens for r in records) / total
     pulled = sum(r.pulled_tokens for r in records) / total
     return {"local_share": local, "pulled_share": pulled, "recomputed_share": 1.0 - local - pulled}
+
+
+def pulled_tokens_by_tier(records: list[RequestRecord]) -> dict[str, int]:
+    by_tier = dict.fromkeys(TIERS, 0)
+    for r in records:
+        if r.pulled_tokens:
+            by_tier[r.pulled_tier] += r.pulled_tokens
+    return by_tier
 
 
 def _ttft(records: list[RequestRecord], cost: CostModel) -> dict[str, Any]:
@@ -158,12 +207,18 @@ def build_report(
     for r in records:
         if r.missed_tokens:
             missed[r.missed_reason] += r.missed_tokens
+    by_tier = pulled_tokens_by_tier(records)
     report: dict[str, Any] = {
         **shares(records),
+        # The pulled share split by the tier of the run pulled from; the parts add up to it.
+        "pulled_share_by_tier": {
+            tier: n / prompt_tokens if prompt_tokens else 0.0 for tier, n in by_tier.items()
+        },
         "requests": len(records),
         "prompt_tokens": prompt_tokens,
         "local_tokens": sum(r.local_tokens for r in records),
         "pulled_tokens": sum(r.pulled_tokens for r in records),
+        "pulled_tokens_by_tier": by_tier,
         "recomputed_tokens": sum(r.recomputed_tokens for r in records),
         "trace": trace,
         "fleet": asdict(fleet),
@@ -232,15 +287,19 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
     if "points" in result:
         keys = list(result["sweep"])
         table = Table(title="kvloop bench replay --sweep")
-        for column in (*keys, "local", "pulled", "recomputed", "continuation TTFT saved", "evicted runs"):
+        columns = (*keys, "local", "pulled", "of it from host", "recomputed", "continuation TTFT saved")
+        for column in (*columns, "evicted runs", "of them to host"):
             table.add_column(column, justify="right")
         for p in result["points"]:
             saved = p["continuation_ttft_saving_share"]
             table.add_row(
                 *(f"{p[k]:g}" for k in keys),
-                *(f"{p[k]:.3f}" for k in ("local_share", "pulled_share", "recomputed_share")),
+                *(f"{p[k]:.3f}" for k in ("local_share", "pulled_share")),
+                f"{p['pulled_share_by_tier']['host']:.3f}",
+                f"{p['recomputed_share']:.3f}",
                 "-" if saved is None else f"{saved:.1%}",
                 str(p["evicted_runs"]),
+                str(p["moved_to_host_runs"]),
             )
         console.print(table)
         if result.get("plot"):
@@ -264,9 +323,13 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
     ):
         table.add_column(column, justify="right")
     missed = ", ".join(f"{k} {v:,}" for k, v in r["missed_pull_tokens"].items()) or "none"
+    pulled = f"{r['pulled_share']:.1%}"
+    by_tier = r["pulled_share_by_tier"]
+    if r["fleet"]["host_retention_blocks"] or by_tier["host"]:
+        pulled += f" (device {by_tier['device']:.1%}, host memory {by_tier['host']:.1%})"
     table.add_row(
         f"{r['local_share']:.1%}",
-        f"{r['pulled_share']:.1%}",
+        pulled,
         f"{r['recomputed_share']:.1%}",
         f"{r['missed_pull_share']:.1%} ({missed})",
     )

@@ -38,6 +38,13 @@ def bench_replay(
     retention_blocks: Annotated[
         int, typer.Option(min=0, help="decode KV memory set aside for retained turns, blocks per decode")
     ] = 50_000,
+    host_retention_blocks: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="decode host memory that takes the turns the KV memory evicts, blocks per decode (0: none)",
+        ),
+    ] = 0,
     lease: Annotated[
         float, typer.Option(min=0, help="retention lease, s (vLLM decoder_kv_blocks_ttl)")
     ] = 480.0,
@@ -78,6 +85,12 @@ def bench_replay(
         float, typer.Option(help="cost model: link Gbit/s between decode and prefill")
     ] = 100.0,
     setup_ms: Annotated[float, typer.Option(help="cost model: fixed cost of one pull, ms")] = 2.0,
+    host_read_gbps: Annotated[
+        float,
+        typer.Option(
+            help="cost model: Gbit/s of a pull from a decode's host memory (PCIe-class; never above the link)"
+        ),
+    ] = 64.0,
     multiturn_results: Annotated[
         Optional[Path],
         typer.Option(help="cost model fitted to a `kvloop bench multiturn --json` output instead"),
@@ -86,7 +99,7 @@ def bench_replay(
         Optional[list[str]],
         typer.Option(
             help="repeat over settings, e.g. lease=60,240,480,memory=10000,50000 (keys: lease, "
-            "memory, prefill_cache, decodes, prefills)"
+            "memory, host_memory, prefill_cache, decodes, prefills)"
         ),
     ] = None,
     plot: Annotated[Path, typer.Option(help="--sweep: PNG of the saving against the settings")] = Path(
@@ -119,9 +132,11 @@ def bench_replay(
     try:
         grid = rp.parse_sweep(sweep or [])
         cost = (
-            CostModel.from_multiturn(multiturn_results)
+            CostModel.from_multiturn(multiturn_results).with_host_read(host_read_gbps, kv_bytes_per_token)
             if multiturn_results
-            else CostModel.from_figures(prefill_tokens_per_s, link_gbps, setup_ms, kv_bytes_per_token)
+            else CostModel.from_figures(
+                prefill_tokens_per_s, link_gbps, setup_ms, kv_bytes_per_token, host_read_gbps
+            )
         )
     except (ValueError, CostModelError) as exc:
         _fail(str(exc), code=2)
@@ -156,6 +171,7 @@ def bench_replay(
         decodes=decodes,
         block_size=block_size,
         retention_blocks=retention_blocks,
+        host_retention_blocks=host_retention_blocks,
         lease_s=lease,
         expiry_margin_s=expiry_margin,
         prefill_cache_blocks=prefill_cache_blocks,
