@@ -8,11 +8,15 @@ protocol, driven through a trace in trace time.
   its end; when its retention memory (``retention_blocks``, blocks of equal hash shared as in vLLM's
   prefix-cached block pool) cannot take a new run it evicts the oldest runs first.
 - With a host-memory tier (``host_retention_blocks`` per decode, 0: none) a run the device evicts
-  moves to the decode's host pool instead of being dropped, as the worker does: the host copy is
-  announced as a retained run of its own (handle ``<request id>@host``, tier ``BLOCK_TIER_HOST``,
-  block ids = pool slot ids) and the device run released, both in one event batch, so no Lookup sees
-  neither. The copy keeps the run's lease; the host pool evicts its oldest runs first (blocks of
-  equal hash stored once, as a hash-keyed offload pool does), and those are dropped.
+  moves to the decode's host pool instead of being dropped. The copy is announced as the connector
+  announces one (a retained run of its own, handle ``<request id>@host``, tier host, pool slot ids
+  for block ids, read from the pool's engine ``<worker>@host`` that the worker registers) and the
+  device run is released in the same event batch, so no Lookup sees neither. The copy keeps the
+  run's lease; the host pool evicts its oldest runs first (blocks of equal hash held once), and those
+  are dropped. This models what host memory adds, not the connector's policy for it, which copies
+  every run when it is retained, gives copied runs up first from the KV cache, leases copies for
+  ``kvloop_host_retention_ttl_s``, releases a copy that a later turn's copy supersedes and gives each
+  copy slots of its own.
 - Prefill workers keep a local prefix cache (vLLM's LRU over freed blocks, a prompt's tail evicted
   before its head), publish its stored/removed blocks through their own link as a prefill's sidecar
   would, and ask kvloopd with the connector's own ``DirectoryLookups`` (same request, same
@@ -37,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer, PullerConstraints
+from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
@@ -269,7 +273,7 @@ class Fleet:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-lookup")
 
     def _decode(self, worker: str) -> _Decode:
-        mirror = WorkerMirror(32)
+        mirror = self._decode_mirror()
         registration = self._decode_registration(worker)
         return _Decode(
             worker,
@@ -279,16 +283,17 @@ class Fleet:
             host=_Pool(self.config.host_retention_blocks),
         )
 
+    def _decode_mirror(self) -> WorkerMirror:
+        return WorkerMirror(32, host_pool=self.config.host_retention_blocks > 0)
+
     def _decode_registration(self, worker: str) -> pb.WorkerRegistration:
         registration = _registration(
             worker, pb.WORKER_ROLE_DECODE, self.config.block_size, self._kv_bytes_per_block
         )
-        # The host pool is a NIXL engine of its own, registered with the worker where the protocol
-        # has the fields for it.
-        fields = pb.WorkerRegistration.DESCRIPTOR.fields_by_name
-        if self.config.host_retention_blocks and "host_engine_id" in fields:
-            setattr(registration, "host_engine_id", worker + HOST_SUFFIX)  # noqa: B010
-            setattr(registration, "host_nixl_endpoint", "127.0.0.1:5601")  # noqa: B010
+        if self.config.host_retention_blocks:
+            # The host pool is a NIXL engine of its own (the connector's `<engine id>@host`).
+            registration.host_engine_id = worker + HOST_SUFFIX
+            registration.host_nixl_endpoint = "127.0.0.1:5601"
         return registration
 
     # ---- the replay loop ------------------------------------------------------------------------
@@ -425,7 +430,7 @@ class Fleet:
         """Back with an empty cache and a new epoch: kvloopd drops what it knew of the old one."""
         if not decode.down:
             return
-        decode.mirror = WorkerMirror(32)
+        decode.mirror = self._decode_mirror()
         registration = self._decode_registration(decode.worker_id)
         decode.link = DirectoryLink(self.client, registration, decode.mirror.snapshot)
         decode.runner = asyncio.create_task(decode.link.run())
@@ -479,7 +484,7 @@ class Fleet:
             path, reason = path_name(answer.path), reason_name(answer.reason)
             if answer.path == pb.TURN_PATH_TRANSFER:
                 pulled_blocks = max(0, answer.matched_blocks - local)
-                pulled_tier = holder_tier(answer.holder) if answer.holder is not None else "device"
+                pulled_tier = answer.holder.tier if answer.holder is not None else "device"
         served = local + pulled_blocks
         missed = max(0, ever - served)
         missed_reason = ""
@@ -639,7 +644,7 @@ class Fleet:
 
     def _announce(self, decode: _Decode, run: _Run, block_ids: list[int]) -> pb.BlockEvent | None:
         """The connector's event for a retained run, converted by the sidecar's mirror."""
-        event = decode.mirror.convert_kvloop(
+        return decode.mirror.convert_kvloop(
             KvloopBlocksRetained(
                 block_hashes=run.hashes,
                 block_ids=[block_ids],
@@ -647,14 +652,9 @@ class Fleet:
                 lease_ms=_DAEMON_LEASE_MS,
                 single_use=False,
                 ts=time.time(),
+                tier=run.tier,
             )
         )
-        if event is not None and run.tier == "host":
-            # The connector's event names no tier yet: the protocol event says it, and so does the
-            # mirror's copy that a resync snapshot sends.
-            event.retained.tier = pb.BLOCK_TIER_HOST
-            decode.mirror.retained[run.handle].event.tier = pb.BLOCK_TIER_HOST
-        return event
 
     def _released(self, decode: _Decode, run: _Run, why: str) -> pb.BlockEvent:
         event = decode.mirror.convert_kvloop(
@@ -710,11 +710,6 @@ def _unref(counts: dict[bytes, int], hashes: list[bytes]) -> list[bytes]:
             del counts[h]
             gone.append(h)
     return gone
-
-
-def holder_tier(holder: HolderInfo) -> str:
-    """The tier of the run a Lookup answer hands out: a host-memory copy's handle ends in ``@host``."""
-    return "host" if holder.retention_handle.endswith(HOST_SUFFIX) else "device"
 
 
 def _registration(worker: str, role: int, block_size: int, kv_bytes_per_block: int) -> pb.WorkerRegistration:
