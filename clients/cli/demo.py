@@ -44,8 +44,9 @@ def demo(
     json_output: JsonFlag = False,
 ) -> None:
     """Start kvloopd, a prefill and a decode vLLM with the kvloop connector, sidecars and the proxy; run an
-    agent conversation through it; print each turn's path and TTFT (--json: one JSON line per turn);
-    stop everything (also on SIGTERM, SIGINT, SIGHUP, or if this command dies)."""
+    agent conversation through it; print each turn's path and TTFT, and from the second turn on the TTFT
+    of the same prompt recomputed (--json: one JSON line per turn); stop everything (also on SIGTERM,
+    SIGINT, SIGHUP, or if this command dies)."""
     from kvloop.agents.engine import EngineStartError
     from kvloop.clients.demo.run import run_demo
     from kvloop.common.processes import supervisor

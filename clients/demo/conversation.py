@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -61,8 +62,10 @@ def chat_turn(
     turn: int,
     timeout_s: float = 300.0,
     extra: dict | None = None,
+    headers: dict[str, str] | None = None,
 ) -> TurnResult:
-    """One streamed, greedy chat turn; ``extra`` adds request fields (``cache_salt``...)."""
+    """One streamed, greedy chat turn; ``extra`` adds request fields (``cache_salt``...), ``headers``
+    HTTP headers."""
     body = json.dumps(
         {
             "model": model,
@@ -75,7 +78,9 @@ def chat_turn(
         }
     ).encode()
     request = urllib.request.Request(
-        f"{proxy_url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        f"{proxy_url}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     started = time.perf_counter()
     ttft = None
@@ -113,6 +118,25 @@ def chat_turn(
         trace_id=headers.get("x-kvloop-trace-id", ""),
         bytes_per_group=_header_ints(headers, "x-kvloop-group-bytes"),
         route=headers.get("x-kvloop-route", ""),
+    )
+
+
+def recompute_turn(proxy_url: str, model: str, messages: list[dict], turn: int) -> TurnResult:
+    """The same prompt as a turn, recomputed: sent through the proxy under a fresh random
+    ``cache_salt``, which enters every block hash, so no engine holds any of its blocks and the
+    prefill computes the whole prompt; one token, so it costs a prefill only. Its trace context is
+    not sampled: it leaves no trace (`kvloop trace --last` still shows the conversation's turns).
+    The proxy replaces a client's ``kv_transfer_params`` with the prefill's handle, so the decode
+    retains this run as any other, under hashes of its own that no turn ever matches."""
+    traceparent = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+    return chat_turn(
+        proxy_url,
+        model,
+        messages,
+        1,
+        turn,
+        extra={"cache_salt": secrets.token_hex(16)},
+        headers={"traceparent": traceparent},
     )
 
 

@@ -11,10 +11,14 @@ from pathlib import Path
 from rich.table import Table
 
 from kvloop.clients.console import make_console
-from kvloop.clients.demo.conversation import AgentConversation, chat_turn
+from kvloop.clients.demo.conversation import AgentConversation, TurnResult, chat_turn, recompute_turn
 from kvloop.clients.fleet.model import MODEL_BUILDERS
 from kvloop.clients.fleet.stack import Stack, StackConfig
 from kvloop.common.processes import Terminated
+
+# A turn's `recompute_ttft_ms` and `saving_ratio` (--json) where none was measured: the first turn
+# (nothing to reuse yet), or a recompute request that failed.
+NOT_MEASURED: dict[str, float | None] = {"recompute_ttft_ms": None, "saving_ratio": None}
 
 
 def run_demo(
@@ -50,7 +54,10 @@ def run_demo(
     stack = Stack(
         StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file, decode_tp=decode_tp, ha=ha)
     )
-    results = []
+    results: list[TurnResult] = []
+    # per continuation turn, the same prompt recomputed: its TTFT, and that over the turn's own
+    recomputed: dict[int, dict[str, float | None]] = {}
+    probes = 0  # recompute requests measured: the decode retains each, as a run of its own
     # --ha: before these turns, kill the kvloopd replica the decode's sidecar streams to, then the
     # Redis primary
     faults = {max(2, turns // 3): "kvloopd_replica", max(3, 2 * turns // 3): "redis_primary"} if ha else {}
@@ -74,9 +81,10 @@ def run_demo(
                 progress(
                     "fault", f"stopped the Redis primary {killed} before turn {turn}; Sentinel fails over"
                 )
+            messages = list(conversation.messages)  # as this turn sends them (its answer is appended)
             try:
                 result = chat_turn(
-                    stack.proxy_url, stack.config.served_model_name, conversation.messages, max_tokens, turn
+                    stack.proxy_url, stack.config.served_model_name, messages, max_tokens, turn
                 )
             except OSError as exc:  # the request failed: recorded, the conversation goes on
                 failed = {"turn": turn, "path": "error", "ttft_ms": None, "error": str(exc)}
@@ -104,56 +112,31 @@ def run_demo(
                 # conversation still shows the recovery (the next turn transfers when the wait ends)
                 progress("tool", "runs while Sentinel fails over and the agents re-push their state")
                 stack.wait_failed_over(killed, past_epoch)
-            stack.wait_retained(len(results))
+            stack.wait_retained(len(results) + probes)
+            if turn > 1:
+                recomputed[turn] = measure_recompute(stack, messages, result, progress)
+                if recomputed[turn] is not NOT_MEASURED:
+                    probes += 1
+            measured = recomputed.get(turn, NOT_MEASURED)
             if as_json:
-                sys.stdout.write(json.dumps(result.as_dict()) + "\n")
+                sys.stdout.write(json.dumps(result.as_dict() | measured) + "\n")
                 sys.stdout.flush()
             else:
                 progress(
                     f"turn {turn}",
                     f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
-                    f"TTFT {result.ttft_ms:.0f} ms",
+                    f"TTFT {result.ttft_ms:.0f} ms"
+                    + (
+                        f", recomputed {_ms(measured['recompute_ttft_ms'])} ms "
+                        f"({_times(measured['saving_ratio'])})"
+                        if measured["recompute_ttft_ms"]
+                        else ""
+                    ),
                 )
         if primary_killed_at is not None:
             emit({"fault": "redis_primary", "recovered": None}, as_json, progress)
         if not as_json:
-            table = Table(title="kvloop demo: one agent conversation through the proxy")
-            for column in (
-                "turn",
-                "prompt tokens",
-                "path",
-                "reason",
-                "matched",
-                "recomputed",
-                "bytes moved",
-                "holder",
-                "TTFT ms",
-                "trace id",
-            ):
-                table.add_column(
-                    column,
-                    justify="right" if column not in ("path", "reason", "holder", "trace id") else "left",
-                    no_wrap=column == "trace id",
-                )
-            for r in results:
-                style = (
-                    "green"
-                    if r.path == "transfer"
-                    else ("yellow" if r.path in ("recompute", "miss") else "red")
-                )
-                table.add_row(
-                    str(r.turn),
-                    str(r.prompt_tokens),
-                    f"[{style}]{r.path}[/]",
-                    r.reason,
-                    str(r.matched_tokens),
-                    str(r.recompute_tokens),
-                    f"{r.bytes_moved:,}",
-                    r.holder or "-",
-                    f"{r.ttft_ms:.0f}",
-                    r.trace_id or "-",
-                )
-            console.print(table)
+            console.print(turn_table(results, recomputed))
         otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
             "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
         )
@@ -191,6 +174,77 @@ def run_demo(
         console.print(
             f"[dim]stopped kvloopd, engines, sidecars and proxy after {time.monotonic() - started:.0f}s[/dim]"
         )
+
+
+def turn_table(results: list[TurnResult], recomputed: dict[int, dict[str, float | None]]) -> Table:
+    """The conversation as the demo prints it: a row per turn, with the same prompt's TTFT recomputed
+    and that over the turn's own beside each continuation turn's TTFT."""
+    table = Table(title="kvloop demo: one agent conversation through the proxy")
+    for column in (
+        "turn",
+        "prompt tokens",
+        "path",
+        "reason",
+        "matched",
+        "recomputed",
+        "bytes moved",
+        "holder",
+        "TTFT ms",
+        "recompute TTFT ms",
+        "saving",
+        "trace id",
+    ):
+        table.add_column(
+            column,
+            justify="right" if column not in ("path", "reason", "holder", "trace id") else "left",
+            no_wrap=column == "trace id",
+        )
+    for r in results:
+        style = "green" if r.path == "transfer" else ("yellow" if r.path in ("recompute", "miss") else "red")
+        measured = recomputed.get(r.turn, NOT_MEASURED)
+        table.add_row(
+            str(r.turn),
+            str(r.prompt_tokens),
+            f"[{style}]{r.path}[/]",
+            r.reason,
+            str(r.matched_tokens),
+            str(r.recompute_tokens),
+            f"{r.bytes_moved:,}",
+            r.holder or "-",
+            f"{r.ttft_ms:.0f}",
+            _ms(measured["recompute_ttft_ms"]),
+            _times(measured["saving_ratio"]),
+            r.trace_id or "-",
+        )
+    return table
+
+
+def measure_recompute(
+    stack: Stack, messages: list[dict], turn: TurnResult, progress
+) -> dict[str, float | None]:
+    """The turn's prompt sent again, recomputed (``recompute_turn``): its TTFT, and that over the
+    turn's own TTFT (how many times longer the first token takes without what the turn reused).
+    None when the request failed or pulled anything (then it measured no recompute)."""
+    try:
+        again = recompute_turn(stack.proxy_url, stack.config.served_model_name, messages, turn.turn)
+    except OSError as exc:
+        progress(f"turn {turn.turn}", f"the recompute request failed: {exc}")
+        return NOT_MEASURED
+    if again.matched_tokens or again.bytes_moved:
+        progress(
+            f"turn {turn.turn}", f"the recompute request reused {again.matched_tokens} tokens: not counted"
+        )
+        return NOT_MEASURED
+    ratio = round(again.ttft_ms / turn.ttft_ms, 2) if turn.ttft_ms > 0 else None
+    return {"recompute_ttft_ms": again.ttft_ms, "saving_ratio": ratio}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def emit(record: dict, as_json: bool, progress) -> None:

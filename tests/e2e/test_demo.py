@@ -29,13 +29,22 @@ def test_demo_json_runs_the_loop_and_cleans_up(tmp_path):
     turns = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert [t["turn"] for t in turns] == [1, 2, 3]
     assert turns[0]["path"] in ("miss", "recompute")
+    # the first turn has nothing to reuse: no recompute measured beside it
+    assert turns[0]["recompute_ttft_ms"] is None and turns[0]["saving_ratio"] is None
     for turn in turns[1:]:
         assert turn["path"] == "transfer", turn
         assert turn["matched_tokens"] > 0 and turn["bytes_moved"] > 0 and turn["ttft_ms"] > 0
+        # the same prompt recomputed (a fresh cache salt, nothing pulled): its TTFT and that over the turn's
+        again, ratio = turn["recompute_ttft_ms"], turn["saving_ratio"]
+        assert isinstance(again, float) and again > 0, turn
+        assert isinstance(ratio, float) and ratio > 0 and ratio == round(again / turn["ttft_ms"], 2), turn
     assert "Traces went to" in result.stderr and (workdir / "spans.jsonl").exists()
     # the demo's own OTLP receiver got every process's spans: each turn is one whole trace
     spans = [json.loads(line) for line in (workdir / "spans.jsonl").read_text().splitlines()]
     assert len({t["trace_id"] for t in turns}) == len(turns)
+    # the recompute requests left no trace: the proxy's request spans are the turns'
+    proxied = {s["trace_id"] for s in spans if s["name"].startswith("kvloop.proxy /")}
+    assert proxied == {t["trace_id"] for t in turns}, proxied
     for turn in turns:
         check_turn_trace(spans, turn["trace_id"], pulled=turn["path"] == "transfer")
     # the prefill opened its NIXL connection to the decode before any turn read from it, and its
