@@ -1,10 +1,10 @@
 """One command for a kvloop-enabled vLLM worker: `vllm serve` with the kvloop connector and KV events,
 plus its `kvloop-agent` sidecar, supervised together.
 
-Serving setup chosen for CPU hosts (measured on 2-core hosts; see README): the model runs inside
-the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) and NIXL's progress thread
-sleeps between polls (the connector's `kvloop_nixl_progress_delay_us`): stock multiprocess serving
-paid 0.3-0.9 s per step on 2 cores.
+Serving setup chosen for small CPU hosts: the model runs inside the engine-core process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) and NIXL's progress thread sleeps between polls
+(the connector's `kvloop_nixl_progress_delay_us`): stock multiprocess serving busy-waits and adds a
+large cost to every step there (figures: docs/benchmarks.md, the demo).
 
 The sidecar's registration is the one statement of the worker's identity and KV layout (engine id,
 NIXL endpoint, block size, KV dtype, bytes per block, TP size); the connector's events do not repeat

@@ -73,16 +73,16 @@ def block_hashes(
 class BlockHasher:
     """``block_hashes`` that remembers the chain it computed, for a caller that hashes the same
     prefixes again and again: a conversation resends its whole history every turn, so Route would
-    CBOR-encode and hash all of it per request (0.6 ms for 4K tokens on an idle core).
+    CBOR-encode and hash all of it per request.
 
     A block's hash is remembered under its parent's hash and its token ids' bytes, which determine it
     exactly (a salted first block, whose extra keys also count, is not remembered; its children are,
     under their own parent). Runs of ``SPAN_BLOCKS`` blocks, aligned from block 0, are remembered the
     same way, under the parent of their first block and all their ids: a history found again costs a
-    dictionary probe per span rather than per block (finding a block cost ~0.7 us, most of a long
-    prompt's Route). At most ``max_blocks`` blocks per algorithm at each level, least recently used out:
-    about 360 bytes a block, 85 a block in spans. Not for concurrent threads: kvloopd calls it from
-    its event loop."""
+    dictionary probe per span rather than per block (finding block by block was most of a long prompt's
+    Route: docs/benchmarks.md, "Smaller measurements"). At most ``max_blocks`` blocks per algorithm at
+    each level, least recently used out: about 360 bytes a block, 85 a block in spans. Not for
+    concurrent threads: kvloopd calls it from its event loop."""
 
     SPAN_BLOCKS = 16
 

@@ -1,11 +1,11 @@
 """Block keys: the leading 8 bytes of a block hash, which is all the directory compares.
 
-The directory (either store) keys every block by the first ``KEY_BYTES`` of its hash, and a Lookup
-or Route may send only those: a quarter of a 32-byte digest's bytes on every round trip, which a
-long prompt pays in full (a 2,048-block Lookup carried 64 KiB; measured, its transfer cost ~45 us
-more than an 8 KiB one, end to end on one host). A false match needs two of a model's distinct
-blocks to agree on 64 bits: about 1e-13 per probe with a million entries. Finding a second block
-whose SHA-256 starts like a given one takes ~2^64 work, and cache salts keep tenants' hashes apart.
+The directory (either store) keys every block by the first ``KEY_BYTES`` of its hash, and a Lookup or
+Route may send only those: a quarter of a 32-byte digest's bytes on every round trip, which a long
+prompt pays in full (a 2,048-block Lookup carried 64 KiB; docs/benchmarks.md, "The request's size"). A
+false match needs two of a model's distinct blocks to agree on 64 bits: about 1e-13 per probe with a
+million entries. Finding a second block whose SHA-256 starts like a given one takes ~2^64 work, and
+cache salts keep tenants' hashes apart.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def packed_keys(data: bytes, width: int) -> bytes:
     if width == KEY_BYTES:
         return data if len(data) == n * width else data[: n * width]
     # Every hash's first 8 bytes in one strided copy in C: a strided view straight onto the hashes
-    # (no reshape or slice between), then a contiguous copy. A connector's 2,048-block Lookup: 2.7 us
-    # hot, 4.7 us with numpy's code cold (array slicing took 7.6 us, a Python loop per block ~100 us).
+    # (no reshape or slice between), then a contiguous copy; faster than array slicing, and far faster
+    # than a Python loop per block (docs/benchmarks.md, "Where a Lookup's time goes").
     rows: np.ndarray
     if width % KEY_BYTES == 0:
         rows = np.ndarray((n,), _U64, data, 0, (width,))

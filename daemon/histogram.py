@@ -1,11 +1,12 @@
 """Prometheus histograms and counters cheap enough for kvloopd's per-request path.
 
-prometheus_client's ``Histogram.observe`` takes a lock and walks the bucket bounds in Python: ~1.3 us
-per observation, and a Lookup made three of them (its own latency, and two store calls), ~18% of an
-in-memory Lookup's handler. kvloopd observes only from its event-loop thread, so a series here is a
-list of per-bucket counts found by ``bisect`` (C) with no lock; the scrape (another thread) turns them
-into the usual cumulative ``_bucket``/``_sum``/``_count`` series. A scrape that lands between the two
-updates of one observation may see ``_sum`` one observation ahead of ``_count``, never a torn value.
+prometheus_client's ``Histogram.observe`` takes a lock and walks the bucket bounds in Python, and a
+Lookup made three observations (its own latency, and two store calls): a sizeable share of an in-memory
+Lookup's handler (docs/benchmarks.md, "Metrics"). kvloopd observes only from its event-loop thread, so a
+series here is a list of per-bucket counts found by ``bisect`` (C) with no lock; the scrape (another
+thread) turns them into the usual cumulative ``_bucket``/``_sum``/``_count`` series. A scrape that lands
+between the two updates of one observation may see ``_sum`` one observation ahead of ``_count``, never a
+torn value.
 
 :class:`LoopCounter` does the same for a counter: prometheus_client's ``inc`` is four calls and a lock;
 a series here is one integer the handler adds to in place. Each Lookup counts its decision.

@@ -1,11 +1,12 @@
 """Route's pull plans, pushed to the prefill workers they were made for (the ``Plans`` stream).
 
-A router asks Route, then sends the request to the prefill it chose; that prefill's connector would
-then ask Lookup the same question Route has just answered, on its engine loop (1-2 ms per turn
-measured at two to four sessions). Route already ran that lookup for every candidate, so for each
-candidate whose pull it judged worth a READ it posts the Lookup answer here, and the candidate's
-connector, subscribed over an authenticated stream of its own, takes it when the request arrives.
-The plan reaches the connector through kvloopd only: a client can neither forge nor redirect one.
+A router asks Route, then sends the request to the prefill it chose; that prefill's connector would then
+ask Lookup the same question Route has just answered, on its engine loop (milliseconds per turn under
+load: docs/benchmarks.md, "With Route's plans"). Route already ran that lookup for every candidate, so
+for each candidate whose pull it judged worth a READ it posts the Lookup answer here, and the
+candidate's connector, subscribed over an authenticated stream of its own, takes it when the request
+arrives. The plan reaches the connector through kvloopd only: a client can neither forge nor redirect
+one.
 
 Only multi-reader runs are planned: a single-use run must be claimed, and Route never claims (the
 router may pick another candidate). With replicas sharing a Redis store, a plan for a worker not

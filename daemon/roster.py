@@ -1,12 +1,12 @@
 """Route's view of each model's workers, kept for a second.
 
-Route resolves its candidates among the model's registered workers on every call. On Redis, listing
-them costs a round trip and a hash per worker (measured: ~0.6 ms for 3 workers, ~4 ms for 64), a cost
-that grew with the fleet and was a third of Route's time. The view is read again after ``ttl_s`` and
-after any registration, disconnect, resync or drain this replica handles; one made through another
+Route resolves its candidates among the model's registered workers on every call. On Redis, listing them
+costs a round trip and a hash per worker, a cost that grows with the fleet and was a large share of
+Route's time (docs/benchmarks.md, "Where a Lookup's time goes"). The view is read again after ``ttl_s``
+and after any registration, disconnect, resync or drain this replica handles; one made through another
 replica reaches it within ``ttl_s``. Until then Route scores that worker as it scores any candidate it
-does not know (default estimates): advice a second old at worst, never a wrong answer, since the
-chosen prefill's connector judges its pull again with its own Lookup.
+does not know (default estimates): advice a second old at worst, never a wrong answer, since the chosen
+prefill's connector judges its pull again with its own Lookup.
 """
 
 from __future__ import annotations

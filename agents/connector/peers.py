@@ -1,7 +1,8 @@
 """Warm peers: open NIXL connections to holders before a user's turn needs them.
 
 A prefill's first READ from a decode peer also pays NIXL's handshake (side-channel metadata exchange
-and the UCX connection: 30-200 ms measured here), and without this it pays it inside a user's turn.
+and the UCX connection: docs/benchmarks.md, "Smaller measurements"), and without this it pays it
+inside a user's turn.
 :class:`PeerWarmer` runs in each prefill worker process, off the engine loop: it asks kvloopd for the
 registered workers every ``interval_s`` and hands each new holder (a decode or both-role engine of the
 same model) to ``warm`` - the worker's vLLM handshake machinery, which runs it in vLLM's own
