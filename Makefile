@@ -3,6 +3,7 @@
 #                  sidecars, proxy, an agent conversation), then stop it all
 #   make run     - set up and start kvloopd on 127.0.0.1:50051 (Ctrl-C stops it)
 #   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
+#   make test-fast - set up kvloop alone (no vLLM) and run the tests that need no vLLM
 #   make bench   - set up and run `kvloop bench directory`
 #   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint (CI runs it)
 SHELL := /bin/bash
@@ -46,9 +47,10 @@ run: setup
 test: setup setup-engines
 	$(BIN)/python -m pytest tests
 
-# Daemon, CLI, sidecar and protocol tests only (no vLLM engines).
+# The tests that need no vLLM (tests/*.py); they pass on a venv with '.[test,bench]' alone, e.g.
+# `make test-fast VENV=.venv-fast`. tests/engines needs vLLM's code, tests/e2e the served stack.
 test-fast: setup
-	$(BIN)/python -m pytest tests --ignore=tests/engines
+	$(BIN)/python -m pytest tests --ignore=tests/engines --ignore=tests/e2e
 
 bench: setup
 	$(BIN)/kvloop bench directory

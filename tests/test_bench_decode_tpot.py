@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from kvloop.agents.connector.scheduler import declines_retention
 from kvloop.clients.bench.decode_tpot import (
     Trial,
     across_stacks,
@@ -127,16 +126,6 @@ def test_summarize_reports_each_condition_and_the_effects_present():
     assert base["retained_runs"] == 2 and out["conditions"][1]["retained_runs"] == 0
     assert [e["factor"] for e in out["effects"]] == ["retention"]
     assert out["effects"][0]["tpot"]["median"] == pytest.approx(10 / 9, abs=1e-3)
-
-
-def test_only_a_decode_request_declines_retention():
-    assert declines_retention({"kvloop_retain": False, "remote_block_ids": [[1]]})
-    assert not declines_retention({"kvloop_retain": True})
-    assert not declines_retention({"remote_block_ids": [[1]]})
-    assert not declines_retention(None)
-    # a prefill's request, or one whose KV load never ran: vLLM's own bookkeeping must see it
-    assert not declines_retention({"kvloop_retain": False, "do_remote_decode": True})
-    assert not declines_retention({"kvloop_retain": False, "do_remote_prefill": True})
 
 
 def test_decode_cpu_per_token_is_paired_by_round():

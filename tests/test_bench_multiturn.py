@@ -27,7 +27,6 @@ from kvloop.clients.bench.multiturn import (
     context_bucket,
     engine_totals,
     median_ci95,
-    next_turn_messages,
     plot,
     pooled_summary,
     run_workload,
@@ -420,25 +419,6 @@ def test_decode_tpot_is_paired_per_turn_on_every_turn_it_was_measured():
     assert (pair["ratio"], pair["turns"], pair["median"]) == ("kvloop/recompute", 2, 1.05)
     rows = {r["arm"]: r for r in summary["rows"]}
     assert rows["kvloop"]["decode_tpot_p50_ms"] == 21.0
-
-
-def test_reasoning_workload_drops_earlier_thinking_from_the_next_prompt():
-    import jinja2
-
-    from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE
-
-    template = jinja2.Environment().from_string(REASONING_CHAT_TEMPLATE)
-    session = Session(seed=3, messages=[{"role": "user", "content": "Task: a b"}])
-    generated = "kv cache block hash lease"
-    before = template.render(messages=session.messages, add_generation_prompt=True)
-    next_turn_messages(session, generated, 1, "reasoning", tool_tokens=5)
-    after = template.render(messages=session.messages, add_generation_prompt=True)
-    assert generated in session.messages[1]["content"]  # the history keeps what was generated
-    assert after.startswith(before) and generated not in after  # the prompt drops the thinking
-    assert after[len(before) :].startswith("Answer: ")
-    plain = Session(seed=3, messages=[{"role": "user", "content": "Task: a b"}])
-    next_turn_messages(plain, generated, 1, "plain", tool_tokens=5)
-    assert template.render(messages=plain.messages, add_generation_prompt=True).startswith(before + generated)
 
 
 def test_pinned_engines_split_the_cores_between_prefill_and_decode():

@@ -468,20 +468,6 @@ async def test_route_hashes_token_ids_with_the_models_registered_settings(daemon
     assert salty["p-salted"].compute_tokens == 5
 
 
-def test_block_hashes_equal_vllms_own():
-    kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
-    from vllm.utils.hashing import sha256, sha256_cbor
-
-    tokens = list(range(100, 100 + 3 * BS))
-    for name, fn in (("sha256_cbor", sha256_cbor), ("sha256", sha256)):
-        parent, expected = fn("vllm-none-hash"), []
-        for i in range(3):
-            extra = (("cache_salt", "s"),) if i == 0 else None
-            parent = kv_cache_utils.hash_block_tokens(fn, parent, tokens[i * BS : (i + 1) * BS], extra)
-            expected.append(bytes(parent))
-        assert block_hash.block_hashes(tokens, BS, name, cache_salt="s") == expected
-
-
 def test_the_remembering_hasher_gives_the_reference_hashes_turn_after_turn():
     """Route's BlockHasher against block_hashes over a conversation that grows and is edited, salted
     and not, both algorithms and block sizes, with room for fewer blocks than the conversation has."""
