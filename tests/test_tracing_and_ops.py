@@ -255,7 +255,16 @@ client_ca_file = "{ca[1]}"
                 return None
 
         assert "kvloop_agent" in wait_until(scrape, what="the agent's HTTPS /metrics")
-        health = json.loads(urllib.request.urlopen(f"{url}/healthz", context=trusted, timeout=5).read())
+
+        def streaming() -> dict | None:
+            try:
+                return json.loads(urllib.request.urlopen(f"{url}/healthz", context=trusted, timeout=5).read())
+            except urllib.error.HTTPError as exc:
+                if exc.code == 503:  # serving, not yet streaming to kvloopd
+                    return None
+                raise
+
+        health = wait_until(streaming, what="the agent's HTTPS /healthz to turn 200")
         assert health["worker_id"] == "tls-agent"
         no_client_cert = ssl.create_default_context(cafile=ca[1])
         with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
