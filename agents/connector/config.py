@@ -31,9 +31,8 @@ class KvloopConfig(BaseModel):
     # How long the engine loop waits for a new request's lookup answer before moving on (and asking
     # again next step). Waiting releases the GIL, so the answer is taken at once. Moving on costs the
     # request a whole engine step, and a step with other prefills running lasts hundreds of ms to
-    # seconds: measured with 8 concurrent sessions on 2 cores, a 5 ms wait let a third of lookups
-    # (answered in 5-50 ms, the host busy) miss it and wait 0.4-2.4 s. Bounded: a slow daemon still
-    # never stalls the loop longer than this per new request.
+    # seconds, so a wait shorter than a busy host's lookup costs more than it saves. Bounded: a slow
+    # daemon still never stalls the loop longer than this per new request.
     lookup_wait_ms: float = Field(default=50.0, ge=0, le=1000)
     # After a failed lookup, skip lookups (recompute) for this long: a dead daemon costs one
     # timeout per half second, not one per request (the lookup runs off the engine loop), and a
@@ -56,7 +55,7 @@ class KvloopConfig(BaseModel):
     # Only runs older than this are given up. A conversation still going on keeps its latest run young
     # (each turn retains a new one), so this gives up what no one came back for; giving up the oldest
     # runs outright would drop, under sessions taking turns in a cycle, the very run whose turn is next
-    # (measured: see the README).
+    # (docs/benchmarks.md has the figures).
     retention_yield_after_s: float = Field(default=60.0, ge=0)
     # Host retention tier (decode role): GiB of host memory, registered with NIXL, that retained runs
     # are copied into when they finish (host_tier.py). A run then stays pullable from host memory after
@@ -96,7 +95,7 @@ class KvloopConfig(BaseModel):
     # worker over a stream, plans.py) instead of asking Lookup on the engine loop.
     route_plans: bool = True
     # Prefill role: how often the worker asks kvloopd for new holders and opens its NIXL connection
-    # to each before any turn reads from it (the handshake, 30-200 ms, otherwise lands in a user's
+    # to each before any turn reads from it (the handshake otherwise lands in a user's
     # first pulled turn). 0 turns it off.
     warm_peers_s: float = Field(default=2.0, ge=0)
     # NIXL progress-thread delay in microseconds (NIXL's Python API hard-codes 0 = busy spin).

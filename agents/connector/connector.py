@@ -67,7 +67,7 @@ class KvloopConnector(NixlPullConnector):
         assert tc is not None
         self.kvloop_config = KvloopConfig.from_extra_config(tc.kv_connector_extra_config)
         # structlog unconfigured prints every debug line, unfiltered, on the engine loop's path
-        # (a line per retained run, ~0.1 ms each, not as JSON): filter and format as kvloop's
+        # (a line per retained run, not as JSON): filter and format as kvloop's
         # other processes do, leaving vLLM's own logging alone.
         configure_logging(self.kvloop_config.log_level, stdlib=False)
         if tc.kv_load_failure_policy != "recompute":

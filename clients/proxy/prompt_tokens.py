@@ -1,8 +1,8 @@
 """A request's prompt as token ids, rendered and tokenized in the router's own process.
 
 Route needs the prompt's token ids. Asking a prefill server (vLLM's ``/tokenize``) costs an HTTP
-round trip on a server that is busy computing prefills: 15-70 ms per request measured on a loaded
-host, inside every turn's time to first token. The model's own Hugging Face tokenizer renders and
+round trip on a server that is busy computing prefills, inside every turn's time to first token.
+The model's own Hugging Face tokenizer renders and
 tokenizes the same prompt in milliseconds, as vLLM does for its HF renderer: the chat template
 with the generation prompt, then the tokenizer without added special tokens (chat); the tokenizer
 with its special tokens (completions).

@@ -32,7 +32,7 @@ class BlockTier(IntEnum):
 class PackedHashes(Sequence[bytes]):
     """A view of concatenated fixed-length hashes (a Lookup's ``packed_block_hashes``): the in-memory
     index slices only the hashes its search probes; a store that ships the whole prompt elsewhere
-    takes :attr:`data` at once (a per-item walk through ``__getitem__`` cost ~1 us a block)."""
+    takes :attr:`data` at once (a per-item walk through ``__getitem__`` costs per block)."""
 
     __slots__ = ("data", "n", "width")
 

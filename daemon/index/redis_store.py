@@ -155,10 +155,9 @@ class _DirectLane:
     """Connections of the store's pool kept checked out for the hot read-modify function (a Lookup).
 
     A call through redis-py's client checks a connection out of the blocking pool (an asyncio
-    condition and lock) and wraps it in its retry and response-callback layers: ~25 us per call hot,
-    about twice that in kvloopd where the code is cold between RPCs, on a Lookup whose whole store
-    round trip is ~200 us. Here a call takes an idle connection from a list, sends, reads and puts it
-    back. Any failure hands the call to the ordinary client path (its retries, Sentinel's
+    condition and lock) and wraps it in its retry and response-callback layers, a sizeable share of a
+    Lookup's whole store round trip. Here a call takes an idle connection from a list, sends, reads
+    and puts it back. Any failure hands the call to the ordinary client path (its retries, Sentinel's
     reconnection); the connection that failed is closed and dropped. Only functions that write may use
     the lane: a primary demoted to a replica refuses them (READONLY), so a connection left on an old
     primary can never answer from its stale data; and once Sentinel's pool has found a new primary,
@@ -369,7 +368,7 @@ class RedisStore:
         try:
             async with asyncio.timeout(self._lane.timeout_s):
                 # hiredis packs the whole command in C: redis-py's packer encodes each argument in
-                # Python first (~15 us for a Lookup's 13 arguments, 2.5 us here).
+                # Python first.
                 await connection.send_packed_command(
                     hiredis.pack_command(("FCALL", function, len(keys), *keys, *args)), check_health=False
                 )

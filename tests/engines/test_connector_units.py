@@ -1,4 +1,4 @@
-"""Fast checks of the connector's vLLM-free parts (no engines needed)."""
+"""Fast checks of the connector's parts that need no engine (some import vLLM's code)."""
 
 from __future__ import annotations
 
