@@ -63,7 +63,7 @@ def test_continuation_chunks_become_chunks_of_the_original_stream_and_usage_coun
         {**completion, "choices": [{"index": 0, "text": "de", "token_ids": [8, 9], "finish_reason": None}]}
     )
     assert middle == chat_chunk(
-        {"index": 0, "delta": {"content": "de"}, "logprobs": None, "finish_reason": None}
+        {"index": 0, "delta": {"content": "de"}, "logprobs": None, "finish_reason": None, "token_ids": None}
     )
     last = stream.translate(
         {

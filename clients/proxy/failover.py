@@ -235,8 +235,8 @@ class StreamState:
         out_choice["finish_reason"] = choice.get("finish_reason")
         if choice.get("finish_reason") is not None:
             out_choice["stop_reason"] = choice.get("stop_reason")
-        if self.client_wants_token_ids:
-            out_choice["token_ids"] = choice.get("token_ids") or []
+        # token ids as the original stream carried them: null unless the client asked for them
+        out_choice["token_ids"] = (choice.get("token_ids") or []) if self.client_wants_token_ids else None
         out = self._envelope([out_choice])
         if chunk.get("usage") is not None:  # continuous usage stats: counted over the whole answer
             out["usage"] = self.usage()

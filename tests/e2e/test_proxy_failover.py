@@ -55,7 +55,10 @@ class StreamedAnswer:
         roles = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")]
         assert len(roles) == 1 and chunks[0] is roles[0], "one role chunk, first"
         for chunk in chunks:
-            assert "prompt_token_ids" not in chunk and all("token_ids" not in c for c in chunk["choices"])
+            # token ids were not asked for: null, as a plain server streams them, continuations included
+            assert chunk.get("prompt_token_ids") is None and all(
+                c.get("token_ids") is None for c in chunk["choices"]
+            )
         finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         assert finishes[-1] is not None and all(f is None for f in finishes[:-1])
         self.text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
@@ -89,7 +92,9 @@ def chat_body(messages: list[dict], max_tokens: int, stream: bool) -> dict:
         "ignore_eos": True,
     }
     if stream:
-        body.update({"stream": True, "stream_options": {"include_usage": True}})
+        # with logprobs every token is a chunk: the tiny model's tokens are often no text yet, and vLLM's
+        # chat stream (so the proxy's too) leaves out chunks that carry nothing else
+        body.update({"stream": True, "stream_options": {"include_usage": True}, "logprobs": True})
     return body
 
 
