@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     from kvloop.agents.connector.worker import KvloopConnectorWorker
 
 HOST_SUFFIX = "@host"
+# A request's window capture (host_tier.py): the copy made while it decodes, of the sliding-window
+# blocks it frees before it finishes.
+WINDOW_SUFFIX = "@window"
 
 
 def host_engine_id(engine_id: str) -> str:
@@ -97,6 +100,10 @@ class HostPool:
         self.handshake = self._handshake_payload(bases, rows)
         self._copies: dict[str, int] = {}  # handle -> NIXL transfer handle
         self._done: dict[str, bool] = {}
+        # Window captures (host_tier.py) by request id, posted when the request's prompt KV has
+        # arrived; the requests whose capture is being written, held back from vLLM until it is.
+        self._captures: dict[str, HostCopy] = {}
+        self._held: dict[str, str] = {}  # request id -> capture handle
         tm.log.info(
             "kvloop.host_pool_registered",
             engine_id=self.engine_id,
@@ -172,8 +179,35 @@ class HostPool:
             return
         self._copies[copy.handle] = handle
 
+    def expect_captures(self, captures: dict[str, HostCopy]) -> None:
+        self._captures.update(captures)
+
+    def hold_for_captures(self, finished: set[str], failed: set[str]) -> set[str]:
+        """The requests whose prompt KV has arrived (``finished``, vLLM's finished_recving) that vLLM
+        may be told of now. A request with a window capture is held back while its capture is being
+        written: until vLLM hears the KV arrived, the request does not decode, so the blocks being
+        copied cannot be freed and reused under the copy."""
+        for req_id in finished & self._captures.keys():
+            copy = self._captures.pop(req_id)
+            if req_id in failed:  # no KV to keep
+                self._done[copy.handle] = False
+                continue
+            self.start(copy)
+            self._held[req_id] = copy.handle
+        if self._held:
+            self._poll_copies()
+        released = {req_id for req_id, handle in self._held.items() if handle not in self._copies}
+        for req_id in released:
+            del self._held[req_id]
+        return (finished - self._held.keys()) | released
+
     def poll(self) -> None:
         """Collect finished copies; drain the pool agent's READ notices (prefills reading copies)."""
+        self._poll_copies()
+        for notices in self.agent.get_new_notifs().values():
+            tm.HOST_READS.inc(len(notices))
+
+    def _poll_copies(self) -> None:
         wrapper = self.worker.nixl_wrapper
         for run, handle in list(self._copies.items()):
             state = wrapper.check_xfer_state(handle)
@@ -184,8 +218,6 @@ class HostPool:
             self._done[run] = state == "DONE"
             if state != "DONE":
                 tm.log.warning("kvloop.host_copy_failed", handle=run, state=state)
-        for notices in self.agent.get_new_notifs().values():
-            tm.HOST_READS.inc(len(notices))
 
     def copying_runs(self) -> set[str]:
         """Device handles of the runs whose copy is in flight."""
