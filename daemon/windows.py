@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import msgspec
 
 from kvloop.common.packed_ids import pack_u32
+from kvloop.common.sliding_window import first_needed_block
 from kvloop.daemon.index.model import BlockTier, Holding, PrefixMatch
 
 # vLLM's null block: a position a run's group no longer holds.
@@ -47,7 +48,7 @@ def servable_blocks(holding: Holding, windows: Sequence[int], block_size: int, l
         last_null.append((window, row))
     for end in range(matched, local_blocks, -1):
         if all(
-            row[end - 1] < max(local_blocks, (end * block_size - window + 1) // block_size)
+            row[end - 1] < max(local_blocks, first_needed_block(end * block_size, window, block_size))
             for window, row in last_null
         ):
             return end

@@ -25,6 +25,7 @@ from kvloop.agents.connector.host_pool import HOST_SUFFIX
 from kvloop.agents.connector.host_tier import HostTier
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import YIELD_AT, GivenUp, ReleaseConfirmer
+from kvloop.common.sliding_window import first_needed_block
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -230,7 +231,7 @@ class DecodeSide:
         for g, (ids, window) in enumerate(zip(block_ids, self.group_windows, strict=False)):
             if not window:
                 continue
-            for p in range(max(0, (end * bs - window + 1) // bs), min(end, len(ids))):
+            for p in range(first_needed_block(end * bs, window, bs), min(end, len(ids))):
                 if ids[p] != NULL_BLOCK:
                     picks.append((g, p, ids[p]))
         self._host.capture(request_id, picks)
