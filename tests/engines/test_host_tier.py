@@ -206,6 +206,19 @@ def test_a_decode_captures_the_window_before_its_prompts_last_complete_block():
     assert plain.take_host_captures() == {}
 
 
+def test_a_request_waits_for_its_window_capture_but_never_longer_than_the_wait():
+    from kvloop.agents.connector.host_pool import HeldRequests
+
+    held = HeldRequests(wait_s=5.0)
+    held.hold("a", "a@window", 100.0)
+    held.hold("b", "b@window", 100.0)
+    assert held.release({"a@window", "b@window"}, 101.0) == (set(), [])  # both still being written
+    assert held.release({"b@window"}, 102.0) == ({"a"}, [])  # a's copy ended: a goes on
+    # b's WRITE hangs: b decodes anyway once the wait is over, and its capture is abandoned
+    assert held.release({"b@window"}, 105.0) == ({"b"}, ["b@window"])
+    assert held.requests == {}
+
+
 @pytest.mark.parametrize("gib, per_block, slots", [(1.0, 2**20, 1023), (0.0, 2**20, 0), (2**-20, 2**20, 0)])
 def test_pool_slots_leave_slot_zero_for_the_null_block(gib, per_block, slots):
     from types import SimpleNamespace
