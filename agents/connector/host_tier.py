@@ -169,9 +169,11 @@ class HostTier:
     def forget_capture(self, request_id: str) -> None:
         """The request ended without a run copied here: its capture's slots go back (none was ever
         announced, so no READ can reach them; one still being written waits for its copy to end)."""
-        self._pending_captures.pop(request_id, None)
+        never_sent = self._pending_captures.pop(request_id, None) is not None
         capture = self._captures.pop(request_id, None)
-        if capture is not None:
+        if capture is not None and never_sent:  # the worker never heard of it
+            self._free.extend(capture.slot_at.values())
+        elif capture is not None:
             self._drop_capture(request_id, capture)
 
     def _drop_capture(self, request_id: str, capture: _Capture) -> None:

@@ -176,6 +176,9 @@ def test_a_capture_whose_run_is_not_copied_gives_its_slots_back_once_written():
     assert tier.free_slots == 15
     tier.copied({"writing@window": True})
     assert tier.free_slots == 16
+    tier.capture("unsent", [(0, 1, 51), (0, 2, 52)])
+    tier.forget_capture("unsent")  # ended before the worker was told: nothing can be writing its slots
+    assert tier.free_slots == 16 and tier.take_captures() == {}
     # a run planned while its capture is unusable (failed) is copied without it
     tier.capture("r", [(0, 0, 40)])
     tier.take_captures()
