@@ -250,22 +250,54 @@ def test_routing_summary_pairs_kvloop_with_every_other_arm_and_counts_how_prefil
     samples = []
     for turn in (2, 3, 4):
         for arm, ms, how in (
-            ("kvloop", 100.0, "route" if turn < 4 else "tie"),
-            ("load_pull", 125.0, "load"),
+            ("kvloop", 100.0, "continuation" if turn < 4 else "continuation_tie"),
+            ("load_pull", 125.0, "load_no_directory"),
             ("prefix_route", 200.0, "prefix"),
-            ("recompute", 400.0, "load"),
+            ("recompute", 400.0, "load_no_directory"),
         ):
             sample = timed(arm, 0, turn, ms * turn)
             sample.route, sample.route_ms, sample.prefill_worker = how, 2.0 * turn, f"prefill-{turn % 2}"
+            sample.prefill_leg_ms = ms * turn - 10.0
+            sample.burst_wait_ms = 5.0 if (arm, turn) == ("kvloop", 3) else None
             samples.append(sample)
     summary = summarize(samples, BS, pairs=ROUTING_PAIRED_RATIOS)
     paired = {p["ratio"]: p["median"] for p in summary["paired"]}
     assert paired == {"kvloop/load_pull": 0.8, "kvloop/prefix_route": 0.5, "kvloop/recompute": 0.25}
     kvloop = next(r for r in summary["rows"] if r["arm"] == "kvloop")
-    assert kvloop["route_outcomes"] == {"route": 2, "tie": 1}
-    assert kvloop["route_ms_p50"] == 6.0
+    assert kvloop["route_outcomes"] == {"continuation": 2, "continuation_tie": 1}
+    assert kvloop["route_ms_p50"] == 6.0 and kvloop["prefill_leg_ms_p50"] == 290.0
     assert kvloop["prefills_used"] == {"prefill-0": 2, "prefill-1": 1}
+    assert kvloop["burst_waits"] == 1
     assert kvloop["ratio_to_recompute_p50"] == 0.25
+    recompute = next(r for r in summary["rows"] if r["arm"] == "recompute")
+    assert recompute["route_outcomes"] == {"load_no_directory": 3} and recompute["burst_waits"] == 0
+
+
+def test_every_routing_arm_runs_a_proxy_whose_options_the_cli_takes():
+    """Each routing arm is a `kvloop proxy` with options of its own, parsed here by the real CLI: by
+    Route, by own prefix or by load, pulling or not."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from kvloop.clients.bench.multiturn import ROUTING_ARMS, ROUTING_PROXY_OPTIONS
+    from kvloop.clients.cli.main import app
+
+    proxy = get_command(app).commands["proxy"]  # type: ignore[attr-defined]
+    parsed = {}
+    for arm in ROUTING_ARMS:
+        options = [*ROUTING_PROXY_OPTIONS[arm], "--prefill", "http://p", "--decode", "http://d"]
+        params = proxy.make_context("proxy", options).params
+        parsed[arm] = (params["route"], params["route_by"], params["pull"])
+    assert parsed == {
+        "kvloop": (True, "cost", True),
+        "load_pull": (False, "cost", True),
+        "prefix_route": (True, "prefix", False),
+        "recompute": (False, "cost", False),
+    }
+    refused = CliRunner().invoke(
+        app, ["proxy", "--route-by", "nearest", "--prefill", "http://p", "--decode", "http://d"]
+    )
+    assert refused.exit_code == 2 and "choose from cost, prefix" in refused.output
 
 
 def _routing_run(seed_scale: float, config: dict | None = None) -> dict:

@@ -10,18 +10,22 @@ Arms (same model, histories, tool outputs and order; interleaved turn by turn):
   moving the KV costs, and its ratio to recompute is the floor the workload allows.
 
 Each arm has its own prefill + decode `vllm serve` pair; the bench orchestrates prefill -> decode itself
-(exactly what a disaggregation proxy does) so that all arms are timed the same way: TTFT is the prefill
-request's latency (the disaggregated first token, including any KV pull), measured per turn.
+so that all arms are timed the same way: TTFT is the prefill request's latency (the disaggregated first
+token, including any KV pull), measured per turn.
+
+The routing bench (more than one prefill or decode) runs the product instead: one shared fleet, and
+per arm a `kvloop proxy` process with that arm's routing options (ROUTING_PROXY_OPTIONS) in front of
+all its engines. Each arm's sessions send streamed chat requests to their proxy, and a turn's TTFT is
+the time to the first token the client receives; the proxy's `x-kvloop-*` headers say how it chose
+the prefill and what the prefill's connector did.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import statistics
 import subprocess
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -35,24 +39,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.bench.steps import Stream, equal_batch, step_gaps, weighted_ratio
 from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE, WORDS, build_tiny_llama
-from kvloop.clients.proxy.burst import ThreadedBurstWindow, holds_longest_prefix, place_together
-from kvloop.clients.proxy.continuation import ContinuationRoutes
-from kvloop.clients.proxy.prompt_tokens import PromptTokenizer
-from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, settled_without_pull
 from kvloop.common.tokens import agreeing_prefix_length
 
 if TYPE_CHECKING:
     from kvloop.clients.fleet.stack import Stack
-    from kvloop.v1 import directory_pb2 as pb
 
 ARMS = ("recompute", "builtin", "kvloop", "local")
 # The routing bench (--prefills / --decodes > 1): one fleet shared by every arm, each arm's requests
-# under a cache_salt of its own (same tokens and compute, no cache hit across arms):
+# under a cache_salt of its own (same tokens and compute, no cache hit across arms), each arm's
+# requests through a `kvloop proxy` of its own started with these options:
 # - kvloop: kvloopd's Route picks the prefill (own cache + the pull it would add + queue), then pulls;
-# - load_pull: the least-loaded prefill (kvloop's proxy without Route), then pulls;
+# - load_pull: the least-loaded prefill (the proxy without Route), then pulls;
 # - prefix_route: the prefill with the longest own prefix (what llm-d's and Dynamo's routers do), no pull;
 # - recompute: the least-loaded prefill, no pull (its own prefix cache hits only by chance).
-ROUTING_ARMS = ("kvloop", "load_pull", "prefix_route", "recompute")
+ROUTING_PROXY_OPTIONS = {
+    "kvloop": ["--route"],
+    "load_pull": ["--no-route"],
+    "prefix_route": ["--route", "--route-by", "prefix", "--no-pull"],
+    "recompute": ["--no-route", "--no-pull"],
+}
+ROUTING_ARMS = tuple(ROUTING_PROXY_OPTIONS)
 ROUTING_PAIRED_RATIOS = (("kvloop", "load_pull"), ("kvloop", "prefix_route"), ("kvloop", "recompute"))
 # reasoning: every answer is the model's thinking plus a short visible answer, and the chat template
 # drops earlier turns' thinking (REASONING_CHAT_TEMPLATE): the next prompt departs from the decode's
@@ -158,16 +164,15 @@ class TurnSample:
     pull_ms: float | None = None
     # The decode's time per output token as the client saw the tokens stream (first -> last token).
     decode_tpot_ms: float | None = None
-    # Routing bench: the prefill chosen, how (route, tie, load, prefix), and the time choosing took
-    # (tokenize + Route; part of ttft_ms).
+    # Routing bench, from the arm's proxy: the prefill it chose, how (its x-kvloop-route: route, tie,
+    # continuation, prefix, load_<why>, ...), the time choosing took, and the prefill leg as the proxy
+    # timed it (choosing included; what ttft_ms was before the routing arms went through the proxy).
     prefill_worker: str | None = None
     route: str | None = None
     route_ms: float | None = None
-    # kvloop and prefix_route: each candidate as Route estimated it, queues as they were when chosen.
-    route_estimates: list[dict] | None = None
-    # Where route_ms went: tokenize_ms (the prompt's ids, in this process), rpc_ms (Route, end to end)
-    # and server_us (Route inside kvloopd, its route_us).
-    route_timing: dict | None = None
+    prefill_leg_ms: float | None = None
+    # how long the request waited for the rest of its burst before it was placed (proxy's burst.py)
+    burst_wait_ms: float | None = None
     # This turn's decode steps as [batch, arrival, step ms] (see steps.step_gaps; the batch counts the
     # arm's sessions streaming at the same time): TPOT compared at equal batch.
     decode_steps: list[list] = field(default_factory=list)
@@ -314,6 +319,7 @@ class StreamedAnswer:
     prompt_token_ids: list[int]
     tpot_ms: float | None  # (last token - first token) / (tokens - 1); None below two tokens
     stream: Stream | None = None  # each chunk's arrival, for the steps it times
+    headers: dict[str, str] = field(default_factory=dict)  # the response's, names in lower case
 
 
 def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
@@ -329,6 +335,7 @@ def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
     prompt_ids: list[int] = []
     stream = Stream(sent=time.perf_counter(), where=url)
     with urllib.request.urlopen(request, timeout=timeout) as r:
+        headers = {k.lower(): v for k, v in r.headers.items()}
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
@@ -347,7 +354,7 @@ def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
                 stream.tokens.append(tokens)
     # the first chunk's token is the first token: the steps after it are what TPOT measures
     tpot = stream.tpot_ms() if stream.times else None
-    return StreamedAnswer("".join(content), token_ids, prompt_ids, tpot, stream)
+    return StreamedAnswer("".join(content), token_ids, prompt_ids, tpot, stream, headers)
 
 
 def _post(url: str, body: dict, timeout: float = 600) -> dict:
@@ -376,8 +383,8 @@ class TurnOutcome:
     route_ms: float | None = None
     decode_stream: Stream | None = None
     tier: str | None = None
-    route_estimates: list[dict] | None = None
-    route_timing: dict | None = None
+    prefill_leg_ms: float | None = None
+    burst_wait_ms: float | None = None
 
 
 class ArmClient:
@@ -522,301 +529,63 @@ class ArmClient:
         )
 
 
-@dataclass
-class _Placing:
-    """A routed arm's request being placed: Route's answer for it, and the placement once made."""
-
-    answer: pb.RouteResponse
-    # How a kept answer (asked when the conversation's last turn ended) serves this request:
-    # "continuation" or "history_prefix" (continuation.py); None: Route answered on its path.
-    kept: str | None
-    new_tokens: int  # beyond the history a kept answer scored (estimated)
-    prompt_tokens: int
-    timing: dict  # where choosing's time went
-    placed: tuple[str, str, int, list[dict], str | None, dict] | None = None
+def _header_ms(headers: dict[str, str], name: str) -> float | None:
+    value = headers.get(name)
+    return float(value) if value else None
 
 
-class RoutedArmClient(ArmClient):
-    """One arm of the routing bench: picks one of several prefills (by Route, by own prefix or by load),
-    pulls or not, then streams the answer from a decode, as kvloop's proxy does. Every arm's requests
-    carry the arm's own cache_salt: the fleet is shared, the caches are not."""
+class ProxiedArmClient(ArmClient):
+    """One arm of the routing bench: its sessions' turns go to the arm's own `kvloop proxy`, which
+    chooses the prefill (by its routing options), runs the prefill leg and streams the answer from a
+    decode. Every arm's requests carry the arm's own cache_salt: the fleet is shared, the caches are not."""
 
-    def __init__(
-        self,
-        arm: str,
-        prefill_urls: list[str],
-        decode_urls: list[str],
-        daemon: str,
-        block_size: int,
-        tokenizer: PromptTokenizer,
-    ) -> None:
-        from kvloop.clients.directory_client import DirectoryClient
-        from kvloop.clients.proxy.app import ProxyConfig
-
-        super().__init__(arm, prefill_urls[0], decode_urls[0])
-        self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
-        self.block_size = block_size
-        self.tokenizer = tokenizer  # the proxy's: the model's own, in this process
+    def __init__(self, arm: str, proxy_url: str) -> None:
+        super().__init__(arm, "", "")
+        self.proxy_url = proxy_url
         self.salt = f"kvloop-bench-{arm}"
-        self.pull = arm in ("kvloop", "load_pull")
-        # One channel, shared by the arm's threads; the proxy's deadline (past it, the load rule).
-        self.directory = DirectoryClient(daemon, timeout=ProxyConfig.route_timeout_s)
-        self._lock = threading.RLock()  # re-entered: choose() holds it around _least_loaded()
-        # A counter per pool (as the proxy's BackendPool has): one shared counter would alternate
-        # between pools and send every round-robin pick of a pool to the same server.
-        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
-        self.in_flight = dict.fromkeys(prefill_urls + decode_urls, 0)
-        self.queued = dict.fromkeys(prefill_urls, 0)  # prompt tokens in-flight requests compute there
-        # kvloop: Route's answers asked when a turn ended, for the conversation's next turn (as the
-        # proxy keeps them, clients/proxy/continuation.py)
-        self.continuations = ContinuationRoutes(ProxyConfig.continuation_ttl_s) if arm == "kvloop" else None
-        # kvloop: a request that would leave its cache waits for the rest of its burst (as the
-        # proxy's, clients/proxy/burst.py)
-        self.burst = (
-            ThreadedBurstWindow(ProxyConfig.burst_window_s, self._place_waiting, self._lock)
-            if arm == "kvloop" and ProxyConfig.burst_window_s > 0
-            else None
-        )
 
     def engine_totals(self) -> dict[str, float]:
         return {}  # every arm runs on the same engines: their counters cannot be told apart per arm
 
-    def _least_loaded(self, among: list[str], pool: str = "prefill") -> str:
-        """Fewest requests in flight, round-robin among equals (kvloop's proxy's load rule)."""
-        with self._lock:
-            least = min(self.in_flight[u] for u in among)
-            ties = [u for u in among if self.in_flight[u] == least]
-            return ties[next(self._rr[pool]) % len(ties)]
-
-    def choose(
-        self, messages: list[dict]
-    ) -> tuple[str, str, int, list[dict] | None, str | None, dict | None]:
-        """(prefill URL, how it was chosen, prompt tokens it will compute there as estimated, each
-        candidate's estimates, Route's reason when it left nothing to pull there, where choosing's time
-        went), counted into that prefill's queue before any other thread of the arm chooses (as the
-        proxy does)."""
-        if self.arm in ("load_pull", "recompute"):
-            with self._lock:
-                return (*self._reserve(self._least_loaded(self.prefill_urls), "load", 0), None, None, None)
-        from kvloop.clients.directory_client import KvloopError
-        from kvloop.v1 import directory_pb2 as pb
-
-        continued = self.continuations.take(MODEL, self.salt, messages) if self.continuations else None
-        try:
-            if continued is not None:
-                answer, new_tokens = continued.answer, continued.new_tokens
-                prompt_tokens = answer.prompt_tokens + new_tokens
-                timing: dict = {
-                    "tokenize_ms": 0.0,
-                    "rpc_ms": 0.0,
-                    "server_us": 0,
-                    "continuation": continued.outcome == "continuation",
-                    "kept": continued.outcome,
-                }
-            else:
-                t0 = time.perf_counter()
-                tokens = self.tokenizer.tokens({"model": MODEL, "messages": messages}, chat=True)
-                t1 = time.perf_counter()
-                if not tokens:
-                    raise KeyError("the bench's own messages did not tokenize")
-                with self._lock:
-                    candidates = [
-                        pb.RouteCandidate(
-                            http_endpoint=u,
-                            in_flight_requests=self.in_flight[u],
-                            queued_tokens=self.queued[u],
-                        )
-                        for u in self.prefill_urls
-                    ]
-                t2 = time.perf_counter()
-                answer = self.directory.route(MODEL, candidates, token_ids=tokens, cache_salt=self.salt)
-                new_tokens, prompt_tokens = 0, len(tokens)
-                timing = {
-                    "tokenize_ms": round((t1 - t0) * 1e3, 3),
-                    "rpc_ms": round((time.perf_counter() - t2) * 1e3, 3),
-                    "server_us": answer.route_us,
-                }
-        except (KvloopError, OSError, KeyError) as exc:
-            with self._lock:
-                return (
-                    *self._reserve(self._least_loaded(self.prefill_urls), f"load_{type(exc).__name__}", 0),
-                    None,
-                    None,
-                    None,
-                )
-        placing = _Placing(
-            answer, continued.outcome if continued else None, new_tokens, prompt_tokens, timing
-        )
-        with self._lock:
-            placed = self._place(placing, away_waits=self.burst is not None)
-        if placed is None:  # it would leave its cache: placed with the rest of its burst
-            assert self.burst is not None
-            started = time.perf_counter()
-            self.burst.wait(placing)
-            timing["burst_wait_ms"] = round((time.perf_counter() - started) * 1e3, 3)
-            placed = placing.placed
-            if placed is None:  # placing failed: the load rule, as the proxy falls back
-                with self._lock:
-                    return (
-                        *self._reserve(self._least_loaded(self.prefill_urls), "load_burst", 0),
-                        None,
-                        None,
-                        None,
-                    )
-        return placed
-
-    def _place(
-        self, placing: _Placing, away_waits: bool = False
-    ) -> tuple[str, str, int, list[dict], str | None, dict] | None:
-        """Rank Route's answer with the queues now, choose and reserve (the caller holds the lock); None,
-        reserving nothing, when `away_waits` and the choice would leave the prefill holding the longest
-        prefix of the prompt."""
-        from kvloop.clients.proxy.routing import among_tied, rank_now
-
-        answer = placing.answer
-        ranked, tied = rank_now(answer, lambda u: (self.in_flight[u], self.queued[u]))
-        if self.arm == "kvloop":
-            best = [r.score for r in ranked[: max(tied, 1)]]
-            how = placing.kept or "route"
-            if len(best) > 1:  # as the proxy names and breaks ties
-                how = "tie" if how == "route" else f"{how}_tie"
-                best = [r.score for r in among_tied(ranked[:tied], lambda u: self.in_flight[u])]
-            if away_waits and not holds_longest_prefix(ranked, (s.http_endpoint for s in best)):
-                return None
-        else:  # prefix_route: the longest own prefix, by the same index (engines' BlockStored events)
-            longest = max(s.local_blocks for s in answer.ranked)
-            best = [s for s in answer.ranked if s.local_blocks == longest]
-            how = "prefix" if longest and len(best) == 1 else "prefix_tie" if longest else "prefix_miss"
-        estimates = [
-            {
-                "prefill": r.score.http_endpoint,
-                "local_blocks": r.score.local_blocks,
-                "pull_blocks": r.score.pull_blocks,
-                "transfer_ms": round(r.score.transfer_ms, 2),
-                "pull_wait_ms": round(r.score.pull_wait_ms, 2),
-                "compute_ms": round(r.score.compute_ms, 2),
-                "expected_ttft_ms": round(r.expected_ttft_ms, 2),
-                "prefill_tokens_per_s": round(r.score.prefill_tokens_per_s),
-            }
-            for r in ranked
-        ]
-        url = self._least_loaded([s.http_endpoint for s in best]) if len(best) > 1 else best[0].http_endpoint
-        score = next(s for s in answer.ranked if s.http_endpoint == url)
-        queued = (
-            score.compute_tokens + placing.new_tokens
-            if self.arm == "kvloop"
-            else placing.prompt_tokens - score.local_blocks * self.block_size
-        )
-        # as the proxy does (not from a continuation's answer: it is as old as the turn before)
-        settled = (
-            settled_without_pull(score) if self.arm == "kvloop" and placing.kept != "continuation" else None
-        )
-        return (*self._reserve(url, how, queued), estimates, settled, placing.timing)
-
-    def _place_waiting(self, waiting: list[_Placing]) -> None:
-        """The burst window closed: place the requests that waited, as the proxy does (burst.py)."""
-        from kvloop.clients.proxy.routing import rank_now
-
-        def place(w: _Placing) -> None:
-            w.placed = self._place(w)
-
-        place_together(
-            waiting, lambda w: rank_now(w.answer, lambda u: (self.in_flight[u], self.queued[u]))[0], place
-        )
-
-    def _after_turn(self, messages: list[dict], answer: str, token_ids: list[int]) -> None:
-        """Route about the conversation as this turn left it, after the proxy's delay, in the
-        background (as the proxy's Router.turn_ended does)."""
-        from kvloop.clients.directory_client import KvloopError
-        from kvloop.clients.proxy.app import ProxyConfig
-        from kvloop.v1 import directory_pb2 as pb
-
-        def ask() -> None:
-            try:
-                answer_route = self.directory.route(
-                    MODEL,
-                    [pb.RouteCandidate(http_endpoint=u) for u in self.prefill_urls],
-                    token_ids=token_ids,
-                    cache_salt=self.salt,
-                    continuation=True,
-                    timeout=1.0,  # off every turn's path
-                )
-            except KvloopError:
-                return  # the next turn asks Route itself
-            assert self.continuations is not None
-            self.continuations.keep(MODEL, self.salt, messages, answer, len(token_ids), answer_route)
-
-        timer = threading.Timer(ProxyConfig.continuation_delay_s, ask)
-        timer.daemon = True
-        timer.start()
-
-    def _reserve(self, prefill: str, how: str, queued: int) -> tuple[str, str, int]:
-        """Count a request into its prefill's queue (the caller holds the lock)."""
-        self.in_flight[prefill] += 1
-        self.queued[prefill] += queued
-        return prefill, how, queued
-
     def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
-        kv: dict = {"do_remote_decode": True}
-        if not self.pull:
-            kv["kvloop_pull"] = False  # the connector skips its Lookup: the prefill's own cache only
-        body = {
-            "model": MODEL,
-            "messages": session.messages,
-            "temperature": 0.0,
-            "return_token_ids": True,
-            "cache_salt": self.salt,
-        }
-        t0 = time.perf_counter()
-        prefill, how, queued, estimates, settled, timing = self.choose(session.messages)
-        if settled is not None:
-            kv[ROUTE_SETTLED_KEY] = settled  # Route left nothing to pull: the connector skips its Lookup
-        route_ms = (time.perf_counter() - t0) * 1e3
-        try:
-            pre = _post(
-                f"{prefill}/v1/chat/completions",
-                {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv},
-            )
-        finally:
-            with self._lock:
-                self.in_flight[prefill] -= 1
-                self.queued[prefill] -= queued
-        ttft = (time.perf_counter() - t0) * 1e3
-        details = (pre.get("usage") or {}).get("prompt_tokens_details") or {}
-        params = pre.get("kv_transfer_params") or {}
-        holder = params.get("kvloop_holder_http")
-        decode = holder if holder in self.decode_urls else self._least_loaded(self.decode_urls, "decode")
-        with self._lock:
-            self.in_flight[decode] += 1
-        try:
-            streamed = _stream_chat(
-                f"{decode}/v1/chat/completions",
-                {**body, "max_tokens": max_tokens, "kv_transfer_params": params},
-            )
-        finally:
-            with self._lock:
-                self.in_flight[decode] -= 1
-        prompt_ids = list(pre.get("prompt_token_ids") or [])
-        decode_prompt = streamed.prompt_token_ids or prompt_ids
-        if self.continuations is not None and decode_prompt:
-            self._after_turn(list(session.messages), streamed.content, decode_prompt + streamed.token_ids)
+        streamed = _stream_chat(
+            f"{self.proxy_url}/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": session.messages,
+                "temperature": 0.0,
+                "return_token_ids": True,
+                "cache_salt": self.salt,
+                "max_tokens": max_tokens,
+            },
+        )
+        stream, headers = streamed.stream, streamed.headers
+        if stream is None or not stream.times:
+            raise RuntimeError(f"{self.arm}: the proxy streamed no token (headers {headers})")
+        # The decode that streamed it: a step holds only the streams of its own engine.
+        stream.where = headers.get("x-kvloop-decode", stream.where)
+        # What the prefill did not compute: its own prefix-cache hits and what it pulled (the
+        # connector's counts, as vLLM's cached_tokens gives them to a direct client).
+        cached = sum(int(headers.get(f"x-kvloop-{kind}-tokens") or 0) for kind in ("local", "pulled"))
+        prompt_ids = streamed.prompt_token_ids
         return TurnOutcome(
-            ttft,
-            (pre.get("usage") or {}).get("prompt_tokens", 0),
-            details.get("cached_tokens") or 0,
-            params.get("kvloop_path") or "unknown",
+            (stream.first - stream.sent) * 1e3,
+            len(prompt_ids),
+            cached,
+            headers.get("x-kvloop-path") or "unknown",
             streamed.content,
-            decode_prompt + streamed.token_ids[:-1],
+            prompt_ids + streamed.token_ids[:-1],
             prompt_ids,
-            params.get("kvloop_lookup_ms"),
-            params.get("kvloop_pull_ms"),
+            _header_ms(headers, "x-kvloop-lookup-ms"),
+            _header_ms(headers, "x-kvloop-pull-ms"),
             streamed.tpot_ms,
-            prefill,
-            how,
-            route_ms,
-            decode_stream=streamed.stream,
-            route_estimates=estimates,
-            route_timing=timing,
+            headers.get("x-kvloop-prefill"),
+            headers.get("x-kvloop-route"),
+            _header_ms(headers, "x-kvloop-route-ms"),
+            decode_stream=stream,
+            tier=headers.get("x-kvloop-tier") or None,
+            prefill_leg_ms=_header_ms(headers, "x-kvloop-prefill-ms"),
+            burst_wait_ms=_header_ms(headers, "x-kvloop-burst-wait-ms"),
         )
 
 
@@ -893,8 +662,8 @@ def run_workload(
                         r.prefill_worker,
                         r.route,
                         r.route_ms,
-                        r.route_estimates,
-                        r.route_timing,
+                        r.prefill_leg_ms,
+                        r.burst_wait_ms,
                         decode_steps=decode_steps_of(r.decode_stream, streams),
                         tier=r.tier,
                     )
@@ -1031,7 +800,7 @@ def summarize(
                 ),
                 **_transfer_columns((transfers or {}).get((workload, concurrency, arm))),
                 **_connector_columns(group),
-                **_routing_columns(group, block_size),
+                **_routing_columns(group),
             }
         )
     return {
@@ -1240,26 +1009,24 @@ def _connector_columns(group: list[TurnSample]) -> dict:
     return columns
 
 
-def _routing_columns(group: list[TurnSample], block_size: int) -> dict:
-    """Routing bench: how the prefills were chosen, what choosing took, and how often the turn went
-    to a prefill other than its previous turn's."""
+def _routing_columns(group: list[TurnSample]) -> dict:
+    """Routing bench: how the arm's proxy chose the prefills, what choosing took, the prefill leg as
+    the proxy timed it, and how many turns waited for their burst."""
     routed = [s for s in group if s.route is not None]
     if not routed:
         return {}
-    timed = [s.route_timing for s in routed if s.route_timing]
-    return {
+    columns: dict[str, object] = {
         "route_outcomes": dict(Counter(s.route for s in routed)),
-        "route_ms_p50": round(statistics.median(s.route_ms or 0.0 for s in routed), 2),
-        # choosing's parts: this process tokenizing, Route end to end, Route inside kvloopd
-        **{
-            f"route_{part}_p50": round(statistics.median(t[part] for t in timed), 3)
-            for part in ("tokenize_ms", "rpc_ms", "server_us")
-            if timed
-        },
         "prefills_used": dict(Counter(s.prefill_worker for s in routed)),
-        # turns that would have left their cache and waited for the rest of their burst (burst.py)
-        "burst_waits": sum(1 for t in timed if "burst_wait_ms" in t),
+        "burst_waits": sum(1 for s in routed if s.burst_wait_ms),
     }
+    for name, values in (
+        ("route_ms_p50", [s.route_ms for s in routed if s.route_ms is not None]),
+        ("prefill_leg_ms_p50", [s.prefill_leg_ms for s in routed if s.prefill_leg_ms is not None]),
+    ):
+        if values:
+            columns[name] = round(statistics.median(values), 2)
+    return columns
 
 
 def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[str]:
@@ -1343,6 +1110,22 @@ def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[s
     paths.append(str(out / "ttft_distribution.png"))
     plt.close("all")
     return paths
+
+
+def wait_tokenizer_loaded(proxy_url: str, timeout_s: float = 300.0) -> None:
+    """Wait until a routing proxy has loaded the model's tokenizer (it loads in the background, and
+    until then the prefills tokenize for Route): measured turns must not pay for the start-up."""
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{proxy_url}/health", timeout=10) as r:
+            state = json.loads(r.read()).get("tokenizers", {}).get(MODEL, "")
+        if state.startswith("loaded"):
+            return
+        if state == "server":
+            raise RuntimeError(f"{proxy_url} could not load the model's tokenizer (see its log)")
+        time.sleep(0.5)  # polling the proxy's health while it loads
+    raise TimeoutError(f"{proxy_url} has not loaded the tokenizer after {timeout_s:.0f}s: {state!r}")
 
 
 def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
@@ -1430,17 +1213,16 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             }
             if config.routing:
                 fleet = stacks["fleet"]
-                clients = {
-                    arm: RoutedArmClient(
-                        arm,
-                        [p.config.url for p in fleet.prefills],
-                        [d.config.url for d in fleet.decodes],
-                        fleet.daemon_address,
-                        config.block_size,
-                        PromptTokenizer(str(model)),
+                for arm in config.arms:
+                    url = fleet.start_proxy(
+                        f"proxy-{arm}",
+                        ROUTING_PROXY_OPTIONS[arm],
+                        lambda what, state: say(f"{what}: {state}"),
                     )
-                    for arm in config.arms
-                }
+                    if "--route" in ROUTING_PROXY_OPTIONS[arm]:
+                        say(f"proxy-{arm}: loading the model's tokenizer")
+                        wait_tokenizer_loaded(url)
+                    clients[arm] = ProxiedArmClient(arm, url)
             turns_in_all = (
                 len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
             )
