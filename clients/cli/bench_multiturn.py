@@ -124,14 +124,14 @@ def bench_multiturn(
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
     ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
     --json prints the results JSON on stdout instead of the tables."""
-    from kvloop.clients.bench.multiturn import (
+    from kvloop.clients.bench.multiturn import run_multiturn
+    from kvloop.clients.bench.multiturn_setup import (
         ARMS,
         DEFAULT_WORKLOADS,
         HOST_ARM,
         ROUTING_ARMS,
         WORKLOADS,
         MultiturnConfig,
-        run_multiturn,
     )
     from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
     from kvloop.common.processes import supervisor
@@ -198,7 +198,7 @@ def bench_multiturn_pool(
 ) -> None:
     """The tables of `bench multiturn` over several runs pooled (each run's turns a repeat of their
     own), as seeds run apart instead of --repeats on one fleet. --json prints the pooled summary."""
-    from kvloop.clients.bench.multiturn import pooled_summary
+    from kvloop.clients.bench.multiturn_summary import pooled_summary
 
     loaded = []
     for path in results:
@@ -219,7 +219,8 @@ def bench_multiturn_pool(
 
 
 def _print_multiturn(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, HOST_ARM, ROUTING_ARMS
+    from kvloop.clients.bench.multiturn_arms import CPU_ROLES
+    from kvloop.clients.bench.multiturn_setup import ARMS, HOST_ARM, ROUTING_ARMS
 
     routing = any(row["arm"] in ROUTING_ARMS and "route_outcomes" in row for row in summary["rows"])
     what = "first streamed token through the arm's proxy" if routing else "disaggregated prefill latency"
