@@ -29,7 +29,7 @@ from kvloop.agents.connector.metadata import ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.common.outcomes import path_name
-from kvloop.common.route_estimate import ROUTE_SETTLED_KEY, SETTLED_REASONS
+from kvloop.common.route_estimate import PULL_KEY, ROUTE_SETTLED_KEY, SETTLED_REASONS
 from kvloop.common.sliding_window import first_needed_block
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
@@ -49,7 +49,7 @@ HANDLE_KEYS = (
     "remote_blocks_expiry_time",
 )
 # A request's kv_transfer_params may set this to false: no lookup, no reverse pull.
-NO_PULL_KEY = "kvloop_pull"
+NO_PULL_KEY = PULL_KEY
 # Private marker: kvloop already decided for this request.
 _DECIDED = "_kvloop_decided"
 

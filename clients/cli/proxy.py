@@ -23,6 +23,22 @@ def proxy(
             help="choose each prefill by kvloopd's Route ranking (kvloopd at --daemon); --no-route: by load",
         ),
     ] = False,
+    route_by: Annotated[
+        str,
+        typer.Option(
+            help="with --route: cost (Route's expected TTFT: own prefix, the pull it would add, queue) or "
+            "prefix (the prefill whose own cache holds the longest prefix of the prompt, as cache-aware "
+            "routers without transfer do; no continuation routes, no burst window)",
+        ),
+    ] = "cost",
+    pull: Annotated[
+        bool,
+        typer.Option(
+            "--pull/--no-pull",
+            help="--no-pull: prefills use their own prefix cache only and never pull from a peer "
+            "(kv_transfer_params kvloop_pull: false)",
+        ),
+    ] = True,
     route_timeout: Annotated[
         float, typer.Option(help="seconds for tokenize + Route per request before falling back to load")
     ] = 0.1,
@@ -98,11 +114,13 @@ def proxy(
     import asyncio
     import signal as signals
 
-    from kvloop.clients.proxy.app import ProxyConfig, serve
+    from kvloop.clients.proxy.app import ROUTE_BY, ProxyConfig, serve
     from kvloop.common.addresses import parse_host_port
     from kvloop.common.security import TlsSettings
     from kvloop.common.tracing import configure_tracing, shutdown_tracing
 
+    if route_by not in ROUTE_BY:
+        _fail(f"--route-by {route_by!r}: choose from {', '.join(ROUTE_BY)}", code=2)
     try:
         host, port = parse_host_port(listen, "listen")
     except ValueError as exc:
@@ -129,6 +147,8 @@ def proxy(
         max_attempts=max_attempts,
         continuation_ttl_s=continuation_ttl,
         burst_window_s=burst_window / 1e3,
+        route_by=route_by,
+        pull=pull,
         api_keys=[k for k in api_key or [] if k],
         prefill_api_key=prefill_api_key or server_api_key,
         decode_api_key=decode_api_key or server_api_key,
