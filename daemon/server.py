@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvloop.common.addresses import parse_host_port
+from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
@@ -165,10 +166,17 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     reaping = asyncio.create_task(reaper())
     relaying = asyncio.create_task(changes.relay())
     relaying_plans = asyncio.create_task(plans.relay())
+    # systemd (Type=notify): ready once the port answers and health says SERVING; the watchdog is
+    # pinged from this loop, so a stuck loop is restarted.
+    notifier = Notifier()
+    notifier.ready(f"serving on {settings.listen} (store {store.name})")
+    pinging = notifier.start_watchdog()
     try:
         await stop.wait()
     finally:
+        notifier.stopping("shutting down")
         log.info("kvloopd shutting down", grace_s=settings.shutdown_grace_s)
+        pinging.cancel()
         reaping.cancel()
         relaying.cancel()
         relaying_plans.cancel()
@@ -179,4 +187,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
             metrics_server.shutdown()
         await store.close()
         shutdown_tracing()
+        notifier.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         log.info("kvloopd stopped")

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.logging import configure_logging
+from kvloop.common.sd_notify import Notifier
 
 log = structlog.get_logger("kvloop.agent")
 app = typer.Typer(
@@ -211,6 +212,12 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     tasks = [asyncio.create_task(coro, name=name) for name, coro in named.items()]
     warner = asyncio.create_task(watch_silence())
     stopper = asyncio.create_task(stop.wait())
+    # systemd (Type=notify): ready once /healthz serves and the tasks run (whether kvloopd answers
+    # is /healthz's business: an agent waiting for kvloopd is started, not failed); the watchdog is
+    # pinged from this loop.
+    notifier = Notifier()
+    notifier.ready(f"worker {settings.worker_id}, kvloopd at {settings.daemon}")
+    pinging = notifier.start_watchdog()
     try:
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -230,12 +237,14 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
             log.warning("stopping with unacknowledged batches", sequence=link.sequence, acked=link.acked)
         return 0
     finally:
-        for task in [*tasks, warner, stopper]:
+        notifier.stopping()
+        for task in [*tasks, warner, stopper, pinging]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
         if health is not None:
             health.shutdown()
+        notifier.close()
         log.info(
             "kvloop-agent stopped",
             worker_id=settings.worker_id,

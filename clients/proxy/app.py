@@ -37,6 +37,7 @@ from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, er
 from kvloop.clients.proxy.legs import decode_body, prefill_body, whole_request_reason
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
+from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import trace_id_hex
 
 log = structlog.get_logger("kvloop.proxy")
@@ -831,7 +832,14 @@ async def serve(
         decode=config.decode,
         directory=config.directory,
     )
+    # systemd (Type=notify): ready once the port accepts; the watchdog is pinged from this loop.
+    notifier = Notifier()
+    notifier.ready(f"serving on {host}:{port}")
+    pinging = notifier.start_watchdog()
     try:
         await stop.wait()
     finally:
+        notifier.stopping()
+        pinging.cancel()
         await runner.cleanup()
+        notifier.close()
