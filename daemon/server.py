@@ -135,6 +135,8 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         except OSError as exc:
             await server.stop(None)
             raise DaemonStartError(f"cannot serve metrics on {settings.metrics_listen}: {exc}") from None
+    for problem in settings.exposure_warnings():
+        log.warning("kvloopd is exposed", problem=problem)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info(

@@ -101,7 +101,7 @@ def test_config_file_env_and_flags_precedence(tmp_path):
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["--listen", "nonsense"], {}, "listen\n  Value error, must be HOST:PORT"),
+        (["--listen", "nonsense"], {}, "--listen: listen: must be HOST:PORT"),
         ([], {"KVLOOP_LEASE_S": "-1"}, "lease_s"),
         ([], {"KVLOOP_HEARTBEAT_INTERVAL_S": "20"}, "must be shorter than lease_s"),
         ([], {"KVLOOP_GC_YOUNG_THRESHOLD": "0"}, "gc_young_threshold"),
@@ -117,6 +117,7 @@ def test_bad_config_is_a_clear_error(args, env, message):
     )
     assert result.returncode == 2
     assert message in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr  # one line per problem
     assert "Traceback" not in result.stderr
 
 

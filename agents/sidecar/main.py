@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
 from kvloop.common.addresses import parse_host_port
+from kvloop.common.config_files import error_lines
 from kvloop.common.logging import configure_logging
 from kvloop.common.sd_notify import Notifier
 
@@ -329,10 +330,29 @@ def run(
             "client_ca_file": health_client_ca_file,
         }
         flags["health_tls"] = {k: v for k, v in tls.items() if v is not None}
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        settings = AgentSettings(**{k: v for k, v in flags.items() if v is not None})
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
-        typer.echo(f"kvloop-agent: invalid configuration:\n{exc}", err=True)
+        settings = AgentSettings(**given)
+    except ValidationError as exc:
+        path = os.environ.get("KVLOOP_AGENT_CONFIG")
+
+        def origin(key: str) -> str:
+            if key in given:
+                return "--" + key.replace("_", "-")
+            if f"KVLOOP_AGENT_{key.upper()}" in os.environ:
+                return f"environment KVLOOP_AGENT_{key.upper()}"
+            return path or "settings"
+
+        for line in error_lines(exc, origin):
+            typer.echo(f"kvloop-agent: {line}", err=True)
+        raise typer.Exit(2) from None
+    except FileNotFoundError as exc:  # the TOML file named
+        typer.echo(f"kvloop-agent: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as exc:  # the TOML file's syntax
+        typer.echo(
+            f"kvloop-agent: {os.environ.get('KVLOOP_AGENT_CONFIG')}: TOML syntax error: {exc}", err=True
+        )
         raise typer.Exit(2) from None
     try:  # before anything starts: bad TLS files are a configuration error
         health_tls = settings.health_tls.http_server_context() if settings.health_tls else None
