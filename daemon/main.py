@@ -13,6 +13,14 @@ from kvloop.common.logging import configure_logging
 app = typer.Typer(add_completion=False, help="kvloop block-directory daemon.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from kvloop.common.version import version_line
+
+        typer.echo(version_line("kvloopd"))
+        raise typer.Exit()
+
+
 @app.command()
 def run(
     config: Annotated[
@@ -51,6 +59,10 @@ def run(
             help="validate the configuration (opening every file it names), print it and exit: "
             "2 when invalid",
         ),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
     ] = False,
     connect: Annotated[
         bool,

@@ -24,6 +24,11 @@ TRANSFER_REPORTS = Counter(
 )
 ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
 WORKERS = Gauge("kvloop_workers", "Registered workers by lease state", ["state"])
+AGENT_REGISTRATIONS = Counter(
+    "kvloop_agent_registrations_total",
+    "Agent registrations by the agent's kvloop release ('unknown': an agent that sends none)",
+    ["version"],
+)
 CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect stream")
 CLAIMS_RELEASED = Counter(
     "kvloop_claims_released_total", "Single-use runs a TRANSFER answer claimed and the puller gave back"

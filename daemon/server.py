@@ -15,6 +15,7 @@ from prometheus_client import start_http_server
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
+from kvloop.common.version import VERSION, publish_build_info
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.decoding import DecodeInterceptor
@@ -77,6 +78,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
     counters = DaemonCounters()
+    publish_build_info("kvloopd")
     backend = await open_store(settings)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if settings.tokens:
@@ -141,6 +143,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "kvloopd listening",
+        version=VERSION,
         listen=settings.listen,
         port=bound,
         metrics=settings.metrics_listen or None,

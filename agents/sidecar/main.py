@@ -21,6 +21,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.config_files import error_lines
 from kvloop.common.logging import configure_logging
 from kvloop.common.sd_notify import Notifier
+from kvloop.common.version import VERSION, publish_build_info, version_line
 
 log = structlog.get_logger("kvloop.agent")
 app = typer.Typer(
@@ -66,7 +67,9 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         kv_group_windows=settings.kv_group_windows,
         epoch=random.getrandbits(63) | 1,
         labels={"agent_pid": str(os.getpid())},
+        agent_version=VERSION,
     )
+    publish_build_info("kvloop-agent")
     client = AsyncDirectoryClient(settings.daemon, settings.security())
     link = DirectoryLink(
         client,
@@ -253,6 +256,12 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line("kvloop-agent"))
+        raise typer.Exit()
+
+
 @app.command()
 def run(
     config: Annotated[
@@ -295,6 +304,10 @@ def run(
         Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
     ] = None,
     log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error")] = None,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
 ) -> None:
     from kvloop.agents.sidecar.config import AgentSettings
 

@@ -37,6 +37,14 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figure
 app.add_typer(bench_app, name="bench")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from kvloop.common.version import version_line
+
+        typer.echo(version_line("kvloop"))
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
     daemon: Annotated[str, typer.Option(envvar="KVLOOP_DAEMON", help="kvloopd HOST:PORT")] = default_target(),
@@ -46,6 +54,10 @@ def _global(
     key_file: Annotated[Optional[Path], typer.Option(help="client key (mutual TLS)")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
     timeout: Annotated[float, typer.Option(help="seconds per call")] = 5.0,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
 ) -> None:
     configure_logging("warning")
     state.daemon = daemon

@@ -39,6 +39,7 @@ from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
 from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import trace_id_hex
+from kvloop.common.version import VERSION, publish_build_info
 
 log = structlog.get_logger("kvloop.proxy")
 tracer = trace.get_tracer("kvloop.proxy")
@@ -820,12 +821,14 @@ def build_app(config: ProxyConfig) -> web.Application:
 async def serve(
     config: ProxyConfig, host: str, port: int, stop: asyncio.Event, tls: ssl.SSLContext | None = None
 ) -> None:
+    publish_build_info("kvloop-proxy")
     runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
     log.info(
         "kvloop proxy listening",
+        version=VERSION,
         listen=f"{host}:{port}",
         tls=tls is not None,
         prefill=config.prefill,
