@@ -23,7 +23,7 @@ from kvloop.clients.cli import (
     ops,
     proxy,
 )
-from kvloop.clients.cli.output import _fail, state
+from kvloop.clients.cli.output import ExitCode, _fail, emit_error, state
 from kvloop.clients.directory_client import default_target
 from kvloop.common.logging import configure_logging
 from kvloop.common.security import ClientSecurity
@@ -95,7 +95,25 @@ app.command("trace")(ops.trace_cmd)
 
 
 def main() -> None:
-    app(prog_name="kvloop")
+    """Run `kvloop`. With --json, usage errors (an unknown option, a missing argument) are JSON like
+    every other error; without it, click prints them. Exit statuses: output.ExitCode."""
+    import sys
+
+    if "--json" not in sys.argv[1:]:
+        app(prog_name="kvloop")
+        return
+    try:
+        result = app(prog_name="kvloop", standalone_mode=False)
+    except Exception as exc:
+        # click's usage errors (typer vendors click, so matched by shape rather than by class)
+        format_message = getattr(exc, "format_message", None)
+        if format_message is None:
+            raise
+        state.json = True
+        code = getattr(exc, "exit_code", ExitCode.USAGE)
+        emit_error(format_message(), code)
+        sys.exit(code)
+    sys.exit(result if isinstance(result, int) else ExitCode.OK)
 
 
 if __name__ == "__main__":

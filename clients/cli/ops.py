@@ -20,6 +20,7 @@ from kvloop.clients.cli.output import (
     _fail,
     console,
     err_console,
+    fail_rpc,
     state,
 )
 from kvloop.clients.console import make_console
@@ -267,7 +268,7 @@ def watch(
                         highlight=False,
                     )
     except KvloopError as exc:
-        _fail(str(exc))
+        fail_rpc(exc)
     except KeyboardInterrupt:
         pass
 
