@@ -16,6 +16,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
 from kvloop.common.version import VERSION, publish_build_info
+from kvloop.daemon import metrics
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.decoding import DecodeInterceptor
@@ -79,6 +80,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     ]
     counters = DaemonCounters()
     publish_build_info("kvloopd")
+    metrics.MAX_ENTRIES.set(settings.max_entries)
     backend = await open_store(settings)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if settings.tokens:

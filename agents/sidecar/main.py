@@ -31,6 +31,10 @@ app = typer.Typer(
 FORWARDED = Counter("kvloop_agent_events_forwarded_total", "Block events forwarded to kvloopd", ["kind"])
 ENGINE_GAPS = Counter("kvloop_agent_engine_event_gaps_total", "Unrecoverable gaps in the engine's KV events")
 CONNECTED = Gauge("kvloop_agent_connected", "1 while the Connect stream to kvloopd is up")
+UNACKED = Gauge(
+    "kvloop_agent_unacked_batches",
+    "Event batches sent to kvloopd and not yet acknowledged (the directory's lag behind the engine)",
+)
 
 _ROLES = {"prefill": 1, "decode": 2, "both": 3}
 
@@ -77,6 +81,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         snapshot=mirror.snapshot,
         on_drain=lambda reason: log.warning("worker drained by kvloopd", reason=reason),
     )
+    UNACKED.set_function(lambda: link.sequence - link.acked)
     subscriber = KvEventSubscriber(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
     started = time.monotonic()
     engine = EngineIncarnation()
