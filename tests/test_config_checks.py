@@ -8,15 +8,18 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvloop.clients.directory_client import DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port
+from kvloop.common.processes import supervisor
 from kvloop.common.security import ClientSecurity
 from tests.conftest import KVLOOPD, start_daemon
-from tests.support import make_cert
+from tests.support import make_cert, wait_until
 
 BIN = Path(KVLOOPD).parent
 
@@ -187,3 +190,64 @@ def test_agent_token_file_errors_are_one_line(tmp_path):
     assert _clean(result) == [
         f"kvloop-agent: {config}: token_file: cannot read /nowhere/agent.token: No such file or directory"
     ]
+
+
+def test_proxy_reads_client_keys_from_a_file(tmp_path):
+    """`--api-key-file` (KVLOOP_PROXY_API_KEY_FILE, a systemd credential): one key a line."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("first-client-key\n\nsecond-client-key\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLOOP_")}
+    proxy = supervisor().spawn(
+        [
+            str(BIN / "kvloop"),
+            "proxy",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--prefill",
+            f"http://127.0.0.1:{free_port()}",
+            "--decode",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "proxy.log").open("w"),
+        env={**env, "KVLOOP_PROXY_API_KEY_FILE": str(keys)},
+    )
+
+    def status(key: str | None) -> int | None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")
+        if key:
+            request.add_header("Authorization", f"Bearer {key}")
+        try:
+            return urllib.request.urlopen(request, timeout=5).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            assert proxy.poll() is None, (tmp_path / "proxy.log").read_text()
+            return None
+
+    try:
+        assert wait_until(lambda: status(None), what="the proxy to answer") == 401
+        assert status("second-client-key") != 401 and status("first-client-key") != 401
+        assert status("not-a-key") == 401
+    finally:
+        proxy.terminate()
+        assert proxy.wait(15) == 0
+    missing = subprocess.run(
+        [
+            str(BIN / "kvloop"),
+            "proxy",
+            "--prefill",
+            "http://x",
+            "--decode",
+            "http://y",
+            "--api-key-file",
+            "/nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert missing.returncode == 2 and "cannot read /nope" in missing.stderr
+    assert "Traceback" not in missing.stderr
