@@ -71,6 +71,15 @@ VERSION_SPECIFIC: dict[str, tuple[str, ...]] = {
 }
 
 
+# kv_transfer_params keys kvloop writes for vLLM to read: the module that reads each, per release.
+PARAM_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "remote_registration_generation": (
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata",
+        ("0.33.0",),
+    ),
+}
+
+
 # --------------------------------------------------------------------------- vLLM source
 
 
@@ -636,6 +645,16 @@ def check_release(source: Source, use: KvloopUse, reference: Resolver | None) ->
         info = r.cls(module, head)
         if info is None or not info.defines(attr):
             problems.append(f"kvloop uses {head}.{attr} ({module}), which vLLM {rel} lacks")
+
+    for key, (module, releases) in PARAM_KEYS.items():
+        if rel not in releases:
+            continue
+        checked += 1
+        tree = source.tree(module)
+        if tree is None or not any(isinstance(n, ast.Constant) and n.value == key for n in ast.walk(tree)):
+            problems.append(
+                f"kvloop passes kv_transfer_params[{key!r}]; {module} of vLLM {rel} never reads it"
+            )
 
     for symbol, releases in VERSION_SPECIFIC.items():
         if rel not in releases:

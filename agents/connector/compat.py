@@ -45,6 +45,13 @@ def forward_generation(params: dict[str, Any], generation: int) -> None:
         params[GENERATION_PARAM] = generation
 
 
+def remote_generation(remote: Any) -> int:
+    """The registration generation a pull's ``RemoteMeta`` carries (0 before vLLM 0.33)."""
+    if not HAS_REGISTRATION_GENERATION:
+        return 0
+    return int(getattr(remote, "registration_generation", 0) or 0)
+
+
 def host_pool_refusal() -> str | None:
     if HOST_POOL_SUPPORTED:
         return None

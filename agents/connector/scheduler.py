@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvloop.agents.connector import idle
+from kvloop.agents.connector import compat, idle
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
@@ -118,7 +118,13 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             else None
         )
         self.decode = DecodeSide(
-            cfg, self.block_size, self._events.append, kv_cache_config.num_blocks, confirmer, host
+            cfg,
+            self.block_size,
+            self._events.append,
+            kv_cache_config.num_blocks,
+            confirmer,
+            host,
+            generation=lambda: compat.registration_generation(self),
         )
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
@@ -287,6 +293,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self.prefill.step(
                 scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
             )
+        self.decode.check_generation()
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
         meta = KvloopConnectorMetadata.extend(
             base, multi, deadlines, holder_epochs, self.decode.take_free_early()

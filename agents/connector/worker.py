@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
+from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.host_pool import HostPool, pool_slots
@@ -125,6 +126,9 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         # reaches), and the epochs it had before (processes that ended: their runs are never read).
         self._peer_epochs: dict[str, int] = {}
         self._retired_epochs: dict[str, set[int]] = {}
+        # ... and the highest KV-cache registration generation a pull carried for each holder engine
+        # (vLLM >= 0.33; a holder that slept and woke registered its memory again).
+        self._peer_generations: dict[str, int] = {}
         # Holders registered under a new epoch (warmer thread -> this thread), and those whose old
         # NIXL agent is not released yet (their reads decline until it is).
         self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
@@ -228,6 +232,17 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 tm.log.info("kvloop.holder_agent_released", engine_id=engine_id, epoch=peer.epoch)
                 self._warm_peer(peer)
 
+    def _generation_veto(self, engine_id: str, generation: int) -> str | None:
+        """Why a run retained under registration ``generation`` must not be read from ``engine_id``:
+        the holder registered its KV cache again since (vLLM 0.33's sleep and wake), so the run's
+        block ids name memory that was deregistered. vLLM loads the holder's new registration when a
+        pull brings a higher generation; it would read an older generation's run against it."""
+        seen = self._peer_generations.get(engine_id, 0)
+        if generation < seen:
+            return f"the run was retained under registration generation {generation}; the holder is at {seen}"
+        self._peer_generations[engine_id] = generation
+        return None
+
     def _holder_epoch_veto(self, req_id: str, engine_id: str) -> str | None:
         """Why the pull's run must not be read from ``engine_id`` as this worker reaches it now, or None.
 
@@ -284,6 +299,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         declined = None if meta.remote is None else self._holder_epoch_veto(req_id, meta.remote.engine_id)
+        if declined is None and meta.remote is not None:
+            declined = self._generation_veto(meta.remote.engine_id, compat.remote_generation(meta.remote))
         if declined is not None:
             # Never READ a dead process's run from its successor: wrong KV, and no error anywhere.
             tm.log.warning(
