@@ -71,6 +71,12 @@ VERSION_SPECIFIC: dict[str, tuple[str, ...]] = {
 }
 
 
+# vLLM methods kvloop re-implements instead of calling (its copy follows their body): each release's
+# body must be the first release's, statement for statement, or kvloop's copy needs porting.
+MIRRORED: tuple[str, ...] = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker:NixlPullConnectorWorker._get_new_notifs",
+)
+
 # kv_transfer_params keys kvloop writes for vLLM to read: the module that reads each, per release.
 PARAM_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "remote_registration_generation": (
@@ -645,6 +651,19 @@ def check_release(source: Source, use: KvloopUse, reference: Resolver | None) ->
         info = r.cls(module, head)
         if info is None or not info.defines(attr):
             problems.append(f"kvloop uses {head}.{attr} ({module}), which vLLM {rel} lacks")
+
+    if reference is not None:
+        for symbol in MIRRORED:
+            module, _, dotted = symbol.partition(":")
+            head, _, attr = dotted.partition(".")
+            now, ref = r.cls(module, head), reference.cls(module, head)
+            a = now.lookup_method(attr) if now else None
+            b = ref.lookup_method(attr) if ref else None
+            checked += 1
+            if a is None or b is None:
+                problems.append(f"kvloop mirrors {head}.{attr}, which vLLM {rel} lacks")
+            elif ast.dump(a[1]) != ast.dump(b[1]):
+                problems.append(f"kvloop mirrors {head}.{attr} ({module}), whose body vLLM {rel} changed")
 
     for key, (module, releases) in PARAM_KEYS.items():
         if rel not in releases:

@@ -4,6 +4,7 @@ doctored copies of it: it passes on the real source and names each symbol it can
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -51,10 +52,11 @@ def _check(tree: Path, release: str = "0.32.0") -> subprocess.CompletedProcess:
 
 def _doctored(vllm_tree: Path, tmp_path: Path, rel: Path, old: str, new: str) -> Path:
     dst = tmp_path / "doctored"
-    shutil.copytree(vllm_tree, dst)
+    shutil.copytree(vllm_tree, dst, copy_function=os.symlink)  # the untouched files: links to the copy
     path = dst / rel
     text = path.read_text()
     assert old in text
+    path.unlink()
     path.write_text(text.replace(old, new))
     return dst
 
