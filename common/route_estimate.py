@@ -26,6 +26,10 @@ def tie_margin_ms(best_ms: float, floor_ms: float, ratio: float) -> float:
 # (which would find the same, a few milliseconds and possibly an engine step later). The value names
 # Route's reason, "local_prefix" or "miss".
 ROUTE_SETTLED_KEY = "kvloop_route_settled"
+# A prefill request's kv_transfer_params key: false asks its connector for the prefill's own prefix
+# cache only, no Lookup and no pull from a peer (a router that ranks by own prefix alone, or one
+# that measures what pulling adds).
+PULL_KEY = "kvloop_pull"
 SETTLED_REASONS = {pb.DECISION_REASON_LOCAL_PREFIX: "local_prefix", pb.DECISION_REASON_MISS: "miss"}
 
 

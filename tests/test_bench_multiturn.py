@@ -13,24 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.clients.bench.multiturn import (
+from kvloop.clients.bench.multiturn import run_workload
+from kvloop.clients.bench.multiturn_arms import ArmClient, TurnOutcome, engine_totals
+from kvloop.clients.bench.multiturn_plot import plot
+from kvloop.clients.bench.multiturn_setup import (
     ARMS,
     ROUTING_PAIRED_RATIOS,
     WORKLOADS,
-    ArmClient,
     MultiturnConfig,
     Session,
-    TurnOutcome,
     TurnSample,
     arm_order,
     build_sessions,
-    context_bucket,
-    engine_totals,
-    median_ci95,
-    plot,
-    pooled_summary,
-    run_workload,
     session_seed_base,
+)
+from kvloop.clients.bench.multiturn_summary import (
+    context_bucket,
+    median_ci95,
+    pooled_summary,
     summarize,
     wrong_pulled_blocks,
 )
@@ -144,7 +144,8 @@ vllm:num_requests_running{engine="0"} 3.0
 
 
 def test_decode_tpot_is_read_from_the_decode_engine():
-    from kvloop.clients.bench.multiturn import DECODE_SERIES, _transfer_columns
+    from kvloop.clients.bench.multiturn_arms import DECODE_SERIES
+    from kvloop.clients.bench.multiturn_summary import _transfer_columns
 
     page = """# TYPE vllm:request_time_per_output_token_seconds histogram
 vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.06
@@ -197,7 +198,7 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
 
 
 def test_cpu_seconds_are_counted_per_role_and_a_gone_process_counts_nothing():
-    from kvloop.clients.bench.multiturn import ArmClient
+    from kvloop.clients.bench.multiturn_arms import ArmClient
 
     busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     done = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -250,22 +251,54 @@ def test_routing_summary_pairs_kvloop_with_every_other_arm_and_counts_how_prefil
     samples = []
     for turn in (2, 3, 4):
         for arm, ms, how in (
-            ("kvloop", 100.0, "route" if turn < 4 else "tie"),
-            ("load_pull", 125.0, "load"),
+            ("kvloop", 100.0, "continuation" if turn < 4 else "continuation_tie"),
+            ("load_pull", 125.0, "load_no_directory"),
             ("prefix_route", 200.0, "prefix"),
-            ("recompute", 400.0, "load"),
+            ("recompute", 400.0, "load_no_directory"),
         ):
             sample = timed(arm, 0, turn, ms * turn)
             sample.route, sample.route_ms, sample.prefill_worker = how, 2.0 * turn, f"prefill-{turn % 2}"
+            sample.prefill_leg_ms = ms * turn - 10.0
+            sample.burst_wait_ms = 5.0 if (arm, turn) == ("kvloop", 3) else None
             samples.append(sample)
     summary = summarize(samples, BS, pairs=ROUTING_PAIRED_RATIOS)
     paired = {p["ratio"]: p["median"] for p in summary["paired"]}
     assert paired == {"kvloop/load_pull": 0.8, "kvloop/prefix_route": 0.5, "kvloop/recompute": 0.25}
     kvloop = next(r for r in summary["rows"] if r["arm"] == "kvloop")
-    assert kvloop["route_outcomes"] == {"route": 2, "tie": 1}
-    assert kvloop["route_ms_p50"] == 6.0
+    assert kvloop["route_outcomes"] == {"continuation": 2, "continuation_tie": 1}
+    assert kvloop["route_ms_p50"] == 6.0 and kvloop["prefill_leg_ms_p50"] == 290.0
     assert kvloop["prefills_used"] == {"prefill-0": 2, "prefill-1": 1}
+    assert kvloop["burst_waits"] == 1
     assert kvloop["ratio_to_recompute_p50"] == 0.25
+    recompute = next(r for r in summary["rows"] if r["arm"] == "recompute")
+    assert recompute["route_outcomes"] == {"load_no_directory": 3} and recompute["burst_waits"] == 0
+
+
+def test_every_routing_arm_runs_a_proxy_whose_options_the_cli_takes():
+    """Each routing arm is a `kvloop proxy` with options of its own, parsed here by the real CLI: by
+    Route, by own prefix or by load, pulling or not."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from kvloop.clients.bench.multiturn_setup import ROUTING_ARMS, ROUTING_PROXY_OPTIONS
+    from kvloop.clients.cli.main import app
+
+    proxy = get_command(app).commands["proxy"]  # type: ignore[attr-defined]
+    parsed = {}
+    for arm in ROUTING_ARMS:
+        options = [*ROUTING_PROXY_OPTIONS[arm], "--prefill", "http://p", "--decode", "http://d"]
+        params = proxy.make_context("proxy", options).params
+        parsed[arm] = (params["route"], params["route_by"], params["pull"])
+    assert parsed == {
+        "kvloop": (True, "cost", True),
+        "load_pull": (False, "cost", True),
+        "prefix_route": (True, "prefix", False),
+        "recompute": (False, "cost", False),
+    }
+    refused = CliRunner().invoke(
+        app, ["proxy", "--route-by", "nearest", "--prefill", "http://p", "--decode", "http://d"]
+    )
+    assert refused.exit_code == 2 and "choose from cost, prefix" in refused.output
 
 
 def _routing_run(seed_scale: float, config: dict | None = None) -> dict:
@@ -441,7 +474,7 @@ def test_the_engines_transport_and_cores_reach_their_environment(tmp_path: Path)
 
 
 def test_decode_steps_are_compared_at_equal_batch_without_arrival_steps():
-    from kvloop.clients.bench.multiturn import decode_steps_of
+    from kvloop.clients.bench.multiturn_summary import decode_steps_of
     from kvloop.clients.bench.steps import Stream
 
     alone = Stream(0.0, [0.0, 0.010, 0.020, 0.030], [1, 1, 1, 1])

@@ -52,6 +52,12 @@ def test_the_completions_prefill_leg_has_no_chat_only_cap():
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
 
 
+def test_a_prefill_leg_without_pull_asks_its_connector_for_the_own_cache_only():
+    out = prefill_body({"model": "m", "prompt": "p"}, chat=False, settled="miss", pull=False)
+    # settling is moot: with no pull the connector asks no Lookup anyway
+    assert out["kv_transfer_params"] == {"do_remote_decode": True, "kvloop_pull": False}
+
+
 def test_the_decode_leg_is_the_request_as_sent_with_the_handle():
     body = {"model": "m", "messages": MESSAGES, "min_tokens": 5, "stream": True}
     assert decode_body(body, {"remote_engine_id": "p"}) == {

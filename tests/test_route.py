@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import threading
 
 import aiohttp
 import grpc
@@ -16,9 +15,8 @@ from kvloop.agents.connector.directory import answer_from_proto
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient, KvloopError
 from kvloop.clients.proxy.backends import BackendPool
-from kvloop.clients.proxy.burst import ThreadedBurstWindow, place_together
 from kvloop.clients.proxy.continuation import HISTORY_PREFIX_ROUTES, ContinuationRoutes
-from kvloop.clients.proxy.routing import BURST_WAITS, RankedCandidate, Router
+from kvloop.clients.proxy.routing import BURST_WAITS, Router
 from kvloop.common import block_hash
 from kvloop.common.route_estimate import settled_without_pull
 from kvloop.v1 import directory_pb2 as pb
@@ -602,6 +600,41 @@ async def test_the_proxy_breaks_a_tie_for_the_candidate_that_pulls_less(daemon):
     assert chosen == [("tie", "http://tb-a", 30)] * 3
 
 
+async def test_routing_by_prefix_takes_the_longest_own_prefix_and_ignores_what_a_pull_would_add(daemon):
+    """`--route-by prefix`: the prefill whose own cache holds the longest prefix of the prompt, whatever
+    a decode retains; the load rule decides among equals, and a prompt no prefill holds any of is a
+    miss the load rule places. What a prefix choice queues is all its own cache lacks: it counts on
+    no pull, where Route's estimate counts on pulling the rest from the decode."""
+    model = "m-route-by-prefix"
+    tokens = list(range(7, 7 + 40 * BS))
+    hashes = block_hash.block_hashes(tokens, BS, "sha256_cbor", "0")
+    shared = list(range(5000, 5000 + 10 * BS))
+    shared_hashes = block_hash.block_hashes(shared, BS, "sha256_cbor", "0")
+    fresh = list(range(9000, 9000 + 8 * BS))
+    pool = proxy_pool("http://pr-a", "http://pr-b", "http://pr-c")
+    async with AsyncDirectoryClient(daemon.address) as client:
+        workers = {
+            "pr-a": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:12])]),
+            "pr-b": (pb.WORKER_ROLE_PREFILL, [stored(hashes[:8]), stored(shared_hashes[:6])]),
+            "pr-c": (pb.WORKER_ROLE_PREFILL, [stored(shared_hashes[:6])]),
+            "pr-d": (pb.WORKER_ROLE_DECODE, [retained(hashes[:40], "h-pr")]),
+        }
+        async with fleet(client, model, workers, hash_seed="0"), aiohttp.ClientSession() as session:
+            router = Router(pool, client, timeout_s=5.0, by_prefix=True)
+            chosen = []
+            for prompt in (tokens, tokens, shared, shared, fresh, fresh, fresh):
+                choice = await router.choose(session, {"model": model, "prompt": prompt}, chat=False)
+                chosen.append((choice.outcome, choice.backend.url[-1], choice.queued_tokens))
+                if prompt is tokens:
+                    assert choice.score.compute_tokens < 28 * BS  # Route counted on the decode's run
+                choice.release()
+    assert chosen[:2] == [("prefix", "a", 28 * BS)] * 2
+    assert sorted(chosen[2:4]) == [("prefix_tie", "b", 4 * BS), ("prefix_tie", "c", 4 * BS)]
+    assert [c[0] for c in chosen[4:]] == ["prefix_miss"] * 3 and {c[2] for c in chosen[4:]} == {8 * BS}
+    assert sorted(c[1] for c in chosen[4:]) == ["a", "b", "c"]  # round-robin over the idle three
+    assert not router.keeps_turns  # a prefix choice asks Route on every request's path
+
+
 async def test_the_python_example_scores_candidates_from_token_ids(daemon):
     """examples/score_candidates.py, run as a user would, against a real kvloopd."""
     import asyncio
@@ -907,35 +940,3 @@ async def test_a_turn_cancelled_while_it_waits_for_its_burst_is_never_placed(dae
     assert kept.burst_wait_ms > 0 and first.backend.url == "http://bh-a"
     assert sum(b.in_flight for b in router.pool.backends) == 2
     assert sum(b.queued_tokens for b in router.pool.backends) == first.queued_tokens + kept.queued_tokens
-
-
-def test_the_bench_places_a_burst_on_threads_as_the_proxy_does():
-    """ThreadedBurstWindow (the bench's routed arm): every thread that waits within one window is placed
-    in one call, the one that loses most by not getting its best first, and the window opens again."""
-
-    def ranked(*expected_ms: float) -> list[RankedCandidate]:
-        return [
-            RankedCandidate(pb.RouteScore(http_endpoint=f"http://{i}"), ms)
-            for i, ms in enumerate(expected_ms)
-        ]
-
-    losses = {"small": ranked(10, 12), "big": ranked(10, 90), "alone": ranked(10)}
-    calls: list[list[str]] = []
-    placed: list[str] = []
-    lock = threading.RLock()
-
-    def place_all(waiting: list[str]) -> None:
-        calls.append(sorted(waiting))
-        place_together(waiting, losses.__getitem__, placed.append)
-
-    window = ThreadedBurstWindow(0.2, place_all, lock)
-    with lock:  # all three wait before the window can close
-        threads = [threading.Thread(target=window.wait, args=(name,)) for name in ("small", "alone", "big")]
-        for t in threads:
-            t.start()
-        wait_until(lambda: window.waiting == 3, what="three threads waiting")
-    for t in threads:
-        t.join(10)
-    assert calls == [["alone", "big", "small"]] and placed == ["big", "small", "alone"]
-    window.wait("again")  # a new window
-    assert calls[-1] == ["again"]

@@ -90,7 +90,8 @@ def bench_multiturn(
         typer.Option(
             min=1,
             help="prefill engines; with --prefills or --decodes above 1 the routing bench runs instead: "
-            "arms kvloop (Route + pull), load_pull, prefix_route, recompute on one shared fleet",
+            "arms kvloop (Route + pull), load_pull, prefix_route, recompute on one shared fleet, each "
+            "through a `kvloop proxy` of its own",
         ),
     ] = 1,
     decodes: Annotated[int, typer.Option(min=1, help="decode engines (see --prefills)")] = 1,
@@ -123,14 +124,14 @@ def bench_multiturn(
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
     ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
     --json prints the results JSON on stdout instead of the tables."""
-    from kvloop.clients.bench.multiturn import (
+    from kvloop.clients.bench.multiturn import run_multiturn
+    from kvloop.clients.bench.multiturn_setup import (
         ARMS,
         DEFAULT_WORKLOADS,
         HOST_ARM,
         ROUTING_ARMS,
         WORKLOADS,
         MultiturnConfig,
-        run_multiturn,
     )
     from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
     from kvloop.common.processes import supervisor
@@ -197,7 +198,7 @@ def bench_multiturn_pool(
 ) -> None:
     """The tables of `bench multiturn` over several runs pooled (each run's turns a repeat of their
     own), as seeds run apart instead of --repeats on one fleet. --json prints the pooled summary."""
-    from kvloop.clients.bench.multiturn import pooled_summary
+    from kvloop.clients.bench.multiturn_summary import pooled_summary
 
     loaded = []
     for path in results:
@@ -218,9 +219,12 @@ def bench_multiturn_pool(
 
 
 def _print_multiturn(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn import ARMS, CPU_ROLES, HOST_ARM, ROUTING_ARMS
+    from kvloop.clients.bench.multiturn_arms import CPU_ROLES
+    from kvloop.clients.bench.multiturn_setup import ARMS, HOST_ARM, ROUTING_ARMS
 
-    table = Table(title="kvloop bench multiturn: continuation turns (TTFT = disaggregated prefill latency)")
+    routing = any(row["arm"] in ROUTING_ARMS and "route_outcomes" in row for row in summary["rows"])
+    what = "first streamed token through the arm's proxy" if routing else "disaggregated prefill latency"
+    table = Table(title=f"kvloop bench multiturn: continuation turns (TTFT = {what})")
     for column in (
         "workload",
         "sessions",
@@ -367,3 +371,35 @@ def _print_multiturn(summary: dict) -> None:
             f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
             f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks"
         )
+    routed_rows = [row for row in summary["rows"] if "route_outcomes" in row]
+    if routed_rows:
+        table = Table(
+            title="how each arm's proxy chose (its x-kvloop-* headers): the prefill leg as the proxy "
+            "timed it (choosing included), choosing alone, outcomes, prefills used, turns that waited "
+            "for their burst"
+        )
+        for column in (
+            "workload",
+            "sessions",
+            "arm",
+            "TTFT p50",
+            "prefill leg p50",
+            "choosing p50",
+            "outcomes",
+            "prefills",
+            "burst waits",
+        ):
+            table.add_column(column)
+        for row in routed_rows:
+            table.add_row(
+                row["workload"],
+                str(row["concurrency"]),
+                row["arm"],
+                f"{row['ttft_p50_ms']:.0f}",
+                _blank(row.get("prefill_leg_ms_p50")),
+                _blank(row.get("route_ms_p50")),
+                ", ".join(f"{k} {v}" for k, v in sorted(row["route_outcomes"].items())),
+                ", ".join(f"{k} {v}" for k, v in sorted(row["prefills_used"].items())),
+                str(row["burst_waits"]),
+            )
+        console.print(table)

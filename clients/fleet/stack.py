@@ -44,7 +44,8 @@ class StackConfig:
     # writing this file and points every process at it (vLLM exports its request spans only over OTLP).
     span_file: Path | None = None
     start_timeout_s: float = 240.0
-    # The benchmark talks to the engines directly; a proxy would only take CPU from them.
+    # The stack's own proxy (`--route`); off where a benchmark talks to the engines directly or starts
+    # proxies of its own (start_proxy).
     with_proxy: bool = True
     # Compute threads of prefill engines on the first half of the host's cores, decodes' on the other
     # half (vLLM's VLLM_CPU_OMP_THREADS_BIND): on one small host, what a disaggregated fleet has by
@@ -82,6 +83,8 @@ class Stack:
     proxy_url: str = ""
     daemon: subprocess.Popen | None = None
     proxy: subprocess.Popen | None = None
+    # Every proxy started (start_proxy) by name; the stack's own is "proxy".
+    proxies: dict[str, subprocess.Popen] = field(default_factory=dict)
     engines: list[Engine] = field(default_factory=list)
     # Every process of the stack is started and stopped through this (see kvloop.common.processes).
     children: ChildProcesses = field(default_factory=supervisor)
@@ -95,6 +98,8 @@ class Stack:
     # What engines, sidecars and the proxy dial (daemon_address, or its fronts).
     agent_daemon_address: str = ""
     _daemon_args: tuple[str, ...] = ()
+    # Each kvloopd's /metrics HOST:PORT by its gRPC address.
+    daemon_metrics: dict[str, str] = field(default_factory=dict)
 
     @property
     def prefill(self) -> Engine:
@@ -143,7 +148,6 @@ class Stack:
         if cfg.span_file and not _otlp_configured():
             self.receiver = OtlpReceiver(SpanFile(cfg.span_file).write).start()
             progress("traces", f"OTLP receiver at {self.receiver.endpoint} writing {cfg.span_file}")
-        bin_dir = Path(sys.executable).parent
         if cfg.ha:
             self._daemon_args = ("--config", str(self._start_redis(progress)))
             for name in ("kvloopd-a", "kvloopd-b"):
@@ -229,19 +233,31 @@ class Stack:
             time.sleep(0.5)  # polling engine health while they load
         if not cfg.with_proxy:
             return
-        proxy_port = free_port()
-        self.proxy_url = f"http://127.0.0.1:{proxy_port}"
-        progress("proxy", "starting")
-        with (logs / "proxy.log").open("w") as log:
-            self.proxy = self.children.spawn(
+        self.proxy_url = self.start_proxy("proxy", ["--route"], progress)
+        self.proxy = self.proxies["proxy"]
+
+    def start_proxy(
+        self,
+        name: str,
+        options: list[str],
+        progress: Callable[[str, str], None] = lambda what, state: None,
+    ) -> str:
+        """Start a `kvloop proxy` with `options` in front of every engine of the stack, its log at
+        logs/NAME.log; returns its URL once it answers healthy. Stopped with the stack."""
+        logs = self.config.workdir / "logs"
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        progress(name, f"starting kvloop proxy {' '.join(options)}")
+        with (logs / f"{name}.log").open("w") as log:
+            process = self.children.spawn(
                 [
-                    str(bin_dir / "kvloop"),
+                    str(Path(sys.executable).parent / "kvloop"),
                     "--daemon",
                     self.agent_daemon_address,
                     "proxy",
-                    "--route",
+                    *options,
                     "--listen",
-                    f"127.0.0.1:{proxy_port}",
+                    f"127.0.0.1:{port}",
                     *functools.reduce(
                         operator.iadd, (["--prefill", p.config.url] for p in self.prefills), []
                     ),
@@ -251,10 +267,13 @@ class Stack:
                 stderr=log,
                 env=self._env("kvloop-proxy"),
             )
-        _wait_http(f"{self.proxy_url}/health", self.proxy, logs / "proxy.log", 60)
-        progress("proxy", f"ready at {self.proxy_url}")
+        self.proxies[name] = process
+        _wait_http(f"{url}/health", process, logs / f"{name}.log", 60)
+        progress(name, f"ready at {url}")
+        return url
 
     def _spawn_daemon(self, address: str, log_path: Path) -> subprocess.Popen:
+        self.daemon_metrics[address] = f"127.0.0.1:{free_port()}"
         with log_path.open("a") as log:
             return self.children.spawn(
                 [
@@ -262,7 +281,7 @@ class Stack:
                     "--listen",
                     address,
                     "--metrics-listen",
-                    f"127.0.0.1:{free_port()}",
+                    self.daemon_metrics[address],
                     "--log-json",
                     *self._daemon_args,
                 ],
@@ -449,7 +468,7 @@ class Stack:
     def stop(self) -> None:
         """Stop the stack front to back: the proxy, then the engines and their sidecars together, then
         kvloopd (each process group: SIGTERM, a grace period, SIGKILL)."""
-        self.children.stop(self.proxy, grace_s=10)
+        self.children.stop(*self.proxies.values(), grace_s=10)
         self.children.stop(*(p for e in self.engines for p in (e.agent, e.vllm)))
         self.children.stop(*(process for _, process, _ in self.replicas), grace_s=10)
         for server in self._redis_servers.values():

@@ -37,7 +37,9 @@ from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, er
 from kvloop.clients.proxy.legs import decode_body, prefill_body, whole_request_reason
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
+from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import trace_id_hex
+from kvloop.common.version import VERSION, publish_build_info
 
 log = structlog.get_logger("kvloop.proxy")
 tracer = trace.get_tracer("kvloop.proxy")
@@ -88,6 +90,13 @@ class ProxyConfig:
     # prompt waits this long for the rest of its burst, then they are placed together (burst.py).
     # 0: every request is placed as it comes.
     burst_window_s: float = 0.005
+    # With a directory: "cost" ranks prefills by Route's expected TTFT (own prefix, the pull it would
+    # add, queue); "prefix" sends each request to the prefill holding the longest prefix of its prompt
+    # in its own cache, as routers that know only the prefills' caches do (no continuation routes,
+    # no burst window).
+    route_by: str = "cost"
+    # False: prefills use their own prefix cache only, never pulling from a peer (kvloop_pull: false).
+    pull: bool = True
     # Keys a client may present (`Authorization: Bearer KEY`) on /v1/* paths, as `vllm serve --api-key`
     # checks them; empty: no check.
     api_keys: list[str] = field(default_factory=list)
@@ -215,6 +224,7 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
     with tracer.start_as_current_span("kvloop.proxy.route") as rspan:
         choice = await state.router.choose(state.session, body, chat)
         rspan.set_attributes(_route_attributes(choice))
+    route_s = time.perf_counter() - started
     prefill = choice.backend
     span.set_attributes(_route_attributes(choice))
     try:
@@ -222,7 +232,9 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
             pspan.set_attribute("kvloop.backend", prefill.url)
             headers: dict[str, str] = {}
             propagate.inject(headers)
-            answer = await _post_json(state, prefill, path, prefill_body(body, chat, choice.settled), headers)
+            answer = await _post_json(
+                state, prefill, path, prefill_body(body, chat, choice.settled, state.config.pull), headers
+            )
     finally:
         choice.release()
     prefill_s = time.perf_counter() - started
@@ -254,7 +266,10 @@ async def _place(state: _State, span: trace.Span, path: str, body: dict, chat: b
         "x-kvloop-prefill": prefill.url,
         "x-kvloop-decode": decode.url,
         "x-kvloop-prefill-ms": f"{prefill_s * 1e3:.3f}",
+        "x-kvloop-route-ms": f"{route_s * 1e3:.3f}",
     }
+    if choice.burst_wait_ms:
+        response_headers["x-kvloop-burst-wait-ms"] = f"{choice.burst_wait_ms:.3f}"
     if trace_id := trace_id_hex(span):  # so a client can find its turn's trace
         response_headers["x-kvloop-trace-id"] = trace_id
     response_headers.update({f"x-{k.replace('_', '-')}": str(v) for k, v in info.items()})
@@ -756,9 +771,16 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+ROUTE_BY = ("cost", "prefix")
+
+
 def build_app(config: ProxyConfig) -> web.Application:
     if not config.prefill or not config.decode:
         raise ValueError("the proxy needs at least one prefill and one decode server")
+    if config.route_by not in ROUTE_BY:
+        raise ValueError(f"route_by {config.route_by!r} is not one of {', '.join(ROUTE_BY)}")
+    by_cost = config.route_by == "cost"
+    keeps_turns = by_cost and config.continuation_ttl_s > 0
     prefill = BackendPool("prefill", config.prefill, config.health_interval_s, config.prefill_api_key)
     state = _State(
         config,
@@ -769,8 +791,9 @@ def build_app(config: ProxyConfig) -> web.Application:
             None,
             config.route_timeout_s,
             PromptTokenizers(config.tokenizer),
-            ContinuationRoutes(config.continuation_ttl_s) if config.continuation_ttl_s > 0 else None,
-            config.burst_window_s,
+            ContinuationRoutes(config.continuation_ttl_s) if keeps_turns else None,
+            config.burst_window_s if by_cost else 0.0,
+            by_prefix=not by_cost,
         ),
     )
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_authenticate])
@@ -819,19 +842,28 @@ def build_app(config: ProxyConfig) -> web.Application:
 async def serve(
     config: ProxyConfig, host: str, port: int, stop: asyncio.Event, tls: ssl.SSLContext | None = None
 ) -> None:
+    publish_build_info("kvloop-proxy")
     runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
     log.info(
         "kvloop proxy listening",
+        version=VERSION,
         listen=f"{host}:{port}",
         tls=tls is not None,
         prefill=config.prefill,
         decode=config.decode,
         directory=config.directory,
     )
+    # systemd (Type=notify): ready once the port accepts; the watchdog is pinged from this loop.
+    notifier = Notifier()
+    notifier.ready(f"serving on {host}:{port}")
+    pinging = notifier.start_watchdog()
     try:
         await stop.wait()
     finally:
+        notifier.stopping()
+        pinging.cancel()
         await runner.cleanup()
+        notifier.close()

@@ -16,14 +16,12 @@ placed at once: it is where a joint placement would put it too, unless another r
 lose there, and that one can still pull. A lone request leaving its cache pays the window and goes
 where it would have gone.
 
-The proxy places with asyncio (``BurstWindow``), the bench's arm with threads (``ThreadedBurstWindow``);
-both order the waiting requests with ``place_together``.
+``BurstWindow`` collects the waiting requests; ``place_together`` orders and places them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -97,46 +95,3 @@ class BurstWindow(Generic[T]):
             for _, done in live:
                 if not done.done():
                     done.set_result(None)
-
-
-class ThreadedBurstWindow(Generic[T]):
-    """``BurstWindow`` for callers on threads: `place_all` runs holding `lock`, the lock the callers
-    hold while they rank and reserve (``wait`` is called without it)."""
-
-    def __init__(self, window_s: float, place_all: Callable[[list[T]], None], lock: threading.RLock) -> None:
-        self.window_s = window_s
-        self._place_all = place_all
-        self._lock = lock
-        self._mutex = threading.Lock()  # the waiting list's own: joining needs no ranking lock
-        self._waiting: list[T] = []
-        self._closed: threading.Event | None = None
-
-    @property
-    def waiting(self) -> int:
-        """Requests waiting for the window to close."""
-        with self._mutex:
-            return len(self._waiting)
-
-    def wait(self, item: T) -> None:
-        with self._mutex:
-            if self._closed is None:
-                self._closed = threading.Event()
-                timer = threading.Timer(self.window_s, self._close)
-                timer.daemon = True
-                timer.start()
-            self._waiting.append(item)
-            closed = self._closed
-        closed.wait()
-
-    def _close(self) -> None:
-        with self._lock:
-            with self._mutex:
-                waiting, closed = self._waiting, self._closed
-                self._waiting, self._closed = [], None
-            try:
-                self._place_all(waiting)
-            except Exception:  # the requests fall back to the load rule; the window must not stay shut
-                log.exception("placing a burst failed")
-            finally:
-                if closed is not None:
-                    closed.set()

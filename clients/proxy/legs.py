@@ -27,7 +27,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from kvloop.common.route_estimate import ROUTE_SETTLED_KEY
+from kvloop.common.route_estimate import PULL_KEY, ROUTE_SETTLED_KEY
 
 
 class Leg(Enum):
@@ -154,8 +154,9 @@ def whole_request_reason(body: Any, chat: bool) -> str | None:
     return None
 
 
-def prefill_body(body: dict, chat: bool, settled: str | None = None) -> dict:
-    """The prefill leg: the fields that shape the prompt, as sent, and one token to sample."""
+def prefill_body(body: dict, chat: bool, settled: str | None = None, pull: bool = True) -> dict:
+    """The prefill leg: the fields that shape the prompt, as sent, and one token to sample; with
+    `pull` false its connector uses the prefill's own prefix cache only."""
     fields = FIELDS[_endpoint(chat)]
     out = {k: v for k, v in body.items() if fields.get(k, Leg.PROMPT) is Leg.PROMPT}
     out["max_tokens"] = 1
@@ -163,7 +164,9 @@ def prefill_body(body: dict, chat: bool, settled: str | None = None) -> dict:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     out["kv_transfer_params"] = {"do_remote_decode": True}
-    if settled is not None:  # Route found nothing to pull beyond this prefill's own prefix
+    if not pull:
+        out["kv_transfer_params"][PULL_KEY] = False
+    elif settled is not None:  # Route found nothing to pull beyond this prefill's own prefix
         out["kv_transfer_params"][ROUTE_SETTLED_KEY] = settled
     return out
 

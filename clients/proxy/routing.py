@@ -17,6 +17,12 @@ kept (``history_prefix``, ``history_prefix_tie``).
 
 A request that would leave the prefill holding the longest prefix of its prompt waits a few
 milliseconds for the rest of its burst, and those that waited are placed together (burst.py).
+
+Ranked by prefix instead (``by_prefix``, `kvloop proxy --route-by prefix`), a request goes to the
+prefill whose own cache holds the longest prefix of its prompt, as routers that know only the
+prefills' caches choose (llm-d's, Dynamo's), the load rule deciding among equals (outcomes
+``prefix``, ``prefix_tie``, and ``prefix_miss`` when no prefill holds any of it): the same Route
+call answers it, its pull estimates unused.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ log = structlog.get_logger("kvloop.proxy")
 ROUTES = Counter(
     "kvloop_proxy_route_total",
     "How the proxy chose each request's prefill: route (Route's best), tie (the load rule among Route's "
-    "tied best), continuation / continuation_tie (the same from Route's answer for the conversation "
+    "tied best), prefix / prefix_tie / prefix_miss (the longest own prefix, --route-by prefix), "
+    "continuation / continuation_tie (the same from Route's answer for the conversation "
     "the request continues, asked when its last turn ended), history_prefix / history_prefix_tie (that "
     "answer shortened to the messages a request that edited the history shares with it), or "
     "load_<why> (the load rule: "
@@ -120,13 +127,17 @@ def among_tied(tied: list[RankedCandidate], in_flight: Callable[[str], int]) -> 
 @dataclass
 class Choice:
     backend: Backend
-    outcome: str  # "route", "tie", "continuation", "history_prefix" (or either's "_tie") or "load_<why>"
+    # "route", "tie", "continuation", "history_prefix" (or either's "_tie"), "prefix", "prefix_tie",
+    # "prefix_miss" or "load_<why>"
+    outcome: str
     score: pb.RouteScore | None = None  # Route's estimate for the chosen backend
     prompt_tokens: int = 0
     expected_ttft_ms: float = 0.0  # with the queue as it was when chosen
     # Tokens beyond the history Route scored (a continuation: the new messages, estimated)
     new_tokens: int = 0
     burst_wait_ms: float = 0.0  # waited for the rest of its burst before it was placed (burst.py)
+    # A prefix choice counts on no pull: it computes all its own cache lacks, not Route's estimate.
+    compute_tokens: int | None = None
     reserved: bool = False
 
     @property
@@ -142,6 +153,8 @@ class Choice:
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens this request adds to its prefill's queue (what it will compute there)."""
+        if self.compute_tokens is not None:
+            return self.compute_tokens
         if self.score is None:
             return self.prompt_tokens
         return self.score.compute_tokens + self.new_tokens
@@ -181,8 +194,10 @@ class Router:
         tokenizers: PromptTokenizers | None = None,
         continuations: ContinuationRoutes | None = None,
         burst_window_s: float = 0.0,
+        by_prefix: bool = False,
     ) -> None:
         self.pool = pool
+        self.by_prefix = by_prefix
         self.directory = directory
         self.timeout_s = timeout_s
         self.tokenizers = tokenizers or PromptTokenizers()
@@ -194,8 +209,9 @@ class Router:
     @property
     def keeps_turns(self) -> bool:
         """Whether a chat turn's answer is kept for the conversation's next turn (turn_ended): that
-        needs the continuation table and a directory to ask Route."""
-        return self.continuations is not None and self.directory is not None
+        needs the continuation table and a directory to ask Route, and ranking by Route's estimates
+        (a prefix choice asks Route on every request's path)."""
+        return self.continuations is not None and self.directory is not None and not self.by_prefix
 
     def _load(self, why: str, among: list[Backend] | None = None, prompt_tokens: int = 0) -> Choice:
         backend = self.pool.pick(among=among)
@@ -218,7 +234,8 @@ class Router:
         healthy = [b for b in self.pool.backends if b.healthy]
         if len(healthy) < 2:
             return self._load("single_candidate")
-        if chat and self.continuations is not None:
+        if chat and self.keeps_turns:
+            assert self.continuations is not None  # keeps_turns, narrowed
             continued = self.continuations.take(
                 str(body.get("model", "")), str(body.get("cache_salt") or ""), body["messages"]
             )
@@ -261,7 +278,10 @@ class Router:
             return self._load("error")
         finally:
             ROUTE_SECONDS.observe(loop.time() - started)
-        choice = await self._placed(answer, healthy, "route", len(tokens))
+        if self.by_prefix:
+            choice = self._longest_prefix(answer, healthy, len(tokens))
+        else:
+            choice = await self._placed(answer, healthy, "route", len(tokens))
         return choice if choice is not None else self._load("unknown_candidate", prompt_tokens=len(tokens))
 
     async def _placed(
@@ -290,6 +310,24 @@ class Router:
                 waiting.choice.release()
             raise
         return waiting.choice
+
+    def _longest_prefix(
+        self, answer: pb.RouteResponse, healthy: list[Backend], prompt_tokens: int
+    ) -> Choice | None:
+        """The prefill holding the longest prefix of the prompt in its own cache, the load rule among
+        equals; None when the answer ranks other prefills than the healthy ones."""
+        by_url = {b.url: b for b in healthy}
+        scores = {s.http_endpoint.rstrip("/"): s for s in answer.ranked}
+        if len(answer.ranked) != len(healthy) or scores.keys() != by_url.keys():
+            return None
+        longest = max(s.local_blocks for s in scores.values())
+        among = [by_url[url] for url, s in scores.items() if s.local_blocks == longest]
+        outcome = "prefix_miss" if not longest else "prefix" if len(among) == 1 else "prefix_tie"
+        choice = Choice(self.pool.pick(among=among), outcome, prompt_tokens=prompt_tokens)
+        choice.score = scores[choice.backend.url]
+        choice.expected_ttft_ms = choice.score.expected_ttft_ms
+        choice.compute_tokens = max(prompt_tokens - choice.score.local_blocks * answer.block_size, 0)
+        return choice
 
     def _place_waiting(self, waiting: list[_Waiting]) -> None:
         """The burst window closed: place the requests that waited (burst.py), each reserved before
@@ -362,7 +400,7 @@ class Router:
         KV events meanwhile), ask Route about the conversation as it now stands and keep the answer
         for its next turn."""
         continuations, directory = self.continuations, self.directory  # keeps_turns, narrowed
-        if continuations is None or directory is None or not token_ids:
+        if not self.keeps_turns or continuations is None or directory is None or not token_ids:
             return
         healthy = [b for b in self.pool.backends if b.healthy]
         if len(healthy) < 2:

@@ -28,8 +28,9 @@ from tests.support import wait_until
 
 
 @contextmanager
-def routing_proxy(stack, daemon: str, log_dir: Path) -> Iterator[str]:
-    """`kvloop proxy --route` with the prefill and decode-1 as prefill candidates, decode-0 decoding."""
+def routing_proxy(stack, daemon: str, log_dir: Path, *options: str) -> Iterator[str]:
+    """`kvloop proxy --route` (or with `options`) with the prefill and decode-1 as prefill candidates,
+    decode-0 decoding."""
     port = free_port()
     log = log_dir / f"proxy-{port}.log"
     prefill, warm = stack.prefill.config.url, stack.decodes[1].config.url
@@ -38,7 +39,7 @@ def routing_proxy(stack, daemon: str, log_dir: Path) -> Iterator[str]:
         "--daemon",
         daemon,
         "proxy",
-        "--route",
+        *(options or ("--route",)),
         "--route-timeout",
         "2",  # a loaded test host: the fallback is tested with a dead directory, not a slow one
         "--listen",
@@ -88,11 +89,13 @@ def chat(url: str, messages: list[dict]):
         return dict(r.headers)
 
 
-def warmed_on(stack, server: str, seed: int) -> list[dict]:
+def warmed_on(stack, server: str, seed: int, cache_salt: str = "") -> list[dict]:
     """A prompt `server` computed once (a plain request: its prefix cache holds it), once kvloopd's
     Route ranks `server` first for it (its BlockStored events indexed)."""
     messages = [{"role": "user", "content": random_text(600, seed)}]
-    with post(f"{server}/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1}) as r:
+    salted = {"cache_salt": cache_salt} if cache_salt else {}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1, **salted}
+    with post(f"{server}/v1/chat/completions", body) as r:
         r.read()
     with post(f"{server}/tokenize", {"model": MODEL, "messages": messages}) as r:
         tokens = json.loads(r.read())["tokens"]
@@ -103,7 +106,7 @@ def warmed_on(stack, server: str, seed: int) -> list[dict]:
     with DirectoryClient(stack.daemon_address) as directory:
 
         def ranked_first() -> bool:
-            answer = directory.route(MODEL, candidates, token_ids=tokens)
+            answer = directory.route(MODEL, candidates, token_ids=tokens, cache_salt=cache_salt)
             return answer.ranked[0].http_endpoint == server and answer.ranked[0].local_blocks > 0
 
         wait_until(ranked_first, what="the warm server's BlockStored events indexed")
@@ -128,6 +131,47 @@ def test_the_route_answer_decides_the_prefill(served_stack, tmp_path):
     assert 'kvloop_proxy_route_total{outcome="route"} 2.0' in metrics
     # the proxy tokenized both prompts itself (the model's directory is on this host)
     assert 'kvloop_proxy_tokenized_total{where="local"} 2.0' in metrics
+
+
+def test_the_routing_benchs_prefix_arm_is_a_proxy_that_takes_the_own_prefix_and_never_pulls(
+    served_stack, tmp_path
+):
+    """The routing bench's prefix_route arm: its turns go through a `kvloop proxy --route-by prefix
+    --no-pull`. A turn goes to the candidate whose own cache holds its prompt; the next turn too,
+    although decode-0 now retains the whole history and its answer: that prefill computes all its own
+    cache lacks and pulls nothing. The bench's client reads the proxy's account of each turn."""
+    from kvloop.clients.bench.multiturn_arms import ProxiedArmClient
+    from kvloop.clients.bench.multiturn_setup import ROUTING_PROXY_OPTIONS, Session
+
+    warm = served_stack.decodes[1].config.url
+    arm = "prefix_route"
+    messages = warmed_on(served_stack, warm, 43, cache_salt=f"kvloop-bench-{arm}")
+    session = Session(seed=43, messages=messages)
+    with routing_proxy(
+        served_stack, served_stack.daemon_address, tmp_path, *ROUTING_PROXY_OPTIONS[arm]
+    ) as proxy:
+        client = ProxiedArmClient(arm, proxy)
+        with DirectoryClient(served_stack.daemon_address) as directory:
+            retained_before = directory.stats().retained_runs
+        first = client.turn(session, 16)
+        session.messages += [
+            {"role": "assistant", "content": first.answer},
+            {"role": "user", "content": "Tool output: " + random_text(200, 44)},
+        ]
+        # decode-0 holds the first turn's run: a pull could serve the second turn's history
+        assert served_stack.wait_retained(retained_before + 1, timeout_s=20)
+        second = client.turn(session, 16)
+    for turn in (first, second):
+        assert (turn.route, turn.prefill_worker, turn.path) == ("prefix", warm, "local"), turn
+        assert turn.pull_ms is None and 0 < turn.cached_tokens < turn.prompt_tokens == len(turn.prompt_ids)
+        assert turn.route_ms is not None and turn.prefill_leg_ms is not None
+        assert turn.prefill_leg_ms < turn.ttft_ms  # the first token comes from the decode, after the leg
+        assert (
+            turn.decode_stream is not None and turn.decode_stream.where == served_stack.decodes[0].config.url
+        )
+        assert turn.computed_ids[: turn.prompt_tokens] == turn.prompt_ids and turn.answer
+    # the second prompt starts with the first one and its answer, which warm computed only in part
+    assert second.cached_tokens <= len(first.prompt_ids) < second.prompt_tokens
 
 
 def test_a_dead_directory_falls_back_to_load(served_stack, tmp_path):
