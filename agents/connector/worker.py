@@ -300,12 +300,15 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         declined = None if meta.remote is None else self._holder_epoch_veto(req_id, meta.remote.engine_id)
+        event = "kvloop.read_declined_holder_restarted"
         if declined is None and meta.remote is not None:
             declined = self._generation_veto(meta.remote.engine_id, compat.remote_generation(meta.remote))
+            event = "kvloop.read_declined_reregistered"
         if declined is not None:
-            # Never READ a dead process's run from its successor: wrong KV, and no error anywhere.
+            # Never READ a dead process's run from its successor, nor a run from memory the holder
+            # registered again since: wrong KV, and no error anywhere.
             tm.log.warning(
-                "kvloop.read_declined_holder_restarted",
+                event,
                 request_id=req_id,
                 engine_id=meta.remote.engine_id,
                 run_epoch=self._pull_holder_epochs.get(req_id),
