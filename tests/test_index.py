@@ -497,3 +497,36 @@ async def test_store_calls_are_timed_but_an_untraced_in_process_lookup(traced):
     assert match.best is not None and match.best.matched_blocks == 8
     # The Lookup's own latency histogram times an in-process lookup; a traced one is timed with its span.
     assert (sum(lookups.counts) - before[0], sum(registers.counts) - before[1]) == (int(traced), 1)
+
+
+async def test_a_newer_registration_generation_withdraws_the_workers_older_runs(make_store):
+    """vLLM >= 0.33 counts a decode's KV-cache re-registrations (sleep and wake): runs announced under
+    an older generation name deregistered memory. The directory keeps each run's generation with the
+    holder, withdraws the older runs when a newer one arrives and never indexes a late older one."""
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
+    await store.register(spec("b"), 0, 0.0)
+    before, after, other = conversation("g0", 6), conversation("g1", 4), conversation("o", 5)
+    await store.apply("a", 1, 1, [replace(retain(before, "h0"), registration_generation=2)], 0.0)
+    await store.apply("b", 1, 1, [replace(retain(other, "hb"), registration_generation=1)], 0.0)
+    held = (await store.lookup(NS, before, 0, "p", 0.0, claim=False)).best
+    assert held is not None and held.handle == "h0" and held.registration_generation == 2
+
+    woke = await store.apply("a", 1, 2, [replace(retain(after, "h1"), registration_generation=3)], 0.0)
+    assert woke.fence == Fence.APPLIED and woke.touched == 6 + 4  # the withdrawn run and the new one
+    assert (await store.lookup(NS, before, 0, "p", 0.0, claim=False)).best is None
+    fresh = (await store.lookup(NS, after, 0, "p", 0.0, claim=False)).best
+    assert fresh is not None and fresh.handle == "h1" and fresh.registration_generation == 3
+    # another worker's runs are its own business
+    kept = (await store.lookup(NS, other, 0, "p", 0.0, claim=False)).best
+    assert kept is not None and kept.worker.worker_id == "b"
+
+    late = await store.apply("a", 1, 3, [replace(retain(before, "h0"), registration_generation=2)], 0.0)
+    assert late.fence == Fence.APPLIED and late.touched == 0
+    assert (await store.lookup(NS, before, 0, "p", 0.0, claim=False)).best is None
+
+    # a new engine process (new registration epoch) starts counting again
+    await store.register(spec("a", epoch=2), 0, 60.0)  # after the old agent's lease lapsed
+    await store.apply("a", 2, 1, [retain(before, "n0")], 60.0)
+    again = (await store.lookup(NS, before, 0, "p", 60.0, claim=False)).best
+    assert again is not None and again.handle == "n0" and again.registration_generation == 0

@@ -65,3 +65,14 @@ def test_a_reads_source_tier_is_forwarded():
     before = skipped("unknown_tier")
     assert mirror.convert_kvloop(KvloopTransferReport(**report, source_tier="tape")) is None
     assert skipped("unknown_tier") == before + 1
+
+
+def test_a_runs_registration_generation_reaches_the_directory_event():
+    mirror = WorkerMirror(32)
+    woke = mirror.convert_kvloop(run("g", registration_generation=3))
+    assert woke.retained.registration_generation == 3
+    # generation 0 (vLLM before 0.33, or never re-registered) is left off the wire
+    assert b"registration_generation" not in msgspec.msgpack.encode(run("z"))
+    assert mirror.convert_kvloop(run("z")).retained.registration_generation == 0
+    resync = {e.retained.retention_handle: e.retained.registration_generation for e in mirror.snapshot()}
+    assert resync["g"] == 3

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
+from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.metadata import KvloopHandshakePayload
@@ -89,6 +90,14 @@ class KvloopConnector(NixlPullConnector):
             )
         else:
             raise ValueError(f"unsupported role {role}")
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33 asks before it serves with --enable-sleep-mode: kvloop refuses (vLLM then
+        stops with "KvloopConnector does not support sleep mode"). Sleeping discards the KV cache that
+        a decode's retained runs point at; see compat.py."""
+        tm.log.error("kvloop.sleep_mode_refused", detail=compat.SLEEP_MODE_REFUSAL)
+        return False
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         own = super().get_handshake_metadata()

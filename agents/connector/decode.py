@@ -64,6 +64,8 @@ class _Retained:
     lora_name: str = ""
     given_up: bool = False  # its release went out before its lease ended (see yielding.py)
     settled: bool = False  # given up, and the directory's drop confirmed (or not, in time)
+    generation: int = 0  # the engine's KV-cache registration generation when it was retained
+    withdrawn: bool = False  # released because the engine registered its KV cache again
 
 
 class DecodeSide:
@@ -76,10 +78,15 @@ class DecodeSide:
         confirmer: ReleaseConfirmer | None = None,
         host: HostTier | None = None,
         group_windows: Sequence[int] = (),
+        generation: Callable[[], int] = lambda: 0,
     ) -> None:
         self.cfg = cfg
         # Each KV-cache group's sliding window in tokens (0: full attention), in vLLM's group order.
         self.group_windows = tuple(group_windows)
+        # The KV-cache registration generation vLLM's NIXL scheduler publishes (compat.py; 0 before
+        # vLLM 0.33), and the highest one seen: runs retained under an older one are withdrawn.
+        self._generation = generation
+        self.generation = 0
         # The host retention tier (host_tier.py): copies of retained runs that outlive their blocks here.
         self._host = host
         self.block_size = block_size
@@ -256,13 +263,20 @@ class DecodeSide:
         ``block_ids`` the request's groups as vLLM handed them over, before it clipped them (see
         :func:`aligned`): all of them stay pinned until vLLM frees the run."""
         bs = self.block_size
+        self.check_generation()
         groups = aligned(out["remote_block_ids"], max((len(g) for g in block_ids), default=0))
         n = min([len(request.block_hashes), request.num_computed_tokens // bs] + [len(g) for g in groups])
         rid = request.request_id
         deadline = out.get("remote_blocks_expiry_time") or time.perf_counter() + default_ttl_s
         multi = self.cfg.sharing == "multi"
         pinned = pinned_ids(block_ids)
-        run = _Retained(deadline=deadline, since=time.perf_counter(), multi=multi, pinned=pinned)
+        run = _Retained(
+            deadline=deadline,
+            since=time.perf_counter(),
+            multi=multi,
+            pinned=pinned,
+            generation=self.generation,
+        )
         self._retained[rid] = run
         for b in pinned:
             self._pins[b] = self._pins.get(b, 0) + 1
@@ -288,6 +302,7 @@ class DecodeSide:
             ts=time.time(),
             tail_token_ids=tail,
             tail_block_ids=[g[n] for g in groups] if tail else [],
+            registration_generation=self.generation,
         )
         if rid in self._moving:  # bound for the host pool: announced from there only
             run.given_up = run.settled = True
@@ -302,6 +317,32 @@ class DecodeSide:
         tm.RETAINED.inc()
         tm.RETAINED_BLOCKS.inc(n)
         tm.log.debug("kvloop.retained", handle=rid, blocks=n, lease_ms=lease_ms, multi=multi)
+
+    def check_generation(self) -> int:
+        """Withdraw every announced run retained under an older KV-cache registration generation than
+        the engine's current one (vLLM re-registers after a sleep and wake: the runs' block ids name
+        memory that was deregistered). The directory also drops them on the first run announced
+        under the new generation; this release reaches it without waiting for one. Returns how many."""
+        current = self._generation()
+        if current <= self.generation:
+            return 0
+        self.generation = current
+        withdrawn = 0
+        for rid, run in self._retained.items():
+            if run.generation >= current or run.given_up or run.first_hash is None:
+                continue
+            run.given_up = run.settled = run.withdrawn = True
+            run.first_hash = None  # never handed out from here again
+            self._unpin(self._kept, run.pinned)
+            self._emit(KvloopRetentionReleased(retention_handle=rid, reason="reregistered", ts=time.time()))
+            withdrawn += 1
+        tm.log.warning(
+            "kvloop.reregistered",
+            generation=current,
+            withdrawn=withdrawn,
+            detail="the engine registered its KV cache again: runs retained before are withdrawn",
+        )
+        return withdrawn
 
     def parked_until(self, request_id: str) -> float | None:
         """The lease end of a retained run the engine need not step for until then (see idle.py):
@@ -328,6 +369,8 @@ class DecodeSide:
                 continue
             self._unpin(self._pins, run.pinned)
             self._free_early.pop(rid, None)
+            if run.withdrawn:  # released when the engine registered its KV cache again
+                continue
             if run.given_up:  # its release went out when it was given up (if it was ever announced)
                 tm.RELEASED.labels(
                     "moved" if run.first_hash is None and self._host is not None else "yielded"

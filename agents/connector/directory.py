@@ -43,6 +43,9 @@ class HolderInfo:
     # Where the run lives on the holder: "device" (its KV cache) or "host" (its host-memory pool, whose
     # engine id, side channel and slot ids engine_id, host, port and block_ids then are).
     tier: str = "device"
+    # The holder engine's KV-cache registration generation the run was retained under (vLLM >= 0.33;
+    # forwarded to vLLM as remote_registration_generation).
+    registration_generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ def holder_from_proto(h: pb.Holder, directory_epoch: int = 0) -> HolderInfo:
         directory_epoch=directory_epoch,
         holder_epoch=int(h.epoch),
         tier=tier_name(h.tier),
+        registration_generation=int(h.registration_generation),
     )
 
 

@@ -61,6 +61,9 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
     # host-memory pool, registered with NIXL as an engine of its own; block_ids are then its slot
     # ids). Omitted from the wire when "device", so older events read the same.
     tier: str = "device"
+    # The engine's KV-cache registration generation when it retained the run (vLLM >= 0.33 counts
+    # re-registrations, e.g. after a sleep and wake; 0 before). Omitted from the wire when 0.
+    registration_generation: int = 0
     # Who holds the run (engine id, NIXL endpoint, block size, layout) is not repeated here: the
     # sidecar's registration states it once for every event of its worker.
 
@@ -70,7 +73,7 @@ class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
     before its lease ended (yielded: freed once the directory's drop is confirmed, yielding.py)."""
 
     retention_handle: str
-    reason: str = "expired"  # "expired" | "read" | "aborted" | "yielded"
+    reason: str = "expired"  # "expired" | "read" | "aborted" | "yielded" | "reregistered"
     ts: float = 0.0
 
 

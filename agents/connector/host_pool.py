@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 
 from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.compat import host_pool_refusal
 from kvloop.agents.connector.metadata import HostCopy
 
 if TYPE_CHECKING:
@@ -147,6 +148,9 @@ class HostPool:
 
     @staticmethod
     def _check(worker: KvloopConnectorWorker) -> None:
+        refused = host_pool_refusal()
+        if refused is not None:
+            raise UnsupportedLayout(refused)
         problems = []
         if worker.world_size != 1:
             problems.append("tensor parallelism")

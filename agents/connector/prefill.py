@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.compute_time import ComputeTime
 from kvloop.agents.connector.config import KvloopConfig
@@ -47,6 +48,7 @@ HANDLE_KEYS = (
     "remote_port",
     "remote_num_tokens",
     "remote_blocks_expiry_time",
+    compat.GENERATION_PARAM,
 )
 # A request's kv_transfer_params may set this to false: no lookup, no reverse pull.
 NO_PULL_KEY = PULL_KEY
@@ -357,6 +359,7 @@ class PrefillSide:
             remote_blocks_expiry_time=None,  # the worker checks the relative lease (pull_deadlines)
             tp_size=h.tp_size or self.transfer_tp_size,
         )
+        compat.forward_generation(params, h.registration_generation)
         count, is_async = vllm_match(request, num_computed_tokens)
         if count:
             counted_from = answer.asked_at if answer.asked_at is not None else time.perf_counter()

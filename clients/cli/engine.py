@@ -14,6 +14,7 @@ from kvloop.clients.cli.output import JsonFlag, _fail, err_console, state
 
 
 def engine(
+    ctx: typer.Context,
     role: Annotated[str, typer.Option(help="prefill or decode")],
     model: Annotated[str, typer.Option(help="model directory or name for vllm serve")],
     worker_id: Annotated[str, typer.Option(help="this worker's stable name in the directory")],
@@ -23,7 +24,15 @@ def engine(
     nixl_port: Annotated[int, typer.Option(help="NIXL side-channel port")] = 5600,
     kv_events_port: Annotated[int, typer.Option(help="ZMQ KV-event port (replay on +1)")] = 5557,
     block_size: Annotated[int, typer.Option(help="KV block size (a multiple of 32 on CPU)")] = 32,
-    kv_cache_gib: Annotated[int, typer.Option(help="CPU KV cache size")] = 2,
+    kv_cache_gib: Annotated[int, typer.Option(help="CPU KV cache size (CPU build only)")] = 2,
+    tensor_parallel_size: Annotated[int, typer.Option(min=1, help="vLLM --tensor-parallel-size")] = 1,
+    platform: Annotated[
+        str,
+        typer.Option(
+            help="auto (cuda when the official vLLM wheel sees a GPU, else cpu: the CPU build's settings), "
+            "cpu or cuda"
+        ),
+    ] = "auto",
     retention_ttl: Annotated[
         float, typer.Option(help="seconds a decode retains finished turns' blocks")
     ] = 480.0,
@@ -57,14 +66,24 @@ def engine(
 ) -> None:
     """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
     stop with this command (SIGTERM, SIGINT, SIGHUP, or its death). kvloopd is --daemon /
-    KVLOOP_DAEMON. --json prints one JSON object when the engine is ready."""
+    KVLOOP_DAEMON. --json prints one JSON object when the engine is ready. Arguments after `--` go
+    to `vllm serve` as they are (e.g. `-- --gpu-memory-utilization 0.4`)."""
     import time
 
     from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
     from kvloop.common.processes import Terminated, supervisor
+    from kvloop.common.vllm_compat import detect_platform, installed_vllm, unsupported_message
 
     if role not in ("prefill", "decode"):
         _fail("--role must be prefill or decode", code=2)
+    if platform not in ("auto", "cpu", "cuda"):
+        _fail("--platform must be auto, cpu or cuda", code=2)
+    vllm = installed_vllm()
+    if vllm is None:
+        _fail("vLLM is not installed: see `kvloop doctor`")
+    elif not vllm.supported:
+        _fail(unsupported_message(vllm.version))
+    chosen = detect_platform(vllm) if platform == "auto" else platform
     name = served_model_name or model
     config = EngineConfig(
         role=role,
@@ -85,6 +104,9 @@ def engine(
         prefix_caching=prefix_caching,
         host_retention_gib=host_retention_gib,
         host_nixl_port=host_nixl_port or nixl_port + 1000,
+        tensor_parallel_size=tensor_parallel_size,
+        platform=chosen,
+        extra_vllm_args=list(ctx.args),
     )
     if Path(model).is_dir():
         from kvloop.clients.fleet.model import kv_bytes_per_block, kv_group_windows
@@ -96,7 +118,9 @@ def engine(
     with children.stop_on_signals():
         try:
             worker.launch()
-            err_console.print(f"starting vllm serve ({role}) and kvloop-agent; logs in {worker.log_dir}")
+            err_console.print(
+                f"starting vllm serve ({role}, {chosen}) and kvloop-agent; logs in {worker.log_dir}"
+            )
             while not worker.ready():
                 time.sleep(0.5)  # polling /health while vLLM loads
             err_console.print(

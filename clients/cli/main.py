@@ -19,6 +19,7 @@ from kvloop.clients.cli import (
     bench_multiturn,
     bench_replay,
     demo,
+    doctor,
     engine,
     ops,
     proxy,
@@ -89,9 +90,11 @@ bench_app.command("replay")(bench_replay.bench_replay)
 app.command()(proxy.proxy)
 bench_app.command("multiturn")(bench_multiturn.bench_multiturn)
 bench_app.command("multiturn-pool")(bench_multiturn.bench_multiturn_pool)
-app.command()(engine.engine)
+# `kvloop engine ... -- ARGS`: ARGS go to vllm serve as they are.
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(engine.engine)
 app.command()(demo.demo)
 app.command("trace")(ops.trace_cmd)
+app.command()(doctor.doctor)
 
 
 def main() -> None:

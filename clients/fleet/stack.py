@@ -64,6 +64,8 @@ class StackConfig:
     lora_modules: dict[str, Path] = field(default_factory=dict)
     # More `vllm serve` arguments for every engine (a tool-call parser, ...).
     extra_vllm_args: list[str] = field(default_factory=list)
+    # "cpu" or "cuda" (EngineConfig.platform); "": detected (KVLOOP_PLATFORM, the installed vLLM, a GPU).
+    platform: str = ""
 
 
 def engine_cores(role: str, cores: int | None = None) -> str:
@@ -120,6 +122,8 @@ class Stack:
     def engine_env(self, role: str) -> dict[str, str]:
         """What an engine's environment adds to this process's: tracing, transports, cores."""
         env = self._tracing_env()
+        if self.platform == "cuda":
+            return env  # the environment's UCX transports (they must include CUDA ones), no CPU binding
         if self.config.ucx_tls:
             env["UCX_TLS"] = self.config.ucx_tls
         if self.config.pin_engines:
@@ -128,6 +132,14 @@ class Stack:
 
     def _env(self, service: str) -> dict[str, str]:
         return {**os.environ, "OTEL_SERVICE_NAME": service, **self._tracing_env()}
+
+    @property
+    def platform(self) -> str:
+        if not self.config.platform:
+            from kvloop.common.vllm_compat import detect_platform
+
+            self.config.platform = detect_platform()
+        return self.config.platform
 
     def start(self, progress: Callable[[str, str], None] = lambda what, state: None) -> None:
         cfg = self.config
@@ -160,6 +172,11 @@ class Stack:
             cfg.model_dir, cfg.block_size, dtype_bytes=DTYPE_BYTES[cfg.dtype]
         )
         roles = ["prefill"] * cfg.prefill_servers + ["decode"] * cfg.decode_servers
+        shared_gpu: list[str] = []
+        if self.platform == "cuda" and "--gpu-memory-utilization" not in cfg.extra_vllm_args:
+            # every engine of the stack shares the host's GPU(s): split vLLM's default 0.9 between them
+            shared_gpu = ["--gpu-memory-utilization", f"{0.9 / len(roles):.2f}"]
+        progress("platform", self.platform)
         for i, role in enumerate(roles):
             name = f"prefill-{i}" if role == "prefill" else f"decode-{i - cfg.prefill_servers}"
             engine_env = self.engine_env(role)
@@ -188,8 +205,9 @@ class Stack:
                         agent_health_port=free_port(),
                         prefix_caching=cfg.prefill_prefix_caching if role == "prefill" else True,
                         mode=cfg.mode,
+                        platform=self.platform,
                         env=engine_env,
-                        extra_vllm_args=[*_lora_args(cfg.lora_modules), *cfg.extra_vllm_args],
+                        extra_vllm_args=[*_lora_args(cfg.lora_modules), *shared_gpu, *cfg.extra_vllm_args],
                     ),
                     logs,
                     self.children,

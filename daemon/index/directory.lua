@@ -315,7 +315,7 @@ local function evict(base, max_entries)
 end
 
 -- apply(keys: worker) base, w, epoch, sequence, now, lease_ms, max_entries, then events:
---   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks
+--   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks generation
 --   'S' p hl hashes | 'D' p hl hashes | 'L' handle | 'C'
 local function apply(keys, args)
   local base, w, epoch, sequence, now = args[1], args[2], args[3], tonumber(args[4]), tonumber(args[5])
@@ -332,10 +332,24 @@ local function apply(keys, args)
   local retained_blocks, stored_blocks, runs = 0, 0, 0
   while i <= n_args do
     local kind = args[i]
-    if kind == 'R' then
+    -- A run's registration generation (vLLM >= 0.33 counts KV-cache re-registrations, e.g. sleep and
+    -- wake): one older than the worker's latest in this epoch names freed memory and is not indexed;
+    -- a newer one withdraws the worker's older runs first.
+    local rg = kind == 'R' and (tonumber(args[i + 12]) or 0) or 0
+    local wrg = 0
+    if kind == 'R' then wrg = tonumber(redis.call('HGET', wkey, 'rg:' .. epoch)) or 0 end
+    if kind == 'R' and rg < wrg then
+      i = i + 13
+    elseif kind == 'R' then
       local p, hl, hs, handle = args[i + 1], tonumber(args[i + 2]), args[i + 3], args[i + 6]
       local n = #hs / hl
       local wr = base .. 'wr:' .. w
+      if rg > wrg then
+        redis.call('HSET', wkey, 'rg:' .. epoch, rg)
+        for _, old in ipairs(redis.call('HVALS', wr)) do
+          if (tonumber(redis.call('HGET', old, 'rg')) or 0) < rg then touched = touched + drop_run(base, old) end
+        end
+      end
       local previous = redis.call('HGET', wr, handle)
       if previous then touched = touched + drop_run(base, previous) end
       local rid = tostring(redis.call('INCR', base .. 'next'))
@@ -344,7 +358,8 @@ local function apply(keys, args)
       added = added + n
       local deadline = now + tonumber(args[i + 7]) / 1000
       redis.call('HSET', runkey, 'w', w, 'h', handle, 'hl', hl, 'n', n, 'k', '1', 'g', args[i + 5],
-        'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10], 'tb', args[i + 11], 'p', p)
+        'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10], 'tb', args[i + 11], 'p', p,
+        'rg', rg)
       redis.call('SET', runkey .. ':hs', hs)
       redis.call('SET', runkey .. ':ids', args[i + 4])
       redis.call('HSET', wr, handle, runkey)
@@ -353,7 +368,7 @@ local function apply(keys, args)
       retained_blocks = retained_blocks + n
       runs = runs + 1
       touched = touched + n
-      i = i + 12
+      i = i + 13
     elseif kind == 'S' or kind == 'D' then
       local p, hl, hs = args[i + 1], tonumber(args[i + 2]), args[i + 3]
       local ws, sto, n = p .. 'ws:' .. w, p .. 'sto', #hs / hl
@@ -437,9 +452,9 @@ local function lookup(keys, args)
     if r == nil then
       -- every field a lookup reads, in one call: most prompts have one candidate, and it is answered
       local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k', 'h', 'g', 'su', 'tt', 'tb',
-        'tier')
+        'tier', 'rg')
       r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), k = f[5], h = f[6], g = tonumber(f[7]),
-        su = f[8], tt = f[9], tb = f[10], tier = tier_of(f[11])}
+        su = f[8], tt = f[9], tb = f[10], tier = tier_of(f[11]), rg = tonumber(f[12]) or 0}
       runs[rid] = r
     end
     return r
@@ -521,7 +536,7 @@ local function lookup(keys, args)
         if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
         local whole = matched == r.n
         out[#out + 1] = {r.w, epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
-          whole and r.tt or '', whole and r.tb or '', r.tier}
+          whole and r.tt or '', whole and r.tb or '', r.tier, r.rg}
       end
     end
     if #out > 2 then return out end

@@ -58,6 +58,7 @@ class _Run:
         "blocks",
         "claimed_by",
         "deadline",
+        "generation",
         "handle",
         "keys",
         "namespace",
@@ -87,6 +88,7 @@ class _Run:
         self.single_use = event.single_use
         self.claimed_by: str | None = None  # the puller a single-use run was handed to
         self.tier = event.tier or BlockTier.DEVICE
+        self.generation = event.registration_generation
         # (token ids, block id per group) of the partly filled last block; None for most runs' cost
         self.tail = (
             (array("I", event.tail_token_ids), array("I", event.tail_block_ids))
@@ -119,6 +121,7 @@ class _Worker:
     __slots__ = (
         "connected",
         "events_ingested",
+        "generation",
         "last_seen",
         "last_sequence",
         "resyncs",
@@ -142,6 +145,7 @@ class _Worker:
         self.events_ingested = 0
         self.resyncs = 0
         self.retained_blocks = 0
+        self.generation = 0  # the highest registration generation its runs were announced under
 
 
 class _NamespaceIndex:
@@ -413,6 +417,16 @@ class MemoryStore:
         return index
 
     def _retain(self, worker: _Worker, event: Retained, now: float) -> int:
+        generation = event.registration_generation
+        if generation < worker.generation:
+            return 0  # retained before the engine registered its KV cache again: freed memory
+        touched = 0
+        if generation > worker.generation:
+            # The engine registered its KV cache again (vLLM's sleep and wake): every run announced
+            # before names memory that was deregistered. Withdraw them before anyone reads them.
+            worker.generation = generation
+            for old in [r for r in worker.runs.values() if r.generation < generation]:
+                touched += self._drop_run(old)
         previous = worker.runs.get(event.handle)
         if previous is not None:
             self._drop_run(previous)
@@ -430,7 +444,7 @@ class MemoryStore:
         worker.retained_blocks += len(event.hashes)
         heapq.heappush(self._expiry_heap, (run.deadline, rid))
         self._entries += added
-        return len(event.hashes)
+        return touched + len(event.hashes)
 
     def _drop_run(self, run: _Run) -> int:
         if self._runs.pop(run.run_id, None) is None:
@@ -698,6 +712,7 @@ class MemoryStore:
             run.num_groups,
             run.single_use,
             tier=run.tier,
+            registration_generation=run.generation,
         )
         if run.tail is not None and matched == run.blocks:
             holding.tail_token_ids, holding.tail_block_ids = run.tail

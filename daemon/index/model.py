@@ -112,6 +112,9 @@ class Retained:
     tier: int = 0
     tail_token_ids: Sequence[int] = ()
     tail_block_ids: Sequence[int] = ()  # one per group, when tail_token_ids is set
+    # The holder engine's KV-cache registration generation when it retained the run (vLLM >= 0.33;
+    # BlocksRetained.registration_generation): a newer one withdraws the worker's older runs.
+    registration_generation: int = 0
 
 
 @dataclass(slots=True)
@@ -151,6 +154,7 @@ class Holding(msgspec.Struct, gc=False):
     tail_block_ids: Sequence[int] = ()
     # Where the run lives (BlockTier): a HOST run is read from the worker's host pool.
     tier: int = BlockTier.DEVICE
+    registration_generation: int = 0  # the run's (Retained.registration_generation)
 
     @property
     def block_ids(self) -> array:

@@ -92,6 +92,7 @@ def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
     handle, expires_ms, ids, groups, single_use, tail_tokens, tail_blocks = entry[2:9]
     # the run's tier (absent from a library an older replica loaded: its runs are device runs)
     tier = entry[9] if len(entry) > 9 else BlockTier.DEVICE
+    generation = entry[10] if len(entry) > 10 else 0
     return Holding(
         worker=spec,
         matched_blocks=matched,
@@ -103,6 +104,7 @@ def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
         tail_token_ids=unpack_u32(tail_tokens),
         tail_block_ids=unpack_u32(tail_blocks),
         tier=int(tier),
+        registration_generation=int(generation),
     )
 
 
@@ -684,6 +686,7 @@ class RedisStore:
                     int(event.tier or BlockTier.DEVICE),  # redis-py sends an IntEnum by its repr
                     pack_u32(event.tail_token_ids),
                     pack_u32(event.tail_block_ids),
+                    event.registration_generation,
                 ]
             elif kind is Stored or kind is Removed:
                 assert isinstance(event, (Stored, Removed))

@@ -95,10 +95,12 @@ def test_grpc_directory_unreachable_returns_none_fast():
 def test_the_connector_refuses_a_vllm_it_was_not_written_for():
     from kvloop.agents.connector.worker import SUPPORTED_VLLM, check_vllm_version
 
-    check_vllm_version(SUPPORTED_VLLM)
-    check_vllm_version(SUPPORTED_VLLM + "+cpu")
-    with pytest.raises(ImportError, match="overrides private methods"):
-        check_vllm_version("0.33.0")
+    for release in SUPPORTED_VLLM:
+        check_vllm_version(release)
+        check_vllm_version(release + "+cpu")
+    for other in ("0.31.2", "0.34.0", "1.0.0"):
+        with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.0, 0\.33\.0; vLLM .* is installed"):
+            check_vllm_version(other)
 
 
 def test_read_margin_must_be_below_the_lookup_margin():

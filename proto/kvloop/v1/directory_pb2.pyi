@@ -186,7 +186,7 @@ class BlocksStored(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
 
 class BlocksRetained(_message.Message):
-    __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids")
+    __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids", "registration_generation")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class BlocksRetained(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_groups: int
@@ -207,7 +208,8 @@ class BlocksRetained(_message.Message):
     tier: BlockTier
     tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tail_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    registration_generation: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., registration_generation: _Optional[int] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
     __slots__ = ("block_hashes", "lora_name")
@@ -406,7 +408,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., packed_hash_bytes: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size", "tier")
+    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size", "tier", "registration_generation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +426,7 @@ class Holder(_message.Message):
     TAIL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine_id: str
     nixl_endpoint: str
@@ -441,7 +444,8 @@ class Holder(_message.Message):
     tail_block_ids: _containers.RepeatedScalarFieldContainer[int]
     tensor_parallel_size: int
     tier: BlockTier
-    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
+    registration_generation: int
+    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., registration_generation: _Optional[int] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_ms", "recompute_ms", "transfer_bytes", "transfer_basis", "recompute_basis")
