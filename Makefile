@@ -5,7 +5,7 @@
 #   make test    - set up everything (incl. vLLM CPU build + NIXL) and run the whole test suite
 #   make test-fast - set up kvloop alone (no vLLM) and run the tests that need no vLLM
 #   make bench   - set up and run `kvloop bench directory`
-#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint (CI runs it)
+#   make lint    - ruff, ruff format --check, mypy, generated-code check, buf lint + breaking (CI runs it)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -61,13 +61,19 @@ bench-multiturn: setup setup-engines
 protos: setup
 	$(BIN)/python scripts/gen_protos.py
 
-# ruff (lint + format), mypy over the hand-written packages, generated code up to date, buf lint.
+# The kvloop release whose protocol `buf breaking` checks against (a copy under proto-released/).
+PROTOCOL_RELEASE := 0.1.0
+
+# ruff (lint + format), mypy over the hand-written packages, generated code up to date, buf lint and
+# buf breaking.
 lint: setup setup-engines
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy daemon agents clients common
 	$(BIN)/python scripts/gen_protos.py --check
 	cd proto && ../$(BIN)/buf lint
+	# the protocol stays compatible with the last release's agents, connectors and clients
+	cd proto && ../$(BIN)/buf breaking --against ../proto-released/$(PROTOCOL_RELEASE)
 	$(BIN)/python scripts/check_wording.py
 
 clean:

@@ -8,7 +8,9 @@ from enum import StrEnum
 from pathlib import Path
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from kvloop.common.config_files import ReadableFile, read_secret
 
 
 class Role(StrEnum):
@@ -18,23 +20,66 @@ class Role(StrEnum):
     AGENT = "agent"  # publishes one worker's events over Connect
 
 
+MIN_TOKEN_LENGTH = 16
+
+
 class TokenGrant(BaseModel):
-    """What one bearer token may do."""
+    """What one bearer token may do. The token is given inline or read from a file of its own
+    (``token_file``, e.g. a systemd credential), never both."""
 
     model_config = ConfigDict(extra="forbid")
-    token: str = Field(min_length=16)
+    token: str = ""
+    token_file: ReadableFile | None = None
     role: Role
     # Agent tokens may be bound to one worker id: that agent may publish only for it.
     worker_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenGrant:
+        if self.token_file is not None:
+            if self.token:
+                raise ValueError("give token or token_file, not both")
+            self.token = read_secret(self.token_file)
+            where = f"the token in {self.token_file}"
+        elif not self.token:
+            raise ValueError("token or token_file is required")
+        else:
+            where = "token"
+        # the message names the length rule, never the token
+        if len(self.token) < MIN_TOKEN_LENGTH:
+            raise ValueError(f"{where} is shorter than {MIN_TOKEN_LENGTH} characters")
+        return self
 
 
 class TlsSettings(BaseModel):
     """Server TLS: certificate + key; a client CA turns on mutual TLS (client certs required)."""
 
     model_config = ConfigDict(extra="forbid")
-    cert_file: Path
-    key_file: Path
-    client_ca_file: Path | None = None
+    cert_file: ReadableFile
+    key_file: ReadableFile
+    client_ca_file: ReadableFile | None = None
+
+    @model_validator(mode="after")
+    def _usable(self) -> TlsSettings:
+        """The certificate and key are PEM and belong together, and the CA parses: checked now, so a
+        bad file is a configuration error rather than a failure once the port binds."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            # an encrypted key fails here instead of prompting for its passphrase
+            context.load_cert_chain(self.cert_file, self.key_file, password=lambda: b"")
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"cert_file {self.cert_file} and key_file {self.key_file} are not a PEM certificate and "
+                f"its private key ({exc.reason or exc})"
+            ) from None
+        if self.client_ca_file is not None:
+            try:
+                context.load_verify_locations(self.client_ca_file)
+            except ssl.SSLError as exc:
+                raise ValueError(
+                    f"client_ca_file {self.client_ca_file} is not a PEM CA certificate ({exc.reason or exc})"
+                ) from None
+        return self
 
     def http_server_context(self) -> ssl.SSLContext:
         """The same settings for an HTTPS endpoint (a client CA makes client certificates required).

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -14,7 +25,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvloop.common.addresses import HostPort, OptionalHostPort
+from kvloop.common.addresses import HostPort, OptionalHostPort, parse_host_port
+from kvloop.common.config_files import ReadableFile, error_lines, read_secret
 from kvloop.common.security import TlsSettings, TokenGrant
 from kvloop.daemon.index import IndexConfig
 from kvloop.daemon.policy import PolicyConfig
@@ -38,11 +50,21 @@ class StoreSettings(BaseModel):
     # ACL user and password; kept out of the URL so they stay out of process listings.
     username: str | None = None
     password: SecretStr | None = None
+    # ...or the password in a file of its own (a systemd credential: "${CREDENTIALS_DIRECTORY}/...").
+    password_file: ReadableFile | None = None
     # TLS (rediss://): the CA that signs the server's certificate, and a client certificate if the
     # server asks for one.
-    tls_ca_file: Path | None = None
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
+    tls_ca_file: ReadableFile | None = None
+    tls_cert_file: ReadableFile | None = None
+    tls_key_file: ReadableFile | None = None
+
+    @model_validator(mode="after")
+    def _password_file(self) -> StoreSettings:
+        if self.password_file is not None:
+            if self.password is not None:
+                raise ValueError("give password or password_file, not both")
+            self.password = SecretStr(read_secret(self.password_file))
+        return self
 
     @field_validator("url")
     @classmethod
@@ -116,6 +138,18 @@ class DaemonSettings(BaseSettings):
     # Bearer tokens; none configured = no authentication (loopback development).
     tokens: list[TokenGrant] = []
 
+    @field_validator("tokens")
+    @classmethod
+    def _distinct_tokens(cls, value: list[TokenGrant]) -> list[TokenGrant]:
+        """A token given twice would carry whichever grant came last: refuse it (naming the entries,
+        not the token)."""
+        seen: dict[str, int] = {}
+        for i, grant in enumerate(value):
+            if grant.token in seen:
+                raise ValueError(f"tokens[{i}] repeats the token of tokens[{seen[grant.token]}]")
+            seen[grant.token] = i
+        return value
+
     @field_validator("heartbeat_interval_s")
     @classmethod
     def _heartbeat(cls, value: float, info: Any) -> float:
@@ -135,6 +169,21 @@ class DaemonSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=_config_path()))
 
+    def exposure_warnings(self) -> list[str]:
+        """What is open to the network: kvloopd beyond loopback without TLS or tokens."""
+        if _loopback(self.listen):
+            return []
+        if self.tls is None and not self.tokens:
+            return [
+                f"listen {self.listen} is beyond loopback with neither [tls] nor [[tokens]]: anyone who "
+                "reaches it can read the directory, claim runs and drain workers"
+            ]
+        if self.tls is None:
+            return [f"listen {self.listen} is beyond loopback without [tls]: bearer tokens travel in clear"]
+        if not self.tokens:
+            return [f"listen {self.listen} is beyond loopback without [[tokens]]: every caller is admin"]
+        return []
+
     def index_config(self) -> IndexConfig:
         return IndexConfig(
             lease_s=self.lease_s,
@@ -143,6 +192,25 @@ class DaemonSettings(BaseSettings):
             read_window_s=self.read_window_s,
             max_entries=self.max_entries,
         )
+
+
+def _loopback(listen: str) -> bool:
+    host, _ = parse_host_port(listen, "listen")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume it resolves beyond loopback
+        return False
+
+
+class ConfigError(Exception):
+    """Invalid configuration: one line per problem, each naming where the value came from, the key
+    and what is wrong (never the value: it may be a secret)."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
 
 
 _explicit_config: Path | None = None
@@ -154,16 +222,45 @@ def _config_path() -> Path | None:
     )
     if path is not None:
         if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
+            raise FileNotFoundError(f"{path}: config file does not exist")
         return path
     return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.is_file() else None
 
 
 def load_settings(config_file: Path | None = None, **flags: Any) -> DaemonSettings:
-    """Build settings; flags that are None are left to the file, environment and defaults."""
+    """Build settings; flags that are None are left to the file, environment and defaults.
+
+    Raises ConfigError (one line per problem) for anything wrong, the TOML's syntax included."""
     global _explicit_config
     _explicit_config = config_file
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        return DaemonSettings(**{k: v for k, v in flags.items() if v is not None})
+        path = _config_path()
+        file_keys: set[str] = set()
+        if path is not None:
+            try:
+                file_keys = set(tomllib.loads(path.read_text()))
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError([f"{path}: TOML syntax error: {exc}"]) from None
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError([f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}"]) from None
+
+        def origin(key: str) -> str:
+            if key in given:
+                return "--" + key.replace("_", "-")
+            env = f"KVLOOP_{key.upper()}"
+            named = sorted(k for k in os.environ if k.upper() == env or k.upper().startswith(env + "__"))
+            if named:
+                return "environment " + named[0]
+            if path is not None and key in file_keys:
+                return str(path)
+            return str(path) if path is not None else "settings"
+
+        try:
+            return DaemonSettings(**given)
+        except ValidationError as exc:
+            raise ConfigError(error_lines(exc, origin)) from None
+    except FileNotFoundError as exc:
+        raise ConfigError([str(exc)]) from None
     finally:
         _explicit_config = None

@@ -135,6 +135,7 @@ def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
         hash_seed=reg.hash_seed,
         host_engine_id=reg.host_engine_id,
         host_nixl_endpoint=reg.host_nixl_endpoint,
+        agent_version=reg.agent_version,
     )
 
 
@@ -177,6 +178,7 @@ def registration_of(spec: WorkerSpec) -> pb.WorkerRegistration:
         hash_seed=spec.hash_seed,
         host_engine_id=spec.host_engine_id,
         host_nixl_endpoint=spec.host_nixl_endpoint,
+        agent_version=spec.agent_version,
         parallel=pb.ParallelLayout(
             tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, data_parallel_rank=rank
         ),

@@ -7,11 +7,18 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from pydantic import ValidationError
 
 from kvloop.common.logging import configure_logging
 
 app = typer.Typer(add_completion=False, help="kvloop block-directory daemon.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from kvloop.common.version import version_line
+
+        typer.echo(version_line("kvloopd"))
+        raise typer.Exit()
 
 
 @app.command()
@@ -46,10 +53,25 @@ def run(
         ),
     ] = None,
     check_config: Annotated[
-        bool, typer.Option("--check-config", help="validate the configuration, print it and exit")
+        bool,
+        typer.Option(
+            "--check-config",
+            help="validate the configuration (opening every file it names), print it and exit: "
+            "2 when invalid",
+        ),
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
+    connect: Annotated[
+        bool,
+        typer.Option(
+            "--connect", help="with --check-config: also reach the store (Redis, Sentinel); 1 when it fails"
+        ),
     ] = False,
 ) -> None:
-    from kvloop.daemon.config import load_settings
+    from kvloop.daemon.config import ConfigError, load_settings
 
     try:
         settings = load_settings(
@@ -61,10 +83,15 @@ def run(
             span_file=span_file,
             store={"url": store} if store is not None else None,
         )
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
-        typer.echo(f"kvloopd: invalid configuration:\n{exc}", err=True)
+    except ConfigError as exc:
+        for line in exc.lines:
+            typer.echo(f"kvloopd: {line}", err=True)
         raise typer.Exit(2) from None
     if check_config:
+        for warning in settings.exposure_warnings():
+            typer.echo(f"kvloopd: warning: {warning}", err=True)
+        if connect:
+            _reach_store(settings)
         typer.echo(settings.model_dump_json(indent=2, exclude={"tokens"}))
         return
     configure_logging(settings.log_level, settings.log_json)
@@ -77,6 +104,26 @@ def run(
     except DaemonStartError as exc:
         typer.echo(f"kvloopd: {exc}", err=True)
         raise typer.Exit(1) from None
+
+
+def _reach_store(settings) -> None:
+    """Connect to the configured store as serving would (functions loaded, Sentinel asked), then
+    close: a check that the address, credentials and TLS work."""
+    from kvloop.daemon.server import DaemonStartError, open_store
+
+    async def reach() -> str:
+        store = await open_store(settings)
+        try:
+            return store.name
+        finally:
+            await store.close()
+
+    try:
+        name = asyncio.run(reach())
+    except DaemonStartError as exc:
+        typer.echo(f"kvloopd: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"kvloopd: store reachable ({name})", err=True)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ DECISIONS = LoopCounter("kvloop_decisions_total", "Lookup decisions", ["decision
 EVENTS_INGESTED = Counter("kvloop_block_events_ingested_total", "Block-hash events applied", ["kind"])
 BATCHES = Counter("kvloop_event_batches_total", "Event batches received", ["outcome"])
 RESYNCS = Counter("kvloop_resyncs_total", "Full-state resyncs requested or performed", ["cause"])
+RESYNC_CAUSES = ("register", "snapshot", "sequence_gap", "store_failover")
 REJECTED = Counter("kvloop_rejected_messages_total", "Messages refused as bad input", ["rpc", "reason"])
 EVICTIONS = Counter("kvloop_evictions_total", "Directory entries evicted by the memory bound")
 EXPIRED_RUNS = Counter("kvloop_expired_retentions_total", "Retained runs dropped at lease end")
@@ -23,7 +24,15 @@ TRANSFER_REPORTS = Counter(
     "kvloop_transfer_reports_total", "Transfer telemetry reports", ["ok", "first_contact"]
 )
 ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
+MAX_ENTRIES = Gauge(
+    "kvloop_directory_max_entries", "The directory's bound on entries (max_entries): beyond it, eviction"
+)
 WORKERS = Gauge("kvloop_workers", "Registered workers by lease state", ["state"])
+AGENT_REGISTRATIONS = Counter(
+    "kvloop_agent_registrations_total",
+    "Agent registrations by the agent's kvloop release ('unknown': an agent that sends none)",
+    ["version"],
+)
 CONNECTED_AGENTS = Gauge("kvloop_connected_agents", "Agents with a live Connect stream")
 CLAIMS_RELEASED = Counter(
     "kvloop_claims_released_total", "Single-use runs a TRANSFER answer claimed and the puller gave back"
@@ -49,6 +58,9 @@ class DaemonCounters:
     several daemons in one process (tests) each report their own."""
 
     def __init__(self) -> None:
+        # Every cause's series from the start, at 0: an alert on increase() then sees 0, not nothing.
+        for cause in RESYNC_CAUSES:
+            RESYNCS.labels(cause)
         self.lookups = 0
         self.decisions: dict[str, int] = {}
         self.rejected = 0

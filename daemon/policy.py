@@ -50,6 +50,7 @@ from kvloop.common.outcomes import reason_name
 from kvloop.common.route_estimate import queue_ms, tie_margin_ms
 from kvloop.daemon.index.model import BlockTier, Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
+from kvloop.daemon.windows import fit_windows
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.daemon")
@@ -350,6 +351,15 @@ def _answer(query: LookupQuery, match: PrefixMatch, verdict: _Verdict) -> Answer
     )
 
 
+def _fitted(query: LookupQuery, match: PrefixMatch) -> PrefixMatch:
+    """The match as the puller can read it: each holder cut to the end its sliding-window groups
+    serve (windows.py); unchanged for a puller without sliding windows."""
+    windows = query.layout.kv_group_windows
+    if not any(windows):
+        return match
+    return fit_windows(match, windows, query.block_size, query.local_blocks)
+
+
 def path_of(decision: int, reason: int) -> int:
     """The turn path a daemon answer sends the turn on."""
     if decision == pb.DECISION_TRANSFER:
@@ -569,6 +579,7 @@ class Policy:
             margin_s=margin_s,
             accept=accept,
         )
+        match = _fitted(query, match)
         verdict = self.decide(query, match, now)
         if verdict.decision == pb.DECISION_TRANSFER and query.claim and match.best and match.best.single_use:
             # Claim only what is handed out: the same query again, now claiming in one store step.
@@ -583,6 +594,14 @@ class Policy:
                 margin_s=margin_s,
                 accept=accept,
             )
+            raw, claimed = claimed.best, _fitted(query, claimed)
+            if (
+                raw is not None
+                and raw.single_use
+                and (claimed.best is None or claimed.best.handle != raw.handle)
+            ):
+                # the store claimed the run it ranks first, and a sliding window serves another one further
+                await store.release_claim(query.namespace, raw.worker.worker_id, raw.handle, query.requester)
             if not _same_holding(claimed, match):
                 verdict = self.decide(query, claimed, now)
                 best = claimed.best
@@ -745,7 +764,8 @@ class Policy:
                 for _, lookup in pulls
             )
         )
-        for (score, lookup), match in zip(pulls, matches, strict=True):
+        for (score, lookup), found in zip(pulls, matches, strict=True):
+            match = _fitted(lookup, found)
             verdict = self.decide(lookup, match, now, peek=True)
             score.pull_reason, score.pull_cost = verdict.reason, verdict.cost
             if match.best is not None:

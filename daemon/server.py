@@ -13,7 +13,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvloop.common.addresses import parse_host_port
+from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import configure_tracing, shutdown_tracing
+from kvloop.common.version import VERSION, publish_build_info
+from kvloop.daemon import metrics
 from kvloop.daemon.auth import AuthInterceptor
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.decoding import DecodeInterceptor
@@ -76,6 +79,8 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
     counters = DaemonCounters()
+    publish_build_info("kvloopd")
+    metrics.MAX_ENTRIES.set(settings.max_entries)
     backend = await open_store(settings)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if settings.tokens:
@@ -134,10 +139,13 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         except OSError as exc:
             await server.stop(None)
             raise DaemonStartError(f"cannot serve metrics on {settings.metrics_listen}: {exc}") from None
+    for problem in settings.exposure_warnings():
+        log.warning("kvloopd is exposed", problem=problem)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     log.info(
         "kvloopd listening",
+        version=VERSION,
         listen=settings.listen,
         port=bound,
         metrics=settings.metrics_listen or None,
@@ -165,10 +173,17 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     reaping = asyncio.create_task(reaper())
     relaying = asyncio.create_task(changes.relay())
     relaying_plans = asyncio.create_task(plans.relay())
+    # systemd (Type=notify): ready once the port answers and health says SERVING; the watchdog is
+    # pinged from this loop, so a stuck loop is restarted.
+    notifier = Notifier()
+    notifier.ready(f"serving on {settings.listen} (store {store.name})")
+    pinging = notifier.start_watchdog()
     try:
         await stop.wait()
     finally:
+        notifier.stopping("shutting down")
         log.info("kvloopd shutting down", grace_s=settings.shutdown_grace_s)
+        pinging.cancel()
         reaping.cancel()
         relaying.cancel()
         relaying_plans.cancel()
@@ -179,4 +194,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
             metrics_server.shutdown()
         await store.close()
         shutdown_tracing()
+        notifier.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         log.info("kvloopd stopped")

@@ -22,6 +22,7 @@ from kvloop.common.block_hash import BlockHasher
 from kvloop.common.block_keys import KEY_BYTES
 from kvloop.common.outcomes import decision_name, path_name, reason_name
 from kvloop.common.security import Role
+from kvloop.common.version import VERSION
 from kvloop.daemon import convert, metrics
 from kvloop.daemon.auth import current_grant
 from kvloop.daemon.convert import BadInput, Refused
@@ -260,8 +261,12 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     ) -> pb.GetStatsResponse:
         counters = self.counters
         counts = await self.store.counts()
+        workers = await self.store.workers(self.store.clock())
+        agent_versions: dict[str, int] = {}
+        for worker in workers:
+            agent_versions[worker.spec.agent_version] = agent_versions.get(worker.spec.agent_version, 0) + 1
         return pb.GetStatsResponse(
-            workers=len(await self.store.workers(self.store.clock())),
+            workers=len(workers),
             entries=counts.entries,
             retained_runs=counts.retained_runs,
             events_ingested=counts.events_ingested,
@@ -273,6 +278,8 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             max_entries=self.store.config.max_entries,
             uptime_seconds=time.monotonic() - self._started,
             models=await self.store.models(),
+            version=VERSION,
+            agent_versions=agent_versions,
         )
 
     def _post_plans(

@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from kvloop.common.security import TokenGrant
+from kvloop.common.version import VERSION
 from kvloop.daemon import metrics
 from kvloop.daemon.convert import BadInput, Refused, events_from_batch, spec_from_registration
 from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, Fence, StoreUnavailable, WorkerSpec
@@ -145,9 +146,20 @@ class AgentSession:
             )
         )
         self.ctx.changes.publish(Change("registered", spec.worker_id, spec.model, 0, f"epoch {spec.epoch}"))
+        metrics.AGENT_REGISTRATIONS.labels(spec.agent_version or "unknown").inc()
+        if spec.agent_version != VERSION:
+            # Mixed releases work while the protocol stays compatible, but say so: an upgrade that
+            # left an agent behind shows here and in GetStats' agent_versions.
+            log.warning(
+                "agent of another kvloop release",
+                worker_id=spec.worker_id,
+                agent_version=spec.agent_version or "unknown",
+                kvloopd_version=VERSION,
+            )
         log.info(
             "agent registered",
             worker_id=spec.worker_id,
+            agent_version=spec.agent_version or "unknown",
             model=spec.model,
             epoch=spec.epoch,
             role=pb.WorkerRole.Name(spec.role),

@@ -80,7 +80,7 @@ async def test_cli_tables_and_json(daemon, populated):
     assert workers.returncode == 0 and "dec-cli" in workers.stdout and "active" in workers.stdout
     as_json = json.loads((await run("--json", "workers", "--model", "m-cli")).stdout)
     assert as_json[0]["registration"]["worker_id"] == "dec-cli"
-    assert as_json[0]["retained_blocks"] == "12"
+    assert as_json[0]["retained_blocks"] == 12
     hexes = [h.hex() for h in prompt]
     looked = json.loads((await run("--json", "lookup", "--model", "m-cli", *hexes)).stdout)
     assert looked["decision"] == "DECISION_TRANSFER" and looked["matched_blocks"] == 12
@@ -89,7 +89,7 @@ async def test_cli_tables_and_json(daemon, populated):
     assert "transfer (transfer_faster)" in human.stdout and "dec-cli" in human.stdout
     assert "from device memory" in human.stdout
     found = json.loads((await run("--json", "find", hexes[3], "--model", "m-cli")).stdout)
-    assert found[0]["position"] == "3" and found[0]["retention_handle"] == "cli-handle"
+    assert found[0]["position"] == 3 and found[0]["retention_handle"] == "cli-handle"
     assert found[0]["tier"] == "device"
     blocks = await run("blocks", hexes[3], "--model", "m-cli")
     assert "cli-handle" in blocks.stdout
@@ -177,7 +177,7 @@ def test_bench_multiturn_refuses_an_unknown_tokenizer_before_starting_anything(t
 
 def test_cli_errors_are_messages_not_tracebacks():
     unreachable = kvloop("workers", daemon="127.0.0.1:1")
-    assert unreachable.returncode == 1
+    assert unreachable.returncode == 3  # ExitCode.UNREACHABLE
     assert "cannot reach kvloopd at 127.0.0.1:1" in unreachable.stderr
     assert "Traceback" not in unreachable.stderr
     bad_hash = kvloop("lookup", "--model", "m", "not-hex", daemon="127.0.0.1:1")

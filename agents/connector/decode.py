@@ -14,7 +14,7 @@ newer turns fit.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,7 @@ from kvloop.agents.connector.host_pool import HOST_SUFFIX
 from kvloop.agents.connector.host_tier import HostTier
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import YIELD_AT, GivenUp, ReleaseConfirmer
+from kvloop.common.sliding_window import first_needed_block
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -74,8 +75,11 @@ class DecodeSide:
         num_kv_blocks: int,
         confirmer: ReleaseConfirmer | None = None,
         host: HostTier | None = None,
+        group_windows: Sequence[int] = (),
     ) -> None:
         self.cfg = cfg
+        # Each KV-cache group's sliding window in tokens (0: full attention), in vLLM's group order.
+        self.group_windows = tuple(group_windows)
         # The host retention tier (host_tier.py): copies of retained runs that outlive their blocks here.
         self._host = host
         self.block_size = block_size
@@ -213,6 +217,32 @@ class DecodeSide:
             if run is not None and not run.given_up and now - at >= after:
                 self._unpin(self._kept, run.pinned)
                 self._give_up(rid, run)
+
+    def capture_window(self, request_id: str, block_ids: Any, prompt_tokens: int) -> None:
+        """A decode request whose prompt KV is arriving from its prefill: have the host tier copy the
+        sliding-window blocks that a pull ending at the prompt's last complete block needs, before
+        vLLM frees them as the request decodes past its window (host_tier.py). Only complete blocks:
+        the last, partly filled one is written on by the tokens the request generates."""
+        if self._host is None or not any(self.group_windows):
+            return
+        bs = self.block_size
+        end = prompt_tokens // bs
+        picks = []
+        for g, (ids, window) in enumerate(zip(block_ids, self.group_windows, strict=False)):
+            if not window:
+                continue
+            for p in range(first_needed_block(end * bs, window, bs), min(end, len(ids))):
+                if ids[p] != NULL_BLOCK:
+                    picks.append((g, p, ids[p]))
+        self._host.capture(request_id, picks)
+
+    def take_host_captures(self) -> dict[str, HostCopy]:
+        return self._host.take_captures() if self._host is not None else {}
+
+    def forget_window(self, request_id: str) -> None:
+        """The request finished: a capture its run's copy did not take over is given back."""
+        if self._host is not None:
+            self._host.forget_capture(request_id)
 
     def host_copied(self, done: dict[str, bool]) -> None:
         if self._host is not None:

@@ -16,7 +16,9 @@ each step; the scheduler keeps the run's KV-cache blocks until the copy is repor
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
     from kvloop.agents.connector.worker import KvloopConnectorWorker
 
 HOST_SUFFIX = "@host"
+# A request's window capture (host_tier.py): the copy made while it decodes, of the sliding-window
+# blocks it frees before it finishes.
+WINDOW_SUFFIX = "@window"
 
 
 def host_engine_id(engine_id: str) -> str:
@@ -53,6 +58,36 @@ def pool_slots(kv_cache_config: KVCacheConfig, gib: float) -> int:
     every worker compute the same."""
     per_block = bytes_per_block(kv_cache_config)
     return max(0, int(gib * 2**30) // per_block - 1) if per_block else 0
+
+
+# How long a request waits for its window capture before it decodes without one (a WRITE that hangs
+# must not hang the request).
+CAPTURE_WAIT_S = 5.0
+
+
+class HeldRequests:
+    """Requests held back from vLLM while their window capture is written (see
+    :meth:`HostPool.hold_for_captures`)."""
+
+    def __init__(self, wait_s: float = CAPTURE_WAIT_S) -> None:
+        self.wait_s = wait_s
+        self.requests: dict[str, tuple[str, float]] = {}  # request id -> (capture handle, held since)
+
+    def hold(self, request_id: str, handle: str, now: float) -> None:
+        self.requests[request_id] = (handle, now)
+
+    def release(self, writing: Collection[str], now: float) -> tuple[set[str], list[str]]:
+        """The requests to let go: those whose capture is no longer being written, and those held
+        ``wait_s`` or longer (their captures' handles, second, are to be abandoned)."""
+        released, overdue = set(), []
+        for request_id, (handle, since) in list(self.requests.items()):
+            if handle in writing and now - since < self.wait_s:
+                continue
+            del self.requests[request_id]
+            released.add(request_id)
+            if handle in writing:
+                overdue.append(handle)
+        return released, overdue
 
 
 class UnsupportedLayout(ValueError):
@@ -97,6 +132,12 @@ class HostPool:
         self.handshake = self._handshake_payload(bases, rows)
         self._copies: dict[str, int] = {}  # handle -> NIXL transfer handle
         self._done: dict[str, bool] = {}
+        # Window captures (host_tier.py) by request id, posted when the request's prompt KV has
+        # arrived; the requests whose capture is being written, held back from vLLM until it is.
+        self._captures: dict[str, HostCopy] = {}
+        self._held = HeldRequests()
+        # Captures whose request was let go before their WRITE ended: failed, whatever NIXL says.
+        self._abandoned: set[str] = set()
         tm.log.info(
             "kvloop.host_pool_registered",
             engine_id=self.engine_id,
@@ -172,8 +213,40 @@ class HostPool:
             return
         self._copies[copy.handle] = handle
 
+    def expect_captures(self, captures: dict[str, HostCopy]) -> None:
+        self._captures.update(captures)
+
+    def hold_for_captures(self, finished: set[str], failed: set[str]) -> set[str]:
+        """The requests whose prompt KV has arrived (``finished``, vLLM's finished_recving) that vLLM
+        may be told of now. A request with a window capture is held back while its capture is being
+        written: until vLLM hears the KV arrived, the request does not decode, so the blocks being
+        copied cannot be freed and reused under the copy."""
+        for req_id in finished & self._captures.keys():
+            copy = self._captures.pop(req_id)
+            if req_id in failed:  # no KV to keep
+                self._done[copy.handle] = False
+                continue
+            self.start(copy)
+            self._held.hold(req_id, copy.handle, time.monotonic())
+        if not self._held.requests:
+            return finished
+        self._poll_copies()
+        released, overdue = self._held.release(self._copies.keys(), time.monotonic())
+        for handle in overdue:
+            # The request decodes now, so the blocks being copied may be reused under the WRITE: the
+            # capture is reported failed once the WRITE ends (its slots come free only then).
+            self._abandoned.add(handle)
+            tm.HOST_COPIES.labels("window_abandoned").inc()
+            tm.log.warning("kvloop.window_capture_abandoned", handle=handle, after_s=CAPTURE_WAIT_S)
+        return (finished - self._held.requests.keys()) | released
+
     def poll(self) -> None:
         """Collect finished copies; drain the pool agent's READ notices (prefills reading copies)."""
+        self._poll_copies()
+        for notices in self.agent.get_new_notifs().values():
+            tm.HOST_READS.inc(len(notices))
+
+    def _poll_copies(self) -> None:
         wrapper = self.worker.nixl_wrapper
         for run, handle in list(self._copies.items()):
             state = wrapper.check_xfer_state(handle)
@@ -181,11 +254,10 @@ class HostPool:
                 continue
             del self._copies[run]
             wrapper.release_xfer_handle(handle)
-            self._done[run] = state == "DONE"
+            self._done[run] = state == "DONE" and run not in self._abandoned
+            self._abandoned.discard(run)
             if state != "DONE":
                 tm.log.warning("kvloop.host_copy_failed", handle=run, state=state)
-        for notices in self.agent.get_new_notifs().values():
-            tm.HOST_READS.inc(len(notices))
 
     def copying_runs(self) -> set[str]:
         """Device handles of the runs whose copy is in flight."""

@@ -14,6 +14,13 @@ directory first, and its slots come free once kvloopd confirms the drop and its 
 directory never hands out a run that close to its lease's end. Copies are kept oldest first: each
 turn of a conversation makes a newer one and supersedes its older copy, so the oldest copy is the
 conversation least recently active.
+
+On a hybrid model a decode frees a sliding-window group's blocks as it generates past them, so by
+the time a run finishes it holds only the window at its end: a next prompt that agrees with it only
+through the previous prompt (a re-rendered or dropped answer) could not be pulled. So when a request's
+prompt KV has arrived from its prefill, and before it decodes, the sliding-window blocks a pull ending
+at the prompt's last complete block needs are copied into slots of their own (a *window capture*,
+``<request id>@window``); the run's copy then holds them beside its own blocks.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import msgspec
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_pool import HOST_SUFFIX
+from kvloop.agents.connector.host_pool import HOST_SUFFIX, WINDOW_SUFFIX
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
 
@@ -49,6 +56,12 @@ class _Copy:
     hashes: tuple[bytes, ...] = field(default=())
 
 
+@dataclass
+class _Capture:
+    slot_at: dict[tuple[int, int], int]  # (group, position) -> slot
+    state: str = "copying"  # copying | done | orphaned (its run went: slots free once the copy ends)
+
+
 class HostTier:
     def __init__(
         self,
@@ -67,6 +80,8 @@ class HostTier:
         self._copies: OrderedDict[str, _Copy] = OrderedDict()  # host handle -> copy, oldest first
         self._pending: list[HostCopy] = []
         self.announced_at: dict[str, float] = {}  # device handle -> when its copy was announced
+        self._captures: dict[str, _Capture] = {}  # device handle -> its window capture
+        self._pending_captures: dict[str, HostCopy] = {}  # request id -> capture for the worker
 
     @staticmethod
     def handle_of(device_handle: str) -> str:
@@ -90,13 +105,22 @@ class HostTier:
     def plan(self, device: KvloopBlocksRetained) -> None:
         """Copy the run ``device`` announces (its KV-cache block ids) into the pool, if there is room."""
         handle = self.handle_of(device.retention_handle)
-        ids = sorted({b for g in device.block_ids for b in g} | set(device.tail_block_ids) - {NULL_BLOCK})
+        capture = self._captures.pop(device.retention_handle, None)
+        captured = capture.slot_at if capture is not None and capture.state == "done" else {}
+        if capture is not None and not captured:
+            self._drop_capture(device.retention_handle, capture)
+        ids = sorted(({b for g in device.block_ids for b in g} | set(device.tail_block_ids)) - {NULL_BLOCK})
         self._make_room(len(ids))
         if len(ids) > len(self._free):
             tm.HOST_COPIES.labels("no_room").inc()
+            self._free.extend(captured.values())
             return
         slot_of = {b: self._free.pop() for b in ids}
-        slot_groups = [[slot_of.get(b, NULL_BLOCK) for b in g] for g in device.block_ids]
+        # a position the run no longer holds in its KV cache is read from its window capture, if any
+        slot_groups = [
+            [slot_of[b] if b != NULL_BLOCK else captured.get((g, p), NULL_BLOCK) for p, b in enumerate(ids_g)]
+            for g, ids_g in enumerate(device.block_ids)
+        ]
         # what the worker copies, per group: the run's blocks and its partly filled tail block
         tails = device.tail_block_ids or [NULL_BLOCK] * len(device.block_ids)
         copied = [
@@ -114,8 +138,66 @@ class HostTier:
             tail_block_ids=[slot_of.get(b, NULL_BLOCK) for b in device.tail_block_ids],
             tier="host",
         )
-        self._copies[handle] = _Copy(event, list(slot_of.values()), hashes=tuple(device.block_hashes))
+        slots = [*slot_of.values(), *captured.values()]
+        self._copies[handle] = _Copy(event, slots, hashes=tuple(device.block_hashes))
         self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
+
+    def capture(self, request_id: str, picks: list[tuple[int, int, int]]) -> None:
+        """Copy a decoding request's blocks ``picks`` ((group, position, block id), the sliding-window
+        blocks its run will have freed by the time it finishes) into slots of their own, if there is
+        room; its run's copy takes them over (:meth:`plan`)."""
+        if not picks or request_id in self._captures:
+            return
+        self._make_room(len(picks))
+        if len(picks) > len(self._free):
+            tm.HOST_COPIES.labels("window_no_room").inc()
+            return
+        slot_at = {(g, p): self._free.pop() for g, p, _ in picks}
+        groups = 1 + max(g for g, _, _ in picks)
+        block_ids: list[list[int]] = [[] for _ in range(groups)]
+        slots: list[list[int]] = [[] for _ in range(groups)]
+        for g, p, block in picks:
+            block_ids[g].append(block)
+            slots[g].append(slot_at[(g, p)])
+        self._captures[request_id] = _Capture(slot_at)
+        self._pending_captures[request_id] = HostCopy(request_id + WINDOW_SUFFIX, block_ids, slots)
+
+    def take_captures(self) -> dict[str, HostCopy]:
+        out, self._pending_captures = self._pending_captures, {}
+        return out
+
+    def forget_capture(self, request_id: str) -> None:
+        """The request ended without a run copied here: its capture's slots go back (none was ever
+        announced, so no READ can reach them; one still being written waits for its copy to end)."""
+        never_sent = self._pending_captures.pop(request_id, None) is not None
+        capture = self._captures.pop(request_id, None)
+        if capture is not None and never_sent:  # the worker never heard of it
+            self._free.extend(capture.slot_at.values())
+        elif capture is not None:
+            self._drop_capture(request_id, capture)
+
+    def _drop_capture(self, request_id: str, capture: _Capture) -> None:
+        if capture.state == "copying":
+            capture.state = "orphaned"
+            self._captures[request_id + WINDOW_SUFFIX] = capture  # freed when its copy is reported
+        else:
+            self._free.extend(capture.slot_at.values())
+
+    def _captured(self, handle: str, ok: bool) -> None:
+        request_id = handle.removesuffix(WINDOW_SUFFIX)
+        orphan = self._captures.pop(handle, None)
+        if orphan is not None:
+            self._free.extend(orphan.slot_at.values())
+            return
+        capture = self._captures.get(request_id)
+        if capture is None or capture.state != "copying":
+            return
+        tm.HOST_COPIES.labels("window_copied" if ok else "window_failed").inc()
+        if ok:
+            capture.state = "done"
+        else:
+            del self._captures[request_id]
+            self._free.extend(capture.slot_at.values())
 
     def take_copies(self) -> list[HostCopy]:
         out, self._pending = self._pending, []
@@ -125,6 +207,9 @@ class HostTier:
         """The worker's report: announce each copy made; give back the slots of each that failed."""
         now = time.perf_counter()
         for handle, ok in done.items():
+            if handle.endswith(WINDOW_SUFFIX):
+                self._captured(handle, ok)
+                continue
             copy = self._copies.get(handle)
             if copy is None or copy.state != "copying":
                 continue

@@ -30,6 +30,7 @@ from kvloop.agents.connector.outcome import Outcome, record
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.common.outcomes import path_name
 from kvloop.common.route_estimate import PULL_KEY, ROUTE_SETTLED_KEY, SETTLED_REASONS
+from kvloop.common.sliding_window import first_needed_block
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
 
@@ -388,7 +389,7 @@ class PrefillSide:
         out: list[list[int]] = []
         for g, (ids, window) in enumerate(zip(holder.block_ids, self.group_windows, strict=True)):
             by_position = list(ids[:matched_blocks]) + ([holder.tail_block_ids[g]] if tail else [])
-            first = max(local, (end_tokens - window + 1) // bs if window else 0, 0)
+            first = max(local, first_needed_block(end_tokens, window, bs))
             needed = by_position[first:end]
             if NULL_BLOCK in needed:
                 return (
@@ -405,7 +406,7 @@ class PrefillSide:
         end, local = -(-end_tokens // bs), local_tokens // bs
         out = []
         for window, nbytes in zip(self.group_windows, self.group_bytes_per_block, strict=False):
-            first = max(local, (end_tokens - window + 1) // bs if window else 0)
+            first = max(local, first_needed_block(end_tokens, window, bs))
             out.append(max(0, end - first) * nbytes if pulled_tokens else 0)
         return out
 

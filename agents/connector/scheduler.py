@@ -118,7 +118,13 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             else None
         )
         self.decode = DecodeSide(
-            cfg, self.block_size, self._events.append, kv_cache_config.num_blocks, confirmer, host
+            cfg,
+            self.block_size,
+            self._events.append,
+            kv_cache_config.num_blocks,
+            confirmer,
+            host,
+            group_windows(kv_cache_config),
         )
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
@@ -194,9 +200,19 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     ) -> None:
         if self.prefill is not None:
             self.prefill.allocated(request.request_id, num_external_tokens)
+        params = request.kv_transfer_params
+        if num_external_tokens > 0 and params and params.get("do_remote_prefill"):
+            # a decode request whose prompt KV its prefill sends: its window, for the host tier
+            self.decode.capture_window(request.request_id, blocks.get_block_ids(), request.num_prompt_tokens)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        try:
+            return self._request_finished(request, block_ids)
+        finally:
+            self.decode.forget_window(request.request_id)
+
+    def _request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         if declines_retention(request.kv_transfer_params):
             tm.RETENTION_DECLINED.labels("asked").inc()
             return self._free_at_once(request)
@@ -292,6 +308,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             base, multi, deadlines, holder_epochs, self.decode.take_free_early()
         )
         meta.host_copies = self.decode.take_host_copies()
+        meta.host_captures = self.decode.take_host_captures()
         return meta
 
     def take_events(self) -> list[Any]:

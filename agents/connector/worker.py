@@ -274,9 +274,10 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         super().start_load_kv(metadata)
         if isinstance(metadata, KvloopConnectorMetadata) and metadata.free_early:
             self._bring_leases_forward(metadata.free_early, metadata.scheduler_clock)
-        if isinstance(metadata, KvloopConnectorMetadata) and metadata.host_copies and self.host_pool:
+        if isinstance(metadata, KvloopConnectorMetadata) and self.host_pool:
             for copy in metadata.host_copies:
                 self.host_pool.start(copy)
+            self.host_pool.expect_captures(metadata.host_captures)
 
     def _bring_leases_forward(self, free_at: dict[str, float], sched_clock: float | None) -> None:
         """Given-up runs (decode role) end their lease at ``free_at`` (scheduler clock) instead:
@@ -412,6 +413,10 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
             self._pull_holder_epochs.pop(req_id, None)
             self._handshake_reads.discard(req_id)
+        if self.host_pool is not None:
+            results.finished_recving = self.host_pool.hold_for_captures(
+                set(results.finished_recving or ()), set(results.failed_recving or ())
+            )
         return results
 
     def _reap_retained(self, done_sending: set[str]) -> None:

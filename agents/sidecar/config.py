@@ -16,6 +16,7 @@ from pydantic_settings import (
 )
 
 from kvloop.common.addresses import DaemonAddresses, OptionalHostPort
+from kvloop.common.config_files import ReadableFile, read_secret
 from kvloop.common.security import ClientSecurity, TlsSettings
 
 
@@ -68,11 +69,13 @@ class AgentSettings(BaseSettings):
     health_tls: TlsSettings | None = None
     log_level: str = "info"
     log_json: bool | None = None
-    # Security towards kvloopd.
+    # Security towards kvloopd: the token inline or in a file of its own (a systemd credential,
+    # "${CREDENTIALS_DIRECTORY}/token"); the files are opened at start.
     token: str | None = None
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
+    token_file: ReadableFile | None = None
+    ca_file: ReadableFile | None = None
+    cert_file: ReadableFile | None = None
+    key_file: ReadableFile | None = None
 
     @field_validator("kv_dtype")
     @classmethod
@@ -94,6 +97,14 @@ class AgentSettings(BaseSettings):
         if not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"kv_events must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {value!r}")
         return value.replace("tcp://*:", "tcp://127.0.0.1:")
+
+    @model_validator(mode="after")
+    def _token_file(self) -> AgentSettings:
+        if self.token_file is not None:
+            if self.token:
+                raise ValueError("give token or token_file, not both")
+            self.token = read_secret(self.token_file)
+        return self
 
     @model_validator(mode="after")
     def _host_pool(self) -> AgentSettings:
@@ -129,6 +140,6 @@ class AgentSettings(BaseSettings):
         sources: list[Any] = [init_settings, env_settings]
         if path:
             if not Path(path).is_file():
-                raise FileNotFoundError(f"config file {path} does not exist")
+                raise FileNotFoundError(f"{path}: config file does not exist")
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
         return tuple(sources)

@@ -18,7 +18,10 @@ from prometheus_client import Counter, Gauge
 from pydantic import ValidationError
 
 from kvloop.common.addresses import parse_host_port
+from kvloop.common.config_files import error_lines
 from kvloop.common.logging import configure_logging
+from kvloop.common.sd_notify import Notifier
+from kvloop.common.version import VERSION, publish_build_info, version_line
 
 log = structlog.get_logger("kvloop.agent")
 app = typer.Typer(
@@ -28,6 +31,10 @@ app = typer.Typer(
 FORWARDED = Counter("kvloop_agent_events_forwarded_total", "Block events forwarded to kvloopd", ["kind"])
 ENGINE_GAPS = Counter("kvloop_agent_engine_event_gaps_total", "Unrecoverable gaps in the engine's KV events")
 CONNECTED = Gauge("kvloop_agent_connected", "1 while the Connect stream to kvloopd is up")
+UNACKED = Gauge(
+    "kvloop_agent_unacked_batches",
+    "Event batches sent to kvloopd and not yet acknowledged (the directory's lag behind the engine)",
+)
 
 _ROLES = {"prefill": 1, "decode": 2, "both": 3}
 
@@ -64,7 +71,9 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         kv_group_windows=settings.kv_group_windows,
         epoch=random.getrandbits(63) | 1,
         labels={"agent_pid": str(os.getpid())},
+        agent_version=VERSION,
     )
+    publish_build_info("kvloop-agent")
     client = AsyncDirectoryClient(settings.daemon, settings.security())
     link = DirectoryLink(
         client,
@@ -72,6 +81,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         snapshot=mirror.snapshot,
         on_drain=lambda reason: log.warning("worker drained by kvloopd", reason=reason),
     )
+    UNACKED.set_function(lambda: link.sequence - link.acked)
     subscriber = KvEventSubscriber(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
     started = time.monotonic()
     engine = EngineIncarnation()
@@ -211,6 +221,12 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     tasks = [asyncio.create_task(coro, name=name) for name, coro in named.items()]
     warner = asyncio.create_task(watch_silence())
     stopper = asyncio.create_task(stop.wait())
+    # systemd (Type=notify): ready once /healthz serves and the tasks run (whether kvloopd answers
+    # is /healthz's business: an agent waiting for kvloopd is started, not failed); the watchdog is
+    # pinged from this loop.
+    notifier = Notifier()
+    notifier.ready(f"worker {settings.worker_id}, kvloopd at {settings.daemon}")
+    pinging = notifier.start_watchdog()
     try:
         done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
@@ -230,17 +246,25 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
             log.warning("stopping with unacknowledged batches", sequence=link.sequence, acked=link.acked)
         return 0
     finally:
-        for task in [*tasks, warner, stopper]:
+        notifier.stopping()
+        for task in [*tasks, warner, stopper, pinging]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.close()
         if health is not None:
             health.shutdown()
+        notifier.close()
         log.info(
             "kvloop-agent stopped",
             worker_id=settings.worker_id,
             uptime_s=round(time.monotonic() - started, 1),
         )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line("kvloop-agent"))
+        raise typer.Exit()
 
 
 @app.command()
@@ -285,6 +309,10 @@ def run(
         Optional[Path], typer.Option(help="require client certificates signed by this CA (mutual TLS)")
     ] = None,
     log_level: Annotated[Optional[str], typer.Option(help="debug, info, warning, error")] = None,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
 ) -> None:
     from kvloop.agents.sidecar.config import AgentSettings
 
@@ -320,10 +348,29 @@ def run(
             "client_ca_file": health_client_ca_file,
         }
         flags["health_tls"] = {k: v for k, v in tls.items() if v is not None}
+    given = {k: v for k, v in flags.items() if v is not None}
     try:
-        settings = AgentSettings(**{k: v for k, v in flags.items() if v is not None})
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
-        typer.echo(f"kvloop-agent: invalid configuration:\n{exc}", err=True)
+        settings = AgentSettings(**given)
+    except ValidationError as exc:
+        path = os.environ.get("KVLOOP_AGENT_CONFIG")
+
+        def origin(key: str) -> str:
+            if key in given:
+                return "--" + key.replace("_", "-")
+            if f"KVLOOP_AGENT_{key.upper()}" in os.environ:
+                return f"environment KVLOOP_AGENT_{key.upper()}"
+            return path or "settings"
+
+        for line in error_lines(exc, origin):
+            typer.echo(f"kvloop-agent: {line}", err=True)
+        raise typer.Exit(2) from None
+    except FileNotFoundError as exc:  # the TOML file named
+        typer.echo(f"kvloop-agent: {exc}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as exc:  # the TOML file's syntax
+        typer.echo(
+            f"kvloop-agent: {os.environ.get('KVLOOP_AGENT_CONFIG')}: TOML syntax error: {exc}", err=True
+        )
         raise typer.Exit(2) from None
     try:  # before anything starts: bad TLS files are a configuration error
         health_tls = settings.health_tls.http_server_context() if settings.health_tls else None

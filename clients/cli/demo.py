@@ -16,6 +16,12 @@ class DemoModel(StrEnum):
     hybrid = "hybrid"
 
 
+def default_host_gib(model: DemoModel) -> float:
+    """A hybrid model's chat continuation pulls the previous prompt only from a host pool: by the time
+    the answer is done the decode has freed the sliding-window blocks before the answer's last window."""
+    return 0.25 if model == DemoModel.hybrid else 0.0
+
+
 def demo(
     turns: Annotated[int, typer.Option(min=2, help="conversation turns")] = 6,
     max_tokens: Annotated[int, typer.Option(min=1, help="tokens generated per turn")] = 16,
@@ -29,6 +35,15 @@ def demo(
     decode_tp: Annotated[
         int, typer.Option(min=1, help="tensor-parallel size of the decode (a worker process per rank)")
     ] = 1,
+    host_retention_gib: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="GiB of host memory per decode that retained runs are copied into, so they stay pullable "
+            "after they leave the KV cache (default: 0.25 with --model hybrid, whose decode frees a prompt's "
+            "sliding-window blocks while it answers; else 0, none)",
+        ),
+    ] = None,
     keep_running: Annotated[
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
@@ -64,6 +79,7 @@ def demo(
                 model.value,
                 decode_tp,
                 ha,
+                default_host_gib(model) if host_retention_gib is None else host_retention_gib,
             )
         except EngineStartError as exc:
             _fail(str(exc))

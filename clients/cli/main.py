@@ -23,7 +23,7 @@ from kvloop.clients.cli import (
     ops,
     proxy,
 )
-from kvloop.clients.cli.output import _fail, state
+from kvloop.clients.cli.output import ExitCode, _fail, emit_error, state
 from kvloop.clients.directory_client import default_target
 from kvloop.common.logging import configure_logging
 from kvloop.common.security import ClientSecurity
@@ -37,6 +37,14 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figure
 app.add_typer(bench_app, name="bench")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from kvloop.common.version import version_line
+
+        typer.echo(version_line("kvloop"))
+        raise typer.Exit()
+
+
 @app.callback()
 def _global(
     daemon: Annotated[str, typer.Option(envvar="KVLOOP_DAEMON", help="kvloopd HOST:PORT")] = default_target(),
@@ -46,6 +54,10 @@ def _global(
     key_file: Annotated[Optional[Path], typer.Option(help="client key (mutual TLS)")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="print JSON instead of tables")] = False,
     timeout: Annotated[float, typer.Option(help="seconds per call")] = 5.0,
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
+    ] = False,
 ) -> None:
     configure_logging("warning")
     state.daemon = daemon
@@ -83,7 +95,25 @@ app.command("trace")(ops.trace_cmd)
 
 
 def main() -> None:
-    app(prog_name="kvloop")
+    """Run `kvloop`. With --json, usage errors (an unknown option, a missing argument) are JSON like
+    every other error; without it, click prints them. Exit statuses: output.ExitCode."""
+    import sys
+
+    if "--json" not in sys.argv[1:]:
+        app(prog_name="kvloop")
+        return
+    try:
+        result = app(prog_name="kvloop", standalone_mode=False)
+    except Exception as exc:
+        # click's usage errors (typer vendors click, so matched by shape rather than by class)
+        format_message = getattr(exc, "format_message", None)
+        if format_message is None:
+            raise
+        state.json = True
+        code = getattr(exc, "exit_code", ExitCode.USAGE)
+        emit_error(format_message(), code)
+        sys.exit(code)
+    sys.exit(result if isinstance(result, int) else ExitCode.OK)
 
 
 if __name__ == "__main__":

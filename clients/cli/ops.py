@@ -20,6 +20,7 @@ from kvloop.clients.cli.output import (
     _fail,
     console,
     err_console,
+    fail_rpc,
     state,
 )
 from kvloop.clients.console import make_console
@@ -75,6 +76,7 @@ def workers(
         "stored blocks",
         "last seen",
         "nixl",
+        "agent",
     ):
         table.add_column(column)
     for w in found:
@@ -92,6 +94,7 @@ def workers(
             str(w.stored_blocks),
             f"{w.last_seen_ms_ago / 1000:.1f}s",
             reg.nixl_endpoint,
+            reg.agent_version or "unknown",
         )
     console.print(table if found else f"no workers registered at {state.daemon}")
 
@@ -193,7 +196,10 @@ def stats(json_output: JsonFlag = False) -> None:
     ):
         table.add_row(field.replace("_", " "), f"{getattr(answer, field):,}")
     table.add_row("uptime", f"{answer.uptime_seconds:.0f}s")
+    table.add_row("version", answer.version or "unknown")
     table.add_row("models", ", ".join(answer.models) or "-")
+    for release, count in sorted(answer.agent_versions.items()):
+        table.add_row(f"agents of {release or 'unknown'}", f"{count:,}")
     for key, count in sorted(answer.decisions.items()):
         table.add_row(f"decisions {key}", f"{count:,}")
     console.print(table)
@@ -262,7 +268,7 @@ def watch(
                         highlight=False,
                     )
     except KvloopError as exc:
-        _fail(str(exc))
+        fail_rpc(exc)
     except KeyboardInterrupt:
         pass
 

@@ -90,6 +90,14 @@ def proxy(
             "process list",
         ),
     ] = None,
+    api_key_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            envvar="KVLOOP_PROXY_API_KEY_FILE",
+            show_envvar=True,
+            help="clients' keys, one a line, added to --api-key (a systemd credential: %d/api-keys)",
+        ),
+    ] = None,
     server_api_key: Annotated[
         str,
         typer.Option(
@@ -98,6 +106,14 @@ def proxy(
             help="the key every prefill and decode server was started with (`vllm serve --api-key`)",
         ),
     ] = "",
+    server_api_key_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            envvar="KVLOOP_SERVER_API_KEY_FILE",
+            show_envvar=True,
+            help="--server-api-key read from this file",
+        ),
+    ] = None,
     prefill_api_key: Annotated[
         str,
         typer.Option(envvar="KVLOOP_PREFILL_API_KEY", show_envvar=True, help="the prefill servers' key"),
@@ -114,8 +130,11 @@ def proxy(
     import asyncio
     import signal as signals
 
+    from pydantic import ValidationError
+
     from kvloop.clients.proxy.app import ROUTE_BY, ProxyConfig, serve
     from kvloop.common.addresses import parse_host_port
+    from kvloop.common.config_files import error_lines, read_secret
     from kvloop.common.security import TlsSettings
     from kvloop.common.tracing import configure_tracing, shutdown_tracing
 
@@ -133,8 +152,20 @@ def proxy(
             tls = TlsSettings(
                 cert_file=cert_file, key_file=key_file, client_ca_file=client_ca_file
             ).http_server_context()
+        except ValidationError as exc:
+            _fail("; ".join(error_lines(exc, lambda key: "--" + key.replace("_", "-"))), code=2)
         except ValueError as exc:
             _fail(str(exc), code=2)
+    keys = [k for k in api_key or [] if k]
+    try:
+        if api_key_file is not None:
+            keys += [line.strip() for line in read_secret(api_key_file).splitlines() if line.strip()]
+        if server_api_key_file is not None:
+            if server_api_key:
+                _fail("give --server-api-key or --server-api-key-file, not both", code=2)
+            server_api_key = read_secret(server_api_key_file)
+    except ValueError as exc:
+        _fail(str(exc), code=2)
     configure_logging("info", json_logs=True if state.json else None)
     configure_tracing("kvloop-proxy")
     config = ProxyConfig(
@@ -149,7 +180,7 @@ def proxy(
         burst_window_s=burst_window / 1e3,
         route_by=route_by,
         pull=pull,
-        api_keys=[k for k in api_key or [] if k],
+        api_keys=keys,
         prefill_api_key=prefill_api_key or server_api_key,
         decode_api_key=decode_api_key or server_api_key,
     )

@@ -32,6 +32,7 @@ def run_demo(
     model: str = "llama",
     decode_tp: int = 1,
     ha: bool = False,
+    host_retention_gib: float = 0.0,
 ) -> int:
     console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,14 @@ def run_demo(
     )
     model_dir = MODEL_BUILDERS[model](workdir / model, hidden_size=hidden_size, layers=layers)
     stack = Stack(
-        StackConfig(model_dir=model_dir, workdir=workdir, span_file=span_file, decode_tp=decode_tp, ha=ha)
+        StackConfig(
+            model_dir=model_dir,
+            workdir=workdir,
+            span_file=span_file,
+            decode_tp=decode_tp,
+            ha=ha,
+            host_retention_gib=host_retention_gib,
+        )
     )
     results: list[TurnResult] = []
     # per continuation turn, the same prompt recomputed: its TTFT, and that over the turn's own

@@ -96,6 +96,8 @@ class Stack:
     # What engines, sidecars and the proxy dial (daemon_address, or its fronts).
     agent_daemon_address: str = ""
     _daemon_args: tuple[str, ...] = ()
+    # Each kvloopd's /metrics HOST:PORT by its gRPC address.
+    daemon_metrics: dict[str, str] = field(default_factory=dict)
 
     @property
     def prefill(self) -> Engine:
@@ -253,6 +255,7 @@ class Stack:
         return url
 
     def _spawn_daemon(self, address: str, log_path: Path) -> subprocess.Popen:
+        self.daemon_metrics[address] = f"127.0.0.1:{free_port()}"
         with log_path.open("a") as log:
             return self.children.spawn(
                 [
@@ -260,7 +263,7 @@ class Stack:
                     "--listen",
                     address,
                     "--metrics-listen",
-                    f"127.0.0.1:{free_port()}",
+                    self.daemon_metrics[address],
                     "--log-json",
                     *self._daemon_args,
                 ],

@@ -37,7 +37,9 @@ from kvloop.clients.proxy.failover import RETRIES, StreamBroken, StreamState, er
 from kvloop.clients.proxy.legs import decode_body, prefill_body, whole_request_reason
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
+from kvloop.common.sd_notify import Notifier
 from kvloop.common.tracing import trace_id_hex
+from kvloop.common.version import VERSION, publish_build_info
 
 log = structlog.get_logger("kvloop.proxy")
 tracer = trace.get_tracer("kvloop.proxy")
@@ -840,19 +842,28 @@ def build_app(config: ProxyConfig) -> web.Application:
 async def serve(
     config: ProxyConfig, host: str, port: int, stop: asyncio.Event, tls: ssl.SSLContext | None = None
 ) -> None:
+    publish_build_info("kvloop-proxy")
     runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=tls)
     await site.start()
     log.info(
         "kvloop proxy listening",
+        version=VERSION,
         listen=f"{host}:{port}",
         tls=tls is not None,
         prefill=config.prefill,
         decode=config.decode,
         directory=config.directory,
     )
+    # systemd (Type=notify): ready once the port accepts; the watchdog is pinged from this loop.
+    notifier = Notifier()
+    notifier.ready(f"serving on {host}:{port}")
+    pinging = notifier.start_watchdog()
     try:
         await stop.wait()
     finally:
+        notifier.stopping()
+        pinging.cancel()
         await runner.cleanup()
+        notifier.close()

@@ -90,6 +90,7 @@ class WorkerSpec:
     # read from this engine over this side channel (both empty: the worker has no host pool).
     host_engine_id: str = ""
     host_nixl_endpoint: str = ""
+    agent_version: str = ""  # the kvloop release of the agent that registered it; empty: older agent
 
 
 @dataclass(slots=True)

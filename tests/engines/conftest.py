@@ -420,7 +420,7 @@ class EngineSlot:
 
 # Modules whose engine pair serves another model than the tiny Llama: they run after every other
 # engine test, so the session switches pairs once.
-OTHER_MODEL_MODULES = ("test_host_tier.py", "test_hybrid.py", "test_tp.py")
+OTHER_MODEL_MODULES = ("test_host_tier.py", "test_hybrid.py", "test_hybrid_host.py", "test_tp.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

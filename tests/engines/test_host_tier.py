@@ -126,6 +126,102 @@ def test_an_expired_copy_is_released_and_its_slots_reused_after_the_read_margin(
     assert tier.free_slots == 8
 
 
+def _hybrid_device(handle: str, n: int, sliding: dict[int, int]) -> KvloopBlocksRetained:
+    """A hybrid run as a decode announces it: the sliding-window group (0) holds only ``sliding``
+    (position -> block id), the full-attention group (1) every block."""
+    return KvloopBlocksRetained(
+        block_hashes=H[:n],
+        block_ids=[[sliding.get(p, 0) for p in range(n)], [100 + p for p in range(n)]],
+        retention_handle=handle,
+        lease_ms=60_000,
+        single_use=False,
+    )
+
+
+def test_a_window_capture_gives_the_runs_copy_the_blocks_its_kv_cache_run_freed():
+    tier, events = _tier(64)
+    tier.capture("r", [(0, 3, 43), (0, 4, 44), (0, 5, 45)])
+    (capture,) = tier.take_captures().values()
+    assert capture.handle == "r@window" and capture.block_ids == [[43, 44, 45]]
+    window_slots = capture.slots[0]
+    assert tier.free_slots == 61 and not events  # nothing announced: the slots are the run's to take
+    tier.copied({"r@window": True})
+    tier.plan(_hybrid_device("r", 10, {8: 58, 9: 59}))  # decoding freed positions 3-5 in the KV cache
+    (copy,) = tier.take_copies()
+    assert copy.block_ids == [[58, 59], [100 + p for p in range(10)]]  # the capture is not copied again
+    tier.copied({"r@host": True})
+    (host,) = events
+    sliding, full = host.block_ids
+    assert [p for p, s in enumerate(sliding) if s] == [3, 4, 5, 8, 9]
+    assert sliding[3:6] == window_slots and 0 not in full
+    assert tier.free_slots == 64 - 3 - 12
+    # the copy's slots, the capture's among them, come back together once it is released and fenced
+    tier._release("r@host", tier._copies["r@host"], "evicted", fence=False)
+    tier._copies["r@host"].free_at = 0.0
+    tier.step()
+    assert tier.free_slots == 64
+
+
+def test_a_capture_whose_run_is_not_copied_gives_its_slots_back_once_written():
+    tier, _ = _tier(16)
+    tier.capture("done", [(0, 1, 11), (0, 2, 12)])
+    tier.capture("writing", [(0, 1, 21)])
+    tier.capture("failed", [(0, 1, 31)])
+    assert len(tier.take_captures()) == 3 and tier.free_slots == 12
+    tier.copied({"done@window": True, "failed@window": False})
+    assert tier.free_slots == 13  # a failed capture's slot is back at once
+    tier.forget_capture("done")  # finished without being retained
+    assert tier.free_slots == 15
+    tier.forget_capture("writing")  # its copy may still be landing in its slot: kept until reported
+    assert tier.free_slots == 15
+    tier.copied({"writing@window": True})
+    assert tier.free_slots == 16
+    tier.capture("unsent", [(0, 1, 51), (0, 2, 52)])
+    tier.forget_capture("unsent")  # ended before the worker was told: nothing can be writing its slots
+    assert tier.free_slots == 16 and tier.take_captures() == {}
+    # a run planned while its capture is unusable (failed) is copied without it
+    tier.capture("r", [(0, 0, 40)])
+    tier.take_captures()
+    tier.copied({"r@window": False})
+    tier.plan(_hybrid_device("r", 4, {3: 53}))
+    (copy,) = tier.take_copies()
+    assert copy.block_ids == [[53], [100, 101, 102, 103]] and tier.free_slots == 16 - 5
+
+
+def test_a_decode_captures_the_window_before_its_prompts_last_complete_block():
+    """Block size 16, a 128-token sliding window: a pull ending at block 20 (a 330-token prompt's
+    last complete block) needs blocks 12-19 of the sliding-window group; the full-attention group
+    keeps its blocks until the request finishes, so nothing of it is captured."""
+    from kvloop.agents.connector.config import KvloopConfig
+    from kvloop.agents.connector.decode import DecodeSide
+
+    tier, _ = _tier(64)
+    side = DecodeSide(
+        KvloopConfig(), 16, lambda e: None, num_kv_blocks=100, host=tier, group_windows=(128, 0)
+    )
+    sliding = [0] * 11 + [200 + p for p in range(11, 21)]  # vLLM allocated the window and a block more
+    full = [300 + p for p in range(21)]
+    side.capture_window("r", [sliding, full], 330)
+    (capture,) = side.take_host_captures().values()
+    assert capture.block_ids == [[200 + p for p in range(12, 20)]]
+    plain = DecodeSide(KvloopConfig(), 16, lambda e: None, num_kv_blocks=100, host=tier, group_windows=(0,))
+    plain.capture_window("q", [full], 330)
+    assert plain.take_host_captures() == {}
+
+
+def test_a_request_waits_for_its_window_capture_but_never_longer_than_the_wait():
+    from kvloop.agents.connector.host_pool import HeldRequests
+
+    held = HeldRequests(wait_s=5.0)
+    held.hold("a", "a@window", 100.0)
+    held.hold("b", "b@window", 100.0)
+    assert held.release({"a@window", "b@window"}, 101.0) == (set(), [])  # both still being written
+    assert held.release({"b@window"}, 102.0) == ({"a"}, [])  # a's copy ended: a goes on
+    # b's WRITE hangs: b decodes anyway once the wait is over, and its capture is abandoned
+    assert held.release({"b@window"}, 105.0) == ({"b"}, ["b@window"])
+    assert held.requests == {}
+
+
 @pytest.mark.parametrize("gib, per_block, slots", [(1.0, 2**20, 1023), (0.0, 2**20, 0), (2**-20, 2**20, 0)])
 def test_pool_slots_leave_slot_zero_for_the_null_block(gib, per_block, slots):
     from types import SimpleNamespace

@@ -123,7 +123,7 @@ class ParallelLayout(_message.Message):
     def __init__(self, tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., data_parallel_size: _Optional[int] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows", "hash_seed", "host_engine_id", "host_nixl_endpoint")
+    __slots__ = ("worker_id", "role", "model", "engine_id", "nixl_endpoint", "block_size", "hash_algorithm", "parallel", "epoch", "kv_bytes_per_block", "hash_length", "http_endpoint", "labels", "last_sequence", "kv_dtype", "kv_group_windows", "hash_seed", "host_engine_id", "host_nixl_endpoint", "agent_version")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class WorkerRegistration(_message.Message):
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     HOST_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     model: str
@@ -169,7 +170,8 @@ class WorkerRegistration(_message.Message):
     hash_seed: str
     host_engine_id: str
     host_nixl_endpoint: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ..., host_engine_id: _Optional[str] = ..., host_nixl_endpoint: _Optional[str] = ...) -> None: ...
+    agent_version: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ..., host_engine_id: _Optional[str] = ..., host_nixl_endpoint: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier")
@@ -564,8 +566,15 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("workers", "entries", "retained_runs", "events_ingested", "lookups", "decisions", "resyncs", "evictions", "rejected_messages", "max_entries", "uptime_seconds", "models")
+    __slots__ = ("workers", "entries", "retained_runs", "events_ingested", "lookups", "decisions", "resyncs", "evictions", "rejected_messages", "max_entries", "uptime_seconds", "models", "version", "agent_versions")
     class DecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class AgentVersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -584,6 +593,8 @@ class GetStatsResponse(_message.Message):
     MAX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     workers: int
     entries: int
     retained_runs: int
@@ -596,7 +607,9 @@ class GetStatsResponse(_message.Message):
     max_entries: int
     uptime_seconds: float
     models: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, workers: _Optional[int] = ..., entries: _Optional[int] = ..., retained_runs: _Optional[int] = ..., events_ingested: _Optional[int] = ..., lookups: _Optional[int] = ..., decisions: _Optional[_Mapping[str, int]] = ..., resyncs: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., max_entries: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ...) -> None: ...
+    version: str
+    agent_versions: _containers.ScalarMap[str, int]
+    def __init__(self, workers: _Optional[int] = ..., entries: _Optional[int] = ..., retained_runs: _Optional[int] = ..., events_ingested: _Optional[int] = ..., lookups: _Optional[int] = ..., decisions: _Optional[_Mapping[str, int]] = ..., resyncs: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected_messages: _Optional[int] = ..., max_entries: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., models: _Optional[_Iterable[str]] = ..., version: _Optional[str] = ..., agent_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("model",)
