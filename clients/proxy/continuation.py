@@ -32,7 +32,6 @@ the prefill's connector matches the prompt the engine computes, block hash by bl
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -122,14 +121,14 @@ def shortened(answer: pb.RouteResponse, tokens: int) -> pb.RouteResponse:
 
 
 class ContinuationRoutes:
-    """Kept Route answers by conversation (thread-safe); each is taken once, within ``ttl_s``."""
+    """Kept Route answers by conversation; each is taken once, within ``ttl_s``. Used from the
+    proxy's event loop only."""
 
     def __init__(self, ttl_s: float = 120.0, max_entries: int = 4096) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._kept: OrderedDict[bytes, _Kept] = OrderedDict()  # oldest first
         self._by_prefix: dict[bytes, bytes] = {}  # a kept history's leading messages -> its key
-        self._lock = threading.Lock()
 
     def keep(
         self,
@@ -153,16 +152,15 @@ class ContinuationRoutes:
             len(history),
             tuple(digests[MIN_SHARED_MESSAGES - 1 :]),
         )
-        with self._lock:
-            self._drop(key)
-            self._kept[key] = kept
-            for prefix in kept.prefixes:  # the latest conversation kept with this prefix answers for it
-                self._by_prefix[prefix] = key
-            now = time.monotonic()
-            while self._kept and (
-                len(self._kept) > self.max_entries or next(iter(self._kept.values())).expires < now
-            ):
-                self._drop(next(iter(self._kept)))
+        self._drop(key)
+        self._kept[key] = kept
+        for prefix in kept.prefixes:  # the latest conversation kept with this prefix answers for it
+            self._by_prefix[prefix] = key
+        now = time.monotonic()
+        while self._kept and (
+            len(self._kept) > self.max_entries or next(iter(self._kept.values())).expires < now
+        ):
+            self._drop(next(iter(self._kept)))
 
     def take(self, model: str, cache_salt: str, messages: list[dict]) -> Continued | None:
         """The kept answer for the history this request resends (its messages through the last
@@ -174,19 +172,18 @@ class ContinuationRoutes:
         if last is None or last == len(messages) - 1:
             return None  # a first turn, or no new message after the answer
         digests = _prefix_digests(model, cache_salt, messages)
-        with self._lock:
-            kept = self._drop(digests[last])
-            shared = last + 1
-            if kept is None:
-                shared = next(
-                    (
-                        n
-                        for n in range(len(messages) - 1, MIN_SHARED_MESSAGES - 1, -1)
-                        if digests[n - 1] in self._by_prefix
-                    ),
-                    0,
-                )
-                kept = self._drop(self._by_prefix[digests[shared - 1]]) if shared else None
+        kept = self._drop(digests[last])
+        shared = last + 1
+        if kept is None:
+            shared = next(
+                (
+                    n
+                    for n in range(len(messages) - 1, MIN_SHARED_MESSAGES - 1, -1)
+                    if digests[n - 1] in self._by_prefix
+                ),
+                0,
+            )
+            kept = self._drop(self._by_prefix[digests[shared - 1]]) if shared else None
         if kept is None or kept.expires < time.monotonic():
             return None
         new_tokens = round(_text_chars(messages[shared:]) * kept.tokens_per_char)
@@ -196,7 +193,7 @@ class ContinuationRoutes:
         return Continued(shortened(kept.answer, tokens), new_tokens, "history_prefix")
 
     def _drop(self, key: bytes) -> _Kept | None:
-        """Forget a kept answer and its prefixes (the caller holds the lock)."""
+        """Forget a kept answer and its prefixes."""
         kept = self._kept.pop(key, None)
         if kept is not None:
             for prefix in kept.prefixes:
@@ -205,5 +202,4 @@ class ContinuationRoutes:
         return kept
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._kept)
+        return len(self._kept)

@@ -169,7 +169,9 @@ def test_the_routing_benchs_prefix_arm_is_a_proxy_that_takes_the_own_prefix_and_
         assert (
             turn.decode_stream is not None and turn.decode_stream.where == served_stack.decodes[0].config.url
         )
-        assert turn.computed_ids[: turn.prompt_tokens] == turn.prompt_ids and turn.answer
+        # what the decode computed KV for: the prompt and the 16 answer tokens but the last
+        assert turn.computed_ids[: turn.prompt_tokens] == turn.prompt_ids
+        assert len(turn.computed_ids) == turn.prompt_tokens + 15
     # the second prompt starts with the first one and its answer, which warm computed only in part
     assert second.cached_tokens <= len(first.prompt_ids) < second.prompt_tokens
 
