@@ -29,6 +29,7 @@ def burner() -> Iterator[subprocess.Popen]:
     process = subprocess.Popen(
         [sys.executable, "-c", _BURNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
+    burn(process, 0)  # its interpreter has started: the tests count only what they ask for
     yield process
     process.kill()
     process.wait()
@@ -46,7 +47,7 @@ def test_process_cpu_counts_the_time_a_process_ran(burner):
     before = cpu.seconds()
     burn(burner, 0.3)
     spent = cpu.seconds() - before
-    assert 0.29 <= spent < 0.6
+    assert 0.29 <= spent < 0.45
 
 
 def test_windows_and_the_rest_add_up_to_the_whole(burner):
