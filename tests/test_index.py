@@ -83,6 +83,28 @@ async def test_longest_prefix_picks_longest_holder_and_its_block_ids(make_store)
     assert match.best.handle == "hb"
 
 
+async def test_many_runs_sharing_a_prefix_are_each_held_once_and_dropped_cleanly(make_store):
+    # a shared prefix (a system prompt) held by many runs of several workers; one run repeats a
+    # hash it shares: it is held once, and dropping runs leaves the others' entries as they were
+    store = await make_store()
+    system = conversation("sys", 6)
+    for w in ("a", "b", "c"):
+        await store.register(spec(w), 0, 0.0)
+    for i, w in enumerate(("a", "b", "c")):
+        await store.apply(w, 1, 1, [retain(system + conversation(w, 2), f"h{w}", first_id=10 * i)], 0.0)
+    await store.apply("a", 1, 2, [retain([*system, system[2], *conversation("a2", 1)], "ha2")], 0.0)
+    found = await store.find(NS, system[2], 1.0)
+    assert sorted((loc.worker_id, loc.handle) for loc in found if loc.kind == "retained") == [
+        ("a", "ha"), ("a", "ha2"), ("b", "hb"), ("c", "hc")
+    ]  # fmt: skip
+    await store.apply("a", 1, 3, [Released("ha2"), Released("ha")], 0.0)
+    assert (await store.counts()).entries == 2 * 8
+    match = await store.lookup(NS, system + conversation("b", 2), 0, "p", 1.0, claim=False)
+    assert match.best is not None and (match.best.worker.worker_id, match.best.matched_blocks) == ("b", 8)
+    match = await store.lookup(NS, system + conversation("a", 2), 0, "p", 1.0, claim=False)
+    assert match.best is not None and match.best.matched_blocks == 6  # a's own tail is gone
+
+
 async def test_local_prefix_and_requester_are_respected(make_store):
     store = await make_store()
     await store.register(spec("a"), 0, 0.0)

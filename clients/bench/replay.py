@@ -14,11 +14,13 @@ import itertools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvloop.clients.bench.common import start_daemon
+from kvloop.clients.bench.cpu import CpuMeter
 from kvloop.clients.bench.replay_fleet import Fleet, FleetConfig
 from kvloop.clients.bench.replay_report import CostModel, build_report
 from kvloop.clients.bench.replay_trace import TraceRequest
@@ -45,8 +47,11 @@ class ReplayConfig:
     fleet: FleetConfig = field(default_factory=FleetConfig)
     cost: CostModel = field(default_factory=CostModel)
     buckets: int = 20
-    # Passed to kvloopd as they are (e.g. another store's flags).
+    # Passed to kvloopd as they are.
     daemon_args: tuple[str, ...] = ()
+    # kvloopd's store: "memory", "redis" (a redis-server of the replay's own) or a redis:// URL,
+    # whose server's CPU the report then counts too (a dedicated server: all its CPU is charged).
+    store: str = "memory"
 
 
 def replay(
@@ -65,25 +70,46 @@ def replay(
         "KVLOOP_EXPIRY_MARGIN_S": "0",
     }
     try:
-        try:
-            daemon, target = start_daemon("127.0.0.1:0", workdir, config.daemon_args, env)
-        except Exception as exc:
-            log = (workdir / "kvloopd.log").read_text(errors="replace").strip().splitlines()[-5:]
-            raise ReplayError(f"kvloopd did not start ({exc}): " + " | ".join(log)) from None
-        try:
+        with ExitStack() as stack:
+            redis_url = _store_url(config.store, workdir, stack)
+            args = config.daemon_args if redis_url is None else ("--store", redis_url, *config.daemon_args)
+            try:
+                daemon, target = start_daemon("127.0.0.1:0", workdir, args, env)
+            except Exception as exc:
+                log = (workdir / "kvloopd.log").read_text(errors="replace").strip().splitlines()[-5:]
+                raise ReplayError(f"kvloopd did not start ({exc}): " + " | ".join(log)) from None
+            meter = CpuMeter(daemon.pid, redis_url)
+            stack.callback(meter.close)
+            if meter.redis is not None:
+                meter.redis.calibrate()
+            try:
 
-            async def go():
-                async with AsyncDirectoryClient(
-                    target, timeout=60, max_message_bytes=64 * 1024 * 1024
-                ) as client:
-                    return await Fleet(config.fleet, client, target, daemon.pid, progress).run(requests)
+                async def go():
+                    async with AsyncDirectoryClient(
+                        target, timeout=60, max_message_bytes=64 * 1024 * 1024
+                    ) as client:
+                        fleet = Fleet(config.fleet, client, target, daemon.pid, progress, meter)
+                        return await fleet.run(requests)
 
-            result = asyncio.run(go())
-        finally:
-            supervisor().stop(daemon, grace_s=10)
+                result = asyncio.run(go())
+            finally:
+                supervisor().stop(daemon, grace_s=10)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return build_report(result, config.fleet, config.cost, trace, config.buckets)
+    return build_report(result, config.fleet, config.cost, trace, config.buckets, meter, config.store)
+
+
+def _store_url(store: str, workdir: Path, stack: ExitStack) -> str | None:
+    """None for the in-memory store; a Redis URL (a throwaway server of the replay's own for "redis")."""
+    if store == "memory":
+        return None
+    if store == "redis":
+        from kvloop.clients.fleet.redis_local import local_redis
+
+        return stack.enter_context(local_redis(workdir))
+    if store.startswith(("redis://", "rediss://", "unix://")):
+        return store
+    raise ReplayError(f"store must be memory, redis or a redis:// URL, got {store!r}")
 
 
 def parse_sweep(specs: Sequence[str]) -> dict[str, list[float]]:
@@ -156,6 +182,7 @@ def sweep(
                 "evicted_runs": sum(d["evicted_runs"] for d in report["decodes"].values()),
                 "moved_to_host_runs": sum(d["moved_to_host_runs"] for d in report["decodes"].values()),
                 "lookup_ms_p50": (report["daemon"]["lookup_ms"] or {}).get("p50"),
+                "daemon_cpu_ms_per_request": report.get("daemon_cpu_ms_per_request"),
                 "daemon_rss_mib_peak": (report["daemon"]["rss_mib"] or {}).get("peak"),
                 "replay_requests_per_s": report["replay"]["requests_per_s"],
             }

@@ -39,6 +39,7 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
@@ -46,6 +47,7 @@ from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetention
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.bench.common import rss_bytes
+from kvloop.clients.bench.cpu import CpuMeter
 from kvloop.clients.bench.replay_trace import TraceRequest
 from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.common.outcomes import path_name, reason_name
@@ -104,6 +106,10 @@ class FleetConfig:
     # runs and running turns are lost, it rejoins with a new epoch after the downtime (trace s).
     decode_failures: int = 0
     failure_downtime_s: float = 60.0
+    # Ask kvloopd's Route for every request, as kvloop's proxy does before it picks a prefill (the
+    # prompt as block hashes, the prefills as candidates). The prefill is still picked by the
+    # replay's own routing, so the shares do not depend on it; it is there for Route's cost.
+    route: bool = True
 
 
 @dataclass(slots=True)
@@ -124,6 +130,7 @@ class RequestRecord:
     # Prompt tokens a decode had held at some point before this request (its continuation share).
     ever_held_tokens: int
     lookup_ms: float
+    route_ms: float = 0.0
     holder: str = ""
     pulled_tier: str = ""  # "device" or "host" when blocks were pulled
 
@@ -221,6 +228,8 @@ class FleetResult:
     rss_samples: list[tuple[float, int]]  # (trace ms, daemon RSS bytes)
     decodes: dict[str, dict[str, int]]
     behind_ms_max: float
+    # kvloopd's events ingested during the replay (its GetStats counter, end less start)
+    events_ingested: int = 0
 
 
 class Fleet:
@@ -231,6 +240,7 @@ class Fleet:
         target: str,
         daemon_pid: int | None,
         progress: Callable[[int], None] = lambda done: None,
+        meter: CpuMeter | None = None,
     ) -> None:
         if config.routing not in ROUTINGS:
             raise ValueError(f"routing {config.routing!r}: choose from {', '.join(ROUTINGS)}")
@@ -238,6 +248,7 @@ class Fleet:
         self.client = client
         self.daemon_pid = daemon_pid
         self.progress = progress
+        self.meter = meter
         self.rnd = random.Random(config.seed)
         bs = config.block_size
         kv_bytes_per_block = self._kv_bytes_per_block = config.kv_bytes_per_token * bs
@@ -324,6 +335,9 @@ class Fleet:
         wall0 = time.perf_counter()
         behind_max, truncated = 0.0, False
         rss_every = max(1, len(requests) // 50)
+        events_before = (await self.client.stats()).events_ingested
+        if self.meter is not None:
+            self.meter.start()
         for n, request in enumerate(requests):
             await self._advance(request.timestamp_ms)
             if self.config.max_wall_s is not None and time.perf_counter() - wall0 > self.config.max_wall_s:
@@ -341,6 +355,9 @@ class Fleet:
                 rss.append((request.timestamp_ms, rss_bytes(self.daemon_pid)))
             self.progress(n + 1)
         await self._settle()
+        if self.meter is not None:
+            self.meter.stop()
+        events = (await self.client.stats()).events_ingested - events_before
         if self.daemon_pid is not None:
             rss.append((records[-1].t_ms if records else 0.0, rss_bytes(self.daemon_pid)))
         decodes = {
@@ -364,6 +381,7 @@ class Fleet:
             rss_samples=rss,
             decodes=decodes,
             behind_ms_max=behind_max,
+            events_ingested=events,
         )
 
     def _schedule(self, t_ms: float, kind: str, decode: _Decode, what: TraceRequest | _Run | None) -> None:
@@ -462,19 +480,32 @@ class Fleet:
                 break
             ever += 1
         answer: LookupAnswer | None = None
-        lookup_ms = 0.0
+        lookup_ms = route_ms = 0.0
         if r.hashes:
-            # What a lookup may depend on has reached the daemon (module docstring).
+            # What a lookup may depend on has reached the daemon (module docstring). With a CPU
+            # meter the prefills' events are awaited too: nothing else runs in the daemon while
+            # the Route and the Lookup are measured.
+            links = [d.link for d in self.decodes if not d.down]
+            if self.meter is not None:
+                links += [p.link for p in self.prefills]
             await asyncio.gather(
-                *(
-                    d.link.wait_acked(timeout=60)
-                    for d in self.decodes
-                    if not d.down and d.link.acked < d.link.sequence
-                )
+                *(link.wait_acked(timeout=60) for link in links if link.acked < link.sequence)
             )
+            if cfg.route:
+                t = time.perf_counter()
+                with self._window("route"):
+                    await self.client.route(
+                        MODEL,
+                        [p.worker_id for p in self.prefills],
+                        block_hashes=r.hashes,
+                        block_size=bs,
+                        prompt_tokens=r.input_length,
+                    )
+                route_ms = (time.perf_counter() - t) * 1000
             loop = asyncio.get_running_loop()
             t = time.perf_counter()
-            answer = await loop.run_in_executor(self._executor, prefill.lookups.lookup, r.hashes, local)
+            with self._window("lookup"):
+                answer = await loop.run_in_executor(self._executor, prefill.lookups.lookup, r.hashes, local)
             lookup_ms = (time.perf_counter() - t) * 1000
         pulled_blocks, pulled_tier = 0, ""
         if answer is None:
@@ -511,6 +542,7 @@ class Fleet:
             missed_reason=missed_reason,
             ever_held_tokens=ever * bs,
             lookup_ms=lookup_ms,
+            route_ms=route_ms,
             holder=answer.holder.worker_id if answer is not None and answer.holder is not None else "",
             pulled_tier=pulled_tier if pulled_tokens else "",
         )
@@ -523,6 +555,9 @@ class Fleet:
         # business, so only decoding places the end here.
         self._schedule(r.timestamp_ms + r.output_length * cfg.decode_ms_per_token, "finish", decode, r)
         return record
+
+    def _window(self, part: str) -> AbstractContextManager[object]:
+        return self.meter.window(part) if self.meter is not None else nullcontext()
 
     def _route_decode(self, holder: str) -> _Decode:
         routing = self.config.routing

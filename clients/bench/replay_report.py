@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvloop.clients.bench.cpu import CpuMeter, per_request
 from kvloop.clients.bench.replay_fleet import TIERS, FleetConfig, FleetResult, RequestRecord
 
 if TYPE_CHECKING:
@@ -200,6 +201,8 @@ def build_report(
     cost: CostModel,
     trace: dict[str, Any],
     buckets: int = 20,
+    meter: CpuMeter | None = None,
+    store: str = "memory",
 ) -> dict[str, Any]:
     records = result.records
     prompt_tokens = sum(r.prompt_tokens for r in records)
@@ -230,6 +233,7 @@ def build_report(
         "ttft": _ttft(records, cost),
         "daemon": {
             "lookup_ms": _dist([r.lookup_ms for r in records if r.lookup_ms]),
+            "route_ms": _dist([r.route_ms for r in records if r.route_ms]),
             "event_lag_ms": _dist(result.event_lag_ms),
             "rss_mib": {
                 "start": round(result.rss_samples[0][1] / 2**20, 1),
@@ -250,7 +254,37 @@ def build_report(
         "decodes": result.decodes,
         "over_time": _over_time(result, buckets),
     }
+    if meter is not None:
+        report.update(_cpu(result, meter, store))
     return report
+
+
+def _cpu(result: FleetResult, meter: CpuMeter, store: str) -> dict[str, Any]:
+    """CPU per replayed request of kvloopd (and of the Redis server), split into the Route and Lookup
+    windows and the rest (ingest: event batches, heartbeats, the reaper)."""
+    n = len(result.records)
+    events = result.events_ingested
+    out: dict[str, Any] = {}
+    cpu: dict[str, Any] = {
+        "store": "memory" if store == "memory" else "redis",
+        "block_events": events,
+        "block_events_per_request": round(events / n, 1) if n else None,
+    }
+    for name, split in (("kvloopd", meter.daemon_split), ("redis", meter.redis_split)):
+        if split is None:
+            continue
+        figures = per_request(split, n, rest="ingest")
+        ingest = split.total - sum(split.parts.values())
+        figures["ingest_us_per_block_event"] = round(ingest / events * 1e6, 3) if events else None
+        cpu[name] = figures
+        if figures:
+            out[f"{'daemon' if name == 'kvloopd' else name}_cpu_ms_per_request"] = figures[
+                "cpu_ms_per_request"
+            ]
+    if meter.redis is not None:
+        cpu["redis_cpu_per_reading_us"] = round(meter.redis.per_reading_s * 1e6, 3)
+    out["cpu"] = cpu
+    return out
 
 
 def _over_time(result: FleetResult, buckets: int) -> list[dict[str, Any]]:
@@ -361,6 +395,20 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
         + "; RSS "
         + (f"{rss['start']} -> peak {rss['peak']} MiB" if rss else "-")
     )
+    if "cpu" in r:
+        cpu = r["cpu"]
+        for name in ("kvloopd", "redis"):
+            figures = cpu.get(name)
+            if not figures:
+                continue
+            by_part = figures["cpu_ms_per_request_by_part"]
+            console.print(
+                f"{name} CPU: {figures['cpu_ms_per_request']} ms per request "
+                f"({figures['requests_per_s_per_core']} requests/s per core): "
+                + ", ".join(f"{part} {ms} ms" for part, ms in by_part.items())
+                + f"; {cpu['block_events_per_request']} block events per request, "
+                f"{figures['ingest_us_per_block_event']} us of ingest each"
+            )
     table = Table(title="over time")
     for column in ("t (s)", "requests", "local", "pulled", "recomputed", "Lookup p50 ms", "RSS MiB"):
         table.add_column(column, justify="right")

@@ -106,6 +106,13 @@ def bench_replay(
         "replay-sweep.png"
     ),
     buckets: Annotated[int, typer.Option(min=1, help="windows of the over-time report")] = 10,
+    store: Annotated[
+        str,
+        typer.Option(help="kvloopd's store: memory, redis (a redis-server of its own) or a redis:// URL"),
+    ] = "memory",
+    no_route: Annotated[
+        bool, typer.Option("--no-route", help="skip the Route call per request (the proxy's)")
+    ] = False,
     daemon_arg: Annotated[
         Optional[list[str]], typer.Option(help="extra kvloopd flag (repeatable), e.g. a store option")
     ] = None,
@@ -185,8 +192,13 @@ def bench_replay(
         decode_failures=decode_failures,
         failure_downtime_s=failure_downtime,
         seed=seed,
+        route=not no_route,
     )
-    config = rp.ReplayConfig(fleet=fleet, cost=cost, buckets=buckets, daemon_args=tuple(daemon_arg or ()))
+    if store not in ("memory", "redis") and not store.startswith(("redis://", "rediss://", "unix://")):
+        _fail(f"--store must be memory, redis or a redis:// URL, got {store!r}", code=2)
+    config = rp.ReplayConfig(
+        fleet=fleet, cost=cost, buckets=buckets, daemon_args=tuple(daemon_arg or ()), store=store
+    )
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with (

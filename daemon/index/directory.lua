@@ -84,22 +84,30 @@ local function chunks(hs, hl)
   return out
 end
 
--- Add `member` to the separated lists of every hash in `hs` (one HMGET and one HSET per chunk: a
--- block is usually new, and per-block calls would dominate ingest).
+-- Add `member` (new to every list) to the separated lists of every hash in `hs` (one HMGET and one
+-- HSET per chunk: a block is usually new, and per-block calls would dominate ingest). Returns the
+-- entries added: a hash `hs` repeats (a misbehaving agent) is added once, as discard_all removes it
+-- once, so the entry count cannot drift.
 local function add_all(key, hs, hl, member, sep)
+  local seen, added = {}, 0
   for _, part in ipairs(chunks(hs, hl)) do
     local current = redis.call('HMGET', key, unpack(part))
     local fresh = {}
     for j, h in ipairs(part) do
-      if current[j] then
-        redis.call('HSET', key, h, current[j] .. sep .. member)
-      else
-        fresh[#fresh + 1] = h
-        fresh[#fresh + 1] = member
+      if not seen[h] then
+        seen[h] = true
+        added = added + 1
+        if current[j] then
+          redis.call('HSET', key, h, current[j] .. sep .. member)
+        else
+          fresh[#fresh + 1] = h
+          fresh[#fresh + 1] = member
+        end
       end
     end
     if #fresh > 0 then redis.call('HSET', key, unpack(fresh)) end
   end
+  return added
 end
 
 -- Remove `member` from the lists of every hash in `hs`; returns how many held it.
@@ -354,8 +362,7 @@ local function apply(keys, args)
       if previous then touched = touched + drop_run(base, previous) end
       local rid = tostring(redis.call('INCR', base .. 'next'))
       local runkey = p .. 'run:' .. rid
-      add_all(p .. 'ret', hs, hl, rid, ',')
-      added = added + n
+      added = added + add_all(p .. 'ret', hs, hl, rid, ',')
       local deadline = now + tonumber(args[i + 7]) / 1000
       redis.call('HSET', runkey, 'w', w, 'h', handle, 'hl', hl, 'n', n, 'k', '1', 'g', args[i + 5],
         'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10], 'tb', args[i + 11], 'p', p,

@@ -438,7 +438,18 @@ class MemoryStore:
         before = len(index)
         claim = index.setdefault
         shared = [h for h in event.hashes if claim(h, rid) is not rid]
-        added = len(index) - before + sum(_add(index, h, rid) for h in shared)
+        added = len(index) - before
+        # The run id is new, so it is in no holder list yet: append without _add's membership scan,
+        # which walked the whole list of every shared block (a common system prompt is held by
+        # every live run): ingest grew with the square of the runs sharing a prefix.
+        # dict.fromkeys: a hash the event repeats must not add the run twice.
+        for h in dict.fromkeys(shared) if shared else ():
+            current = index[h]
+            if isinstance(current, list):
+                current.append(rid)
+            else:
+                index[h] = [current, rid]
+            added += 1
         self._runs[rid] = run
         worker.runs[event.handle] = run
         worker.retained_blocks += len(event.hashes)

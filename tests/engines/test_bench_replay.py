@@ -467,3 +467,27 @@ def test_a_crashed_holder_is_named(tmp_path, downtime):
     assert report["missed_pull_tokens"] == {"peer_unavailable": 129 * BS}
     assert report["decodes"]["replay-decode-0"]["failures"] == 1
     assert report["reasons"].get("peer_unavailable", 0) == (1 if downtime == "60" else 0)
+
+
+def test_cpu_per_request_is_split_on_both_stores_and_the_store_changes_no_share():
+    memory = replay("--synthetic", "200", "--decodes", "2")
+    on_redis = replay("--synthetic", "200", "--decodes", "2", "--store", "redis")
+    for report in (memory, on_redis):
+        cpu = report["cpu"]["kvloopd"]
+        assert report["daemon_cpu_ms_per_request"] == cpu["cpu_ms_per_request"] > 0
+        parts = cpu["cpu_ms_per_request_by_part"]
+        assert set(parts) == {"ingest", "lookup", "route"} and all(v > 0 for v in parts.values())
+        assert sum(parts.values()) == pytest.approx(cpu["cpu_ms_per_request"], abs=1e-3)
+        assert report["cpu"]["block_events"] > report["requests"]  # hundreds of block events a request
+        assert cpu["ingest_us_per_block_event"] > 0
+        assert report["daemon"]["route_ms"]["p50"] > 0
+    assert memory["cpu"]["store"] == "memory" and "redis_cpu_ms_per_request" not in memory
+    assert on_redis["cpu"]["store"] == "redis" and on_redis["redis_cpu_ms_per_request"] > 0
+    assert all(v > 0 for v in on_redis["cpu"]["redis"]["cpu_ms_per_request_by_part"].values())
+    # the same directory answers on either store: the same tokens local, pulled and recomputed
+    for key in ("local_tokens", "pulled_tokens", "recomputed_tokens"):
+        assert on_redis[key] == memory[key]
+    assert on_redis["cpu"]["block_events"] == memory["cpu"]["block_events"]
+    no_route = replay("--synthetic", "200", "--decodes", "2", "--no-route")
+    assert "route" not in no_route["cpu"]["kvloopd"]["cpu_ms_per_request_by_part"]
+    assert no_route["daemon"]["route_ms"] is None and no_route["pulled_tokens"] == memory["pulled_tokens"]
