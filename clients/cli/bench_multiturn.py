@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
 
-from kvloop.clients.cli.output import JsonFlag, _blank, _emit_json, _fail, console, state
+from kvloop.clients.cli.multiturn_tables import print_multiturn
+from kvloop.clients.cli.output import JsonFlag, _emit_json, _fail, console, state
 
 
 def bench_multiturn(
@@ -186,7 +186,7 @@ def bench_multiturn(
     if state.json:
         _emit_json(result)
         return
-    _print_multiturn(result["summary"])
+    print_multiturn(result["summary"])
     console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
 
 
@@ -215,191 +215,4 @@ def bench_multiturn_pool(
     if state.json:
         _emit_json(summary)
         return
-    _print_multiturn(summary)
-
-
-def _print_multiturn(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn_arms import CPU_ROLES
-    from kvloop.clients.bench.multiturn_setup import ARMS, HOST_ARM, ROUTING_ARMS
-
-    routing = any(row["arm"] in ROUTING_ARMS and "route_outcomes" in row for row in summary["rows"])
-    what = "first streamed token through the arm's proxy" if routing else "disaggregated prefill latency"
-    table = Table(title=f"kvloop bench multiturn: continuation turns (TTFT = {what})")
-    for column in (
-        "workload",
-        "sessions",
-        "arm",
-        "turns",
-        "p50 ms",
-        "p90 ms",
-        "p50 per repeat",
-        "x recompute",
-        "transfer share",
-        "pulled tokens",
-        "prompt tokens",
-        "answers = recompute",
-        "wrong blocks",
-        "MiB moved",
-        "READ ms",
-        "lookup ms",
-    ):
-        table.add_column(column)
-    for row in summary["rows"]:
-        table.add_row(
-            row["workload"],
-            str(row["concurrency"]),
-            row["arm"],
-            str(row["continuation_turns"]),
-            f"{row['ttft_p50_ms']:.0f}",
-            f"{row['ttft_p90_ms']:.0f}",
-            " ".join(f"{v:.0f}" for v in row["ttft_p50_by_repeat_ms"]),
-            str(row["ratio_to_recompute_p50"]),
-            str(row["transfer_share"]),
-            str(row["mean_pulled_tokens"]),
-            str(row["mean_prompt_tokens"]),
-            _blank(row["answer_agreement_with_recompute"]),
-            f"{row['wrong_pulled_blocks']} of {row['pulled_blocks']}",
-            _blank(row.get("bytes_moved_mib")),
-            _blank(row.get("nixl_read_ms_mean")),
-            _blank(row.get("lookup_ms_p50")),
-        )
-    console.print(table)
-    table = Table(
-        title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)"
-    )
-    present = [
-        a
-        for a in dict.fromkeys((*ARMS, HOST_ARM, *ROUTING_ARMS))
-        if any(r["arm"] == a for r in summary["rows"])
-    ]
-    for column in ("workload", "sessions", "context", "turns", *present):
-        table.add_column(column)
-    cells: dict[tuple, dict[str, dict]] = {}
-    for cell in summary["by_context"]:
-        cells.setdefault((cell["workload"], cell["concurrency"], cell["context_k"]), {})[cell["arm"]] = cell
-    for (workload, concurrency, k), arms in cells.items():
-        table.add_row(
-            workload,
-            str(concurrency),
-            f"~{k}K",
-            str(max(c["turns"] for c in arms.values())),
-            *(
-                f"{arms[a]['ttft_p50_ms']:.0f} ({arms[a]['ratio_to_recompute_p50']})" if a in arms else ""
-                for a in present
-            ),
-        )
-    console.print(table)
-    table = Table(
-        title="where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
-        "request metrics) and outside it (HTTP, chat template, tokenizer)"
-    )
-    for column in (
-        "workload",
-        "sessions",
-        "arm",
-        "TTFT",
-        "waiting (lookup + READ)",
-        "of which READ",
-        "prefill compute",
-        "outside the engine",
-        "decode TPOT",
-    ):
-        table.add_column(column)
-    for row in summary["rows"]:
-        if "engine_e2e_ms_mean" in row:
-            ttft = row["ttft_mean_all_turns_ms"]
-            table.add_row(
-                row["workload"],
-                str(row["concurrency"]),
-                row["arm"],
-                f"{ttft:.0f}",
-                f"{row['engine_queue_ms_mean']:.0f}",
-                _blank(row.get("nixl_read_ms_mean")),
-                f"{row['engine_prefill_ms_mean']:.0f}",
-                f"{ttft - row['engine_e2e_ms_mean']:.0f}",
-                _blank(row.get("decode_tpot_ms_mean")),
-            )
-    console.print(table)
-    decode_rows = [row for row in summary["rows"] if "decode_tpot_ms_mean" in row]
-    if decode_rows:
-        table = Table(
-            title="the decode side: time per output token, mean batch (tokens per engine step) and CPU "
-            "seconds each process used in the measured turns"
-        )
-        cpu_columns = [f"CPU s {role}" for role in CPU_ROLES]
-        for column in ("workload", "sessions", "arm", "decode TPOT ms", "decode batch", *cpu_columns):
-            table.add_column(column)
-        for row in decode_rows:
-            cpu = row.get("cpu_s", {})
-            table.add_row(
-                row["workload"],
-                str(row["concurrency"]),
-                row["arm"],
-                _blank(row.get("decode_tpot_ms_mean")),
-                _blank(row.get("decode_batch_mean")),
-                *(_blank(cpu.get(role)) for role in CPU_ROLES),
-            )
-        console.print(table)
-    table = Table(title="paired per-turn ratios (same turn, same prompt)")
-    for column in ("of", "workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
-        table.add_column(column)
-    paired = [("TTFT", p) for p in summary["paired"]]
-    paired += [("decode TPOT", p) for p in summary.get("paired_decode_tpot", [])]
-    for measure, pair in paired:
-        low, high = pair["median_ci95"]
-        table.add_row(
-            measure,
-            pair["workload"],
-            str(pair["concurrency"]),
-            pair["ratio"],
-            str(pair["turns"]),
-            f"{pair['median']:.3f}",
-            f"{low:.2f}-{high:.2f}",
-            f"{pair['q1']:.2f}-{pair['q3']:.2f}",
-        )
-    console.print(table)
-    for row in summary.get("decode_step_at_equal_batch", []):
-        console.print(
-            f"decode step at equal batch (steps without an arrival), {row['ratio']}, {row['workload']}, "
-            f"{row['concurrency']} sessions: {row['ratio_weighted']} weighted; by batch "
-            + ", ".join(f"{b['batch']}: {b['ratio']}" for b in row["by_batch"])
-        )
-    for row in summary["shared_prefix_new_conversations"]:
-        console.print(
-            f"new conversation sharing a long prefix ({row['concurrency']} sessions), {row['arm']}: "
-            f"first-turn "
-            f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
-            f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks"
-        )
-    routed_rows = [row for row in summary["rows"] if "route_outcomes" in row]
-    if routed_rows:
-        table = Table(
-            title="how each arm's proxy chose (its x-kvloop-* headers): the prefill leg as the proxy "
-            "timed it (choosing included), choosing alone, outcomes, prefills used, turns that waited "
-            "for their burst"
-        )
-        for column in (
-            "workload",
-            "sessions",
-            "arm",
-            "TTFT p50",
-            "prefill leg p50",
-            "choosing p50",
-            "outcomes",
-            "prefills",
-            "burst waits",
-        ):
-            table.add_column(column)
-        for row in routed_rows:
-            table.add_row(
-                row["workload"],
-                str(row["concurrency"]),
-                row["arm"],
-                f"{row['ttft_p50_ms']:.0f}",
-                _blank(row.get("prefill_leg_ms_p50")),
-                _blank(row.get("route_ms_p50")),
-                ", ".join(f"{k} {v}" for k, v in sorted(row["route_outcomes"].items())),
-                ", ".join(f"{k} {v}" for k, v in sorted(row["prefills_used"].items())),
-                str(row["burst_waits"]),
-            )
-        console.print(table)
+    print_multiturn(summary)
