@@ -88,6 +88,22 @@ def check_hashes(
 # ---- registration -------------------------------------------------------------------------------
 
 
+def _root_key(root: bytes, width: int, where: str) -> bytes | None:
+    """A chain root's block key (None when the agent sent none)."""
+    if not root:
+        return None
+    if len(root) != width:
+        raise BadInput("hash_length", f"{where}: root_block_hash must be {width} bytes, got {len(root)}")
+    return block_keys([root])[0]
+
+
+def _root(stored: pb.BlocksStored, keys: list[bytes], width: int, where: str) -> bytes | None:
+    """Where a stored chain starts: the root the agent named, its own first block, or not known."""
+    if stored.root_block_hash:
+        return _root_key(stored.root_block_hash, width, where)
+    return None if stored.parent_block_hash else keys[0]
+
+
 def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
     problems = []
     if not reg.worker_id or len(reg.worker_id) > MAX_ID_LENGTH:
@@ -238,11 +254,23 @@ def events_from_batch(batch: pb.EventBatch, spec: WorkerSpec, max_hashes: int) -
         elif kind == "stored":
             hashes = list(event.stored.block_hashes)
             check_hashes(hashes, width, max_hashes, where)
-            events.append(Stored(block_keys(hashes), event.stored.lora_name, event.stored.tier))
+            keys = block_keys(hashes)
+            events.append(
+                Stored(
+                    keys, event.stored.lora_name, event.stored.tier, _root(event.stored, keys, width, where)
+                )
+            )
         elif kind == "removed":
             hashes = list(event.removed.block_hashes)
             check_hashes(hashes, width, max_hashes, where)
-            events.append(Removed(block_keys(hashes), event.removed.lora_name))
+            roots = list(event.removed.root_block_hashes)
+            if roots:
+                if len(roots) != len(hashes):
+                    raise BadInput(
+                        "roots", f"{where}: {len(roots)} root_block_hashes for {len(hashes)} block hashes"
+                    )
+                check_hashes(roots, width, max_hashes, where)
+            events.append(Removed(block_keys(hashes), event.removed.lora_name, block_keys(roots) or None))
         elif kind == "released":
             if not event.released.retention_handle:
                 raise BadInput("handle", f"{where}: retention_handle must be set")

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
-from tests.store_backends import redis_url  # noqa: F401  (a session fixture shared by store tests)
+from tests.store_backends import redis_cluster_url, redis_url  # noqa: F401  (session fixtures shared by store tests)
 
 KVLOOPD = str(Path(sys.executable).parent / "kvloopd")  # this environment's, whatever PATH says
 

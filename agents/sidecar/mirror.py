@@ -37,7 +37,9 @@ class WorkerMirror:
         # The registration names a host-memory pool: runs announced in host memory can be read.
         self.host_pool = host_pool
         self.retained: dict[str, _Run] = {}
-        self.stored: dict[str, dict[bytes, None]] = {}  # lora -> ordered set of hashes
+        # lora -> hash -> the first block of its chain (insertion-ordered): a sharded directory places
+        # a chain's blocks by that root, so every event names it.
+        self.stored: dict[str, dict[bytes, bytes]] = {}
         self._warned_int_hashes = False
         self._warned: set[str] = set()  # skip reasons already logged (each once)
 
@@ -85,16 +87,21 @@ class WorkerMirror:
             hashes = self._hashes(event.get("block_hashes", []))
             if hashes is None:
                 return None
-            self.stored.setdefault(lora, {}).update(dict.fromkeys(hashes))
+            # An int parent (vLLM's int hashes) is no digest: sent as unknown.
+            parent = event.get("parent_block_hash")
+            parent = parent if isinstance(parent, bytes) else b""
+            mine = self.stored.setdefault(lora, {})
+            # A parent this mirror does not hold (evicted first) stands in for the root: the blocks'
+            # later removal names the same root, so they are found where they were put.
+            root = mine.get(parent, parent) if parent else hashes[0]
+            mine.update(dict.fromkeys(hashes, root))
             return pb.BlockEvent(
                 stored=pb.BlocksStored(
                     block_hashes=hashes,
-                    # An int parent (vLLM's int hashes) is no digest: sent as unknown.
-                    parent_block_hash=parent
-                    if isinstance(parent := event.get("parent_block_hash"), bytes)
-                    else b"",
+                    parent_block_hash=parent,
                     lora_name=lora,
                     tier=pb.BLOCK_TIER_DEVICE,
+                    root_block_hash=root,
                 )
             )
         if kind == "BlockRemoved":
@@ -102,9 +109,10 @@ class WorkerMirror:
             if hashes is None:
                 return None
             mine = self.stored.get(lora, {})
-            for h in hashes:
-                mine.pop(h, None)
-            return pb.BlockEvent(removed=pb.BlocksRemoved(block_hashes=hashes, lora_name=lora))
+            roots = [mine.pop(h, h) for h in hashes]  # one never stored: not indexed anywhere
+            return pb.BlockEvent(
+                removed=pb.BlocksRemoved(block_hashes=hashes, lora_name=lora, root_block_hashes=roots)
+            )
         if kind == "AllBlocksCleared":
             self.stored.clear()
             self.retained.clear()
@@ -192,12 +200,18 @@ class WorkerMirror:
             event.CopyFrom(run.event)
             event.expires_in_ms = remaining
             events.append(pb.BlockEvent(retained=event))
-        for lora, hashes in self.stored.items():
-            if hashes:
+        for lora, roots in self.stored.items():
+            chains: dict[bytes, list[bytes]] = {}
+            for h, root in roots.items():
+                chains.setdefault(root, []).append(h)
+            for root, hashes in chains.items():
                 events.append(
                     pb.BlockEvent(
                         stored=pb.BlocksStored(
-                            block_hashes=list(hashes), lora_name=lora, tier=pb.BLOCK_TIER_DEVICE
+                            block_hashes=hashes,
+                            lora_name=lora,
+                            tier=pb.BLOCK_TIER_DEVICE,
+                            root_block_hash=root,
                         )
                     )
                 )

@@ -7,7 +7,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvloop.common.addresses import free_port
@@ -107,3 +108,84 @@ def local_sentinel(
         yield f"127.0.0.1:{port}"
     finally:
         supervisor().stop(process, grace_s=5)
+
+
+@dataclass
+class LocalCluster:
+    """A Redis Cluster on loopback: ``url`` names one node (a cluster client finds the rest)."""
+
+    url: str
+    ports: list[int]
+
+    def roles(self, asked: int | None = None) -> dict[int, str]:
+        """Each connected node's role ("master", "slave"), as a running node reports them."""
+        return _roles(asked or self.ports[-1])
+
+    def stop_node(self, port: int) -> None:
+        """Shut one node down without saving (its process ends as after a crash of its host)."""
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown", "nosave"], capture_output=True, timeout=10)
+
+
+def _roles(port: int) -> dict[int, str]:
+    """Each connected node's role, as CLUSTER NODES on ``port`` reports them."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "cluster", "nodes"], capture_output=True, text=True, timeout=10
+    ).stdout
+    roles = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 7 and "fail" not in fields[2] and fields[7] == "connected":
+            roles[int(fields[1].split("@")[0].rsplit(":", 1)[1])] = (
+                "master" if "master" in fields[2] else "slave"
+            )
+    return roles
+
+
+def _cluster_ok(port: int) -> bool:
+    out = subprocess.run(
+        ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=10
+    ).stdout
+    return "cluster_state:ok" in out
+
+
+@contextmanager
+def local_redis_cluster(
+    workdir: Path, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, timeout_s: float = 30.0
+) -> Iterator[LocalCluster]:
+    """Start ``primaries * (1 + replicas)`` cluster-enabled redis-servers on loopback and join them with
+    ``redis-cli --cluster create``; yields the cluster once every node reports it ok."""
+    if shutil.which("redis-cli") is None:
+        raise FileNotFoundError("redis-cli is not on PATH (Debian/Ubuntu: apt-get install redis-tools)")
+    ports = [free_port() for _ in range(primaries * (1 + replicas))]
+    with ExitStack() as stack:
+        cluster = LocalCluster(f"redis://127.0.0.1:{ports[0]}/0", ports)
+        for port in ports:
+            extra = (
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(workdir / f"nodes-{port}.conf"),
+                "--cluster-node-timeout",
+                str(node_timeout_ms),
+            )
+            stack.enter_context(local_redis(workdir, port=port, extra=extra))
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+        deadline = time.monotonic() + timeout_s
+        while not all(_cluster_ok(p) for p in ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the redis cluster did not reach cluster_state:ok")
+            time.sleep(0.1)  # polling a condition (CLUSTER INFO), not synchronising on time
+        yield cluster

@@ -29,6 +29,15 @@ Per namespace P = base..<lora hex>..":":
             (GETRANGE).
             P.."scratch:*"      strings  a lookup's own, deleted before it returns and never replicated
 States: 1 active, 2 resyncing, 3 expired, 4 draining (kvloop.v1.LeaseState).
+
+Sharded (a Redis Cluster, kvloop.daemon.index.redis_cluster_store): the registry keys above stay in
+the model's slot, and every block key moves to one of the model's buckets B = "kvl:{<tag>.<n>}:",
+chosen by the run's first block (a prompt's candidates all hold its first block, so a lookup is one
+bucket's call). A bucket has the per-model block keys above (wr:W, wns:W, exp, age, stats, next and
+the namespaces) and, in place of the worker hash, B.."wc:"..W (the worker's counters there) and
+B.."bw" (workers with stored blocks there). Runs carry their worker's epoch (field e). The model's
+slot adds base.."wb:"..W (buckets the worker wrote to) and base.."wh:"..W (handle -> bucket).
+Bucket calls never read the registry: the caller passes the workers its view holds not live.
 --]]
 
 local ACTIVE, RESYNCING, EXPIRED = '1', '2', '3'
@@ -173,15 +182,32 @@ local function worker_live(base, w, now, lease_s)
   return live, f[3]
 end
 
-local function drop_run(base, runkey)
+-- Where a call's block keys live and how it judges a worker: `single` when they share the model's
+-- slot with the registry, `bucket` for one bucket of a sharded store (liveness from the caller).
+local function single_ctx(base, now, lease_s)
+  return {base = base, sharded = false, workers = base .. 'workers',
+    counters = function(w) return base .. 'w:' .. w end,
+    live = function(w) return worker_live(base, w, now, lease_s) end}
+end
+
+local function bucket_ctx(base, dead)
+  local out = {}
+  for _, w in ipairs(split(dead ~= '' and dead or nil, '\n')) do out[w] = true end
+  return {base = base, sharded = true, workers = base .. 'bw',
+    counters = function(w) return base .. 'wc:' .. w end,
+    live = function(w) return not out[w], nil end}
+end
+
+local function drop_run(ctx, runkey)
   local run = redis.call('HMGET', runkey, 'w', 'h', 'hs', 'hl', 'n', 'p')
   if not run[1] then return 0 end
   local w, handle, hl, n, p = run[1], run[2], tonumber(run[4]), tonumber(run[5]), run[6]
   local hs = run_keys(runkey, run[3]) or ''
   local rid = string.match(runkey, '(%d+)$')
+  local base = ctx.base
   local removed = discard_all(p .. 'ret', hs, hl, rid, ',')
   if redis.call('HGET', base .. 'wr:' .. w, handle) == runkey then redis.call('HDEL', base .. 'wr:' .. w, handle) end
-  redis.call('HINCRBY', base .. 'w:' .. w, 'rblocks', -n)
+  redis.call('HINCRBY', ctx.counters(w), 'rblocks', -n)
   redis.call('ZREM', base .. 'exp', runkey)
   redis.call('ZREM', base .. 'age', runkey)
   redis.call('DEL', runkey, runkey .. ':hs', runkey .. ':ids')
@@ -190,10 +216,10 @@ local function drop_run(base, runkey)
   return n
 end
 
-local function purge(base, w)
-  local touched = 0
+local function purge(ctx, w)
+  local base, touched = ctx.base, 0
   local runs = redis.call('HVALS', base .. 'wr:' .. w)
-  for _, runkey in ipairs(runs) do touched = touched + drop_run(base, runkey) end
+  for _, runkey in ipairs(runs) do touched = touched + drop_run(ctx, runkey) end
   local removed = 0
   for _, p in ipairs(redis.call('SMEMBERS', base .. 'wns:' .. w)) do
     local ws, sto = p .. 'ws:' .. w, p .. 'sto'
@@ -203,25 +229,37 @@ local function purge(base, w)
     redis.call('DEL', ws)
   end
   redis.call('DEL', base .. 'wns:' .. w, base .. 'wr:' .. w)
-  if redis.call('EXISTS', base .. 'w:' .. w) == 1 then
-    redis.call('HSET', base .. 'w:' .. w, 'rblocks', 0, 'sblocks', 0)
+  if ctx.sharded then redis.call('SREM', ctx.workers, w) end
+  if redis.call('EXISTS', ctx.counters(w)) == 1 then
+    redis.call('HSET', ctx.counters(w), 'rblocks', 0, 'sblocks', 0)
   end
   stat(base, 'entries', -removed)
   return touched + removed
 end
 
-local function drop_worker(base, w)
-  purge(base, w)
+local function drop_worker(base, w, sharded)
+  if not sharded then purge(single_ctx(base), w) end
   redis.call('DEL', base .. 'w:' .. w, base .. 'alive:' .. w)
   redis.call('SREM', base .. 'workers', w)
   redis.call('SREM', base .. 'resync', w)
+  if sharded then  -- its buckets are the caller's to purge (wb stays: a purge that failed is redone)
+    redis.call('DEL', base .. 'wh:' .. w)
+    return redis.call('SMEMBERS', base .. 'wb:' .. w)
+  end
+  return {}
 end
 
--- register(keys: worker) base, w, epoch, last_sequence, now, lease_s, lease_ms, spec, layout
+-- register(keys: worker) base, w, epoch, last_sequence, now, lease_s, lease_ms, spec, layout, sharded
+-- Sharded ('1'), a reply 'ok' has a fourth element: the buckets the caller must purge of the worker.
 local function register(keys, args)
   local base, w, epoch, last_sequence = args[1], args[2], args[3], tonumber(args[4])
   local now, lease_s, lease_ms, spec, layout = tonumber(args[5]), tonumber(args[6]), args[7], args[8], args[9]
+  local sharded = args[10] == '1'
   local wkey, alive = keys[1], base .. 'alive:' .. w
+  local function stale_buckets()
+    if sharded then return redis.call('SMEMBERS', base .. 'wb:' .. w) end
+    return {}
+  end
   for _, other in ipairs(redis.call('SMEMBERS', base .. 'workers')) do
     if other ~= w then
       local theirs = redis.call('HMGET', base .. 'w:' .. other, 'layout')[1]
@@ -241,22 +279,22 @@ local function register(keys, args)
       redis.call('SET', alive, epoch, 'PX', lease_ms)
       local seq = tonumber(cur[2])
       if last_sequence < seq then
-        purge(base, w)
+        if not sharded then purge(single_ctx(base), w) end
         redis.call('HSET', wkey, 'state', RESYNCING)
-        return {'ok', 0, 1}
+        return {'ok', 0, 1, stale_buckets()}
       end
       local state = cur[3]
       if state ~= RESYNCING then redis.call('HSET', wkey, 'state', ACTIVE) end
-      return {'ok', seq, state == RESYNCING and 1 or 0}
+      return {'ok', seq, state == RESYNCING and 1 or 0, {}}
     end
-    drop_worker(base, w)
+    drop_worker(base, w, sharded)
   end
   local state = last_sequence > 0 and RESYNCING or ACTIVE
   redis.call('HSET', wkey, 'epoch', epoch, 'seq', 0, 'state', state, 'seen', args[5], 'spec', spec,
     'layout', layout, 'resyncs', 0, 'events', 0, 'rblocks', 0, 'sblocks', 0)
   redis.call('SADD', base .. 'workers', w)
   redis.call('SET', alive, epoch, 'PX', lease_ms)
-  return {'ok', 0, last_sequence > 0 and 1 or 0}
+  return {'ok', 0, last_sequence > 0 and 1 or 0, stale_buckets()}
 end
 
 -- disconnect(keys: worker) base, w, epoch, now
@@ -278,13 +316,15 @@ local function heartbeat(keys, args)
   return 1
 end
 
--- snapshot(keys: worker) base, w, "begin"|"end", now, sequence
+-- snapshot(keys: worker) base, w, "begin"|"end", now, sequence, sharded. Sharded, "begin" answers
+-- the buckets the caller must purge (the worker is resyncing, so none of them is served meanwhile).
 local function snapshot(keys, args)
   if redis.call('EXISTS', keys[1]) == 0 then return 0 end
   if args[3] == 'begin' then
-    purge(args[1], args[2])
     redis.call('HSET', keys[1], 'state', RESYNCING, 'seen', args[4])
     redis.call('HINCRBY', keys[1], 'resyncs', 1)
+    if args[6] == '1' then return redis.call('SMEMBERS', args[1] .. 'wb:' .. args[2]) end
+    purge(single_ctx(args[1]), args[2])
   else
     redis.call('HSET', keys[1], 'seq', args[5], 'state', ACTIVE, 'seen', args[4])
     redis.call('SREM', args[1] .. 'resync', args[2])
@@ -292,19 +332,20 @@ local function snapshot(keys, args)
   return 1
 end
 
-local function evict(base, max_entries)
+local function evict(ctx, max_entries)
+  local base = ctx.base
   local target = math.floor(max_entries * 0.95)
   local evicted = 0
   local entries = tonumber(redis.call('HGET', base .. 'stats', 'entries') or '0')
   while entries > target do
     local oldest = redis.call('ZRANGE', base .. 'age', 0, 0)[1]
     if not oldest then break end
-    drop_run(base, oldest)
+    drop_run(ctx, oldest)
     evicted = evicted + 1
     entries = tonumber(redis.call('HGET', base .. 'stats', 'entries'))
   end
   if entries > target then
-    for _, w in ipairs(redis.call('SMEMBERS', base .. 'workers')) do
+    for _, w in ipairs(redis.call('SMEMBERS', ctx.workers)) do
       for _, p in ipairs(redis.call('SMEMBERS', base .. 'wns:' .. w)) do
         while entries > target do
           local h = redis.call('SPOP', p .. 'ws:' .. w)
@@ -313,7 +354,7 @@ local function evict(base, max_entries)
             entries = entries - 1
             evicted = evicted + 1
             stat(base, 'entries', -1)
-            redis.call('HINCRBY', base .. 'w:' .. w, 'sblocks', -1)
+            redis.call('HINCRBY', ctx.counters(w), 'sblocks', -1)
           end
         end
       end
@@ -322,21 +363,22 @@ local function evict(base, max_entries)
   stat(base, 'evictions', evicted)
 end
 
--- apply(keys: worker) base, w, epoch, sequence, now, lease_ms, max_entries, then events:
---   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks generation
---   'S' p hl hashes | 'D' p hl hashes | 'L' handle | 'C'
-local function apply(keys, args)
-  local base, w, epoch, sequence, now = args[1], args[2], args[3], tonumber(args[4]), tonumber(args[5])
-  local wkey = keys[1]
-  local cur = redis.call('HMGET', wkey, 'epoch', 'seq')
-  if not cur[1] then return {'unknown_worker', 0, 0} end
-  local last = tonumber(cur[2])
-  if cur[1] ~= epoch then return {'stale_epoch', last, 0} end
-  if sequence > 0 then
-    if sequence <= last then return {'duplicate', last, 0} end
-    if sequence ~= last + 1 then return {'gap', last, 0} end
+-- Drop the worker's runs retained under a registration generation older than `rg`.
+local function withdraw_older(ctx, w, rg)
+  local touched = 0
+  for _, old in ipairs(redis.call('HVALS', ctx.base .. 'wr:' .. w)) do
+    if (tonumber(redis.call('HGET', old, 'rg')) or 0) < rg then touched = touched + drop_run(ctx, old) end
   end
-  local touched, added, i, n_args = 0, 0, 8, #args
+  return touched
+end
+
+-- Apply the events args[i..] of worker w to ctx's keys, counting them on the worker's counters and
+-- the stats. `generation` reads and raises the worker's registration generation (see below).
+--   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks generation
+--   'S' p hl hashes | 'D' p hl hashes | 'L' handle | 'C' | 'G' generation (sharded: withdraw older runs)
+local function apply_events(ctx, w, epoch, now, args, i, max_entries, generation)
+  local base = ctx.base
+  local touched, added, n_args = 0, 0, #args
   local retained_blocks, stored_blocks, runs = 0, 0, 0
   while i <= n_args do
     local kind = args[i]
@@ -345,7 +387,7 @@ local function apply(keys, args)
     -- a newer one withdraws the worker's older runs first.
     local rg = kind == 'R' and (tonumber(args[i + 12]) or 0) or 0
     local wrg = 0
-    if kind == 'R' then wrg = tonumber(redis.call('HGET', wkey, 'rg:' .. epoch)) or 0 end
+    if kind == 'R' then wrg = generation(nil) end
     if kind == 'R' and rg < wrg then
       i = i + 13
     elseif kind == 'R' then
@@ -353,13 +395,11 @@ local function apply(keys, args)
       local n = #hs / hl
       local wr = base .. 'wr:' .. w
       if rg > wrg then
-        redis.call('HSET', wkey, 'rg:' .. epoch, rg)
-        for _, old in ipairs(redis.call('HVALS', wr)) do
-          if (tonumber(redis.call('HGET', old, 'rg')) or 0) < rg then touched = touched + drop_run(base, old) end
-        end
+        generation(rg)
+        touched = touched + withdraw_older(ctx, w, rg)
       end
       local previous = redis.call('HGET', wr, handle)
-      if previous then touched = touched + drop_run(base, previous) end
+      if previous then touched = touched + drop_run(ctx, previous) end
       local rid = tostring(redis.call('INCR', base .. 'next'))
       local runkey = p .. 'run:' .. rid
       added = added + add_all(p .. 'ret', hs, hl, rid, ',')
@@ -367,6 +407,7 @@ local function apply(keys, args)
       redis.call('HSET', runkey, 'w', w, 'h', handle, 'hl', hl, 'n', n, 'k', '1', 'g', args[i + 5],
         'dl', deadline, 'su', args[i + 8], 'tier', args[i + 9], 'tt', args[i + 10], 'tb', args[i + 11], 'p', p,
         'rg', rg)
+      if ctx.sharded then redis.call('HSET', runkey, 'e', epoch) end
       redis.call('SET', runkey .. ':hs', hs)
       redis.call('SET', runkey .. ':ids', args[i + 4])
       redis.call('HSET', wr, handle, runkey)
@@ -381,6 +422,7 @@ local function apply(keys, args)
       local ws, sto, n = p .. 'ws:' .. w, p .. 'sto', #hs / hl
       if kind == 'S' then
         redis.call('SADD', base .. 'wns:' .. w, p)
+        if ctx.sharded then redis.call('SADD', ctx.workers, w) end
         for j = 0, n - 1 do
           local h = string.sub(hs, j * hl + 1, (j + 1) * hl)
           if redis.call('SADD', ws, h) == 1 then
@@ -405,45 +447,132 @@ local function apply(keys, args)
       i = i + 4
     elseif kind == 'L' then
       local runkey = redis.call('HGET', base .. 'wr:' .. w, args[i + 1])
-      if runkey then touched = touched + drop_run(base, runkey) end
+      if runkey then touched = touched + drop_run(ctx, runkey) end
       i = i + 2
     elseif kind == 'C' then
-      touched = touched + purge(base, w)
+      touched = touched + purge(ctx, w)
       retained_blocks, stored_blocks = 0, 0
       i = i + 1
+    elseif kind == 'G' then
+      touched = touched + withdraw_older(ctx, w, tonumber(args[i + 1]))
+      i = i + 2
     else
       return redis.error_reply('kvloop: unknown event kind ' .. tostring(kind))
     end
   end
-  if sequence > 0 then
-    redis.call('HSET', wkey, 'seq', sequence)
-    last = sequence
-  end
-  redis.call('HSET', wkey, 'seen', args[5])
-  -- A batch is as good a sign of life as a heartbeat: an agent streaming without pause sends no
-  -- heartbeats (they fill idle gaps), and its liveness key must not lapse under it.
-  redis.call('SET', base .. 'alive:' .. w, epoch, 'PX', args[6])
-  redis.call('HINCRBY', wkey, 'events', touched)
-  if retained_blocks ~= 0 then redis.call('HINCRBY', wkey, 'rblocks', retained_blocks) end
-  if stored_blocks ~= 0 then redis.call('HINCRBY', wkey, 'sblocks', stored_blocks) end
+  local counters = ctx.counters(w)
+  redis.call('HINCRBY', counters, 'events', touched)
+  if retained_blocks ~= 0 then redis.call('HINCRBY', counters, 'rblocks', retained_blocks) end
+  if stored_blocks ~= 0 then redis.call('HINCRBY', counters, 'sblocks', stored_blocks) end
   stat(base, 'entries', added)
   stat(base, 'runs', runs)
   stat(base, 'events', touched)
-  if tonumber(redis.call('HGET', base .. 'stats', 'entries') or '0') > tonumber(args[7]) then
-    evict(base, tonumber(args[7]))
+  if tonumber(redis.call('HGET', base .. 'stats', 'entries') or '0') > max_entries then
+    evict(ctx, max_entries)
   end
+  return touched
+end
+
+-- The (epoch, sequence) fence of a worker's batch: nil when it applies, else the reply refusing it.
+local function fence(wkey, epoch, sequence)
+  local cur = redis.call('HMGET', wkey, 'epoch', 'seq')
+  if not cur[1] then return {'unknown_worker', 0, 0} end
+  local last = tonumber(cur[2])
+  if cur[1] ~= epoch then return {'stale_epoch', last, 0} end
+  if sequence > 0 then
+    if sequence <= last then return {'duplicate', last, 0} end
+    if sequence ~= last + 1 then return {'gap', last, 0} end
+  end
+  return nil, last
+end
+
+-- The batch is heard from the worker: its sequence, and a liveness as good as a heartbeat's (an agent
+-- streaming without pause sends no heartbeats: they fill idle gaps).
+local function accepted(base, wkey, w, epoch, sequence, now, lease_ms)
+  if sequence > 0 then redis.call('HSET', wkey, 'seq', sequence) end
+  redis.call('HSET', wkey, 'seen', now)
+  redis.call('SET', base .. 'alive:' .. w, epoch, 'PX', lease_ms)
+end
+
+-- apply(keys: worker) base, w, epoch, sequence, now, lease_ms, max_entries, then the events
+local function apply(keys, args)
+  local base, w, epoch, sequence, now = args[1], args[2], args[3], tonumber(args[4]), tonumber(args[5])
+  local wkey = keys[1]
+  local refused, last = fence(wkey, epoch, sequence)
+  if refused then return refused end
+  local function generation(raised)
+    if raised then redis.call('HSET', wkey, 'rg:' .. epoch, raised) return raised end
+    return tonumber(redis.call('HGET', wkey, 'rg:' .. epoch)) or 0
+  end
+  local touched = apply_events(single_ctx(base), w, epoch, now, args, 8, tonumber(args[7]), generation)
+  if type(touched) == 'table' then return touched end  -- an error reply
+  accepted(base, wkey, w, epoch, sequence, args[5], args[6])
+  if sequence > 0 then last = sequence end
   return {'applied', last, touched}
 end
 
+-- fence(keys: worker) base, w, epoch, sequence, now, lease_ms, generation, then the batch's buckets,
+-- '|', then its handle moves: 'R' handle bucket | 'L' handle. A sharded batch's first call, in the
+-- model's slot: fences it and records where its runs go. Answers {status, last, generation, whether
+-- the generation rose, the bucket each move must release from ('' for none), the worker's buckets}.
+local function sharded_fence(keys, args)
+  local base, w, epoch, sequence = args[1], args[2], args[3], tonumber(args[4])
+  local wkey = keys[1]
+  local refused, last = fence(wkey, epoch, sequence)
+  if refused then return refused end
+  local rg = tonumber(args[7]) or 0
+  local wrg = tonumber(redis.call('HGET', wkey, 'rg:' .. epoch)) or 0
+  local rose = rg > wrg
+  if rose then redis.call('HSET', wkey, 'rg:' .. epoch, rg) wrg = rg end
+  local i, wb, wh = 8, base .. 'wb:' .. w, base .. 'wh:' .. w
+  while args[i] ~= '|' do
+    redis.call('SADD', wb, args[i])
+    i = i + 1
+  end
+  i = i + 1
+  local releases = {}
+  while i <= #args do
+    local previous = redis.call('HGET', wh, args[i + 1])
+    if args[i] == 'R' then
+      releases[#releases + 1] = (previous and previous ~= args[i + 2]) and previous or ''
+      redis.call('HSET', wh, args[i + 1], args[i + 2])
+      i = i + 3
+    else
+      releases[#releases + 1] = previous or ''
+      if previous then redis.call('HDEL', wh, args[i + 1]) end
+      i = i + 2
+    end
+  end
+  accepted(base, wkey, w, epoch, sequence, args[5], args[6])
+  if sequence > 0 then last = sequence end
+  return {'applied', last, wrg, rose and 1 or 0, releases, redis.call('SMEMBERS', wb)}
+end
+
+-- bucket_apply(keys: bucket stats) bucket, w, epoch, now, max_entries, generation, dead (unused),
+-- then the events of one bucket. Answers the entries touched.
+local function bucket_apply(keys, args)
+  local wrg = tonumber(args[6]) or 0
+  local function generation(raised) return raised or wrg end
+  return apply_events(bucket_ctx(args[1], ''), args[2], args[3], tonumber(args[4]), args, 8,
+    tonumber(args[5]), generation)
+end
+
+-- bucket_purge(keys: bucket stats) bucket, w: drop everything the worker holds in the bucket.
+local function bucket_purge(keys, args)
+  return purge(bucket_ctx(args[1], ''), args[2])
+end
+
 -- lookup(keys: P.."ret") base, p, hashes, hl, local_blocks, requester, now, floor, lease_s, claim,
---   excluded worker ids ("\n"-separated)
+--   excluded worker ids ("\n"-separated); sharded (kvl_bucket_lookup) base is the bucket's, and one
+--   more argument names the workers the caller's view holds not live. A holder's epoch is then its
+--   run's, for the caller to check against its view.
 -- The runs holding block i of a prompt also hold blocks 0..i-1 (chained hashes, runs start at block
 -- 0), so every run holding a block past the local prefix holds block `local_blocks`: the runs that
 -- block's entry names are the candidates. Each one's match is the common prefix of its keys and the
 -- prompt's: Redis XORs the two (BITOP) and finds the first bit set (BITPOS), in C and without a key
 -- of the run entering Lua; a binary search over the block index took a call per probe.
-local function lookup(keys, args)
-  local base, p, hs, hl = args[1], args[2], args[3], tonumber(args[4])
+local function lookup_in(ctx, keys, args)
+  local base, p, hs, hl = ctx.base, args[2], args[3], tonumber(args[4])
   local local_blocks, requester, now = tonumber(args[5]), args[6], tonumber(args[7])
   local floor, lease_s, claim = tonumber(args[8]), tonumber(args[9]), args[10] == '1'
   local excluded = {}
@@ -451,7 +580,9 @@ local function lookup(keys, args)
   local ret = keys[1]
   local n = #hs / hl
   if local_blocks >= n then return {'none', ''} end
-  if redis.call('SCARD', base .. 'resync') > 0 then return {'none', 'directory_resyncing'} end
+  if not ctx.sharded and redis.call('SCARD', base .. 'resync') > 0 then
+    return {'none', 'directory_resyncing'}
+  end
   local runs, verdicts, live, epochs = {}, {}, {}, {}
 
   local function run(rid)
@@ -459,9 +590,9 @@ local function lookup(keys, args)
     if r == nil then
       -- every field a lookup reads, in one call: most prompts have one candidate, and it is answered
       local f = redis.call('HMGET', p .. 'run:' .. rid, 'w', 'dl', 'cl', 'n', 'k', 'h', 'g', 'su', 'tt', 'tb',
-        'tier', 'rg')
+        'tier', 'rg', 'e')
       r = {w = f[1], dl = tonumber(f[2]), cl = f[3], n = tonumber(f[4]), k = f[5], h = f[6], g = tonumber(f[7]),
-        su = f[8], tt = f[9], tb = f[10], tier = tier_of(f[11]), rg = tonumber(f[12]) or 0}
+        su = f[8], tt = f[9], tb = f[10], tier = tier_of(f[11]), rg = tonumber(f[12]) or 0, e = f[13]}
       runs[rid] = r
     end
     return r
@@ -469,7 +600,7 @@ local function lookup(keys, args)
   local function live_worker(w)
     local v = live[w]
     if v == nil then
-      v, epochs[w] = worker_live(base, w, now, lease_s)
+      v, epochs[w] = ctx.live(w)
       live[w] = v
     end
     return v
@@ -542,7 +673,7 @@ local function lookup(keys, args)
       if ids then
         if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
         local whole = matched == r.n
-        out[#out + 1] = {r.w, epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
+        out[#out + 1] = {r.w, r.e or epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
           whole and r.tt or '', whole and r.tb or '', r.tier, r.rg}
       end
     end
@@ -557,6 +688,14 @@ local function lookup(keys, args)
   return {'none', ''}
 end
 
+local function lookup(keys, args)
+  return lookup_in(single_ctx(args[1], tonumber(args[7]), tonumber(args[9])), keys, args)
+end
+
+local function bucket_lookup(keys, args)
+  return lookup_in(bucket_ctx(args[1], args[12]), keys, args)
+end
+
 -- release(keys: P..something) base, p, holder, handle, requester
 local function release(keys, args)
   local base, p, holder, handle, requester = args[1], args[2], args[3], args[4], args[5]
@@ -568,9 +707,8 @@ local function release(keys, args)
 end
 
 -- find(keys: P.."ret") base, p, hash, now, floor, lease_s
-local function find(keys, args)
-  local base, p, h, now, floor, lease_s = args[1], args[2], args[3], tonumber(args[4]), tonumber(args[5]),
-    tonumber(args[6])
+local function find_in(ctx, args)
+  local p, h, floor = args[2], args[3], tonumber(args[5])
   local out = {}
   for _, rid in ipairs(split(redis.call('HGET', p .. 'ret', h), ',')) do
     local runkey = p .. 'run:' .. rid
@@ -581,9 +719,9 @@ local function find(keys, args)
       if string.sub(hs, i * hl + 1, (i + 1) * hl) == h then position = i break end
     end
     local dl = tonumber(f[7])
-    local servable = dl > floor and not f[8] and worker_live(base, f[1], now, lease_s)
+    local servable = dl > floor and not f[8] and ctx.live(f[1])
     out[#out + 1] = {'retained', f[1], position, run_ids(runkey, n, tonumber(f[6]), position, 1) or '', f[2],
-      math.max(0, math.floor((dl - now) * 1000)), servable and 1 or 0, tier_of(f[9])}
+      math.max(0, math.floor((dl - tonumber(args[4])) * 1000)), servable and 1 or 0, tier_of(f[9])}
   end
   for _, w in ipairs(split(redis.call('HGET', p .. 'sto', h), '\n')) do
     out[#out + 1] = {'stored', w}
@@ -591,17 +729,26 @@ local function find(keys, args)
   return out
 end
 
+local function find(keys, args)
+  return find_in(single_ctx(args[1], tonumber(args[4]), tonumber(args[6])), args)
+end
+
+-- bucket_find: find's arguments, then the workers the caller's view holds not live
+local function bucket_find(keys, args)
+  return find_in(bucket_ctx(args[1], args[7]), args)
+end
+
 -- stored_prefixes(keys: P.."sto") base, hashes, hl, now, lease_s, then worker ids. How many leading
 -- blocks each live worker holds in its prefix cache: one walk for all, ending when none holds the next.
 -- The walk reads the prompt's blocks STORED_CHUNK at a time with one HMGET: a call per block (a long
 -- prompt has hundreds) was most of a Route's time on Redis.
 local STORED_CHUNK = 128
-local function stored_prefixes(keys, args)
-  local base, hs, hl, now, lease_s = args[1], args[2], tonumber(args[3]), tonumber(args[4]), tonumber(args[5])
+local function stored_prefixes_in(ctx, keys, args)
+  local hs, hl = args[2], tonumber(args[3])
   local alive, out, count = {}, {}, 0
   for i = 6, #args do
     local w = args[i]
-    if worker_live(base, w, now, lease_s) then
+    if ctx.live(w) then
       alive[w] = '\n' .. w .. '\n'  -- as it appears in a block's "\n"-separated holders, bounded
       count = count + 1
     end
@@ -633,18 +780,32 @@ local function stored_prefixes(keys, args)
   return out
 end
 
--- reap(keys: base.."exp") base, now, lease_s, drop_after_s
-local function reap(keys, args)
-  local base, now, lease_s, drop_after = args[1], tonumber(args[2]), tonumber(args[3]), tonumber(args[4])
-  local changes = {}
-  for _, runkey in ipairs(redis.call('ZRANGEBYSCORE', base .. 'exp', '-inf', args[2])) do
+local function stored_prefixes(keys, args)
+  return stored_prefixes_in(single_ctx(args[1], tonumber(args[4]), tonumber(args[5])), keys, args)
+end
+
+-- bucket_stored_prefixes: stored_prefixes' arguments with base the bucket's; the caller names only
+-- workers its view holds live
+local function bucket_stored_prefixes(keys, args)
+  return stored_prefixes_in(bucket_ctx(args[1], ''), keys, args)
+end
+
+-- Drop the runs of ctx whose lease ended by `now`; appends an 'expired' change for each.
+local function expire_runs(ctx, now, changes)
+  for _, runkey in ipairs(redis.call('ZRANGEBYSCORE', ctx.base .. 'exp', '-inf', now)) do
     local f = redis.call('HMGET', runkey, 'w', 'h')
-    local blocks = drop_run(base, runkey)
+    local blocks = drop_run(ctx, runkey)
     if f[1] then
-      stat(base, 'expired', 1)
+      stat(ctx.base, 'expired', 1)
       changes[#changes + 1] = {'expired', f[1], blocks, 'retention ' .. f[2] .. ' lease ended'}
     end
   end
+  return changes
+end
+
+-- Lapse the leases of silent workers and drop long-silent ones. Sharded, a 'dropped' change carries
+-- a fifth element: the buckets the caller must purge of the worker.
+local function reap_workers(base, now, lease_s, drop_after, sharded, changes)
   for _, w in ipairs(redis.call('SMEMBERS', base .. 'workers')) do
     local wkey = base .. 'w:' .. w
     local f = redis.call('HMGET', wkey, 'state', 'seen', 'rblocks', 'sblocks')
@@ -661,11 +822,29 @@ local function reap(keys, args)
     if not connected and idle > lease_s then redis.call('SREM', base .. 'resync', w) end
     if (not connected or state == EXPIRED) and idle > drop_after then
       local blocks = tonumber(f[3]) + tonumber(f[4])
-      drop_worker(base, w)
-      changes[#changes + 1] = {'dropped', w, blocks, string.format('silent for %.1fs: entries dropped', idle)}
+      local buckets = drop_worker(base, w, sharded)
+      changes[#changes + 1] = {'dropped', w, blocks, string.format('silent for %.1fs: entries dropped', idle),
+        buckets}
     end
   end
   return changes
+end
+
+-- reap(keys: base.."exp") base, now, lease_s, drop_after_s
+local function reap(keys, args)
+  local base, now = args[1], tonumber(args[2])
+  local changes = expire_runs(single_ctx(base), args[2], {})
+  return reap_workers(base, now, tonumber(args[3]), tonumber(args[4]), false, changes)
+end
+
+-- reap_workers(keys: base.."workers") base, now, lease_s, drop_after_s: a sharded store's registry
+local function sharded_reap_workers(keys, args)
+  return reap_workers(args[1], tonumber(args[2]), tonumber(args[3]), tonumber(args[4]), true, {})
+end
+
+-- bucket_reap(keys: bucket stats) bucket, now
+local function bucket_reap(keys, args)
+  return expire_runs(bucket_ctx(args[1], ''), args[2], {})
 end
 
 -- set_state(keys: worker) state ("resyncing" marks, "draining" drains); 0 when no such worker
@@ -696,7 +875,34 @@ local function epoch(keys, args)
   return tonumber(recorded or '0')
 end
 
+-- resync_all(keys: base.."workers") base: every worker of one model must re-push its state (a
+-- sharded store's epoch moved: kvl_epoch recorded it, and each model's slot is marked apart)
+local function resync_all(keys, args)
+  for _, w in ipairs(redis.call('SMEMBERS', keys[1])) do
+    redis.call('HSET', args[1] .. 'w:' .. w, 'state', RESYNCING)
+    redis.call('SADD', args[1] .. 'resync', w)
+  end
+  return 1
+end
+
+-- view(keys: base.."workers") base: what a sharded store's lookups judge workers by, read in one call:
+-- whether any worker is still to re-push its state, then each worker's id, epoch, state, last seen
+-- and whether its liveness key is set.
+local function view(keys, args)
+  local base = args[1]
+  local out = {redis.call('SCARD', base .. 'resync')}
+  for _, w in ipairs(redis.call('SMEMBERS', keys[1])) do
+    local f = redis.call('HMGET', base .. 'w:' .. w, 'epoch', 'state', 'seen')
+    if f[1] then
+      out[#out + 1] = {w, f[1], f[2], f[3], redis.call('EXISTS', base .. 'alive:' .. w)}
+    end
+  end
+  return out
+end
+
 redis.register_function('kvl_epoch', epoch)
+redis.register_function{function_name = 'kvl_view', callback = view, flags = {'no-writes'}}
+redis.register_function('kvl_resync_all', resync_all)
 redis.register_function('kvl_register', register)
 redis.register_function('kvl_disconnect', disconnect)
 redis.register_function('kvl_heartbeat', heartbeat)
@@ -708,3 +914,12 @@ redis.register_function{function_name = 'kvl_find', callback = find, flags = {'n
 redis.register_function('kvl_reap', reap)
 redis.register_function{function_name = 'kvl_stored_prefixes', callback = stored_prefixes, flags = {'no-writes'}}
 redis.register_function('kvl_set_state', set_state)
+redis.register_function('kvl_fence', sharded_fence)
+redis.register_function('kvl_reap_workers', sharded_reap_workers)
+redis.register_function('kvl_bucket_apply', bucket_apply)
+redis.register_function('kvl_bucket_purge', bucket_purge)
+redis.register_function('kvl_bucket_reap', bucket_reap)
+redis.register_function{function_name = 'kvl_bucket_lookup', callback = bucket_lookup, flags = {}}
+redis.register_function{function_name = 'kvl_bucket_find', callback = bucket_find, flags = {'no-writes'}}
+redis.register_function{function_name = 'kvl_bucket_stored_prefixes', callback = bucket_stored_prefixes,
+  flags = {'no-writes'}}

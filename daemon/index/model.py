@@ -98,6 +98,9 @@ class Stored:
     hashes: list[bytes]
     lora_name: str = ""
     tier: int = 0
+    # The key of the chain's first block (a sharded store places the blocks by it): hashes[0]'s own
+    # when the blocks start the sequence; None when they extend one whose root is not known.
+    root: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +124,7 @@ class Retained:
 class Removed:
     hashes: list[bytes]
     lora_name: str = ""
+    roots: list[bytes] | None = None  # each hash's root key (as Stored.root); None: not known
 
 
 @dataclass(slots=True)

@@ -108,6 +108,29 @@ def _holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
     )
 
 
+def _locations(reply: list) -> list[Location]:
+    """kvl_find's answer."""
+    found = []
+    for entry in reply:
+        if _text(entry[0]) == "stored":
+            found.append(Location(_text(entry[1]), "stored", -1, [], "", 0, False, 0))
+            continue
+        _, worker, position, ids, handle, expires_ms, servable, tier = entry
+        found.append(
+            Location(
+                worker_id=_text(worker),
+                kind="retained",
+                position=int(position),
+                block_ids=list(unpack_u32(ids)),
+                handle=_text(handle),
+                expires_in_ms=int(expires_ms),
+                servable=bool(servable),
+                tier=int(tier),
+            )
+        )
+    return found
+
+
 def _spec_json(spec: WorkerSpec) -> str:
     return json.dumps(asdict(spec), separators=(",", ":"))
 
@@ -217,11 +240,13 @@ class RedisStore:
 
     name = "redis"
     in_process = False
+    epoch: int
 
-    def __init__(self, client: aioredis.Redis, config: IndexConfig | None = None) -> None:
+    def __init__(self, client: Any, config: IndexConfig | None = None, lane: bool = True) -> None:
         self.config = config or IndexConfig()
         self._r = client
-        self._lane = _DirectLane(client, LANE_CONNECTIONS)
+        # A cluster client has no single pool to keep a lane in: its calls take the client's path.
+        self._lane = _DirectLane(client, LANE_CONNECTIONS) if lane else None
         self._specs: dict[tuple[str, str], WorkerSpec] = {}  # (worker, epoch) -> spec
         self._model_specs: dict[str, tuple[float, WorkerSpec]] = {}  # model -> (fetched at, spec)
         self._spec_refreshes: dict[str, asyncio.Task] = {}  # model -> its refresh in the background
@@ -340,7 +365,8 @@ class RedisStore:
         for refresh in refreshes:
             refresh.cancel()
         await asyncio.gather(*refreshes, return_exceptions=True)
-        await self._lane.close()
+        if self._lane is not None:
+            await self._lane.close()
         await self._r.aclose()
 
     async def flush(self) -> None:
@@ -364,11 +390,14 @@ class RedisStore:
 
     async def _fcall_direct(self, function: str, keys: Sequence[str], *args: Any) -> Any:
         """``_fcall`` through the lane, for a function that writes (see _DirectLane)."""
-        connection = await self._lane.take()
+        lane = self._lane
+        if lane is None:
+            return await self._fcall(function, keys, *args)
+        connection = await lane.take()
         if connection is None:
             return await self._fcall(function, keys, *args)
         try:
-            async with asyncio.timeout(self._lane.timeout_s):
+            async with asyncio.timeout(lane.timeout_s):
                 # hiredis packs the whole command in C: redis-py's packer encodes each argument in
                 # Python first.
                 await connection.send_packed_command(
@@ -376,16 +405,16 @@ class RedisStore:
                 )
                 reply = await connection.read_response()
         except ResponseError as exc:
-            self._lane.give_back(connection)  # an error reply: the connection itself is fine
+            lane.give_back(connection)  # an error reply: the connection itself is fine
             if "function not found" not in str(exc).lower():
                 raise
         except (RedisConnectionError, RedisTimeoutError, OSError):  # OSError: TimeoutError too
-            await self._lane.drop(connection)
+            await lane.drop(connection)
         except BaseException:
-            await self._lane.drop(connection)  # cancelled mid-reply: its stream is out of step
+            await lane.drop(connection)  # cancelled mid-reply: its stream is out of step
             raise
         else:
-            self._lane.give_back(connection)
+            lane.give_back(connection)
             return reply
         return await self._fcall(function, keys, *args)  # reloads the library, retries, follows Sentinel
 
@@ -424,18 +453,20 @@ class RedisStore:
         base = self._base(spec.model)
         layout = f"{spec.block_size}|{spec.hash_algorithm}|{spec.hash_length}"
         await self._r.hset(_MODELS, spec.model, base)
-        reply = await self._fcall(
-            "kvl_register",
-            [f"{base}w:{spec.worker_id}"],
+        reply = await self._register_call(
             base,
-            spec.worker_id,
-            str(spec.epoch),
-            last_sequence,
-            repr(now),
-            repr(self.config.lease_s),
-            self._lease_ms,
-            _spec_json(spec),
-            layout,
+            spec,
+            [
+                base,
+                spec.worker_id,
+                str(spec.epoch),
+                last_sequence,
+                repr(now),
+                repr(self.config.lease_s),
+                self._lease_ms,
+                _spec_json(spec),
+                layout,
+            ],
         )
         status = _text(reply[0])
         if status == "incompatible":
@@ -458,6 +489,9 @@ class RedisStore:
         self._specs[(spec.worker_id, str(spec.epoch))] = spec
         self._model_of[spec.worker_id] = spec.model
         return int(reply[1]), bool(reply[2])
+
+    async def _register_call(self, base: str, spec: WorkerSpec, args: list[Any]) -> list[Any]:
+        return await self._fcall("kvl_register", [f"{base}w:{spec.worker_id}"], *args)
 
     @_reachable
     async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
@@ -643,7 +677,7 @@ class RedisStore:
                 repr(self.config.lease_s),
                 repr(self.config.drop_after_s),
             )
-            reaped = [Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d in reply]
+            reaped = [Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d, *_ in reply]
             if any(change.kind == "dropped" for change in reaped):
                 self._model_specs.pop(model, None)
             changes.extend(reaped)
@@ -821,25 +855,7 @@ class RedisStore:
             repr(now + self.config.expiry_margin_s),
             repr(self.config.lease_s),
         )
-        found = []
-        for entry in reply:
-            if _text(entry[0]) == "stored":
-                found.append(Location(_text(entry[1]), "stored", -1, [], "", 0, False, 0))
-                continue
-            _, worker, position, ids, handle, expires_ms, servable, tier = entry
-            found.append(
-                Location(
-                    worker_id=_text(worker),
-                    kind="retained",
-                    position=int(position),
-                    block_ids=list(unpack_u32(ids)),
-                    handle=_text(handle),
-                    expires_in_ms=int(expires_ms),
-                    servable=bool(servable),
-                    tier=int(tier),
-                )
-            )
-        return found
+        return _locations(reply)
 
     @_reachable
     async def counts(self) -> StoreCounts:

@@ -174,16 +174,18 @@ class WorkerRegistration(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ..., host_engine_id: _Optional[str] = ..., host_nixl_endpoint: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier")
+    __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier", "root_block_hash")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    ROOT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     lora_name: str
     tier: BlockTier
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
+    root_block_hash: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., root_block_hash: _Optional[bytes] = ...) -> None: ...
 
 class BlocksRetained(_message.Message):
     __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids", "registration_generation")
@@ -212,12 +214,14 @@ class BlocksRetained(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., registration_generation: _Optional[int] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes", "lora_name")
+    __slots__ = ("block_hashes", "lora_name", "root_block_hashes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    ROOT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lora_name: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    root_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., lora_name: _Optional[str] = ..., root_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RetentionReleased(_message.Message):
     __slots__ = ("retention_handle",)

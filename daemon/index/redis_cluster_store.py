@@ -1,0 +1,614 @@
+"""The block directory sharded over a Redis Cluster (>= 7.0, or Valkey in cluster mode).
+
+On one Redis server (:mod:`.redis_store`) a model's whole index shares one hash tag, so one model's
+traffic lands on one node however large the cluster is. Here a model's block keys are spread over
+``buckets`` hash tags ("kvl:{<model tag>.<n>}:"), and a run's bucket is chosen by its first block
+(with its LoRA): every run that can answer a prompt holds the prompt's first block, so a Lookup is
+still one call to one node. Prefix-cache blocks go to the bucket of their chain's first block (the
+agent names it in each event), so a Route's count of cached blocks is one call too.
+
+The registry (worker hashes, fences, liveness) stays in the model's own slot, as on one server. A
+bucket call never reads it: the caller passes the workers its *view* of the registry holds not live
+(one ``kvl_view`` call, kept ``VIEW_FRESH_S``, refreshed beside the Lookup up to ``VIEW_STALE_S``, and
+kept current by this replica's own writes). A run carries the epoch it was retained under, and a
+holding whose epoch is not its worker's current one is never handed out. So:
+
+* a worker that another replica saw die (or re-register) may be handed out by this one for up to
+  ``VIEW_STALE_S``; the puller's READ then fails and it recomputes, the same path as a peer that dies
+  after a Lookup. Memory is never read after it is freed: a holder frees a run's blocks only after
+  kvloopd confirmed the drop and a read window passed, whatever any replica's view says;
+* a batch is fenced in the model's slot first (``kvl_fence``), then applied bucket by bucket. A
+  failure in between ends the agent's stream with UNAVAILABLE; the agent's next registration then
+  finds the store ahead of it and re-pushes its state (a resync), as after any lost batch;
+* a failover of any shard's primary (the cluster's current epoch grew) marks every worker
+  resyncing, as a Sentinel failover does on one server: a promoted replica may lack acknowledged
+  writes. It is noticed by the periodic reap (``reap_interval_s``), well within the read window.
+
+Where it differs from one server: ``max_entries`` bounds each bucket (a model holds up to
+``buckets`` times as many); ``find`` asks every bucket (an operator's command, not a request path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from redis.asyncio.cluster import RedisCluster
+
+from kvloop.common.block_keys import KEY_BYTES
+from kvloop.common.packed_ids import pack_u32
+from kvloop.daemon.index.model import (
+    BlockTier,
+    Change,
+    Cleared,
+    Event,
+    LeaseState,
+    Location,
+    Namespace,
+    PrefixMatch,
+    Released,
+    Removed,
+    Retained,
+    Stored,
+    WorkerSpec,
+    WorkerView,
+)
+from kvloop.daemon.index.redis_store import (
+    _EPOCH,
+    _PREFIX,
+    LIBRARY,
+    POOL_CONNECTIONS,
+    RedisStore,
+    _holding,
+    _keys,
+    _locations,
+    _reachable,
+    _text,
+    redacted,
+)
+from kvloop.daemon.index.store import Applied, Fence, IndexConfig, StoreCounts
+
+log = structlog.get_logger("kvloop.daemon")
+
+# Buckets per model: enough that a model spreads over every primary of a large cluster (a node owns
+# about buckets / primaries of them), few enough that reaping all of them each interval stays cheap.
+DEFAULT_BUCKETS = 64
+# How long a view of a model's workers answers Lookups as it is, and how long while a refresh runs.
+VIEW_FRESH_S = 0.25
+VIEW_STALE_S = 1.0
+
+
+@dataclass(slots=True)
+class _Worker:
+    epoch: str
+    state: int
+    seen: float
+    alive: bool
+
+    def live(self, now: float, lease_s: float) -> bool:
+        return self.state == LeaseState.ACTIVE and self.alive and now - self.seen <= lease_s
+
+
+@dataclass(slots=True)
+class _View:
+    fetched: float  # monotonic
+    resyncing: bool
+    workers: dict[str, _Worker]
+
+    def not_live(self, now: float, lease_s: float) -> str:
+        return "\n".join(w for w, worker in self.workers.items() if not worker.live(now, lease_s))
+
+
+class RedisClusterStore(RedisStore):
+    """The DirectoryStore on a Redis Cluster, sharded by each prompt's first block."""
+
+    name = "redis-cluster"
+    epoch: int
+
+    def __init__(
+        self, client: RedisCluster, config: IndexConfig | None = None, buckets: int = DEFAULT_BUCKETS
+    ):
+        super().__init__(client, config, lane=False)
+        if not 1 <= buckets <= 16384:
+            raise ValueError(f"buckets must be 1..16384, got {buckets}")
+        self.buckets = buckets
+        self._views: dict[str, _View] = {}
+        self._view_refreshes: dict[str, asyncio.Task] = {}
+
+    @classmethod
+    async def connect_cluster(
+        cls, url: str, config: IndexConfig | None = None, buckets: int = DEFAULT_BUCKETS, **options: Any
+    ) -> RedisClusterStore:
+        """Connect through any node of the cluster (``redis://`` or ``rediss://``) and load the
+        function library on every primary."""
+        client = RedisCluster.from_url(url, max_connections=POOL_CONNECTIONS, **options)
+        try:
+            await client.initialize()
+            await client.function_load(LIBRARY, replace=True)  # sent to every primary
+        except Exception:
+            await client.aclose()
+            raise
+        log.info("directory store on a redis cluster", url=redacted(url), buckets=buckets)
+        store = cls(client, config, buckets)
+        await store._check_epoch()  # record the epoch before this replica writes anything
+        return store
+
+    async def close(self) -> None:
+        refreshes = list(self._view_refreshes.values())
+        for refresh in refreshes:
+            refresh.cancel()
+        await asyncio.gather(*refreshes, return_exceptions=True)
+        await super().close()
+
+    # ---- keys --------------------------------------------------------------------------------
+
+    def _bucket_base(self, model: str, bucket: int | str) -> str:
+        return f"{_PREFIX}:{{{hashlib.sha1(model.encode()).hexdigest()[:16]}.{bucket}}}:"
+
+    def _bucket(self, lora_name: str, root: bytes) -> int:
+        """The bucket of a chain whose first block is ``root`` (a hash or its key: the key decides)."""
+        return zlib.crc32(root[:KEY_BYTES], zlib.crc32(lora_name.encode())) % self.buckets
+
+    def _bucket_namespace(self, namespace: Namespace, bucket: int | str) -> tuple[str, str]:
+        bb = self._bucket_base(namespace.model, bucket)
+        return bb, f"{bb}{namespace.lora_name.encode().hex()}:"
+
+    # ---- the view of a model's workers -------------------------------------------------------
+
+    async def _view(self, model: str) -> _View:
+        view = self._views.get(model)
+        if view is not None:
+            age = time.monotonic() - view.fetched
+            if age < VIEW_FRESH_S:
+                return view
+            if age < VIEW_STALE_S:
+                if model not in self._view_refreshes:
+                    self._view_refreshes[model] = asyncio.create_task(self._refresh_view(model))
+                return view
+        return await self._fetch_view(model)
+
+    async def _refresh_view(self, model: str) -> None:
+        try:
+            await self._fetch_view(model)
+        except Exception as exc:  # the view ages out and the next Lookup fetches it itself
+            log.debug("worker view refresh failed", model=model, error=str(exc))
+        finally:
+            self._view_refreshes.pop(model, None)
+
+    async def _fetch_view(self, model: str) -> _View:
+        fetched = time.monotonic()
+        base = self._base(model)
+        reply = await self._fcall("kvl_view", [f"{base}workers"], base)
+        workers = {
+            _text(w): _Worker(_text(epoch), int(state), float(seen), bool(alive))
+            for w, epoch, state, seen, alive in reply[1:]
+        }
+        view = self._views[model] = _View(fetched, int(reply[0]) > 0, workers)
+        return view
+
+    def _forget_view(self, model: str | None) -> None:
+        if model is None:
+            self._views.clear()
+        else:
+            self._views.pop(model, None)
+
+    def _heard(self, worker_id: str, now: float) -> None:
+        """A message from the worker reached the registry through this replica: its view follows."""
+        view = self._views.get(self._model_of.get(worker_id, ""))
+        worker = view.workers.get(worker_id) if view is not None else None
+        if worker is not None:
+            worker.seen, worker.alive = now, True
+            if worker.state == LeaseState.EXPIRED:
+                worker.state = LeaseState.ACTIVE
+
+    # ---- worker registry ---------------------------------------------------------------------
+
+    async def _purge(self, model: str, worker_id: str, buckets: Sequence[Any]) -> int:
+        """Drop everything ``worker_id`` holds in ``buckets`` (one call per bucket, side by side)."""
+        touched = await asyncio.gather(
+            *(
+                self._fcall("kvl_bucket_purge", [f"{bb}stats"], bb, worker_id)
+                for bb in (self._bucket_base(model, _text(b)) for b in buckets)
+            )
+        )
+        return sum(int(t) for t in touched)
+
+    async def _register_call(self, base: str, spec: WorkerSpec, args: list[Any]) -> list[Any]:
+        reply = await self._fcall("kvl_register", [f"{base}w:{spec.worker_id}"], *args, "1")
+        if _text(reply[0]) == "ok":
+            self._forget_view(spec.model)
+            await self._purge(spec.model, spec.worker_id, reply[3])
+        return reply
+
+    @_reachable
+    async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
+        await super().disconnect(worker_id, epoch, now)
+        self._forget_view(self._model_of.get(worker_id))
+
+    @_reachable
+    async def heartbeat(self, worker_id: str, now: float) -> None:
+        await super().heartbeat(worker_id, now)
+        self._heard(worker_id, now)
+
+    async def _set_state(self, worker_id: str, state: LeaseState) -> bool:
+        changed = await super()._set_state(worker_id, state)
+        self._forget_view(self._model_of.get(worker_id))
+        return changed
+
+    @_reachable
+    async def workers(self, now: float, model: str = "") -> list[WorkerView]:
+        views = await super().workers(now, model)
+        for view in views:  # a worker's block counts live in the buckets it wrote to
+            base = self._base(view.spec.model)
+            buckets = [_text(b) for b in await self._r.smembers(f"{base}wb:{view.spec.worker_id}")]
+            counters = await asyncio.gather(
+                *(
+                    self._r.hgetall(f"{self._bucket_base(view.spec.model, b)}wc:{view.spec.worker_id}")
+                    for b in buckets
+                )
+            )
+            runs = await asyncio.gather(
+                *(
+                    self._r.hlen(f"{self._bucket_base(view.spec.model, b)}wr:{view.spec.worker_id}")
+                    for b in buckets
+                )
+            )
+            totals = {"rblocks": 0, "sblocks": 0, "events": 0}
+            for fields in counters:
+                for field, value in fields.items():
+                    if _text(field) in totals:
+                        totals[_text(field)] += int(value)
+            view.retained_blocks, view.stored_blocks = totals["rblocks"], totals["sblocks"]
+            view.events_ingested, view.retained_runs = totals["events"], sum(runs)
+        return views
+
+    async def directory_epoch(self) -> int | None:
+        """The cluster's current epoch (it grows with each failover and each slot move), the highest
+        any reachable node reports."""
+        infos = await self._r.cluster_info(target_nodes=RedisCluster.ALL_NODES)
+        if isinstance(infos, dict) and "cluster_current_epoch" in infos:
+            infos = {"node": infos}
+        epochs = [int(info["cluster_current_epoch"]) for info in infos.values() if isinstance(info, dict)]
+        return max(epochs) if epochs else None
+
+    def _primary_moved(self) -> bool:
+        return False  # the cluster client follows its slots itself; failovers are caught by the epoch
+
+    async def _check_epoch(self) -> list[Change]:
+        epoch = await self.directory_epoch()
+        if epoch is None:
+            return []
+        previous = await self._fcall("kvl_epoch", [_EPOCH], epoch)
+        self.epoch = max(self.epoch, epoch + 1)
+        if previous is None or int(previous) < 0:
+            return []
+        for base in (await self._bases()).values():
+            await self._fcall("kvl_resync_all", [f"{base}workers"], base)
+        self._forget_view(None)
+        log.warning(
+            "redis cluster failover: every worker must resync", epoch=epoch, previous_epoch=int(previous)
+        )
+        return [Change("failover", "", "", 0, f"directory epoch {int(previous)} -> {epoch}: resync required")]
+
+    @_reachable
+    async def reap(self, now: float) -> list[Change]:
+        changes: list[Change] = await self._check_epoch()
+        for model, base in sorted((await self._bases()).items()):
+            reply = await self._fcall(
+                "kvl_reap_workers",
+                [f"{base}workers"],
+                base,
+                repr(now),
+                repr(self.config.lease_s),
+                repr(self.config.drop_after_s),
+            )
+            for kind, worker, blocks, detail, *buckets in reply:
+                dropped = _text(kind) == "dropped"
+                purged = await self._purge(model, _text(worker), buckets[0]) if dropped else 0
+                changes.append(Change(_text(kind), _text(worker), model, int(blocks) + purged, _text(detail)))
+                if dropped:
+                    self._model_specs.pop(model, None)
+            if reply:
+                self._forget_view(model)
+            expired = await asyncio.gather(
+                *(
+                    self._fcall("kvl_bucket_reap", [f"{bb}stats"], bb, repr(now))
+                    for bb in (self._bucket_base(model, b) for b in range(self.buckets))
+                )
+            )
+            for reaped in expired:
+                changes.extend(Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d in reaped)
+        return changes
+
+    # ---- block index -------------------------------------------------------------------------
+
+    @_reachable
+    async def apply(
+        self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
+    ) -> Applied:
+        spec = self._specs.get((worker_id, str(epoch))) or await self.worker_spec(worker_id)
+        if spec is None:
+            return Applied(Fence.UNKNOWN_WORKER, 0)
+        model, base = spec.model, self._base(spec.model)
+        placed = [self._place(event) for event in events]
+        moves: list[Any] = []
+        generation = 0
+        for event, where in zip(events, placed, strict=True):
+            if isinstance(event, Retained):
+                moves += ["R", event.handle, where[0][0]]
+                generation = max(generation, event.registration_generation)
+            elif isinstance(event, Released):
+                moves += ["L", event.handle]
+        reply = await self._fcall(
+            "kvl_fence",
+            [f"{base}w:{worker_id}"],
+            base,
+            worker_id,
+            str(epoch),
+            sequence,
+            repr(now),
+            self._lease_ms,
+            generation,
+            *sorted({bucket for where in placed for bucket, _ in where}),
+            "|",
+            *moves,
+        )
+        status = _text(reply[0])
+        if status != "applied":
+            return Applied(Fence(status), int(reply[1]), int(reply[2]))
+        last, worker_generation, rose = int(reply[1]), int(reply[2]), bool(reply[3])
+        releases = iter([_text(b) for b in reply[4]])
+        written = [_text(b) for b in reply[5]]
+        per_bucket: dict[str, list[Any]] = {}
+        if rose:  # a newer KV-cache registration: every older run of the worker is withdrawn
+            for bucket in written:
+                per_bucket.setdefault(bucket, []).extend(["G", worker_generation])
+        for event, where in zip(events, placed, strict=True):
+            if isinstance(event, Retained):
+                if old := next(releases):  # the same handle retained before, in another bucket
+                    per_bucket.setdefault(old, []).extend(["L", event.handle])
+            elif isinstance(event, Released):
+                where = [(b, event) for b in [next(releases)] if b]
+            elif not where:  # a clear, or a removal of blocks of no known chain
+                where = [(b, event) for b in written]
+            for bucket, part in where:
+                per_bucket.setdefault(bucket, []).extend(self._args(model, bucket, part))
+        try:
+            touched = await asyncio.gather(
+                *(
+                    self._fcall(
+                        "kvl_bucket_apply",
+                        [f"{bb}stats"],
+                        bb,
+                        worker_id,
+                        str(epoch),
+                        repr(now),
+                        self.config.max_entries,
+                        worker_generation,
+                        "",
+                        *args,
+                    )
+                    for bb, args in ((self._bucket_base(model, b), a) for b, a in per_bucket.items())
+                )
+            )
+        except Exception:
+            # Fenced but not (all) applied: nothing of the worker is served until its agent re-pushes
+            # (its next registration finds the store ahead of it).
+            await asyncio.gather(self._set_state(worker_id, LeaseState.RESYNCING), return_exceptions=True)
+            raise
+        self._heard(worker_id, now)
+        return Applied(Fence.APPLIED, last, sum(int(t) for t in touched))
+
+    def _place(self, event: Event) -> list[tuple[str, Event]]:
+        """The buckets an event goes to, with its part there; none for the events whose buckets the
+        fence call answers (releases, clears, removals of blocks of no known chain)."""
+        if isinstance(event, Retained):
+            return [(str(self._bucket(event.lora_name, _keys(event.hashes[:1]))), event)]
+        if isinstance(event, Stored):
+            root = event.root if event.root is not None else _keys(event.hashes[:1])
+            return [(str(self._bucket(event.lora_name, root)), event)]
+        if isinstance(event, Removed) and event.roots is not None:
+            chains: dict[str, list[bytes]] = {}
+            for h, root in zip(event.hashes, event.roots, strict=True):
+                chains.setdefault(str(self._bucket(event.lora_name, root)), []).append(h)
+            return [(b, Removed(hs, event.lora_name)) for b, hs in chains.items()]
+        return []
+
+    def _args(self, model: str, bucket: str, event: Event) -> list[Any]:
+        """An event as kvl_bucket_apply takes it in ``bucket`` (see directory.lua)."""
+        if isinstance(event, Released):
+            return ["L", event.handle]
+        if isinstance(event, Cleared):
+            return ["C"]
+        prefix = self._bucket_namespace(Namespace(model, event.lora_name), bucket)[1]
+        if isinstance(event, Retained):
+            return [
+                "R",
+                prefix,
+                KEY_BYTES,
+                _keys(event.hashes),
+                pack_u32(event.block_ids),
+                event.num_groups,
+                event.handle,
+                event.expires_in_ms,
+                int(event.single_use),
+                int(event.tier or BlockTier.DEVICE),  # redis-py sends an IntEnum by its repr
+                pack_u32(event.tail_token_ids),
+                pack_u32(event.tail_block_ids),
+                event.registration_generation,
+            ]
+        return ["S" if isinstance(event, Stored) else "D", prefix, KEY_BYTES, _keys(event.hashes)]
+
+    @_reachable
+    async def begin_snapshot(self, worker_id: str, now: float) -> None:
+        base = await self._worker_base(worker_id)
+        if base is None:
+            raise KeyError(worker_id)
+        reply = await self._fcall(
+            "kvl_snapshot", [f"{base}w:{worker_id}"], base, worker_id, "begin", repr(now), 0, "1"
+        )
+        model = self._model_of.get(worker_id, "")
+        self._forget_view(model)
+        if isinstance(reply, list):
+            await self._purge(model, worker_id, reply)
+
+    @_reachable
+    async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
+        await super().end_snapshot(worker_id, sequence, now)
+        self._forget_view(self._model_of.get(worker_id))
+
+    @_reachable
+    async def lookup(
+        self,
+        namespace: Namespace,
+        hashes: Sequence[bytes],
+        local_blocks: int,
+        requester: str,
+        now: float,
+        claim: bool,
+        *,
+        margin_s: float = 0.0,
+        accept: Callable[[WorkerSpec], bool] | None = None,
+    ) -> PrefixMatch:
+        if local_blocks >= len(hashes):
+            return PrefixMatch(None, [])
+        base = self._base(namespace.model)
+        packed = _keys(hashes)
+        bb, prefix = self._bucket_namespace(namespace, self._bucket(namespace.lora_name, packed[:KEY_BYTES]))
+        floor = now + max(self.config.expiry_margin_s, margin_s)
+        excluded: list[str] = []
+        refreshed = False
+        while True:
+            view = await self._view(namespace.model)
+            if view.resyncing:
+                return PrefixMatch(None, [], "directory_resyncing")
+            reply = await self._fcall(
+                "kvl_bucket_lookup",
+                [f"{prefix}ret"],
+                bb,
+                prefix,
+                packed,
+                KEY_BYTES,
+                local_blocks,
+                requester,
+                repr(now),
+                repr(floor),
+                repr(self.config.lease_s),
+                int(claim),
+                "\n".join(excluded),
+                view.not_live(now, self.config.lease_s),
+            )
+            if _text(reply[0]) == "none":
+                return PrefixMatch(None, [], _text(reply[1]) or None)
+            matched = int(reply[1])
+            holdings = []
+            unknown = False
+            for entry in reply[2:]:
+                worker, epoch = _text(entry[0]), _text(entry[1])
+                known = view.workers.get(worker)
+                if known is None or known.epoch != epoch:
+                    unknown = unknown or known is None
+                    continue  # a run of an epoch its worker has left (or of a worker not yet seen)
+                spec = self._specs.get((worker, epoch)) or await self._spec_of(base, worker, epoch)
+                holdings.append(_holding(spec, matched, entry))
+            first = _text(reply[2][0])
+            best = holdings[0] if holdings and holdings[0].worker.worker_id == first else None
+            if best is not None and (accept is None or accept(best.worker)):
+                others = [h for h in holdings[1:] if accept is None or accept(h.worker)]
+                return PrefixMatch(best, others)
+            if claim and _text(reply[2][7]) == "1":  # the first entry was claimed: give it back
+                await self._release(bb, prefix, first, _text(reply[2][2]), requester)
+            if unknown and not refreshed:
+                refreshed = True  # a worker registered since the view was read: read it again
+                self._forget_view(namespace.model)
+                continue
+            excluded.append(first)
+
+    async def _release(self, bb: str, prefix: str, holder: str, handle: str, requester: str) -> bool:
+        return bool(
+            await self._fcall("kvl_release", [f"{bb}wr:{holder}"], bb, prefix, holder, handle, requester)
+        )
+
+    @_reachable
+    async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
+        base = self._base(namespace.model)
+        bucket = await self._r.hget(f"{base}wh:{holder}", handle)
+        if bucket is None:
+            return False
+        bb, prefix = self._bucket_namespace(namespace, _text(bucket))
+        return await self._release(bb, prefix, holder, handle, requester)
+
+    @_reachable
+    async def stored_prefixes(
+        self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
+    ) -> dict[str, int]:
+        counts = dict.fromkeys(workers, 0)
+        if not workers or not hashes:
+            return counts
+        view = await self._view(namespace.model)
+        live = [
+            w for w in workers if (v := view.workers.get(w)) is not None and v.live(now, self.config.lease_s)
+        ]
+        if not live:
+            return counts
+        packed = _keys(hashes)
+        bb, prefix = self._bucket_namespace(namespace, self._bucket(namespace.lora_name, packed[:KEY_BYTES]))
+        reply = await self._fcall(
+            "kvl_bucket_stored_prefixes", [f"{prefix}sto"], bb, packed, KEY_BYTES, repr(now), "0", *live
+        )
+        counts.update({w: int(n) for w, n in zip(live, reply, strict=True)})
+        return counts
+
+    @_reachable
+    async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
+        view = await self._view(namespace.model)
+        dead = view.not_live(now, self.config.lease_s)
+        replies = await asyncio.gather(
+            *(
+                self._fcall(
+                    "kvl_bucket_find",
+                    [f"{prefix}ret"],
+                    bb,
+                    prefix,
+                    _keys([block_hash]),
+                    repr(now),
+                    repr(now + self.config.expiry_margin_s),
+                    "0",
+                    dead,
+                )
+                for bb, prefix in (self._bucket_namespace(namespace, b) for b in range(self.buckets))
+            )
+        )
+        return [location for reply in replies for location in _locations(reply)]
+
+    @_reachable
+    async def counts(self) -> StoreCounts:
+        totals = {"entries": 0, "runs": 0, "events": 0, "evictions": 0, "expired": 0}
+        for model in await self._bases():
+            stats = await asyncio.gather(
+                *(self._r.hgetall(f"{self._bucket_base(model, b)}stats") for b in range(self.buckets))
+            )
+            for fields in stats:
+                for field, value in fields.items():
+                    if _text(field) in totals:
+                        totals[_text(field)] += int(value)
+        return StoreCounts(
+            entries=totals["entries"],
+            retained_runs=totals["runs"],
+            events_ingested=totals["events"],
+            evictions=totals["evictions"],
+            expired_runs=totals["expired"],
+        )
+
+    async def flush(self) -> None:
+        await self._r.flushdb()  # sent to every primary
+        self._views.clear()
+        self._model_specs.clear()
+        self._specs.clear()
+        self._model_of.clear()
