@@ -47,6 +47,10 @@ class StoreSettings(BaseModel):
     # (redis:///0, rediss:///0 for TLS to the primary).
     sentinels: list[HostPort] = []
     sentinel_master: str = "kvloop"
+    # A Redis Cluster: ``url`` names any of its nodes, and each model's index is spread over
+    # ``cluster_buckets`` hash tags, placed by each prompt's first block (a Lookup is one node's call).
+    cluster: bool = False
+    cluster_buckets: int = Field(default=64, ge=1, le=16384)
     # ACL user and password; kept out of the URL so they stay out of process listings.
     username: str | None = None
     password: SecretStr | None = None
@@ -57,6 +61,14 @@ class StoreSettings(BaseModel):
     tls_ca_file: ReadableFile | None = None
     tls_cert_file: ReadableFile | None = None
     tls_key_file: ReadableFile | None = None
+
+    @model_validator(mode="after")
+    def _one_topology(self) -> StoreSettings:
+        if self.cluster and self.sentinels:
+            raise ValueError("give cluster or sentinels, not both: a Redis Cluster fails over by itself")
+        if self.cluster and self.url == "memory":
+            raise ValueError("cluster = true needs url to name a node of the cluster (redis://HOST:PORT)")
+        return self
 
     @model_validator(mode="after")
     def _password_file(self) -> StoreSettings:

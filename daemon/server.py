@@ -49,6 +49,15 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
     from kvloop.daemon.index.redis_store import redacted
 
     try:
+        if settings.store.cluster:
+            from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
+
+            return await RedisClusterStore.connect_cluster(
+                settings.store.url,
+                settings.index_config(),
+                settings.store.cluster_buckets,
+                **settings.store.redis_options(),
+            )
         if settings.store.sentinels:
             return await RedisStore.connect_sentinel(
                 settings.store.sentinels,

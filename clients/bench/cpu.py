@@ -11,6 +11,7 @@ stretch (a Lookup, a Route, the ingest between them) is charged what it cost.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,17 +51,21 @@ def _stat_seconds(pid: int) -> float:
 
 
 class RedisCpu:
-    """CPU seconds of a Redis server, from ``INFO cpu``."""
+    """CPU seconds of Redis servers (every node of a cluster, summed), from ``INFO cpu``."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str | Sequence[str]) -> None:
         import redis
 
-        self._client: Any = redis.Redis.from_url(url)
+        urls = [url] if isinstance(url, str) else list(url)
+        self._clients: list[Any] = [redis.Redis.from_url(u) for u in urls]
         self.per_reading_s = 0.0
 
     def seconds(self) -> float:
-        info = self._client.info("cpu")
-        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        total = 0.0
+        for client in self._clients:
+            info = client.info("cpu")
+            total += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+        return total
 
     def calibrate(self, readings: int = 300) -> float:
         """The server's CPU per reading (one ``INFO cpu``): measured over ``readings`` back to back."""
@@ -71,7 +76,8 @@ class RedisCpu:
         return self.per_reading_s
 
     def close(self) -> None:
-        self._client.close()
+        for client in self._clients:
+            client.close()
 
 
 @dataclass
@@ -91,8 +97,11 @@ class CpuMeter:
     ``start()`` and ``stop()`` bound the whole run; ``window(part)`` returns a context whose stretch
     is charged to ``part``. Whatever is not inside a window is the remainder (see :func:`per_request`)."""
 
-    def __init__(self, daemon_pid: int, redis_url: str | None = None) -> None:
-        self.daemon = ProcessCpu(daemon_pid)
+    def __init__(self, daemon_pid: int | Sequence[int], redis_url: str | Sequence[str] | None = None) -> None:
+        # several kvloopd replicas (and a cluster's nodes) are charged together
+        self.daemons = [
+            ProcessCpu(pid) for pid in ([daemon_pid] if isinstance(daemon_pid, int) else daemon_pid)
+        ]
         self.redis = RedisCpu(redis_url) if redis_url else None
         self.daemon_split = CpuSplit()
         self.redis_split = CpuSplit() if self.redis else None
@@ -104,7 +113,7 @@ class CpuMeter:
         if self.redis is not None:
             redis = self.redis.seconds()
             self._readings += 1
-        return self.daemon.seconds(), redis
+        return sum(daemon.seconds() for daemon in self.daemons), redis
 
     def start(self) -> None:
         self._readings = 0

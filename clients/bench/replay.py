@@ -14,7 +14,7 @@ import itertools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,9 +49,12 @@ class ReplayConfig:
     buckets: int = 20
     # Passed to kvloopd as they are.
     daemon_args: tuple[str, ...] = ()
-    # kvloopd's store: "memory", "redis" (a redis-server of the replay's own) or a redis:// URL,
-    # whose server's CPU the report then counts too (a dedicated server: all its CPU is charged).
+    # kvloopd's store: "memory", "redis" (a redis-server of the replay's own), "redis-cluster" (a
+    # 3-primary Redis Cluster of its own) or a redis:// URL, whose server's CPU the report then counts
+    # too (a dedicated server: all its CPU is charged).
     store: str = "memory"
+    # kvloopd processes sharing the store (a shared store only): workers spread over them in turn.
+    replicas: int = 1
 
 
 def replay(
@@ -69,47 +72,66 @@ def replay(
         # The puller's lease margin is applied in trace time by the fleet (replay_fleet docstring).
         "KVLOOP_EXPIRY_MARGIN_S": "0",
     }
+    if config.replicas > 1 and config.store == "memory":
+        raise ReplayError("several kvloopd replicas need a shared store (--store redis or redis-cluster)")
     try:
         with ExitStack() as stack:
-            redis_url = _store_url(config.store, workdir, stack)
+            redis_url, redis_nodes, store_env = _store(config.store, workdir, stack)
             args = config.daemon_args if redis_url is None else ("--store", redis_url, *config.daemon_args)
-            try:
-                daemon, target = start_daemon("127.0.0.1:0", workdir, args, env)
-            except Exception as exc:
-                log = (workdir / "kvloopd.log").read_text(errors="replace").strip().splitlines()[-5:]
-                raise ReplayError(f"kvloopd did not start ({exc}): " + " | ".join(log)) from None
-            meter = CpuMeter(daemon.pid, redis_url)
+            daemons: list[tuple[Any, str]] = []
+            stack.callback(lambda: supervisor().stop(*(daemon for daemon, _ in daemons), grace_s=10))
+            for n in range(config.replicas):
+                home = workdir / f"kvloopd-{n}"
+                home.mkdir()
+                try:
+                    daemons.append(start_daemon("127.0.0.1:0", home, args, {**env, **store_env}))
+                except Exception as exc:
+                    log = (home / "kvloopd.log").read_text(errors="replace").strip().splitlines()[-5:]
+                    raise ReplayError(f"kvloopd did not start ({exc}): " + " | ".join(log)) from None
+            meter = CpuMeter([daemon.pid for daemon, _ in daemons], redis_nodes or None)
             stack.callback(meter.close)
             if meter.redis is not None:
                 meter.redis.calibrate()
-            try:
 
-                async def go():
-                    async with AsyncDirectoryClient(
-                        target, timeout=60, max_message_bytes=64 * 1024 * 1024
-                    ) as client:
-                        fleet = Fleet(config.fleet, client, target, daemon.pid, progress, meter)
-                        return await fleet.run(requests)
+            async def go():
+                async with AsyncExitStack() as clients:
+                    replicas = [
+                        (
+                            await clients.enter_async_context(
+                                AsyncDirectoryClient(target, timeout=60, max_message_bytes=64 * 1024 * 1024)
+                            ),
+                            target,
+                        )
+                        for _, target in daemons
+                    ]
+                    fleet = Fleet(config.fleet, replicas, daemons[0][0].pid, progress, meter)
+                    return await fleet.run(requests)
 
-                result = asyncio.run(go())
-            finally:
-                supervisor().stop(daemon, grace_s=10)
+            result = asyncio.run(go())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return build_report(result, config.fleet, config.cost, trace, config.buckets, meter, config.store)
 
 
-def _store_url(store: str, workdir: Path, stack: ExitStack) -> str | None:
-    """None for the in-memory store; a Redis URL (a throwaway server of the replay's own for "redis")."""
+def _store(store: str, workdir: Path, stack: ExitStack) -> tuple[str | None, list[str], dict[str, str]]:
+    """kvloopd's store URL (None: in memory), the Redis servers whose CPU is charged, and the
+    KVLOOP_* settings the store needs."""
     if store == "memory":
-        return None
+        return None, [], {}
     if store == "redis":
         from kvloop.clients.fleet.redis_local import local_redis
 
-        return stack.enter_context(local_redis(workdir))
+        url = stack.enter_context(local_redis(workdir))
+        return url, [url], {}
+    if store == "redis-cluster":
+        from kvloop.clients.fleet.redis_local import local_redis_cluster
+
+        cluster = stack.enter_context(local_redis_cluster(workdir, primaries=3, replicas=0))
+        nodes = [f"redis://127.0.0.1:{port}/0" for port in cluster.ports]
+        return cluster.url, nodes, {"KVLOOP_STORE__CLUSTER": "true"}
     if store.startswith(("redis://", "rediss://", "unix://")):
-        return store
-    raise ReplayError(f"store must be memory, redis or a redis:// URL, got {store!r}")
+        return store, [store], {}
+    raise ReplayError(f"store must be memory, redis, redis-cluster or a redis:// URL, got {store!r}")
 
 
 def parse_sweep(specs: Sequence[str]) -> dict[str, list[float]]:

@@ -37,7 +37,7 @@ import itertools
 import random
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -236,8 +236,7 @@ class Fleet:
     def __init__(
         self,
         config: FleetConfig,
-        client: AsyncDirectoryClient,
-        target: str,
+        replicas: Sequence[tuple[AsyncDirectoryClient, str]],
         daemon_pid: int | None,
         progress: Callable[[int], None] = lambda done: None,
         meter: CpuMeter | None = None,
@@ -245,7 +244,11 @@ class Fleet:
         if config.routing not in ROUTINGS:
             raise ValueError(f"routing {config.routing!r}: choose from {', '.join(ROUTINGS)}")
         self.config = config
-        self.client = client
+        # kvloopd replicas (a client and its address each) sharing one store: the workers' streams and
+        # Lookups spread over them in turn, Routes too; one of them answers the fleet's own queries.
+        self.replicas = list(replicas)
+        self.client = self.replicas[0][0]
+        self._route_turn = itertools.count()
         self.daemon_pid = daemon_pid
         self.progress = progress
         self.meter = meter
@@ -253,6 +256,7 @@ class Fleet:
         bs = config.block_size
         kv_bytes_per_block = self._kv_bytes_per_block = config.kv_bytes_per_token * bs
         self.decodes = [self._decode(f"replay-decode-{i}") for i in range(config.decodes)]
+        # decodes take the replicas from the first on, prefills after them
         constraints = lambda worker: PullerConstraints(  # noqa: E731
             model=MODEL,
             requester=worker,
@@ -267,6 +271,7 @@ class Fleet:
         for i in range(config.prefills):
             worker = f"replay-prefill-{i}"
             mirror = WorkerMirror(32)
+            client, target = self.replicas[(config.decodes + i) % len(self.replicas)]
             link = DirectoryLink(
                 client, _registration(worker, pb.WORKER_ROLE_PREFILL, bs, kv_bytes_per_block), mirror.snapshot
             )
@@ -289,10 +294,14 @@ class Fleet:
         return _Decode(
             worker,
             mirror,
-            DirectoryLink(self.client, registration, mirror.snapshot),
+            DirectoryLink(self._home(worker), registration, mirror.snapshot),
             device=_Pool(self.config.retention_blocks),
             host=_Pool(self.config.host_retention_blocks),
         )
+
+    def _home(self, decode_worker: str) -> AsyncDirectoryClient:
+        """The replica a decode's stream goes to (the same one after a restart)."""
+        return self.replicas[int(decode_worker.rsplit("-", 1)[1]) % len(self.replicas)][0]
 
     def _decode_mirror(self) -> WorkerMirror:
         return WorkerMirror(32, host_pool=self.config.host_retention_blocks > 0)
@@ -450,7 +459,7 @@ class Fleet:
             return
         decode.mirror = self._decode_mirror()
         registration = self._decode_registration(decode.worker_id)
-        decode.link = DirectoryLink(self.client, registration, decode.mirror.snapshot)
+        decode.link = DirectoryLink(self._home(decode.worker_id), registration, decode.mirror.snapshot)
         decode.runner = asyncio.create_task(decode.link.run())
         await asyncio.wait_for(decode.link.connected.wait(), 30)
         decode.down = False
@@ -494,7 +503,7 @@ class Fleet:
             if cfg.route:
                 t = time.perf_counter()
                 with self._window("route"):
-                    await self.client.route(
+                    await self.replicas[next(self._route_turn) % len(self.replicas)][0].route(
                         MODEL,
                         [p.worker_id for p in self.prefills],
                         block_hashes=r.hashes,

@@ -266,7 +266,7 @@ def _cpu(result: FleetResult, meter: CpuMeter, store: str) -> dict[str, Any]:
     events = result.events_ingested
     out: dict[str, Any] = {}
     cpu: dict[str, Any] = {
-        "store": "memory" if store == "memory" else "redis",
+        "store": store if store in ("memory", "redis-cluster") else "redis",
         "block_events": events,
         "block_events_per_request": round(events / n, 1) if n else None,
     }

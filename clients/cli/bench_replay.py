@@ -108,8 +108,14 @@ def bench_replay(
     buckets: Annotated[int, typer.Option(min=1, help="windows of the over-time report")] = 10,
     store: Annotated[
         str,
-        typer.Option(help="kvloopd's store: memory, redis (a redis-server of its own) or a redis:// URL"),
+        typer.Option(
+            help="kvloopd's store: memory, redis (a redis-server of its own), redis-cluster (a 3-primary "
+            "Redis Cluster of its own) or a redis:// URL"
+        ),
     ] = "memory",
+    replicas: Annotated[
+        int, typer.Option(min=1, help="kvloopd processes sharing the store; the workers spread over them")
+    ] = 1,
     no_route: Annotated[
         bool, typer.Option("--no-route", help="skip the Route call per request (the proxy's)")
     ] = False,
@@ -194,10 +200,19 @@ def bench_replay(
         seed=seed,
         route=not no_route,
     )
-    if store not in ("memory", "redis") and not store.startswith(("redis://", "rediss://", "unix://")):
-        _fail(f"--store must be memory, redis or a redis:// URL, got {store!r}", code=2)
+    if store not in ("memory", "redis", "redis-cluster") and not store.startswith(
+        ("redis://", "rediss://", "unix://")
+    ):
+        _fail(f"--store must be memory, redis, redis-cluster or a redis:// URL, got {store!r}", code=2)
+    if replicas > 1 and store == "memory":
+        _fail("--replicas needs a shared store: --store redis or redis-cluster", code=2)
     config = rp.ReplayConfig(
-        fleet=fleet, cost=cost, buckets=buckets, daemon_args=tuple(daemon_arg or ()), store=store
+        fleet=fleet,
+        cost=cost,
+        buckets=buckets,
+        daemon_args=tuple(daemon_arg or ()),
+        store=store,
+        replicas=replicas,
     )
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

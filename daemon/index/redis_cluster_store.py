@@ -270,11 +270,15 @@ class RedisClusterStore(RedisStore):
 
     async def directory_epoch(self) -> int | None:
         """The cluster's current epoch (it grows with each failover and each slot move), the highest
-        any reachable node reports."""
-        infos = await self._r.cluster_info(target_nodes=RedisCluster.ALL_NODES)
-        if isinstance(infos, dict) and "cluster_current_epoch" in infos:
-            infos = {"node": infos}
-        epochs = [int(info["cluster_current_epoch"]) for info in infos.values() if isinstance(info, dict)]
+        any reachable node reports (a failed node is skipped)."""
+        epochs = []
+        for node in self._r.get_nodes():
+            try:
+                info = await self._r.cluster_info(target_nodes=node)
+            except Exception:  # a node that is down: the others answer
+                continue
+            if isinstance(info, dict) and "cluster_current_epoch" in info:
+                epochs.append(int(info["cluster_current_epoch"]))
         return max(epochs) if epochs else None
 
     def _primary_moved(self) -> bool:
@@ -285,9 +289,15 @@ class RedisClusterStore(RedisStore):
         if epoch is None:
             return []
         previous = await self._fcall("kvl_epoch", [_EPOCH], epoch)
-        self.epoch = max(self.epoch, epoch + 1)
+        known, self.epoch = self.epoch, max(self.epoch, epoch + 1)
         if previous is None or int(previous) < 0:
-            return []
+            if not (known and self.epoch > known):
+                return []
+            # Another replica won the compare-and-set and marked the workers; what this one wrote
+            # meanwhile may have gone to a primary being demoted, so it asks its own agents again.
+            self._forget_view(None)
+            log.warning("redis cluster epoch moved: this replica's agents resync", epoch=epoch)
+            return [Change("primary_moved", "", "", 0, f"the cluster's epoch moved (epoch {epoch})")]
         for base in (await self._bases()).values():
             await self._fcall("kvl_resync_all", [f"{base}workers"], base)
         self._forget_view(None)

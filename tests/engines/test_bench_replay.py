@@ -312,7 +312,7 @@ def test_host_copy_is_a_host_tier_run_of_its_own_in_kvloopd(tmp_path):
 
             async def go() -> None:
                 async with AsyncDirectoryClient(target, timeout=30) as client:
-                    await Fleet(config, client, target, None, progress).run(requests)
+                    await Fleet(config, [(client, target)], None, progress).run(requests)
 
             asyncio.run(go())
     finally:

@@ -1,0 +1,214 @@
+"""The directory sharded over a real Redis Cluster: a model's runs spread over every primary while a
+Lookup stays one call, agents' chain roots place prefix-cache blocks with their first block, replicas
+share it through kvloopd, and a shard's failover fences the old state until agents re-pushed it.
+(The behavioural suite in tests/test_index.py runs on the cluster too.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+
+from kvloop.agents.sidecar.mirror import WorkerMirror
+from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.clients.fleet.redis_local import local_redis_cluster
+from kvloop.daemon.convert import events_from_batch
+from kvloop.daemon.index import IndexConfig, Namespace, Retained, WorkerSpec
+from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
+from kvloop.v1 import directory_pb2 as pb
+from tests.store_backends import CLUSTER_BUCKETS
+from tests.support import conversation, retained, running_agent, wait_until
+
+NS = Namespace("m")
+
+
+def spec(worker_id: str, epoch: int = 1) -> WorkerSpec:
+    return WorkerSpec(
+        worker_id=worker_id,
+        role=2,
+        model="m",
+        engine_id=f"e-{worker_id}",
+        nixl_endpoint="127.0.0.1:1",
+        block_size=16,
+        hash_algorithm="sha256_cbor",
+        hash_length=32,
+        epoch=epoch,
+        kv_bytes_per_block=1024,
+    )
+
+
+async def open_cluster(url: str, **config) -> RedisClusterStore:
+    store = await RedisClusterStore.connect_cluster(url, IndexConfig(**config), buckets=CLUSTER_BUCKETS)
+    await store.flush()
+    return store
+
+
+def keys_per_node(url: str) -> list[int]:
+    cluster = redis.RedisCluster.from_url(url)
+    try:
+        return [len(cluster.keys("kvl:*", target_nodes=node)) for node in cluster.get_primaries()]
+    finally:
+        cluster.close()
+
+
+async def test_a_models_runs_spread_over_every_primary_and_each_prompt_finds_its_own(redis_cluster_url):
+    store = await open_cluster(redis_cluster_url)
+    try:
+        await store.register(spec("d"), 0, 0.0)
+        prompts = [conversation(f"c{i}", 12) for i in range(40)]
+        events = [Retained(p, list(range(12)), 1, f"h{i}", 60_000) for i, p in enumerate(prompts)]
+        await store.apply("d", 1, 1, events, 0.0)
+        # every primary holds some of the model's keys (the registry's slot is one of them)
+        assert all(n > 0 for n in keys_per_node(redis_cluster_url)), keys_per_node(redis_cluster_url)
+        for i, prompt in enumerate(prompts):
+            match = await store.lookup(NS, prompt + conversation("next", 3), 0, "p", 1.0, claim=False)
+            assert match.best is not None and match.best.handle == f"h{i}" and match.best.matched_blocks == 12
+        assert (await store.counts()).retained_runs == 40
+        [view] = await store.workers(1.0)
+        assert view.retained_runs == 40 and view.retained_blocks == 480
+    finally:
+        await store.close()
+
+
+async def test_an_agents_chain_roots_keep_a_prompts_cached_blocks_together(redis_cluster_url):
+    """vLLM stores a prompt's blocks in pieces, each naming only its parent: the agent names each
+    piece's root, so a Route counts the whole chain, after removals and after a resync snapshot."""
+    store = await open_cluster(redis_cluster_url)
+    try:
+        worker = spec("d")
+        await store.register(worker, 0, 0.0)
+        mirror = WorkerMirror(32)
+        prompt = conversation("chained", 40)
+        pieces = [(prompt[i : i + 8], prompt[i - 1] if i else None) for i in range(0, 40, 8)]
+        sequence = 0
+
+        async def push(*raw: dict) -> None:
+            nonlocal sequence
+            sequence += 1
+            batch = pb.EventBatch(sequence=sequence, events=[mirror.convert_vllm(e) for e in raw])
+            await store.apply("d", 1, sequence, events_from_batch(batch, worker, 10_000).events, 1.0)
+
+        await push(
+            *(
+                {"type": "BlockStored", "block_hashes": hs, "parent_block_hash": parent}
+                for hs, parent in pieces
+            )
+        )
+        assert (await store.stored_prefixes(NS, prompt, ["d"], 1.0)) == {"d": 40}
+        await push({"type": "BlockRemoved", "block_hashes": prompt[30:]})
+        assert (await store.stored_prefixes(NS, prompt, ["d"], 1.0)) == {"d": 30}
+        # a resync re-pushes the mirror's state in one event per chain
+        await store.begin_snapshot("d", 1.0)
+        assert (await store.stored_prefixes(NS, prompt, ["d"], 1.0)) == {"d": 0}
+        snapshot = pb.EventBatch(sequence=0, events=mirror.snapshot())
+        await store.apply("d", 1, 0, events_from_batch(snapshot, worker, 10_000).events, 1.0)
+        await store.end_snapshot("d", sequence, 1.0)
+        assert (await store.stored_prefixes(NS, prompt, ["d"], 1.0)) == {"d": 30}
+        assert (await store.counts()).entries == 30
+    finally:
+        await store.close()
+
+
+async def test_a_run_of_an_epoch_its_worker_left_is_never_handed_out(redis_cluster_url):
+    """Replica B's view of the workers is behind replica A's writes: a run retained under an epoch the
+    worker has left (its purge on A not yet done) is skipped, and a worker B has not seen is read."""
+    a, b = await open_cluster(redis_cluster_url), await open_cluster(redis_cluster_url)
+    try:
+        prompt = conversation("epochs", 6)
+        await a.register(spec("d", epoch=1), 0, 0.0)
+        await a.apply("d", 1, 1, [retained_run(prompt, "old")], 0.0)
+        assert (await b.lookup(NS, prompt, 0, "p", 1.0, claim=False)).best.handle == "old"
+        # the run of epoch 1 stays where it is (as if A's purge of it had not run), the worker moves on
+        await a._fcall("kvl_disconnect", [f"{a._base('m')}w:d"], a._base("m"), "d", "1", "1.0")
+        await a._fcall(
+            "kvl_register",
+            [f"{a._base('m')}w:d"],
+            a._base("m"),
+            "d",
+            "2",
+            0,
+            "1.0",
+            "10.0",
+            "10000",
+            '{"worker_id": "d"}',
+            "16|sha256_cbor|32",
+            "1",
+        )
+        b._forget_view("m")
+        match = await b.lookup(NS, prompt, 0, "p", 1.5, claim=True)
+        assert match.best is None
+        # a worker registered after B's view was read is looked up, not taken for dead
+        await a.register(spec("e"), 0, 2.0)
+        await a.apply("e", 1, 1, [retained_run(prompt, "new")], 2.0)
+        assert (await b.lookup(NS, prompt, 0, "p", 2.0, claim=False)).best.handle == "new"
+    finally:
+        await a.close()
+        await b.close()
+
+
+def retained_run(hashes, handle) -> Retained:
+    return Retained(hashes, list(range(len(hashes))), 1, handle, 60_000)
+
+
+async def test_a_shards_failover_fences_the_old_state_until_agents_re_pushed_it(daemon_factory, tmp_path):
+    """Two kvloopd replicas on a 3-primary cluster with a replica each; the primary holding a run dies
+    and its replica is promoted: nothing is handed out until the agent re-pushed its state."""
+    with local_redis_cluster(tmp_path, primaries=3, replicas=1, node_timeout_ms=1000) as cluster:
+        config = tmp_path / "kvloopd.toml"
+        # a lease longer than the failover: the agent stays registered while it is away
+        config.write_text(
+            f'lease_s = 60.0\n[store]\nurl = "{cluster.url}"\ncluster = true\ncluster_buckets = 8\n'
+        )
+        a = daemon_factory("--config", str(config), "--log-level", "debug")
+        b = daemon_factory("--config", str(config), "--log-level", "debug")
+        model, prompt = "m-cluster", conversation("cluster", 16)
+        held = [retained(prompt, "h")]
+        async with AsyncDirectoryClient(a.address) as on_a, AsyncDirectoryClient(b.address) as on_b:
+            async with running_agent(on_a, "dec-c", model, *held, snapshot=lambda: held, epoch=77):
+                before = await on_b.lookup(model, prompt, requester="pre", block_size=16)
+                assert before.decision == pb.DECISION_TRANSFER and before.matched_blocks == 16
+            # the primary holding the run dies
+            roles = cluster.roles()
+            holder = next(
+                port
+                for port, role in roles.items()
+                if role == "master" and redis.Redis(port=port).keys("*:run:*")
+            )
+            cluster.stop_node(holder)
+            # one replica wins the epoch's compare-and-set and marks every worker; the other follows
+            wait_until(
+                lambda: "every worker must resync" in a.log() + b.log(),
+                timeout=30,
+                what="kvloopd to see the failover",
+            )
+            during = await lookup_until_answered(on_b, model, prompt)
+            assert during.decision == pb.DECISION_RECOMPUTE
+            assert during.reason == pb.DECISION_REASON_DIRECTORY_RESYNCING
+            # the agent comes back under its epoch, is asked for its state, re-pushes it: served again
+            async with running_agent(on_a, "dec-c", model, snapshot=lambda: held, epoch=77) as link:
+                deadline = time.monotonic() + 30
+                while link.snapshots_sent < 1:
+                    assert time.monotonic() < deadline, "no snapshot asked for"
+                    await asyncio.sleep(0.05)  # polling a condition, not synchronising on time
+                while True:
+                    after = await lookup_until_answered(on_b, model, prompt)
+                    if after.decision == pb.DECISION_TRANSFER:
+                        break
+                    assert time.monotonic() < deadline, f"transfers did not resume: {after}"
+                    await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
+                assert after.matched_blocks == 16 and after.holder.worker_id == "dec-c"
+        assert any(role == "master" for port, role in cluster.roles().items() if port != holder)
+
+
+async def lookup_until_answered(client, model, prompt) -> pb.LookupResponse:
+    """A Lookup, retried while the cluster client finds the promoted primary (UNAVAILABLE)."""
+    from kvloop.clients.directory_client import KvloopError
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return await client.lookup(model, prompt, requester="pre", block_size=16)
+        except KvloopError:
+            assert time.monotonic() < deadline, "kvloopd did not reach the promoted primary"
+        await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
