@@ -107,8 +107,9 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
-    """A port p (with p+1 .. p+span-1) nothing listens on, for tests, the demo and benchmarks.
+def free_port(host: str = "127.0.0.1", span: int = 1, also: int = 0) -> int:
+    """A port p (with p+1 .. p+span-1, and p+also when ``also`` is set: a Redis Cluster node's bus
+    port) nothing listens on, for tests, the demo and benchmarks.
 
     Chosen below the kernel's ephemeral range, never from it: a port the kernel hands out for
     bind(host, 0) can be taken again by any process's next bind(0) or outgoing connection (vLLM's
@@ -118,10 +119,10 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
     low = _ephemeral_low()
     first = max(1024, low - 16384)
     rnd = random.SystemRandom()
-    if low - first >= 1024:
+    if low - first - also >= 1024:
         for _ in range(500):
-            port = rnd.randrange(first, low - span + 1)
-            ports = range(port, port + span)
+            port = rnd.randrange(first, low - span - also + 1)
+            ports = [*range(port, port + span), *([port + also] if also else [])]
             if any(p in _handed_out for p in ports) or not all(_bindable(host, p) for p in ports):
                 continue
             _handed_out.update(ports)
@@ -130,7 +131,7 @@ def free_port(host: str = "127.0.0.1", span: int = 1) -> int:
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
-        if all(_bindable(host, p) for p in range(port + 1, port + span)):
+        if all(_bindable(host, p) for p in [*range(port + 1, port + span), *([port + also] if also else [])]):
             _handed_out.update(range(port, port + span))
             return port
     raise RuntimeError(f"no {span} free adjacent port(s) on {host}")

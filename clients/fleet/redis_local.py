@@ -156,7 +156,8 @@ def local_redis_cluster(
     ``redis-cli --cluster create``; yields the cluster once every node reports it ok."""
     if shutil.which("redis-cli") is None:
         raise FileNotFoundError("redis-cli is not on PATH (Debian/Ubuntu: apt-get install redis-tools)")
-    ports = [free_port() for _ in range(primaries * (1 + replicas))]
+    # a node listens on its port and on port + 10000 (the cluster bus)
+    ports = [free_port(also=10000) for _ in range(primaries * (1 + replicas))]
     with ExitStack() as stack:
         cluster = LocalCluster(f"redis://127.0.0.1:{ports[0]}/0", ports)
         for port in ports:

@@ -82,6 +82,10 @@ DEFAULT_BUCKETS = 64
 # How long a view of a model's workers answers Lookups as it is, and how long while a refresh runs.
 VIEW_FRESH_S = 0.25
 VIEW_STALE_S = 1.0
+# A bucket's expired runs are reaped at most this often (in the store's clock), the buckets in eight
+# phases: a Lookup never hands out a run past its lease anyway, so reaping is only about memory, and
+# a call per bucket every reap interval (64 buckets, every 0.5 s) was most of an idle replica's work.
+BUCKET_REAP_S = 4.0
 
 
 @dataclass(slots=True)
@@ -120,6 +124,7 @@ class RedisClusterStore(RedisStore):
         self.buckets = buckets
         self._views: dict[str, _View] = {}
         self._view_refreshes: dict[str, asyncio.Task] = {}
+        self._reap_due: dict[str, list[float]] = {}  # model -> when each bucket is next reaped
 
     @classmethod
     async def connect_cluster(
@@ -306,6 +311,16 @@ class RedisClusterStore(RedisStore):
         )
         return [Change("failover", "", "", 0, f"directory epoch {int(previous)} -> {epoch}: resync required")]
 
+    def _buckets_to_reap(self, model: str, now: float) -> list[int]:
+        due = self._reap_due.get(model)
+        if due is None:  # first seen: all now, then spread over eight phases
+            due = self._reap_due[model] = [now + BUCKET_REAP_S * (b % 8) / 8 for b in range(self.buckets)]
+            return list(range(self.buckets))
+        ready = [b for b in range(self.buckets) if due[b] <= now]
+        for b in ready:
+            due[b] = now + BUCKET_REAP_S
+        return ready
+
     @_reachable
     async def reap(self, now: float) -> list[Change]:
         changes: list[Change] = await self._check_epoch()
@@ -329,7 +344,7 @@ class RedisClusterStore(RedisStore):
             expired = await asyncio.gather(
                 *(
                     self._fcall("kvl_bucket_reap", [f"{bb}stats"], bb, repr(now))
-                    for bb in (self._bucket_base(model, b) for b in range(self.buckets))
+                    for bb in (self._bucket_base(model, b) for b in self._buckets_to_reap(model, now))
                 )
             )
             for reaped in expired:
