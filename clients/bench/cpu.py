@@ -61,11 +61,15 @@ class RedisCpu:
         self.per_reading_s = 0.0
 
     def seconds(self) -> float:
-        total = 0.0
+        return sum(self.node_seconds())
+
+    def node_seconds(self) -> list[float]:
+        """Each server's own CPU seconds (a cluster's nodes: how evenly its shards share the work)."""
+        out = []
         for client in self._clients:
             info = client.info("cpu")
-            total += float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-        return total
+            out.append(float(info["used_cpu_sys"]) + float(info["used_cpu_user"]))
+        return out
 
     def calibrate(self, readings: int = 300) -> float:
         """The server's CPU per reading (one ``INFO cpu``): measured over ``readings`` back to back."""
@@ -107,6 +111,8 @@ class CpuMeter:
         self.redis_split = CpuSplit() if self.redis else None
         self._start: tuple[float, float] | None = None
         self._readings = 0  # Redis readings taken between start and stop (their cost is subtracted)
+        self._nodes_start: list[float] = []
+        self.redis_node_s: list[float] = []  # each Redis server's CPU over the run (stop() fills it)
 
     def _read(self) -> tuple[float, float]:
         redis = 0.0
@@ -118,10 +124,14 @@ class CpuMeter:
     def start(self) -> None:
         self._readings = 0
         self._start = self._read()
+        self._nodes_start = self.redis.node_seconds() if self.redis is not None else []
 
     def stop(self) -> None:
         assert self._start is not None, "stop() before start()"
         end = self._read()
+        if self.redis is not None:
+            ends = self.redis.node_seconds()
+            self.redis_node_s = [b - a for a, b in zip(self._nodes_start, ends, strict=True)]
         self.daemon_split.total = end[0] - self._start[0]
         if self.redis_split is not None and self.redis is not None:
             # every reading inside the run cost the server about per_reading_s; none is the product's

@@ -491,3 +491,22 @@ def test_cpu_per_request_is_split_on_both_stores_and_the_store_changes_no_share(
     no_route = replay("--synthetic", "200", "--decodes", "2", "--no-route")
     assert "route" not in no_route["cpu"]["kvloopd"]["cpu_ms_per_request_by_part"]
     assert no_route["daemon"]["route_ms"] is None and no_route["pulled_tokens"] == memory["pulled_tokens"]
+
+
+def test_two_replicas_on_a_redis_cluster_give_the_shares_of_one_in_memory_kvloopd():
+    memory = replay("--synthetic", "150", "--decodes", "2")
+    cluster = replay("--synthetic", "150", "--decodes", "2", "--store", "redis-cluster", "--replicas", "2")
+    for key in ("local_tokens", "pulled_tokens", "recomputed_tokens", "missed_pull_tokens"):
+        assert cluster[key] == memory[key], key
+    assert cluster["pulled_tokens"] > 0
+    assert cluster["cpu"]["block_events"] == memory["cpu"]["block_events"]
+    redis_cpu = cluster["cpu"]["redis"]
+    assert cluster["cpu"]["store"] == "redis-cluster" and cluster["redis_cpu_ms_per_request"] > 0
+    # three primaries, each doing part of the work
+    assert len(redis_cpu["node_cpu_s"]) == 3 and all(s > 0 for s in redis_cpu["node_cpu_s"])
+    assert 1 / 3 <= redis_cpu["busiest_node_share"] < 1
+
+
+def test_several_replicas_need_a_shared_store():
+    result = CliRunner().invoke(app, ["bench", "replay", "--synthetic", "10", "--replicas", "2"])
+    assert result.exit_code == 2 and "--replicas needs a shared store" in result.output
