@@ -11,7 +11,8 @@ from tests.store_backends import BACKENDS
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_short_soak_loses_nothing_and_invents_nothing(backend, request):
-    store = "memory" if backend == "memory" else request.getfixturevalue("redis_url")
+    # the cluster is the soak's own (it starts kvloopd with cluster = true)
+    store = backend if backend in ("memory", "redis-cluster") else request.getfixturevalue("redis_url")
     config = SoakConfig(
         agents=4,
         callers=2,

@@ -76,3 +76,31 @@ def test_a_runs_registration_generation_reaches_the_directory_event():
     assert mirror.convert_kvloop(run("z")).retained.registration_generation == 0
     resync = {e.retained.retention_handle: e.retained.registration_generation for e in mirror.snapshot()}
     assert resync["g"] == 3
+
+
+def stored(hashes, parent=None) -> dict:
+    event = {"type": "BlockStored", "block_hashes": hashes}
+    return event if parent is None else {**event, "parent_block_hash": parent}
+
+
+def test_each_stored_block_names_its_chains_root_and_a_block_reported_again_is_not_resent():
+    mirror = WorkerMirror(32)
+    prompt = conversation("roots", 12)
+    first = mirror.convert_vllm(stored(prompt[:4]))
+    then = mirror.convert_vllm(stored(prompt[4:8], parent=prompt[3]))
+    assert first.stored.root_block_hash == then.stored.root_block_hash == prompt[0]
+    # vLLM reports blocks 6-9 with 6-7 already held: only 8-9 are sent, under the chain's root
+    again = mirror.convert_vllm(stored(prompt[6:10], parent=prompt[5]))
+    assert list(again.stored.block_hashes) == prompt[8:10] and again.stored.root_block_hash == prompt[0]
+    before = skipped("already_stored")
+    assert mirror.convert_vllm(stored(prompt[2:4])) is None and skipped("already_stored") == before + 1
+    # a piece whose parent this mirror never held keeps that parent as its root, removal included
+    orphan = mirror.convert_vllm(stored(conversation("orphan", 2), parent=b"p" * 32))
+    assert orphan.stored.root_block_hash == b"p" * 32
+    removed = mirror.convert_vllm(
+        {"type": "BlockRemoved", "block_hashes": [prompt[9], conversation("orphan", 2)[1]]}
+    )
+    assert list(removed.removed.root_block_hashes) == [prompt[0], b"p" * 32]
+    # a resync snapshot sends each chain apart, under its root
+    chains = {e.stored.root_block_hash: list(e.stored.block_hashes) for e in mirror.snapshot()}
+    assert chains == {prompt[0]: prompt[:9], b"p" * 32: conversation("orphan", 2)[:1]}

@@ -92,8 +92,14 @@ class WorkerMirror:
             parent = parent if isinstance(parent, bytes) else b""
             mine = self.stored.setdefault(lora, {})
             # A parent this mirror does not hold (evicted first) stands in for the root: the blocks'
-            # later removal names the same root, so they are found where they were put.
-            root = mine.get(parent, parent) if parent else hashes[0]
+            # later removal names the same root, so they are found where they were put. A block
+            # reported again keeps the root it was sent with (it is not sent again): a second root
+            # would leave it where its removal does not look.
+            root = mine.get(parent, parent) if parent else mine.get(hashes[0], hashes[0])
+            hashes = [h for h in hashes if h not in mine]
+            if not hashes:
+                SKIPPED.labels("already_stored").inc()
+                return None
             mine.update(dict.fromkeys(hashes, root))
             return pb.BlockEvent(
                 stored=pb.BlocksStored(

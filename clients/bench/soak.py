@@ -630,14 +630,15 @@ def _growth(samples: list[tuple[float, float]]) -> float | None:
     return round((max(half) - half[0]) / half[0] * 100, 2)
 
 
-def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -> dict:
+def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None], cluster: bool = False) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvloop-soak-"))
-    if store_url != "memory":
+    if store_url != "memory" and not cluster:  # a cluster is the soak's own, new
         import redis
 
         with redis.Redis.from_url(store_url) as r:
             r.flushdb()
-    daemon, target = start_daemon(config.listen, workdir, ["--store", store_url])
+    env = {"KVLOOP_STORE__CLUSTER": "true"} if cluster else {}
+    daemon, target = start_daemon(config.listen, workdir, ["--store", store_url], env)
     ctx = multiprocessing.get_context("spawn")
     conns, procs = [], []
     probes = ctx.Queue()
@@ -781,11 +782,14 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None]) -
 
 
 def run_soak(config: SoakConfig, progress: Callable[[dict], None] = lambda state: None) -> dict:
-    """Start kvloopd on ``config.store`` (and a redis-server for ``redis``), soak it, compare."""
-    if config.store not in ("memory", "redis") and not config.store.startswith(
+    """Start kvloopd on ``config.store`` (and a redis-server for ``redis``, a 3-primary Redis Cluster
+    for ``redis-cluster``), soak it, compare."""
+    if config.store not in ("memory", "redis", "redis-cluster") and not config.store.startswith(
         ("redis://", "rediss://", "unix://")
     ):
-        raise ValueError(f"--store must be memory, redis or a redis:// URL, got {config.store!r}")
+        raise ValueError(
+            f"--store must be memory, redis, redis-cluster or a redis:// URL, got {config.store!r}"
+        )
     if config.agents < 1 or config.processes < 1 or config.duration_s <= 0:
         raise ValueError("--agents and --processes must be at least 1, --duration above 0")
     config = _replace(config, processes=min(config.processes, config.agents))
@@ -796,6 +800,12 @@ def run_soak(config: SoakConfig, progress: Callable[[dict], None] = lambda state
 
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvloop-soak-redis-")))
             url = stack.enter_context(local_redis(workdir))
+        if url == "redis-cluster":
+            from kvloop.clients.fleet.redis_local import local_redis_cluster
+
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvloop-soak-redis-")))
+            url = stack.enter_context(local_redis_cluster(workdir, primaries=3, replicas=0)).url
+            return _run(config, url, progress, cluster=True)
         return _run(config, url, progress)
 
 
