@@ -251,3 +251,30 @@ def test_proxy_reads_client_keys_from_a_file(tmp_path):
     )
     assert missing.returncode == 2 and "cannot read /nope" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_the_proxys_directory_client_takes_the_global_token_and_tls_flags(tmp_path, monkeypatch):
+    """`kvloop --token T --ca-file CA proxy --route` gives its Route client those, each flag falling
+    back to its KVLOOP_* variable (before, the proxy read the variables alone)."""
+    from typer.testing import CliRunner
+
+    import kvloop.clients.proxy.app as proxy_app
+    from kvloop.clients.cli.main import app
+
+    seen = {}
+
+    async def serve(config, *_args):
+        seen["security"] = config.directory_security
+
+    monkeypatch.setattr(proxy_app, "serve", serve)
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read here")
+    monkeypatch.setenv("KVLOOP_TOKEN", "from-env")
+    args = ["proxy", "--prefill", "http://p:1", "--decode", "http://d:1", "--route"]
+    result = CliRunner().invoke(app, ["--token", "from-flag", "--ca-file", str(ca), *args])
+    assert result.exit_code == 0, result.output
+    assert seen["security"].token == "from-flag" and seen["security"].ca_file == ca
+    monkeypatch.setenv("KVLOOP_CA_FILE", str(ca))
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert seen["security"].token == "from-env" and seen["security"].ca_file == ca

@@ -135,7 +135,7 @@ def proxy(
     from kvloop.clients.proxy.app import ROUTE_BY, ProxyConfig, serve
     from kvloop.common.addresses import parse_host_port
     from kvloop.common.config_files import error_lines, read_secret
-    from kvloop.common.security import TlsSettings
+    from kvloop.common.security import ClientSecurity, TlsSettings
     from kvloop.common.tracing import configure_tracing, shutdown_tracing
 
     if route_by not in ROUTE_BY:
@@ -166,6 +166,17 @@ def proxy(
             server_api_key = read_secret(server_api_key_file)
     except ValueError as exc:
         _fail(str(exc), code=2)
+    # The directory client's token and TLS: the global flags, each falling back to its KVLOOP_* variable.
+    env, flags = ClientSecurity.from_env(), state.security
+    try:
+        directory_security = ClientSecurity(
+            token=flags.token or env.token,
+            ca_file=flags.ca_file or env.ca_file,
+            cert_file=flags.cert_file or env.cert_file,
+            key_file=flags.key_file or env.key_file,
+        )
+    except ValueError as exc:
+        _fail(str(exc).splitlines()[-1], code=2)
     configure_logging("info", json_logs=True if state.json else None)
     configure_tracing("kvloop-proxy")
     config = ProxyConfig(
@@ -173,6 +184,7 @@ def proxy(
         decode=decode,
         request_timeout_s=request_timeout,
         directory=state.daemon if route else None,
+        directory_security=directory_security,
         route_timeout_s=route_timeout,
         tokenizer=tokenizer,
         max_attempts=max_attempts,

@@ -38,6 +38,7 @@ from kvloop.clients.proxy.legs import decode_body, prefill_body, whole_request_r
 from kvloop.clients.proxy.prompt_tokens import PromptTokenizers
 from kvloop.clients.proxy.routing import Router
 from kvloop.common.sd_notify import Notifier
+from kvloop.common.security import ClientSecurity
 from kvloop.common.tracing import trace_id_hex
 from kvloop.common.version import VERSION, publish_build_info
 
@@ -72,6 +73,8 @@ class ProxyConfig:
     health_interval_s: float = 2.0
     # kvloopd HOST:PORT to rank prefills with (Route); None: the load rule alone.
     directory: str | None = None
+    # Its token and TLS (the CLI's --token / --ca-file / --cert-file / --key-file); None: KVLOOP_* env.
+    directory_security: ClientSecurity | None = None
     # Deadline of tokenize + Route per request; past it the load rule decides.
     route_timeout_s: float = 0.1
     # Where Route's token ids come from: auto (the model's tokenizer from the directory the servers
@@ -807,7 +810,9 @@ def build_app(config: ProxyConfig) -> web.Application:
             )
         )
         if config.directory:
-            state.router.directory = AsyncDirectoryClient(config.directory, timeout=config.route_timeout_s)
+            state.router.directory = AsyncDirectoryClient(
+                config.directory, config.directory_security, timeout=config.route_timeout_s
+            )
         if state.router.directory is not None:
             # Load the served models' tokenizers before requests come: as soon as a prefill names its
             # models, at start-up or at a later health check when it was not up (or too slow) then.
