@@ -23,6 +23,7 @@ from kvloop.daemon.decoding import DecodeInterceptor
 from kvloop.daemon.index import DirectoryStore, MemoryStore, StoreUnavailable
 from kvloop.daemon.index.instrumented import InstrumentedStore
 from kvloop.daemon.index.redis_store import RedisStore
+from kvloop.daemon.index.store import entry_bound
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.plans import PlanBoard
 from kvloop.daemon.policy import Policy
@@ -89,8 +90,8 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     ]
     counters = DaemonCounters()
     publish_build_info("kvloopd")
-    metrics.MAX_ENTRIES.set(settings.max_entries)
     backend = await open_store(settings)
+    metrics.MAX_ENTRIES.set(entry_bound(backend))
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if settings.tokens:
         interceptors.append(AuthInterceptor(settings.tokens, counters.rejected_message))

@@ -27,6 +27,7 @@ from kvloop.daemon import convert, metrics
 from kvloop.daemon.auth import current_grant
 from kvloop.daemon.convert import BadInput, Refused
 from kvloop.daemon.index import Change, DirectoryStore, LeaseState, Namespace
+from kvloop.daemon.index.store import entry_bound
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.plans import PlanBoard
 from kvloop.daemon.policy import Policy, RouteScore
@@ -275,7 +276,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             resyncs=counters.resyncs,
             evictions=counts.evictions,
             rejected_messages=counters.rejected,
-            max_entries=self.store.config.max_entries,
+            max_entries=entry_bound(self.store),
             uptime_seconds=time.monotonic() - self._started,
             models=await self.store.models(),
             version=VERSION,

@@ -13,6 +13,7 @@ import redis
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.clients.fleet.redis_local import local_redis_cluster
+from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.convert import events_from_batch
 from kvloop.daemon.index import IndexConfig, Namespace, Retained, WorkerSpec
 from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
@@ -168,6 +169,8 @@ async def test_a_shards_failover_fences_the_old_state_until_agents_re_pushed_it(
             async with running_agent(on_a, "dec-c", model, *held, snapshot=lambda: held, epoch=77):
                 before = await on_b.lookup(model, prompt, requester="pre", block_size=16)
                 assert before.decision == pb.DECISION_TRANSFER and before.matched_blocks == 16
+                # max_entries bounds each of a model's 8 buckets: the bound a model has is 8 times it
+                assert (await on_b.stats()).max_entries == 8 * DaemonSettings().max_entries
             # the primary holding the run dies
             roles = cluster.roles()
             holder = next(

@@ -47,6 +47,7 @@ class InstrumentedStore:
         # model's spec for a second): passed through untimed, a coroutine and a histogram fewer.
         self.model_spec: Callable[[str], Awaitable[WorkerSpec | None]] = inner.model_spec
         self.in_process = inner.in_process
+        self.buckets: int = getattr(inner, "buckets", 1)  # a sharded store's (see store.entry_bound)
         if inner.in_process and not traced:  # no span to start and no I/O to time
             self.lookup = inner.lookup  # type: ignore[method-assign]
         self._timers = {

@@ -121,7 +121,7 @@ class RedisClusterStore(RedisStore):
         super().__init__(client, config, lane=False)
         if not 1 <= buckets <= 16384:
             raise ValueError(f"buckets must be 1..16384, got {buckets}")
-        self.buckets = buckets
+        self.buckets = buckets  # max_entries bounds each: a model holds up to buckets x max_entries
         self._views: dict[str, _View] = {}
         self._view_refreshes: dict[str, asyncio.Task] = {}
         self._reap_due: dict[str, list[float]] = {}  # model -> when each bucket is next reaped

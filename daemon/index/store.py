@@ -176,3 +176,9 @@ class DirectoryStore(WorkerRegistry, BlockIndex, Protocol):
     name: str  # "memory", "redis": the label metrics and spans carry
 
     async def close(self) -> None: ...
+
+
+def entry_bound(store: WorkerRegistry) -> int:
+    """The entries a model may hold before eviction: ``max_entries``, or on a Redis Cluster that many
+    in each of its buckets."""
+    return store.config.max_entries * getattr(store, "buckets", 1)
