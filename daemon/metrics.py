@@ -26,7 +26,7 @@ TRANSFER_REPORTS = Counter(
 ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
 MAX_ENTRIES = Gauge(
     "kvloop_directory_max_entries",
-    "The directory's bound on entries (max_entries; on a Redis Cluster times its buckets): beyond it, eviction",
+    "Bound on directory entries (max_entries; on a Redis Cluster, times its buckets): past it, eviction",
 )
 WORKERS = Gauge("kvloop_workers", "Registered workers by lease state", ["state"])
 AGENT_REGISTRATIONS = Counter(
