@@ -163,3 +163,23 @@ def make_cert(tmp: Path, name: str, ca: tuple[Path, Path] | None = None) -> tupl
             capture_output=True,
         )
     return key, crt
+
+
+def spawn_agent(tmp: Path, daemon_address: str, model: str, worker_id: str, health_port: int, env=None):
+    """A real kvloop-agent process from a TOML config (no engine: it registers and serves its health
+    and metrics endpoints); its output goes to ``tmp/agent.log``."""
+    from kvloop.common.processes import supervisor
+    from tests.conftest import KVLOOPD
+
+    config = tmp / "agent.toml"
+    config.write_text(
+        f'model = "{model}"\nblock_size = 16\nworker_id = "{worker_id}"\nnixl_endpoint = "127.0.0.1:5999"\n'
+        f'daemon = "{daemon_address}"\nhealth_listen = "127.0.0.1:{health_port}"\nkv_events_replay = ""\n'
+    )
+    log = tmp / "agent.log"
+    return supervisor().spawn(
+        [str(Path(KVLOOPD).parent / "kvloop-agent"), "--config", str(config)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )

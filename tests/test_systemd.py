@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD
+from tests.support import spawn_agent
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "daemon/systemd"
@@ -195,23 +196,10 @@ def test_kvloopd_watchdog_stops_while_its_event_loop_is_stalled(tmp_path, notify
 
 
 def test_agent_notifies_ready_watchdog_and_stopping(tmp_path, daemon, notify_socket):
-    config = tmp_path / "agent.toml"
-    config.write_text(f"""
-model = "m-notify"
-block_size = 16
-worker_id = "notify-agent"
-nixl_endpoint = "127.0.0.1:5999"
-daemon = "{daemon.address}"
-health_listen = "127.0.0.1:{free_port()}"
-kv_events_replay = ""
-""")
-    log = tmp_path / "agent.log"
-    agent = supervisor().spawn(
-        [str(BIN / "kvloop-agent"), "--config", str(config)],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=_notify_env(notify_socket),
+    agent = spawn_agent(
+        tmp_path, daemon.address, "m-notify", "notify-agent", free_port(), env=_notify_env(notify_socket)
     )
+    log = tmp_path / "agent.log"
     try:
         notify_socket.wait_for("READY=1")
         notify_socket.wait_for("WATCHDOG=1", count=3)

@@ -17,7 +17,7 @@ from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClien
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD
-from tests.support import running_agent, wait_until
+from tests.support import running_agent, spawn_agent, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(KVLOOPD).parent
@@ -79,20 +79,7 @@ def test_cli_stats_shows_the_release(daemon):
 
 def test_agent_registers_its_release_and_publishes_build_info(tmp_path, daemon):
     port = free_port()
-    config = tmp_path / "agent.toml"
-    config.write_text(f"""
-model = "m-agent-version"
-block_size = 16
-worker_id = "versioned-agent"
-nixl_endpoint = "127.0.0.1:5999"
-daemon = "{daemon.address}"
-health_listen = "127.0.0.1:{port}"
-kv_events_replay = ""
-""")
-    log = tmp_path / "agent.log"
-    agent = supervisor().spawn(
-        [str(BIN / "kvloop-agent"), "--config", str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
+    agent = spawn_agent(tmp_path, daemon.address, "m-agent-version", "versioned-agent", port)
     try:
         info = wait_until(
             lambda: _build_info(f"http://127.0.0.1:{port}/metrics"), what="the agent's /metrics"
@@ -108,7 +95,7 @@ kv_events_replay = ""
         assert worker.registration.agent_version == VERSION
     finally:
         agent.terminate()
-        assert agent.wait(15) == 0, log.read_text()
+        assert agent.wait(15) == 0, (tmp_path / "agent.log").read_text()
 
 
 def test_proxy_publishes_build_info(tmp_path):
