@@ -69,6 +69,7 @@ from kvloop.daemon.index.redis_store import (
     _keys,
     _locations,
     _reachable,
+    _store_counts,
     _text,
     redacted,
 )
@@ -614,22 +615,12 @@ class RedisClusterStore(RedisStore):
 
     @_reachable
     async def counts(self) -> StoreCounts:
-        totals = {"entries": 0, "runs": 0, "events": 0, "evictions": 0, "expired": 0}
+        stats = []
         for model in await self._bases():
-            stats = await asyncio.gather(
+            stats += await asyncio.gather(
                 *(self._r.hgetall(f"{self._bucket_base(model, b)}stats") for b in range(self.buckets))
             )
-            for fields in stats:
-                for field, value in fields.items():
-                    if _text(field) in totals:
-                        totals[_text(field)] += int(value)
-        return StoreCounts(
-            entries=totals["entries"],
-            retained_runs=totals["runs"],
-            events_ingested=totals["events"],
-            evictions=totals["evictions"],
-            expired_runs=totals["expired"],
-        )
+        return _store_counts(stats)
 
     async def flush(self) -> None:
         await self._r.flushdb()  # sent to every primary

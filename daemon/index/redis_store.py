@@ -131,6 +131,23 @@ def _locations(reply: list) -> list[Location]:
     return found
 
 
+def _store_counts(stats: Sequence[dict]) -> StoreCounts:
+    """The directory's counts, summed over the ``stats`` hashes it keeps (one per model, or per bucket
+    on a cluster)."""
+    totals = {"entries": 0, "runs": 0, "events": 0, "evictions": 0, "expired": 0}
+    for fields in stats:
+        for field, value in fields.items():
+            if _text(field) in totals:
+                totals[_text(field)] += int(value)
+    return StoreCounts(
+        entries=totals["entries"],
+        retained_runs=totals["runs"],
+        events_ingested=totals["events"],
+        evictions=totals["evictions"],
+        expired_runs=totals["expired"],
+    )
+
+
 def _spec_json(spec: WorkerSpec) -> str:
     return json.dumps(asdict(spec), separators=(",", ":"))
 
@@ -859,17 +876,8 @@ class RedisStore:
 
     @_reachable
     async def counts(self) -> StoreCounts:
-        totals = {"entries": 0, "runs": 0, "events": 0, "evictions": 0, "expired": 0}
-        for base in (await self._bases()).values():
-            for field, value in (await self._r.hgetall(f"{base}stats")).items():
-                if _text(field) in totals:
-                    totals[_text(field)] += int(value)
-        return StoreCounts(
-            entries=totals["entries"],
-            retained_runs=totals["runs"],
-            events_ingested=totals["events"],
-            evictions=totals["evictions"],
-            expired_runs=totals["expired"],
+        return _store_counts(
+            [await self._r.hgetall(f"{base}stats") for base in (await self._bases()).values()]
         )
 
 
