@@ -215,3 +215,27 @@ async def lookup_until_answered(client, model, prompt) -> pb.LookupResponse:
         except KvloopError:
             assert time.monotonic() < deadline, "kvloopd did not reach the promoted primary"
         await asyncio.sleep(0.1)  # polling a condition, not synchronising on time
+
+
+async def test_a_call_sent_to_a_node_that_no_longer_owns_its_slot_follows_the_redirection(redis_cluster_url):
+    """The request path's calls go straight to the node the client's slot map names; when that map is
+    out of date (a slot moved) the node answers MOVED and the call takes the client's way, which
+    follows it."""
+    from redis.crc import key_slot
+
+    store = await open_cluster(redis_cluster_url)
+    try:
+        await store.register(spec("d"), 0, 0.0)
+        prompt = conversation("moved", 5)
+        await store.apply("d", 1, 1, [retained_run(prompt, "h")], 0.0)
+        bucket = store._bucket("", prompt[0])
+        _, prefix = store._bucket_namespace(NS, bucket)
+        slot = key_slot(f"{prefix}ret".encode())
+        manager = store._r.nodes_manager
+        owner = manager.slots_cache[slot][0]
+        manager.slots_cache[slot] = [next(n for n in store._r.get_primaries() if n.name != owner.name)]
+        match = await store.lookup(NS, prompt, 0, "p", 1.0, claim=False)
+        assert match.best is not None and match.best.handle == "h"
+        assert manager.get_node_from_slot(slot).name == owner.name  # the client learnt the owner again
+    finally:
+        await store.close()

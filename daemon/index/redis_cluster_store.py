@@ -38,8 +38,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import hiredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvloop.common.block_keys import KEY_BYTES
 from kvloop.common.packed_ids import pack_u32
@@ -81,6 +86,8 @@ log = structlog.get_logger("kvloop.daemon")
 # about buckets / primaries of them), few enough that reaping all of them each interval stays cheap.
 DEFAULT_BUCKETS = 64
 # How long a view of a model's workers answers Lookups as it is, and how long while a refresh runs.
+# The longest a call sent on a node's connection directly waits for its reply.
+CALL_TIMEOUT_S = 5.0
 VIEW_FRESH_S = 0.25
 VIEW_STALE_S = 1.0
 # A bucket's expired runs are reaped at most this often (in the store's clock), the buckets in eight
@@ -160,6 +167,41 @@ class RedisClusterStore(RedisStore):
     def _bucket(self, lora_name: str, root: bytes) -> int:
         """The bucket of a chain whose first block is ``root`` (a hash or its key: the key decides)."""
         return zlib.crc32(root[:KEY_BYTES], zlib.crc32(lora_name.encode())) % self.buckets
+
+    async def _fcall_direct(self, function: str, keys: Sequence[str], *args: Any) -> Any:
+        """``_fcall`` on a connection of the node that owns the key's slot, sent and read directly:
+        redis-py's cluster client does several times a plain call's Python work per command (the
+        request path's calls: fences, bucket applies, Lookups). A redirection (the slot moved), a
+        replica's refusal (READONLY), a node that is down or lost the library: the call goes the
+        client's way, which follows the cluster and retries."""
+        try:
+            node = self._r.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
+            connection = node.acquire_connection()
+        except Exception:  # no node known for the slot, or its pool is full
+            return await self._fcall(function, keys, *args)
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await connection.send_packed_command(
+                    hiredis.pack_command(("FCALL", function, len(keys), *keys, *args)), check_health=False
+                )
+                reply = await connection.read_response()
+        except (AskError, TryAgainError, ClusterDownError, ReadOnlyError):
+            node.release(connection)  # refused before the function ran: nothing was written
+        except ResponseError as exc:
+            node.release(connection)
+            if "function not found" not in str(exc).lower():
+                raise
+        except (RedisConnectionError, RedisTimeoutError, OSError):  # OSError: TimeoutError too
+            await connection.disconnect()
+            node.release(connection)
+        except BaseException:
+            await connection.disconnect()  # cancelled mid-reply: its stream is out of step
+            node.release(connection)
+            raise
+        else:
+            node.release(connection)
+            return reply
+        return await self._fcall(function, keys, *args)
 
     def _bucket_namespace(self, namespace: Namespace, bucket: int | str) -> tuple[str, str]:
         bb = self._bucket_base(namespace.model, bucket)
@@ -371,7 +413,7 @@ class RedisClusterStore(RedisStore):
                 generation = max(generation, event.registration_generation)
             elif isinstance(event, Released):
                 moves += ["L", event.handle]
-        reply = await self._fcall(
+        reply = await self._fcall_direct(
             "kvl_fence",
             [f"{base}w:{worker_id}"],
             base,
@@ -408,7 +450,7 @@ class RedisClusterStore(RedisStore):
         try:
             touched = await asyncio.gather(
                 *(
-                    self._fcall(
+                    self._fcall_direct(
                         "kvl_bucket_apply",
                         [f"{bb}stats"],
                         bb,
@@ -514,7 +556,7 @@ class RedisClusterStore(RedisStore):
             view = await self._view(namespace.model)
             if view.resyncing:
                 return PrefixMatch(None, [], "directory_resyncing")
-            reply = await self._fcall(
+            reply = await self._fcall_direct(
                 "kvl_bucket_lookup",
                 [f"{prefix}ret"],
                 bb,
