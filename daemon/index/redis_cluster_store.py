@@ -132,6 +132,7 @@ class RedisClusterStore(RedisStore):
         self.buckets = buckets  # max_entries bounds each: a model holds up to buckets x max_entries
         self._views: dict[str, _View] = {}
         self._view_refreshes: dict[str, asyncio.Task] = {}
+        self._epoch_turn = 0  # the node asked for the cluster's epoch next
         self._reap_due: dict[str, list[float]] = {}  # model -> when each bucket is next reaped
 
     @classmethod
@@ -317,17 +318,20 @@ class RedisClusterStore(RedisStore):
         return views
 
     async def directory_epoch(self) -> int | None:
-        """The cluster's current epoch (it grows with each failover and each slot move), the highest
-        any reachable node reports (a failed node is skipped)."""
-        epochs = []
-        for node in self._r.get_nodes():
+        """The cluster's current epoch (it grows with each failover and each slot move), as the next
+        node in turn that answers reports it: the cluster's gossip carries a new epoch to every node,
+        and asking one node per reap keeps an idle replica's work small."""
+        nodes = self._r.get_nodes()
+        for i in range(len(nodes)):
+            node = nodes[(self._epoch_turn + i) % len(nodes)]
             try:
                 info = await self._r.cluster_info(target_nodes=node)
-            except Exception:  # a node that is down: the others answer
+            except Exception:  # a node that is down: the next one answers
                 continue
+            self._epoch_turn += i + 1
             if isinstance(info, dict) and "cluster_current_epoch" in info:
-                epochs.append(int(info["cluster_current_epoch"]))
-        return max(epochs) if epochs else None
+                return int(info["cluster_current_epoch"])
+        return None
 
     def _primary_moved(self) -> bool:
         return False  # the cluster client follows its slots itself; failovers are caught by the epoch
