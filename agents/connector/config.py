@@ -69,8 +69,9 @@ class KvloopConfig(BaseModel):
     # Lease of a run's host copy, from when its copy is announced.
     host_retention_ttl_s: float = Field(default=1800.0, gt=0)
     # Which copies the host pool gives up first when it needs room (host_eviction.py): "lru" the
-    # oldest; "predicted_return" the least likely to be pulled again, from each conversation's own
-    # gaps between turns (learned from the runs that extend one another) and its idle time.
+    # oldest; "predicted_return" those with the fewest pulls to expect per second held, from each
+    # conversation's own gaps between turns (learned from the runs that extend one another) and how
+    # long it has been idle.
     host_eviction: str = LRU
     # Give a run's KV-cache blocks up this long after its host copy is announced, pressure or not
     # (None: only under pressure, see retention_yield). 0 frees the KV cache soonest.

@@ -7,15 +7,16 @@ of every turn that ends on the decode (:meth:`EvictionPolicy.turn`); it releases
 
 - ``lru``: the copy that entered the pool first goes first. A conversation's next turn makes a newer
   copy, so the oldest copy is the conversation least recently active.
-- ``predicted_return``: the copy least likely to be asked for again before its lease ends goes first.
-  What the decode knows is the conversation chain (a run that starts with an earlier run's blocks is
-  that conversation's next turn), so it learns each conversation's gaps between turns and how many
-  turns it had, and how long each has been idle. A copy behind a later turn of its own conversation
-  is worth nothing (the next prompt resends the later turn too) and goes first of all.
+- ``predicted_return``: the copy with the fewest pulls to expect per second it holds its slots goes
+  first. What the decode knows is the conversation chain (a run that starts with an earlier run's
+  blocks is that conversation's next turn), so it learns each conversation's gaps between turns and
+  how many turns it had, and how long each has been idle. A copy behind a later turn of its own
+  conversation is worth nothing (the next prompt resends the later turn too) and goes first of all.
 
 Where all conversations draw their gaps from one distribution, how long one has been idle is the only
-signal, and ``predicted_return`` orders its latest copies as ``lru`` does; it can only differ where
-conversations differ (agents back within seconds, people after minutes).
+signal, and ``predicted_return`` ranks the latest copies by it, as ``lru`` does (for the spreads of
+gaps seen in agent and chat traffic the expected pulls per second fall as a copy ages); it can only
+differ where conversations differ (agents back within seconds, people after minutes).
 """
 
 from __future__ import annotations
@@ -104,18 +105,29 @@ class _Entry:
 
 
 class PredictedReturn(EvictionPolicy):
-    """Gives up first the copy least likely to be pulled before ``horizon_s`` after its turn.
+    """Gives up first the copy with the fewest pulls to expect per second it would be held.
 
-    For a copy whose conversation has been idle ``t`` s since that turn, with ``S`` the chance a
-    gap exceeds ``t`` and ``p`` the chance the conversation has another turn at all::
+    A copy is worth the pull it may serve, and costs its slots for as long as it waits for it: a
+    conversation sure to come back in ten minutes holds its slots all that while, when they could have
+    served several that come back within seconds. So copies are ranked by hit density, as caches that
+    maximise hits rank objects (LHD: pulls expected over slot-seconds expected; a pull's worth and a
+    copy's slots both grow with its length, so the length cancels). For a copy whose conversation has
+    been idle ``t`` s since its turn, with ``S(s)`` the chance a gap exceeds ``s``, ``p`` the chance
+    the conversation has another turn at all and ``H`` the horizon (``horizon_s``, after which the
+    copy cannot be pulled)::
 
-        P(returns before the horizon H | not back yet) = p (S(t) - S(H)) / (p S(t) + 1 - p)
+        pulls expected        p (S(t) - S(H))
+        ---------------- = -----------------------------------------
+        seconds held        p integral_t^H S(s) ds + (1 - p) (H - t)
+
+    (both over the chance it has not come back by ``t``, which cancels): the copy is held until its
+    conversation comes back or the horizon, whichever is first.
 
     The log of a gap is taken as normal. A conversation's own mean log gap is shrunk towards the
     pool's by how much conversations differ (between-conversation variance against the spread
     within one, both learned online): a conversation with no gap yet gets the pool's distribution,
     one with many gets close to its own, and where conversations do not differ every one gets the
-    pool's, which is ``lru``'s order. ``p`` is learned per class of turns seen. A copy behind a later
+    pool's. ``p`` is learned per class of turns seen. A copy behind a later
     turn of its own conversation goes first; ties go in the order copies entered the pool, so the
     order is deterministic."""
 
@@ -221,7 +233,7 @@ class PredictedReturn(EvictionPolicy):
         return sorted(self._keys, key=scores.__getitem__)  # stable: ties oldest first
 
     def score(self, key: str, now: float) -> float:
-        """The chance the copy ``key`` is pulled before its horizon (-1: behind a later turn)."""
+        """The copy ``key``'s pulls expected per second held (-1: behind a later turn)."""
         e = self._entries.get(key)
         if e is None:
             return 0.0
@@ -235,8 +247,9 @@ class PredictedReturn(EvictionPolicy):
             return 0.0
         mu, sd = self._gap_of(c)
         p = self.continue_chance(c.turns)
-        s_t, s_h = _survival(idle, mu, sd), _survival(horizon, mu, sd)
-        return p * (s_t - s_h) / (p * s_t + 1.0 - p)
+        pulls = p * (_survival(idle, mu, sd) - _survival(horizon, mu, sd))
+        held = p * _held(idle, horizon, mu, sd) + (1.0 - p) * (horizon - idle)
+        return pulls / held
 
     # ---- estimates -----------------------------------------------------------------------------
 
@@ -273,6 +286,21 @@ def _survival(t: float, mu: float, sd: float) -> float:
     if t <= 0:
         return 1.0
     return 0.5 * math.erfc((math.log(t) - mu) / (sd * math.sqrt(2.0)))
+
+
+def _held(a: float, b: float, mu: float, sd: float) -> float:
+    """The integral of P(gap > s) over a <= s <= b, for a gap whose log is normal(mu, sd): by parts,
+    b S(b) - a S(a) plus the gap's mean restricted to [a, b] (a log-normal's partial expectation)."""
+    partial = math.exp(mu + sd * sd / 2) * (_cdf(_z(b, mu, sd) - sd) - _cdf(_z(a, mu, sd) - sd))
+    return b * _survival(b, mu, sd) - a * _survival(a, mu, sd) + partial
+
+
+def _z(t: float, mu: float, sd: float) -> float:
+    return (math.log(t) - mu) / sd if t > 0 else -math.inf
+
+
+def _cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2.0))
 
 
 def eviction_policy(name: str, horizon_s: float) -> EvictionPolicy:

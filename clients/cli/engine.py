@@ -66,7 +66,7 @@ def engine(
         str,
         typer.Option(
             help="decode: which host copies go first when the pool needs room: lru (the oldest) or "
-            "predicted_return (the least likely to be pulled again, from each conversation's gaps)"
+            "predicted_return (the fewest pulls expected per second held, from each conversation's gaps)"
         ),
     ] = "lru",
     json_output: JsonFlag = False,
