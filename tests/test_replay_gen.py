@@ -4,6 +4,7 @@ population's sessions with gap scales of their own."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import statistics
@@ -21,7 +22,7 @@ def _session_log_gaps(config: SyntheticConfig) -> list[float]:
         at[record["session_id"]].append(record["timestamp"])
     means = []
     for ts in at.values():
-        gaps = [max(b - a, 1) / 1000 for a, b in zip(ts, ts[1:], strict=False)]
+        gaps = [max(b - a, 1) / 1000 for a, b in itertools.pairwise(ts)]
         if len(gaps) >= 3:
             means.append(statistics.fmean(math.log(g) for g in gaps))
     return means
