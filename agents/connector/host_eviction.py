@@ -110,11 +110,11 @@ class PredictedReturn(EvictionPolicy):
     A copy is worth the pull it may serve, and costs its slots for as long as it waits for it: a
     conversation sure to come back in ten minutes holds its slots all that while, when they could have
     served several that come back within seconds. So copies are ranked by hit density, as caches that
-    maximise hits rank objects (LHD: pulls expected over slot-seconds expected; a pull's worth and a
-    copy's slots both grow with its length, so the length cancels). For a copy whose conversation has
-    been idle ``t`` s since its turn, with ``S(s)`` the chance a gap exceeds ``s``, ``p`` the chance
-    the conversation has another turn at all and ``H`` the horizon (``horizon_s``, after which the
-    copy cannot be pulled)::
+    maximise hits rank objects (least hit density, LHD: pulls expected over slot-seconds expected; a
+    pull's worth and a copy's slots both grow with its length, so the length cancels). For a copy
+    whose conversation has been idle ``t`` s since its turn, with ``S(s)`` the chance a gap exceeds
+    ``s``, ``p`` the chance the conversation has another turn at all and ``H`` the horizon
+    (``horizon_s``, after which the copy cannot be pulled)::
 
         pulls expected        p (S(t) - S(H))
         ---------------- = -----------------------------------------
@@ -127,9 +127,9 @@ class PredictedReturn(EvictionPolicy):
     pool's by how much conversations differ (between-conversation variance against the spread
     within one, both learned online): a conversation with no gap yet gets the pool's distribution,
     one with many gets close to its own, and where conversations do not differ every one gets the
-    pool's. ``p`` is learned per class of turns seen. A copy behind a later
-    turn of its own conversation goes first; ties go in the order copies entered the pool, so the
-    order is deterministic."""
+    pool's. ``p`` is learned per class of turns seen. A copy behind a later turn of its own
+    conversation goes first; ties go in the order copies entered the pool, so the order is
+    deterministic."""
 
     name = PREDICTED_RETURN
 
