@@ -67,6 +67,7 @@ class EngineConfig:
     # served as the NIXL engine `<worker_id>@host` on host_nixl_port.
     host_retention_gib: float = 0.0
     host_nixl_port: int = 0
+    host_eviction: str = "lru"  # kvloop_host_eviction: which host copies go first (host_eviction.py)
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -105,6 +106,7 @@ class EngineConfig:
                 {
                     "kvloop_host_retention_gib": self.host_retention_gib,
                     "kvloop_host_side_channel_port": self.host_nixl_port,
+                    "kvloop_host_eviction": self.host_eviction,
                 }
             )
         if self.mode == "builtin":

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvloop.agents.connector.host_eviction import LRU, POLICIES
 from kvloop.common.addresses import daemon_addresses
 
 PREFIX = "kvloop_"
@@ -67,6 +68,11 @@ class KvloopConfig(BaseModel):
     host_side_channel_port: int = Field(default=0, ge=0, le=65535)
     # Lease of a run's host copy, from when its copy is announced.
     host_retention_ttl_s: float = Field(default=1800.0, gt=0)
+    # Which copies the host pool gives up first when it needs room (host_eviction.py): "lru" the
+    # oldest; "predicted_return" those with the fewest pulls to expect per second held, from each
+    # conversation's own gaps between turns (learned from the runs that extend one another) and how
+    # long it has been idle.
+    host_eviction: str = LRU
     # Give a run's KV-cache blocks up this long after its host copy is announced, pressure or not
     # (None: only under pressure, see retention_yield). 0 frees the KV cache soonest.
     host_demote_after_s: float | None = Field(default=None, ge=0)
@@ -112,6 +118,13 @@ class KvloopConfig(BaseModel):
             return daemon_addresses(v) if v else ""
         except ValueError as exc:
             raise ValueError(f"kvloop_daemon: {exc}") from None
+
+    @field_validator("host_eviction")
+    @classmethod
+    def _check_host_eviction(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"kvloop_host_eviction {v!r}: choose from {', '.join(POLICIES)}")
+        return v
 
     @model_validator(mode="after")
     def _check_host_tier(self) -> KvloopConfig:

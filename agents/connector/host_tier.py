@@ -11,8 +11,9 @@ A copy's slots are reused only when no prefill can still READ them: a copy relea
 ends (the pool needed room, or a later turn's copy holds the same prefix) is dropped from the
 directory first, and its slots come free once kvloopd confirms the drop and its read window has passed
 (the fence of yielding.py); an expired copy's slots come free after the READ margin, since the
-directory never hands out a run that close to its lease's end. Copies are kept oldest first: each
-turn of a conversation makes a newer one and supersedes its older copy, so the oldest copy is the
+directory never hands out a run that close to its lease's end. Each turn of a conversation makes a
+newer copy and supersedes its older one. Which copies go first when the pool needs room is the
+eviction policy's call (host_eviction.py, ``kvloop_host_eviction``): by default the oldest copy, the
 conversation least recently active.
 
 On a hybrid model a decode frees a sliding-window group's blocks as it generates past them, so by
@@ -35,13 +36,15 @@ import msgspec
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.host_eviction import LRU, eviction_policy
 from kvloop.agents.connector.host_pool import HOST_SUFFIX, WINDOW_SUFFIX
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
 
 NULL_BLOCK = 0
-# Start releasing the oldest copies when fewer than this share of the pool's slots are free, so
-# that the next runs find room (a released copy's slots stay fenced for a read window).
+# Start releasing copies (the eviction policy's first) when fewer than this share of the pool's
+# slots are free, so that the next runs find room (a released copy's slots stay fenced for a read
+# window).
 FREE_LOW = 0.1
 FREE_TARGET = 0.25
 
@@ -70,6 +73,7 @@ class HostTier:
         read_margin_s: float,
         emit: Callable[[Any], None],
         confirmer: ReleaseConfirmer | None,
+        eviction: str = LRU,
     ) -> None:
         self.slots = slots
         self.ttl_s = ttl_s
@@ -82,6 +86,9 @@ class HostTier:
         self.announced_at: dict[str, float] = {}  # device handle -> when its copy was announced
         self._captures: dict[str, _Capture] = {}  # device handle -> its window capture
         self._pending_captures: dict[str, HostCopy] = {}  # request id -> capture for the worker
+        # The copies not released yet, in the order the pool gives them up; a copy's turn ended when
+        # its run was retained (plan).
+        self.eviction = eviction_policy(eviction, ttl_s)
 
     @staticmethod
     def handle_of(device_handle: str) -> str:
@@ -110,6 +117,8 @@ class HostTier:
         if capture is not None and not captured:
             self._drop_capture(device.retention_handle, capture)
         ids = sorted(({b for g in device.block_ids for b in g} | set(device.tail_block_ids)) - {NULL_BLOCK})
+        now = time.perf_counter()
+        self.eviction.turn(device.block_hashes, now)
         self._make_room(len(ids))
         if len(ids) > len(self._free):
             tm.HOST_COPIES.labels("no_room").inc()
@@ -140,6 +149,7 @@ class HostTier:
         )
         slots = [*slot_of.values(), *captured.values()]
         self._copies[handle] = _Copy(event, slots, hashes=tuple(device.block_hashes))
+        self.eviction.add(handle, device.block_hashes, now)
         self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
 
     def capture(self, request_id: str, picks: list[tuple[int, int, int]]) -> None:
@@ -216,6 +226,7 @@ class HostTier:
             if not ok:
                 tm.HOST_COPIES.labels("failed").inc()
                 del self._copies[handle]
+                self.eviction.forget(handle)
                 self._free.extend(copy.slots)
                 continue
             copy.state, copy.deadline = "announced", now + self.ttl_s
@@ -252,20 +263,23 @@ class HostTier:
                 self._release(handle, copy, "superseded")
 
     def _make_room(self, needed: int) -> None:
-        """Release the oldest copies while too few slots are free or coming free."""
+        """Release copies, in the eviction policy's order, while too few slots are free or coming free
+        (one still being copied is skipped: it was never announced)."""
         coming = sum(len(c.slots) for c in self._copies.values() if c.state == "released")
         if self.free_slots >= max(needed, FREE_LOW * self.slots):
             return
         want = max(needed, int(FREE_TARGET * self.slots))
-        for handle, copy in list(self._copies.items()):
+        for handle in self.eviction.victims(time.perf_counter()):
             if self.free_slots + coming >= want:
                 return
+            copy = self._copies[handle]
             if copy.state == "announced":
                 self._release(handle, copy, "evicted")
                 coming += len(copy.slots)
 
     def _release(self, handle: str, copy: _Copy, reason: str, fence: bool = True) -> None:
         copy.state = "released"
+        self.eviction.forget(handle)
         self.announced_at.pop(handle.removesuffix(HOST_SUFFIX), None)
         self._emit(KvloopRetentionReleased(retention_handle=handle, reason=reason, ts=time.time()))
         tm.HOST_RELEASED.labels(reason).inc()

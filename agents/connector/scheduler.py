@@ -113,7 +113,14 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             else None
         )
         host = (
-            HostTier(host_slots, cfg.host_retention_ttl_s, cfg.read_margin_s, self._events.append, confirmer)
+            HostTier(
+                host_slots,
+                cfg.host_retention_ttl_s,
+                cfg.read_margin_s,
+                self._events.append,
+                confirmer,
+                cfg.host_eviction,
+            )
             if host_slots and self.is_bidirectional_kv_xfer_enabled
             else None
         )

@@ -12,8 +12,10 @@ protocol, driven through a trace in trace time.
   announces one (a retained run of its own, handle ``<request id>@host``, tier host, pool slot ids
   for block ids, read from the pool's engine ``<worker>@host`` that the worker registers) and the
   device run is released in the same event batch, so no Lookup sees neither. The copy keeps the
-  run's lease; the host pool evicts its oldest runs first (blocks of equal hash held once), and those
-  are dropped. This models what host memory adds, not the connector's policy for it, which copies
+  run's lease; the host pool evicts runs in the order of the connector's own eviction policy
+  (``host_eviction``: host_eviction.py's classes, told of every turn the decode retains; ``lru``, the
+  default, evicts the oldest runs first; blocks of equal hash held once), and those are dropped.
+  This models what host memory adds, not the connector's policy for it, which copies
   every run when it is retained, gives copied runs up first from the KV cache, leases copies for
   ``kvloop_host_retention_ttl_s``, releases a copy that a later turn's copy supersedes and gives each
   copy slots of its own.
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 
 from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.host_eviction import LRU, POLICIES, EvictionPolicy, eviction_policy
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.bench.common import rss_bytes
@@ -85,6 +88,8 @@ class FleetConfig:
     retention_blocks: int = 50_000
     # Decode host memory that takes the runs the device evicts, in blocks, per decode (0: no host tier).
     host_retention_blocks: int = 0
+    # Which runs the host pool evicts first (the connector's kvloop_host_eviction policies).
+    host_eviction: str = LRU
     # Retention lease (vLLM's decoder_kv_blocks_ttl, 480 s) and the puller's margin (connector's 6 s).
     lease_s: float = 480.0
     expiry_margin_s: float = 6.0
@@ -145,17 +150,20 @@ class _Run:
     tier: str = "device"
     servable: bool = True
     freed: bool = False
+    retained_ms: float = 0.0  # trace time its turn ended
 
 
 @dataclass
 class _Pool:
-    """One tier of a decode's retention memory: blocks of equal hash held once, runs oldest first."""
+    """One tier of a decode's retention memory: blocks of equal hash held once, runs oldest first;
+    with an eviction policy (the host tier), the policy knows every run it holds."""
 
     capacity: int
     refs: dict[bytes, int] = field(default_factory=dict)
     extra: int = 0
     runs: OrderedDict[str, _Run] = field(default_factory=OrderedDict)  # oldest first
     next_slot: int = 0
+    policy: EvictionPolicy | None = None
 
     @property
     def used(self) -> int:
@@ -171,16 +179,23 @@ class _Pool:
             self.refs[h] = self.refs.get(h, 0) + 1
         self.extra += run.extra_blocks
         self.runs[run.handle] = run
+        if self.policy is not None:
+            self.policy.add(run.handle, run.hashes, run.retained_ms / 1000)
         ids = [(self.next_slot + i) % self.capacity for i in range(len(run.hashes))]
         self.next_slot = (self.next_slot + len(run.hashes)) % self.capacity
         return ids
 
     def remove(self, run: _Run) -> None:
         self.runs.pop(run.handle, None)
+        if self.policy is not None:
+            self.policy.forget(run.handle)
         _unref(self.refs, run.hashes)
         self.extra -= run.extra_blocks
 
     def clear(self) -> None:
+        for handle in self.runs:
+            if self.policy is not None:
+                self.policy.forget(handle)
         self.runs.clear()
         self.refs.clear()
         self.extra = 0
@@ -243,6 +258,8 @@ class Fleet:
     ) -> None:
         if config.routing not in ROUTINGS:
             raise ValueError(f"routing {config.routing!r}: choose from {', '.join(ROUTINGS)}")
+        if config.host_eviction not in POLICIES:
+            raise ValueError(f"host eviction {config.host_eviction!r}: choose from {', '.join(POLICIES)}")
         self.config = config
         # kvloopd replicas (a client and its address each) sharing one store: the workers' streams and
         # Lookups spread over them in turn, Routes too; one of them answers the fleet's own queries.
@@ -296,12 +313,20 @@ class Fleet:
             mirror,
             DirectoryLink(self._home(worker), registration, mirror.snapshot),
             device=_Pool(self.config.retention_blocks),
-            host=_Pool(self.config.host_retention_blocks),
+            host=_Pool(self.config.host_retention_blocks, policy=self._host_policy()),
         )
 
     def _home(self, decode_worker: str) -> AsyncDirectoryClient:
         """The replica a decode's stream goes to (the same one after a restart)."""
         return self.replicas[int(decode_worker.rsplit("-", 1)[1]) % len(self.replicas)][0]
+
+    def _host_policy(self) -> EvictionPolicy | None:
+        """The connector's eviction policy for a decode's host pool; a copy is servable until the
+        decode withdraws it (the lease less the puller's margin)."""
+        cfg = self.config
+        if not cfg.host_retention_blocks:
+            return None
+        return eviction_policy(cfg.host_eviction, cfg.lease_s - cfg.expiry_margin_s)
 
     def _decode_mirror(self) -> WorkerMirror:
         return WorkerMirror(32, host_pool=self.config.host_retention_blocks > 0)
@@ -450,6 +475,7 @@ class Fleet:
                     run.servable = False
                 run.freed = True
             pool.clear()
+        decode.host.policy = self._host_policy()  # a new process learns afresh
         decode.active = 0
         decode.inflight.clear()
 
@@ -616,6 +642,8 @@ class Fleet:
         if not hashes:
             return
         extra = max(0, -(-r.held_tokens // cfg.block_size) - len(hashes))
+        if decode.host.policy is not None:
+            decode.host.policy.turn(hashes, t_ms / 1000)
         if pool.need(hashes, extra) > pool.capacity:
             decode.not_retained += 1
             return
@@ -632,6 +660,7 @@ class Fleet:
             extra,
             withdraw_ms=t_ms + servable_for * 1000,
             expire_ms=t_ms + cfg.lease_s * 1000,
+            retained_ms=t_ms,
         )
         event = self._announce(decode, run, pool.add(run))
         decode.retained_runs += 1
@@ -657,12 +686,13 @@ class Fleet:
             self._unserve(decode, run, "evicted")
             return
         batch: list[pb.BlockEvent] = []
+        victims = iter(host.policy.victims(t_ms / 1000) if host.policy is not None else list(host.runs))
         while host.used + host.need(run.hashes, run.extra_blocks) > host.capacity and host.runs:
-            _, oldest = host.runs.popitem(last=False)
+            victim = host.runs[next(victims)]
             decode.host_evicted_runs += 1
-            self._free(decode, oldest)
-            if oldest.servable:
-                self._unserve(decode, oldest, "evicted", batch)
+            self._free(decode, victim)
+            if victim.servable:
+                self._unserve(decode, victim, "evicted", batch)
         copy = _Run(
             run.handle + HOST_SUFFIX,
             run.hashes,
@@ -670,6 +700,7 @@ class Fleet:
             withdraw_ms=run.withdraw_ms,
             expire_ms=run.expire_ms,
             tier="host",
+            retained_ms=run.retained_ms,
         )
         event = self._announce(decode, copy, host.add(copy))
         decode.moved_to_host_runs += 1

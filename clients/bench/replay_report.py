@@ -277,14 +277,14 @@ def _cpu(result: FleetResult, meter: CpuMeter, store: str) -> dict[str, Any]:
         ingest = split.total - sum(split.parts.values())
         figures["ingest_us_per_block_event"] = round(ingest / events * 1e6, 3) if events else None
         cpu[name] = figures
-    if len(meter.redis_node_s) > 1:  # a cluster: each node's share of the servers' CPU
-        busiest = max(meter.redis_node_s)
-        cpu["redis"]["node_cpu_s"] = [round(s, 3) for s in meter.redis_node_s]
-        cpu["redis"]["busiest_node_share"] = round(busiest / sum(meter.redis_node_s), 3) if busiest else None
         if figures:
             out[f"{'daemon' if name == 'kvloopd' else name}_cpu_ms_per_request"] = figures[
                 "cpu_ms_per_request"
             ]
+    if len(meter.redis_node_s) > 1:  # a cluster: each node's share of the servers' CPU
+        busiest = max(meter.redis_node_s)
+        cpu["redis"]["node_cpu_s"] = [round(s, 3) for s in meter.redis_node_s]
+        cpu["redis"]["busiest_node_share"] = round(busiest / sum(meter.redis_node_s), 3) if busiest else None
     if meter.redis is not None:
         cpu["redis_cpu_per_reading_us"] = round(meter.redis.per_reading_s * 1e6, 3)
     out["cpu"] = cpu

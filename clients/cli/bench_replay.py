@@ -32,6 +32,22 @@ def bench_replay(
     write_trace: Annotated[
         Optional[Path], typer.Option(help="--synthetic: also write the generated trace here (JSONL)")
     ] = None,
+    population: Annotated[
+        str,
+        typer.Option(
+            help="--synthetic: uniform (every session's gaps alike) or mixed (agent sessions back within "
+            "seconds, chat sessions after minutes)"
+        ),
+    ] = "uniform",
+    agent_share: Annotated[
+        float, typer.Option(min=0, max=1, help="--population mixed: share of agent sessions")
+    ] = 0.7,
+    agent_gap: Annotated[
+        float, typer.Option(min=0, help="--population mixed: median gap between an agent's turns, s")
+    ] = 3.0,
+    chat_gap: Annotated[
+        float, typer.Option(min=0, help="--population mixed: median gap between a chat's turns, s")
+    ] = 90.0,
     prefills: Annotated[int, typer.Option(min=1, help="prefill workers")] = 2,
     decodes: Annotated[int, typer.Option(min=1, help="decode workers")] = 4,
     block_size: Annotated[int, typer.Option(min=1, help="vLLM block size (tokens)")] = 16,
@@ -45,6 +61,12 @@ def bench_replay(
             help="decode host memory that takes the turns the KV memory evicts, blocks per decode (0: none)",
         ),
     ] = 0,
+    host_eviction: Annotated[
+        str,
+        typer.Option(
+            help="which runs the host memory evicts first (kvloop_host_eviction): lru or predicted_return"
+        ),
+    ] = "lru",
     lease: Annotated[
         float, typer.Option(min=0, help="retention lease, s (vLLM decoder_kv_blocks_ttl)")
     ] = 480.0,
@@ -129,9 +151,10 @@ def bench_replay(
 ) -> None:
     """What reverse transfer would save on a request log: replays it through a real kvloopd with a
     simulated prefill/decode fleet; token shares, missed pulls, estimated continuation TTFT."""
+    from kvloop.agents.connector.host_eviction import POLICIES
     from kvloop.clients.bench import replay as rp
     from kvloop.clients.bench.replay_fleet import ROUTINGS, FleetConfig
-    from kvloop.clients.bench.replay_gen import SyntheticConfig, describe, generate
+    from kvloop.clients.bench.replay_gen import POPULATIONS, SyntheticConfig, describe, generate
     from kvloop.clients.bench.replay_report import CostModel, CostModelError, print_report
     from kvloop.clients.bench.replay_trace import TraceError, read_trace, write_jsonl
     from kvloop.common.processes import supervisor
@@ -140,6 +163,10 @@ def bench_replay(
         _fail("give exactly one of --trace FILE and --synthetic N", code=2)
     if routing not in ROUTINGS:
         _fail(f"--routing {routing!r}: choose from {', '.join(ROUTINGS)}", code=2)
+    if host_eviction not in POLICIES:
+        _fail(f"--host-eviction {host_eviction!r}: choose from {', '.join(POLICIES)}", code=2)
+    if population not in POPULATIONS:
+        _fail(f"--population {population!r}: choose from {', '.join(POPULATIONS)}", code=2)
     if trace_format not in ("auto", "mooncake", "chat"):
         _fail(f"--format {trace_format!r}: auto, mooncake or chat", code=2)
     try:
@@ -156,7 +183,14 @@ def bench_replay(
     info: dict = {}
     try:
         if synthetic is not None:
-            gen = SyntheticConfig(requests=synthetic, seed=seed)
+            gen = SyntheticConfig(
+                requests=synthetic,
+                seed=seed,
+                population=population,
+                agent_share=agent_share,
+                agent_gap_s_median=agent_gap,
+                chat_gap_s_median=chat_gap,
+            )
             path = write_trace
             if path is None:
                 fd, name = tempfile.mkstemp(prefix="kvloop-replay-", suffix=".jsonl")
@@ -185,6 +219,7 @@ def bench_replay(
         block_size=block_size,
         retention_blocks=retention_blocks,
         host_retention_blocks=host_retention_blocks,
+        host_eviction=host_eviction,
         lease_s=lease,
         expiry_margin_s=expiry_margin,
         prefill_cache_blocks=prefill_cache_blocks,

@@ -62,6 +62,13 @@ def engine(
     host_nixl_port: Annotated[
         int, typer.Option(help="the host pool's NIXL side-channel port (0: --nixl-port + 1000)")
     ] = 0,
+    host_eviction: Annotated[
+        str,
+        typer.Option(
+            help="decode: which host copies go first when the pool needs room: lru (the oldest) or "
+            "predicted_return (the fewest pulls expected per second held, from each conversation's gaps)"
+        ),
+    ] = "lru",
     json_output: JsonFlag = False,
 ) -> None:
     """Run `vllm serve` with the kvloop connector and KV events, plus its kvloop-agent sidecar; both
@@ -78,6 +85,10 @@ def engine(
         _fail("--role must be prefill or decode", code=2)
     if platform not in ("auto", "cpu", "cuda"):
         _fail("--platform must be auto, cpu or cuda", code=2)
+    from kvloop.agents.connector.host_eviction import POLICIES
+
+    if host_eviction not in POLICIES:
+        _fail(f"--host-eviction {host_eviction!r}: choose from {', '.join(POLICIES)}", code=2)
     vllm = installed_vllm()
     if vllm is None:
         _fail("vLLM is not installed: see `kvloop doctor`")
@@ -104,6 +115,7 @@ def engine(
         prefix_caching=prefix_caching,
         host_retention_gib=host_retention_gib,
         host_nixl_port=host_nixl_port or nixl_port + 1000,
+        host_eviction=host_eviction,
         tensor_parallel_size=tensor_parallel_size,
         platform=chosen,
         extra_vllm_args=list(ctx.args),

@@ -502,6 +502,7 @@ def test_two_replicas_on_a_redis_cluster_give_the_shares_of_one_in_memory_kvloop
     assert cluster["cpu"]["block_events"] == memory["cpu"]["block_events"]
     redis_cpu = cluster["cpu"]["redis"]
     assert cluster["cpu"]["store"] == "redis-cluster" and cluster["redis_cpu_ms_per_request"] > 0
+    assert cluster["daemon_cpu_ms_per_request"] == cluster["cpu"]["kvloopd"]["cpu_ms_per_request"] > 0
     # three primaries, each doing part of the work
     assert len(redis_cpu["node_cpu_s"]) == 3 and all(s > 0 for s in redis_cpu["node_cpu_s"])
     assert 1 / 3 <= redis_cpu["busiest_node_share"] < 1
@@ -510,3 +511,55 @@ def test_two_replicas_on_a_redis_cluster_give_the_shares_of_one_in_memory_kvloop
 def test_several_replicas_need_a_shared_store():
     result = CliRunner().invoke(app, ["bench", "replay", "--synthetic", "10", "--replicas", "2"])
     assert result.exit_code == 2 and "--replicas needs a shared store" in result.output
+
+
+def _superseded_in_host_memory() -> list[dict]:
+    """Session x's turn, then a's, y's and z's; a's second turn pulls its first from host memory, and
+    its retention pushes y's and z's runs there too: the host pool (room for three one-block turns)
+    must give one up. Then x comes back."""
+
+    def turn(t_s: float, session: str, blocks: list[int]) -> dict:
+        return {
+            "timestamp": int(t_s * 1000),
+            "input_length": 512 * len(blocks),
+            "output_length": 10,
+            "hash_ids": blocks,
+            "session_id": session,
+        }
+
+    return [
+        turn(0, "x", [50]),
+        turn(1, "a", [1]),
+        turn(2, "y", [60]),
+        turn(3, "z", [70]),
+        turn(4, "a", [1, 2]),
+        turn(6, "x", [50, 51]),
+    ]
+
+
+def test_host_eviction_policy_is_honoured(tmp_path):
+    trace = write(tmp_path / "superseded.jsonl", _superseded_in_host_memory())
+    # One decode whose device holds two one-block turns, whose host pool holds three.
+    args = ("--trace", str(trace), "--prefill-cache-blocks", "0", "--decodes", "1")
+    args += ("--retention-blocks", "70", "--host-retention-blocks", "100")
+    lru = replay(*args)
+    assert lru["fleet"]["host_eviction"] == "lru"  # the default
+    assert replay(*args, "--host-eviction", "lru")["pulled_tokens"] == lru["pulled_tokens"]
+    # lru gives up the oldest run in host memory, x's: x's second turn misses it.
+    assert lru["pulled_tokens_by_tier"] == {"device": 0, "host": 32 * BS}
+    assert lru["missed_pull_tokens"] == {"evicted": 32 * BS}
+    # predicted_return gives up a's first turn, which a's second turn (retained on the device)
+    # holds all of: x's second turn pulls its first from host memory.
+    predicted = replay(*args, "--host-eviction", "predicted_return")
+    assert predicted["fleet"]["host_eviction"] == "predicted_return"
+    assert predicted["pulled_tokens_by_tier"] == {"device": 0, "host": 2 * 32 * BS}
+    assert predicted["missed_pull_tokens"] == {}
+    for decode in (lru, predicted):
+        (d,) = decode["decodes"].values()
+        assert (d["moved_to_host_runs"], d["host_evicted_runs"]) == (4, 1)
+
+
+def test_an_unknown_host_eviction_policy_is_refused():
+    result = CliRunner().invoke(app, ["bench", "replay", "--synthetic", "10", "--host-eviction", "mru"])
+    assert result.exit_code == 2
+    assert "--host-eviction 'mru': choose from lru, predicted_return" in result.output

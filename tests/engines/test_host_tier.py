@@ -417,3 +417,59 @@ def test_a_copy_the_pool_released_is_recomputed_and_named(host_pair):
 
 def _metric(pair, name: str, label: tuple[str, str]) -> float:
     return pair.decode.call("metrics").get((name, (label,)), 0.0)
+
+
+def _run_of(handle: str, n: int, first_id: int) -> KvloopBlocksRetained:
+    """A run of ``n`` blocks of its own (hashes no other run starts with)."""
+    return KvloopBlocksRetained(
+        block_hashes=[f"{handle}/{i}".encode().ljust(32, b".") for i in range(n)],
+        block_ids=[[first_id + i for i in range(n)]],
+        retention_handle=handle,
+        lease_ms=60_000,
+        single_use=False,
+    )
+
+
+def _copied(tier: HostTier, handle: str, n: int, first_id: int) -> None:
+    tier.plan(_run_of(handle, n, first_id))
+    tier.take_copies()
+    tier.copied({handle + "@host": True})
+
+
+def _released(events: list) -> list[str]:
+    return [e.retention_handle for e in events if isinstance(e, KvloopRetentionReleased)]
+
+
+def test_by_default_the_oldest_copies_go_first():
+    tier, events = _tier(12)
+    assert tier.eviction.name == "lru"
+    for i, handle in enumerate(["a", "b", "c"]):
+        _copied(tier, handle, 3, 10 + 10 * i)
+    assert tier.eviction.victims(0.0) == ["a@host", "b@host", "c@host"]
+    tier.plan(_run_of("d", 5, 50))  # 3 free, 5 needed: a goes (its slots come free once fenced)
+    assert _released(events) == ["a@host"]
+    assert tier.eviction.victims(0.0) == ["b@host", "c@host"]  # released copies leave the policy
+
+
+def test_the_pool_releases_copies_in_its_policys_order_skipping_copies_not_announced():
+    from kvloop.agents.connector.host_eviction import Lru
+
+    class Newest(Lru):
+        def victims(self, now: float) -> list[str]:
+            return super().victims(now)[::-1]
+
+    tier, events = _tier(12)
+    tier.eviction = Newest()
+    for i, handle in enumerate(["a", "b"]):
+        _copied(tier, handle, 3, 10 + 10 * i)
+    tier.plan(_run_of("c", 3, 30))  # still being copied: never released
+    tier.take_copies()
+    tier.plan(_run_of("d", 4, 40))  # 3 free, 4 needed: the newest announced copy, b, goes
+    assert _released(events) == ["b@host"]
+
+
+def test_the_tier_takes_its_eviction_policy_by_name():
+    tier = HostTier(8, 600.0, 2.0, lambda e: None, None, eviction="predicted_return")
+    assert tier.eviction.name == "predicted_return" and tier.eviction.horizon_s == 600.0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="unknown host eviction policy 'mru'"):
+        HostTier(8, 600.0, 2.0, lambda e: None, None, eviction="mru")
