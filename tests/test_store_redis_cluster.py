@@ -239,3 +239,17 @@ async def test_a_call_sent_to_a_node_that_no_longer_owns_its_slot_follows_the_re
         assert manager.get_node_from_slot(slot).name == owner.name  # the client learnt the owner again
     finally:
         await store.close()
+
+
+async def test_a_burst_of_calls_beyond_the_connection_pools_waits_instead_of_failing(redis_cluster_url):
+    """redis-py's cluster client refuses a call outright when a node's pool is exhausted; kvloopd bounds
+    the calls it has in flight, so many finds at once (each asks every bucket) are all answered."""
+    store = await open_cluster(redis_cluster_url)
+    try:
+        await store.register(spec("d"), 0, 0.0)
+        prompt = conversation("burst", 40)
+        await store.apply("d", 1, 1, [retained_run(prompt, "h")], 0.0)
+        found = await asyncio.gather(*(store.find(NS, h, 1.0) for h in prompt))  # 40 x 16 bucket calls
+        assert [len(locations) for locations in found] == [1] * 40
+    finally:
+        await store.close()

@@ -34,7 +34,7 @@ import asyncio
 import hashlib
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,8 @@ from kvloop.daemon.index.redis_store import (
 from kvloop.daemon.index.store import Applied, Fence, IndexConfig, StoreCounts
 
 log = structlog.get_logger("kvloop.daemon")
+
+_CLIENT_WAY = object()  # _send_direct's answer when the call must take the cluster client's way
 
 # Buckets per model: enough that a model spreads over every primary of a large cluster (a node owns
 # about buckets / primaries of them), few enough that reaping all of them each interval stays cheap.
@@ -132,6 +134,9 @@ class RedisClusterStore(RedisStore):
         self.buckets = buckets  # max_entries bounds each: a model holds up to buckets x max_entries
         self._views: dict[str, _View] = {}
         self._view_refreshes: dict[str, asyncio.Task] = {}
+        # Calls in flight at once: redis-py's cluster client refuses a call outright when the node's
+        # pool is exhausted (it has no blocking pool), so a burst (a find asks every bucket) waits here.
+        self._in_flight = asyncio.Semaphore(POOL_CONNECTIONS)
         self._epoch_turn = 0  # the node asked for the cluster's epoch next
         self._reap_due: dict[str, list[float]] = {}  # model -> when each bucket is next reaped
 
@@ -141,7 +146,8 @@ class RedisClusterStore(RedisStore):
     ) -> RedisClusterStore:
         """Connect through any node of the cluster (``redis://`` or ``rediss://``) and load the
         function library on every primary."""
-        client = RedisCluster.from_url(url, max_connections=POOL_CONNECTIONS, **options)
+        # room beyond the calls kvloopd bounds itself (see _in_flight) for pub/sub and topology reads
+        client = RedisCluster.from_url(url, max_connections=POOL_CONNECTIONS + 16, **options)
         try:
             await client.initialize()
             await client.function_load(LIBRARY, replace=True)  # sent to every primary
@@ -169,17 +175,32 @@ class RedisClusterStore(RedisStore):
         """The bucket of a chain whose first block is ``root`` (a hash or its key: the key decides)."""
         return zlib.crc32(root[:KEY_BYTES], zlib.crc32(lora_name.encode())) % self.buckets
 
+    async def _bounded(self, call: Awaitable[Any]) -> Any:
+        async with self._in_flight:
+            return await call
+
+    async def _fcall(self, function: str, keys: Sequence[str], *args: Any) -> Any:
+        async with self._in_flight:
+            return await super()._fcall(function, keys, *args)
+
     async def _fcall_direct(self, function: str, keys: Sequence[str], *args: Any) -> Any:
         """``_fcall`` on a connection of the node that owns the key's slot, sent and read directly:
         redis-py's cluster client does several times a plain call's Python work per command (the
         request path's calls: fences, bucket applies, Lookups). A redirection (the slot moved), a
         replica's refusal (READONLY), a node that is down or lost the library: the call goes the
         client's way, which follows the cluster and retries."""
+        async with self._in_flight:
+            reply = await self._send_direct(function, keys, args)
+        if reply is _CLIENT_WAY:
+            return await self._fcall(function, keys, *args)
+        return reply
+
+    async def _send_direct(self, function: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
             node = self._r.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
             connection = node.acquire_connection()
         except Exception:  # no node known for the slot, or its pool is full
-            return await self._fcall(function, keys, *args)
+            return _CLIENT_WAY
         try:
             async with asyncio.timeout(CALL_TIMEOUT_S):
                 await connection.send_packed_command(
@@ -202,7 +223,7 @@ class RedisClusterStore(RedisStore):
         else:
             node.release(connection)
             return reply
-        return await self._fcall(function, keys, *args)
+        return _CLIENT_WAY
 
     def _bucket_namespace(self, namespace: Namespace, bucket: int | str) -> tuple[str, str]:
         bb = self._bucket_base(namespace.model, bucket)
@@ -295,16 +316,21 @@ class RedisClusterStore(RedisStore):
         views = await super().workers(now, model)
         for view in views:  # a worker's block counts live in the buckets it wrote to
             base = self._base(view.spec.model)
-            buckets = [_text(b) for b in await self._r.smembers(f"{base}wb:{view.spec.worker_id}")]
+            members = await self._bounded(self._r.smembers(f"{base}wb:{view.spec.worker_id}"))
+            buckets = [_text(b) for b in members]
             counters = await asyncio.gather(
                 *(
-                    self._r.hgetall(f"{self._bucket_base(view.spec.model, b)}wc:{view.spec.worker_id}")
+                    self._bounded(
+                        self._r.hgetall(f"{self._bucket_base(view.spec.model, b)}wc:{view.spec.worker_id}")
+                    )
                     for b in buckets
                 )
             )
             runs = await asyncio.gather(
                 *(
-                    self._r.hlen(f"{self._bucket_base(view.spec.model, b)}wr:{view.spec.worker_id}")
+                    self._bounded(
+                        self._r.hlen(f"{self._bucket_base(view.spec.model, b)}wr:{view.spec.worker_id}")
+                    )
                     for b in buckets
                 )
             )
@@ -325,7 +351,7 @@ class RedisClusterStore(RedisStore):
         for i in range(len(nodes)):
             node = nodes[(self._epoch_turn + i) % len(nodes)]
             try:
-                info = await self._r.cluster_info(target_nodes=node)
+                info = await self._bounded(self._r.cluster_info(target_nodes=node))
             except Exception:  # a node that is down: the next one answers
                 continue
             self._epoch_turn += i + 1
@@ -610,7 +636,7 @@ class RedisClusterStore(RedisStore):
     @_reachable
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         base = self._base(namespace.model)
-        bucket = await self._r.hget(f"{base}wh:{holder}", handle)
+        bucket = await self._bounded(self._r.hget(f"{base}wh:{holder}", handle))
         if bucket is None:
             return False
         bb, prefix = self._bucket_namespace(namespace, _text(bucket))
@@ -664,7 +690,10 @@ class RedisClusterStore(RedisStore):
         stats = []
         for model in await self._bases():
             stats += await asyncio.gather(
-                *(self._r.hgetall(f"{self._bucket_base(model, b)}stats") for b in range(self.buckets))
+                *(
+                    self._bounded(self._r.hgetall(f"{self._bucket_base(model, b)}stats"))
+                    for b in range(self.buckets)
+                )
             )
         return _store_counts(stats)
 

@@ -188,7 +188,9 @@ def _reachable(method: Callable) -> Callable:
         try:
             return await method(self, *args, **kwargs)
         except (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError) as exc:
-            raise StoreUnavailable(f"the directory store (redis) is unreachable: {exc}") from None
+            raise StoreUnavailable(
+                f"the directory store (redis) is unreachable: {exc or type(exc).__name__}"
+            ) from None
 
     return call
 
