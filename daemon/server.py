@@ -45,7 +45,7 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
     """The configured backend: in memory unless ``[store] url`` names a Redis."""
     if settings.store.url == "memory":
         return MemoryStore(settings.index_config())
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from kvloop.daemon.index.redis_store import redacted
 
@@ -70,7 +70,7 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
         return await RedisStore.connect(
             settings.store.url, settings.index_config(), **settings.store.redis_options()
         )
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:
         raise DaemonStartError(f"cannot use the store at {redacted(settings.store.url)}: {exc}") from None
 
 

@@ -253,3 +253,27 @@ async def test_a_burst_of_calls_beyond_the_connection_pools_waits_instead_of_fai
         assert [len(locations) for locations in found] == [1] * 40
     finally:
         await store.close()
+
+
+def test_a_cluster_with_no_reachable_node_stops_startup_with_a_message(tmp_path):
+    import subprocess
+
+    from kvloop.common.addresses import free_port
+    from tests.conftest import KVLOOPD
+
+    config = tmp_path / "kvloopd.toml"
+    config.write_text(f'[store]\nurl = "redis://127.0.0.1:{free_port()}"\ncluster = true\n')
+    down = subprocess.run(
+        [KVLOOPD, "--config", str(config), "--check-config", "--connect"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert down.returncode == 1 and "Traceback" not in down.stderr, down.stderr
+    assert "cannot use the store at redis://127.0.0.1:" in down.stderr and "Redis Cluster" in down.stderr
+    both = config.with_name("both.toml")
+    both.write_text('[store]\nurl = "redis://127.0.0.1:1"\ncluster = true\nsentinels = ["127.0.0.1:2"]\n')
+    refused = subprocess.run(
+        [KVLOOPD, "--config", str(both), "--check-config"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "give cluster or sentinels, not both" in refused.stderr

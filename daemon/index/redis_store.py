@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import ReadOnlyError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
@@ -187,7 +187,14 @@ def _reachable(method: Callable) -> Callable:
     async def call(self: RedisStore, *args: Any, **kwargs: Any) -> Any:
         try:
             return await method(self, *args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OSError) as exc:
+        except (
+            RedisConnectionError,
+            RedisTimeoutError,
+            ReadOnlyError,
+            RedisClusterException,
+            OSError,
+        ) as exc:
+            # RedisClusterException: a cluster with no reachable node, or a slot no node covers
             raise StoreUnavailable(
                 f"the directory store (redis) is unreachable: {exc or type(exc).__name__}"
             ) from None
