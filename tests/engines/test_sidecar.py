@@ -335,6 +335,11 @@ def test_engine_restarted_under_the_agent_never_leaves_its_old_blocks_served(dae
             for n in range(3):
                 pub.publish(stored_and_retained(old_run, f"old-{n}"))
             wait_until(lambda: agent_health().get("engine_batches") == 3, what="old engine's events taken")
+            # taken from the engine is not yet in the directory: wait for kvloopd's acknowledgement too
+            wait_until(
+                lambda: (h := agent_health()).get("sequence", 0) > 0 and h.get("acked") == h.get("sequence"),
+                what="old engine's events acknowledged by kvloopd",
+            )
             answer = client.lookup(MODEL, old_run)
             assert answer.decision == pb.DECISION_TRANSFER
             assert answer.holder.retention_handle.startswith("old")
