@@ -183,3 +183,28 @@ def spawn_agent(tmp: Path, daemon_address: str, model: str, worker_id: str, heal
         stderr=subprocess.STDOUT,
         env=env,
     )
+
+
+def spawn_proxy(tmp: Path, port: int, env=None):
+    """A real `kvloop proxy` on ``port`` over a prefill and a decode that do not exist (it serves its
+    own endpoints: /metrics, health, auth refusals); its output goes to ``tmp/proxy.log``."""
+    from kvloop.common.addresses import free_port
+    from kvloop.common.processes import supervisor
+    from tests.conftest import KVLOOPD
+
+    log = tmp / "proxy.log"
+    return supervisor().spawn(
+        [
+            str(Path(KVLOOPD).parent / "kvloop"),
+            "proxy",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--prefill",
+            f"http://127.0.0.1:{free_port()}",
+            "--decode",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )

@@ -16,10 +16,9 @@ import pytest
 
 from kvloop.clients.directory_client import DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port
-from kvloop.common.processes import supervisor
 from kvloop.common.security import ClientSecurity
 from tests.conftest import KVLOOPD, start_daemon
-from tests.support import make_cert, wait_until
+from tests.support import make_cert, spawn_proxy, wait_until
 
 BIN = Path(KVLOOPD).parent
 
@@ -198,21 +197,7 @@ def test_proxy_reads_client_keys_from_a_file(tmp_path):
     keys.write_text("first-client-key\n\nsecond-client-key\n")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLOOP_")}
-    proxy = supervisor().spawn(
-        [
-            str(BIN / "kvloop"),
-            "proxy",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--prefill",
-            f"http://127.0.0.1:{free_port()}",
-            "--decode",
-            f"http://127.0.0.1:{free_port()}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=(tmp_path / "proxy.log").open("w"),
-        env={**env, "KVLOOP_PROXY_API_KEY_FILE": str(keys)},
-    )
+    proxy = spawn_proxy(tmp_path, port, env={**env, "KVLOOP_PROXY_API_KEY_FILE": str(keys)})
 
     def status(key: str | None) -> int | None:
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")

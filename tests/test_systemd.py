@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD
-from tests.support import spawn_agent
+from tests.support import spawn_agent, spawn_proxy
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "daemon/systemd"
@@ -215,21 +215,7 @@ def test_agent_notifies_ready_watchdog_and_stopping(tmp_path, daemon, notify_soc
 def test_proxy_notifies_ready_watchdog_and_stopping(tmp_path, notify_socket):
     port = free_port()
     log = tmp_path / "proxy.log"
-    proxy = supervisor().spawn(
-        [
-            str(BIN / "kvloop"),
-            "proxy",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--prefill",
-            f"http://127.0.0.1:{free_port()}",
-            "--decode",
-            f"http://127.0.0.1:{free_port()}",
-        ],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=_notify_env(notify_socket),
-    )
+    proxy = spawn_proxy(tmp_path, port, env=_notify_env(notify_socket))
     try:
         notify_socket.wait_for("READY=1")
         with socket.create_connection(("127.0.0.1", port), timeout=5):

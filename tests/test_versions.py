@@ -15,9 +15,8 @@ import pytest
 
 from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
 from kvloop.common.addresses import free_port
-from kvloop.common.processes import supervisor
 from tests.conftest import KVLOOPD
-from tests.support import running_agent, spawn_agent, wait_until
+from tests.support import running_agent, spawn_agent, spawn_proxy, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(KVLOOPD).parent
@@ -100,20 +99,7 @@ def test_agent_registers_its_release_and_publishes_build_info(tmp_path, daemon):
 
 def test_proxy_publishes_build_info(tmp_path):
     port = free_port()
-    proxy = supervisor().spawn(
-        [
-            str(BIN / "kvloop"),
-            "proxy",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--prefill",
-            f"http://127.0.0.1:{free_port()}",
-            "--decode",
-            f"http://127.0.0.1:{free_port()}",
-        ],
-        stdout=(tmp_path / "proxy.log").open("w"),
-        stderr=subprocess.STDOUT,
-    )
+    proxy = spawn_proxy(tmp_path, port)
     try:
         info = wait_until(
             lambda: _build_info(f"http://127.0.0.1:{port}/metrics"), what="the proxy's /metrics"
