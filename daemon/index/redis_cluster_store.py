@@ -38,13 +38,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import hiredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, ResponseError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, TryAgainError
 
 from kvloop.common.block_keys import KEY_BYTES
 from kvloop.common.packed_ids import pack_u32
@@ -67,6 +64,7 @@ from kvloop.daemon.index.model import (
 from kvloop.daemon.index.redis_store import (
     _EPOCH,
     _PREFIX,
+    CLIENT_WAY,
     LIBRARY,
     POOL_CONNECTIONS,
     RedisStore,
@@ -76,13 +74,16 @@ from kvloop.daemon.index.redis_store import (
     _reachable,
     _store_counts,
     _text,
+    exchange,
     redacted,
 )
 from kvloop.daemon.index.store import Applied, Fence, IndexConfig, StoreCounts
 
 log = structlog.get_logger("kvloop.daemon")
 
-_CLIENT_WAY = object()  # _send_direct's answer when the call must take the cluster client's way
+# Refusals a node answers before a function runs (nothing was written): a redirection, a cluster
+# without the slot's owner, a replica's READONLY. The call then goes the cluster client's way.
+_REFUSED_BEFORE_RUNNING = (AskError, TryAgainError, ClusterDownError, ReadOnlyError)
 
 # Buckets per model: enough that a model spreads over every primary of a large cluster (a node owns
 # about buckets / primaries of them), few enough that reaping all of them each interval stays cheap.
@@ -191,7 +192,7 @@ class RedisClusterStore(RedisStore):
         client's way, which follows the cluster and retries."""
         async with self._in_flight:
             reply = await self._send_direct(function, keys, args)
-        if reply is _CLIENT_WAY:
+        if reply is CLIENT_WAY:
             return await self._fcall(function, keys, *args)
         return reply
 
@@ -200,30 +201,15 @@ class RedisClusterStore(RedisStore):
             node = self._r.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
             connection = node.acquire_connection()
         except Exception:  # no node known for the slot, or its pool is full
-            return _CLIENT_WAY
-        try:
-            async with asyncio.timeout(CALL_TIMEOUT_S):
-                await connection.send_packed_command(
-                    hiredis.pack_command(("FCALL", function, len(keys), *keys, *args)), check_health=False
-                )
-                reply = await connection.read_response()
-        except (AskError, TryAgainError, ClusterDownError, ReadOnlyError):
-            node.release(connection)  # refused before the function ran: nothing was written
-        except ResponseError as exc:
-            node.release(connection)
-            if "function not found" not in str(exc).lower():
-                raise
-        except (RedisConnectionError, RedisTimeoutError, OSError):  # OSError: TimeoutError too
+            return CLIENT_WAY
+
+        async def discard(connection: Any) -> None:
             await connection.disconnect()
             node.release(connection)
-        except BaseException:
-            await connection.disconnect()  # cancelled mid-reply: its stream is out of step
-            node.release(connection)
-            raise
-        else:
-            node.release(connection)
-            return reply
-        return _CLIENT_WAY
+
+        return await exchange(
+            connection, function, keys, args, CALL_TIMEOUT_S, node.release, discard, _REFUSED_BEFORE_RUNNING
+        )
 
     def _bucket_namespace(self, namespace: Namespace, bucket: int | str) -> tuple[str, str]:
         bb = self._bucket_base(namespace.model, bucket)

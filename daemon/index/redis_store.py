@@ -24,7 +24,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict
 from importlib import resources
 from typing import Any
@@ -200,6 +200,50 @@ def _reachable(method: Callable) -> Callable:
             ) from None
 
     return call
+
+
+CLIENT_WAY = object()  # exchange's answer when the call must go through the client instead
+
+
+async def exchange(
+    connection: Any,
+    function: str,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    timeout_s: float | None,
+    keep: Callable[[Any], None],
+    discard: Callable[[Any], Awaitable[None]],
+    refused_before_running: tuple[type[Exception], ...] = (),
+) -> Any:
+    """FCALL sent on ``connection`` and its reply read, outside redis-py's client (the fast paths of
+    both Redis stores). Returns the reply, or CLIENT_WAY when the call must take the client's way
+    (which reloads a lost library, reconnects, follows redirections). ``keep`` takes the connection
+    back after a reply, ``discard`` after a failure that left its stream out of step. An error reply
+    is raised, unless the function was not found, or it is one of ``refused_before_running``
+    (nothing was written: the client's way may send it again)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            # hiredis packs the whole command in C: redis-py's packer encodes each argument in
+            # Python first.
+            await connection.send_packed_command(
+                hiredis.pack_command(("FCALL", function, len(keys), *keys, *args)), check_health=False
+            )
+            reply = await connection.read_response()
+    except refused_before_running:
+        keep(connection)
+    except ResponseError as exc:
+        keep(connection)  # an error reply: the connection itself is fine
+        if "function not found" not in str(exc).lower():
+            raise
+    except (RedisConnectionError, RedisTimeoutError, OSError):  # OSError: TimeoutError too
+        await discard(connection)
+    except BaseException:
+        await discard(connection)  # cancelled mid-reply: its stream is out of step
+        raise
+    else:
+        keep(connection)
+        return reply
+    return CLIENT_WAY
 
 
 class _DirectLane:
@@ -422,25 +466,8 @@ class RedisStore:
         connection = await lane.take()
         if connection is None:
             return await self._fcall(function, keys, *args)
-        try:
-            async with asyncio.timeout(lane.timeout_s):
-                # hiredis packs the whole command in C: redis-py's packer encodes each argument in
-                # Python first.
-                await connection.send_packed_command(
-                    hiredis.pack_command(("FCALL", function, len(keys), *keys, *args)), check_health=False
-                )
-                reply = await connection.read_response()
-        except ResponseError as exc:
-            lane.give_back(connection)  # an error reply: the connection itself is fine
-            if "function not found" not in str(exc).lower():
-                raise
-        except (RedisConnectionError, RedisTimeoutError, OSError):  # OSError: TimeoutError too
-            await lane.drop(connection)
-        except BaseException:
-            await lane.drop(connection)  # cancelled mid-reply: its stream is out of step
-            raise
-        else:
-            lane.give_back(connection)
+        reply = await exchange(connection, function, keys, args, lane.timeout_s, lane.give_back, lane.drop)
+        if reply is not CLIENT_WAY:
             return reply
         return await self._fcall(function, keys, *args)  # reloads the library, retries, follows Sentinel
 
