@@ -300,34 +300,23 @@ class RedisClusterStore(RedisStore):
     @_reachable
     async def workers(self, now: float, model: str = "") -> list[WorkerView]:
         views = await super().workers(now, model)
-        for view in views:  # a worker's block counts live in the buckets it wrote to
-            base = self._base(view.spec.model)
-            members = await self._bounded(self._r.smembers(f"{base}wb:{view.spec.worker_id}"))
-            buckets = [_text(b) for b in members]
-            counters = await asyncio.gather(
-                *(
-                    self._bounded(
-                        self._r.hgetall(f"{self._bucket_base(view.spec.model, b)}wc:{view.spec.worker_id}")
-                    )
-                    for b in buckets
-                )
-            )
-            runs = await asyncio.gather(
-                *(
-                    self._bounded(
-                        self._r.hlen(f"{self._bucket_base(view.spec.model, b)}wr:{view.spec.worker_id}")
-                    )
-                    for b in buckets
-                )
-            )
-            totals = {"rblocks": 0, "sblocks": 0, "events": 0}
-            for fields in counters:
-                for field, value in fields.items():
-                    if _text(field) in totals:
-                        totals[_text(field)] += int(value)
-            view.retained_blocks, view.stored_blocks = totals["rblocks"], totals["sblocks"]
-            view.events_ingested, view.retained_runs = totals["events"], sum(runs)
+        await asyncio.gather(*(self._count_blocks(view) for view in views))
         return views
+
+    async def _count_blocks(self, view: WorkerView) -> None:
+        """A worker's block counts, which live in the buckets it wrote to (read side by side)."""
+        worker, model = view.spec.worker_id, view.spec.model
+        members = await self._bounded(self._r.smembers(f"{self._base(model)}wb:{worker}"))
+        bases = [self._bucket_base(model, _text(b)) for b in members]
+        counters = await asyncio.gather(*(self._bounded(self._r.hgetall(f"{bb}wc:{worker}")) for bb in bases))
+        runs = await asyncio.gather(*(self._bounded(self._r.hlen(f"{bb}wr:{worker}")) for bb in bases))
+        totals = {"rblocks": 0, "sblocks": 0, "events": 0}
+        for fields in counters:
+            for field, value in fields.items():
+                if _text(field) in totals:
+                    totals[_text(field)] += int(value)
+        view.retained_blocks, view.stored_blocks = totals["rblocks"], totals["sblocks"]
+        view.events_ingested, view.retained_runs = totals["events"], sum(runs)
 
     async def directory_epoch(self) -> int | None:
         """The cluster's current epoch (it grows with each failover and each slot move), as the next
