@@ -548,12 +548,12 @@ local function sharded_fence(keys, args)
   return {'applied', last, wrg, rose and 1 or 0, releases, redis.call('SMEMBERS', wb)}
 end
 
--- bucket_apply(keys: bucket stats) bucket, w, epoch, now, max_entries, generation, dead (unused),
--- then the events of one bucket. Answers the entries touched.
+-- bucket_apply(keys: bucket stats) bucket, w, epoch, now, max_entries, generation, then the events of
+-- one bucket. Answers the entries touched.
 local function bucket_apply(keys, args)
   local wrg = tonumber(args[6]) or 0
   local function generation(raised) return raised or wrg end
-  return apply_events(bucket_ctx(args[1], ''), args[2], args[3], tonumber(args[4]), args, 8,
+  return apply_events(bucket_ctx(args[1], ''), args[2], args[3], tonumber(args[4]), args, 7,
     tonumber(args[5]), generation)
 end
 

@@ -464,7 +464,6 @@ class RedisClusterStore(RedisStore):
                         repr(now),
                         self.config.max_entries,
                         worker_generation,
-                        "",
                         *args,
                     )
                     for bb, args in ((self._bucket_base(model, b), a) for b, a in per_bucket.items())
