@@ -68,6 +68,7 @@ from kvloop.daemon.index.redis_store import (
     LIBRARY,
     POOL_CONNECTIONS,
     RedisStore,
+    _changes,
     _holding,
     _keys,
     _locations,
@@ -396,7 +397,7 @@ class RedisClusterStore(RedisStore):
                 )
             )
             for reaped in expired:
-                changes.extend(Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d in reaped)
+                changes.extend(_changes(model, reaped))
         return changes
 
     # ---- block index -------------------------------------------------------------------------

@@ -131,6 +131,11 @@ def _locations(reply: list) -> list[Location]:
     return found
 
 
+def _changes(model: str, reply: Sequence[Sequence[Any]]) -> list[Change]:
+    """A reaping function's answer (kind, worker, blocks, detail, and maybe more) as changes."""
+    return [Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d, *_ in reply]
+
+
 def _store_counts(stats: Sequence[dict]) -> StoreCounts:
     """The directory's counts, summed over the ``stats`` hashes it keeps (one per model, or per bucket
     on a cluster)."""
@@ -730,7 +735,7 @@ class RedisStore:
                 repr(self.config.lease_s),
                 repr(self.config.drop_after_s),
             )
-            reaped = [Change(_text(k), _text(w), model, int(b), _text(d)) for k, w, b, d, *_ in reply]
+            reaped = _changes(model, reply)
             if any(change.kind == "dropped" for change in reaped):
                 self._model_specs.pop(model, None)
             changes.extend(reaped)
