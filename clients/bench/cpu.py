@@ -111,27 +111,25 @@ class CpuMeter:
         self.redis_split = CpuSplit() if self.redis else None
         self._start: tuple[float, float] | None = None
         self._readings = 0  # Redis readings taken between start and stop (their cost is subtracted)
+        self._nodes: list[float] = []  # each Redis server's CPU at the last reading
         self._nodes_start: list[float] = []
         self.redis_node_s: list[float] = []  # each Redis server's CPU over the run (stop() fills it)
 
     def _read(self) -> tuple[float, float]:
-        redis = 0.0
         if self.redis is not None:
-            redis = self.redis.seconds()
+            self._nodes = self.redis.node_seconds()
             self._readings += 1
-        return sum(daemon.seconds() for daemon in self.daemons), redis
+        return sum(daemon.seconds() for daemon in self.daemons), sum(self._nodes)
 
     def start(self) -> None:
         self._readings = 0
         self._start = self._read()
-        self._nodes_start = self.redis.node_seconds() if self.redis is not None else []
+        self._nodes_start = self._nodes
 
     def stop(self) -> None:
         assert self._start is not None, "stop() before start()"
         end = self._read()
-        if self.redis is not None:
-            ends = self.redis.node_seconds()
-            self.redis_node_s = [b - a for a, b in zip(self._nodes_start, ends, strict=True)]
+        self.redis_node_s = [b - a for a, b in zip(self._nodes_start, self._nodes, strict=True)]
         self.daemon_split.total = end[0] - self._start[0]
         if self.redis_split is not None and self.redis is not None:
             # every reading inside the run cost the server about per_reading_s; none is the product's
