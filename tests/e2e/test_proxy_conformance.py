@@ -1,14 +1,18 @@
 """`kvloop proxy` against a plain aggregated `vllm serve` of the same model: the same request gets the same
 answer through the proxy (over a prefill and a decode) as from vLLM alone - greedy tokens, logprobs,
-finish reasons, usage and streamed chunk structure - and an invalid request gets the same status and
-error shape. API keys are checked as `vllm serve --api-key` checks them, and the proxy presents the
-keys its servers were started with."""
+finish reasons, usage, and a stream as a client reads it whatever its chunk boundaries (which follow
+timing in vLLM's output loop) - and the proxy relays its decode's chunks one for one. An invalid
+request gets the same status and error shape. API keys are checked as `vllm serve --api-key` checks
+them, and the proxy presents the keys its servers were started with."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +25,7 @@ import pytest
 from kvloop.agents.engine import Engine, EngineConfig
 from kvloop.clients.fleet.model import random_text
 from kvloop.common.addresses import free_port
+from tests.sse_stream import VOLATILE, check_relayed, check_well_formed, chunks, key_sets, read, usage
 
 MODEL = "kvloop-tiny"
 PLAIN_KEY = "plain-server-key-0123456789"
@@ -118,24 +123,6 @@ def _same_logprobs(a, b) -> None:
         assert a == b
 
 
-# Differ between any two servers: ids, times, fingerprints.
-VOLATILE = {"id", "created", "system_fingerprint"}
-
-
-def usage(answer: dict) -> dict | None:
-    """Usage without `created_cache_tokens`: the blocks this server wrote into its own prefix cache,
-    which differ by deployment (the stack's prefill runs without a prefix cache; the decode got the KV)."""
-    out = answer.get("usage")
-    if isinstance(out, dict) and isinstance(out.get("prompt_tokens_details"), dict):
-        details = {k: v for k, v in out["prompt_tokens_details"].items() if k != "created_cache_tokens"}
-        out = {**out, "prompt_tokens_details": details}
-    return out
-
-
-def _without_ids(message: dict) -> dict:
-    return {**message, "tool_calls": [{**c, "id": None} for c in message.get("tool_calls") or []]}
-
-
 def same_answer(proxied: dict, direct: dict) -> None:
     assert {k: v for k, v in proxied.items() if k not in VOLATILE and k != "choices" and k != "usage"} == {
         k: v for k, v in direct.items() if k not in VOLATILE and k != "choices" and k != "usage"
@@ -153,53 +140,42 @@ def same_answer(proxied: dict, direct: dict) -> None:
                 assert mine[key] == theirs[key], key
 
 
-def chunks(text: str) -> list[dict | str]:
-    out: list[dict | str] = []
-    for line in text.splitlines():
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+def _without_ids(message: dict) -> dict:
+    return {**message, "tool_calls": [{**c, "id": None} for c in message.get("tool_calls") or []]}
 
 
-def shape(chunk: dict | str) -> object:
-    """A streamed chunk's structure: its keys, each choice's keys and delta keys, finish reason, usage."""
-    if isinstance(chunk, str):
-        return chunk
-    return (
-        sorted(k for k in chunk if k not in VOLATILE),
-        [
-            (sorted(c), sorted(c.get("delta") or {}), c.get("finish_reason"), c.get("index"))
-            for c in chunk.get("choices") or []
-        ],
-        usage(chunk),
-    )
+def _same_token_logprobs(mine: list[dict], theirs: list[dict], chat: bool) -> None:
+    """Per-token logprobs as a client assembles them from the chunks."""
+    assert len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        if chat:
+            _same_logprobs(a, b)
+            continue
+        assert a["token"] == b["token"] and _close(a["logprob"], b["logprob"]), (a, b)
+        assert len(a["top_logprobs"] or ()) == len(b["top_logprobs"] or ())
 
 
-def by_index(stream: list, index: int) -> list:
-    """Shapes of one answer's chunks in a stream of several."""
-    return [
-        shape({**c, "choices": [x for x in c["choices"] if x.get("index") == index]})
-        for c in stream
-        if isinstance(c, dict) and any(x.get("index") == index for x in c.get("choices") or [])
-    ]
-
-
-def same_stream(proxied: str, direct: str, chat: bool) -> None:
+def same_stream(proxied: str, direct: str, chat: bool, sampled: bool = False) -> None:
+    """The same answer as a client reads it, whatever the chunk boundaries (tests/sse_stream.py)."""
     mine, theirs = chunks(proxied), chunks(direct)
-    assert [shape(c) for c in mine] == [shape(c) for c in theirs]
-    field = "content" if chat else "text"
-
-    def text(stream: list) -> str:
-        return "".join(
-            ((c["choices"][0].get("delta") or {}).get(field) or "")
-            if chat
-            else c["choices"][0].get("text", "")
-            for c in stream
-            if isinstance(c, dict) and c.get("choices")
-        )
-
-    assert text(mine) == text(theirs)
+    check_well_formed(mine, chat)
+    check_well_formed(theirs, chat)
+    assert key_sets(mine) == key_sets(theirs), "the same fields in the chunks and their choices"
+    a, b = read(mine, chat), read(theirs, chat)
+    assert a["done"] and b["done"]
+    assert (a["model"], a["object"], a["usage"]) == (b["model"], b["object"], b["usage"])
+    assert a["answers"].keys() == b["answers"].keys()
+    for index, answer in a["answers"].items():
+        other = b["answers"][index]
+        assert answer["role"] == other["role"]
+        if sampled:  # drawn at random: each answer finished, the same way as a plain server's fields
+            assert answer["finish_reason"] is not None and other["finish_reason"] is not None
+            continue
+        for key in ("text", "reasoning", "token_ids", "finish_reason", "stop_reason"):
+            assert answer[key] == other[key], key
+        # tool call ids are drawn at random; the assembled calls agree
+        assert answer["tool_calls"] == other["tool_calls"]
+        _same_token_logprobs(answer["logprobs"], other["logprobs"], chat)
 
 
 def _prompt(seed: int) -> str:
@@ -286,11 +262,9 @@ def test_the_same_request_gets_the_same_answer(served_stack, plain, chat, case, 
     assert status == plain_status == 200, (proxied, direct)
     if stream:
         assert headers["Content-Type"].startswith("text/event-stream")
-        if case in SAMPLED:  # the answers' chunks interleave as they come: compare each answer's own
-            for index in range(fields["n"]):
-                assert by_index(chunks(proxied), index) == by_index(chunks(direct), index)
-        else:
-            same_stream(proxied, direct, chat)
+        same_stream(proxied, direct, chat, sampled=case in SAMPLED)
+        if case in SAMPLED:
+            assert len(read(chunks(proxied), chat)["answers"]) == fields["n"]
         return
     mine, theirs = json.loads(proxied), json.loads(direct)
     if case in SAMPLED:
@@ -461,3 +435,93 @@ def test_a_wrong_server_key_is_named_not_forwarded(served_stack, plain, tmp_path
     finally:
         process.terminate()
         process.wait(10)
+
+
+class _Tap:
+    """A recording relay in front of a decode server: what the proxy's decode leg really received."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        # each decode leg's stream once it ended (a queue: the proxy may answer its client first)
+        self.streams: queue.Queue[str] = queue.Queue()
+        tap = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _forward(self, body: bytes | None) -> None:
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")
+                }
+                request = urllib.request.Request(f"{tap.upstream}{self.path}", data=body, headers=headers)
+                try:
+                    upstream = urllib.request.urlopen(request, timeout=300)
+                except urllib.error.HTTPError as exc:
+                    upstream = exc
+                with upstream:
+                    self.send_response(upstream.status)
+                    for key, value in upstream.headers.items():
+                        if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(key, value)
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    seen = bytearray()
+                    while piece := upstream.read1(65536):
+                        seen += piece
+                        self.wfile.write(piece)
+                        self.wfile.flush()
+                if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    tap.streams.put(seen.decode())
+                self.close_connection = True
+
+            def do_GET(self) -> None:
+                self._forward(None)
+
+            def do_POST(self) -> None:
+                self._forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def tapped_proxy(served_stack, tmp_path_factory) -> Iterator[tuple[str, _Tap]]:
+    """A kvloop proxy whose decode is reached through a tap that records the decode leg's stream."""
+    decode = served_stack.decodes[0].config.url
+    tap = _Tap(decode)
+    process, url = _start_proxy(tmp_path_factory.mktemp("tapped"), served_stack.prefill.config.url, tap.url)
+    try:
+        deadline = time.monotonic() + 30
+        while call(f"{url}/health")[0] != 200:
+            assert time.monotonic() < deadline, "the tapped proxy never saw its servers healthy"
+            time.sleep(0.2)  # the proxy checks its servers every 2 s
+        yield url, tap
+    finally:
+        process.terminate()
+        process.wait(10)
+        tap.close()
+
+
+@pytest.mark.parametrize(
+    "chat, case",
+    [(True, "logprobs"), (True, "named_tool"), (True, "json_object"), (False, "echo"), (False, "plain")],
+    ids=["chat-logprobs", "chat-named_tool", "chat-json_object", "completions-echo", "completions-plain"],
+)
+def test_the_proxy_relays_the_decode_chunks_one_for_one(tapped_proxy, chat, case):
+    url, tap = tapped_proxy
+    table = CHAT_CASES if chat else COMPLETION_CASES
+    body = _body(chat, case, table[case], zlib.crc32(f"relay-{chat}-{case}".encode()), stream=True)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, _, proxied = call(f"{url}{path}", body)
+    assert status == 200, proxied
+    leg = tap.streams.get(timeout=60)
+    assert tap.streams.empty(), "one decode leg per request"
+    check_relayed(chunks(leg), chunks(proxied), chat)
+    check_well_formed(chunks(proxied), chat)
