@@ -106,8 +106,12 @@ class DecodeSide:
         self._free_early: dict[str, float] = {}
         # For the worker: runs announced this step that it keeps until their lease ends.
         self.multi_reader_new: set[str] = set()
-        # Runs past the share admitted only to move to the host pool (see admits).
+        # Runs past the share admitted only to move to the host pool, and runs past it kept here until
+        # their copy is made (see admits); what both may hold beyond the share: as much again, never
+        # more than half of what the share leaves live requests.
         self._moving: set[str] = set()
+        self._overflow: set[str] = set()
+        self.max_in_transit = min(self.max_pinned, (num_kv_blocks - self.max_pinned) // 2)
 
     @property
     def pinned_blocks(self) -> int:
@@ -116,14 +120,17 @@ class DecodeSide:
 
     def admits(self, block_ids: Any, request_id: str | None = None) -> bool:
         """Whether retaining a finished request that holds ``block_ids`` (its groups, as vLLM hands
-        them to ``request_finished``) keeps retention within ``retention_max_share``. A request past
-        the share that the host pool has room for is admitted to move there: its blocks are copied
-        into the pool and freed here once the copy is made, never announced from the KV cache."""
+        them to ``request_finished``) keeps retention within ``retention_max_share``.
+
+        A request past the share goes to the host pool rather than being declined, as long as the pool
+        could hold it and the runs in transit to it stay within ``max_in_transit`` blocks: with room
+        there now, it *moves* (copied, never announced from the KV cache, freed once the copy is made);
+        while the pool frees room (released copies' slots wait a read window), it *overflows* (announced
+        from the KV cache as usual, and given up as soon as its copy is announced)."""
         ids = pinned_ids(block_ids)
         added = sum(1 for b in ids if b not in self._pins)
         fits = self.pinned_blocks + added <= self.max_pinned
-        if not fits and request_id is not None and self._host is not None and self._host.has_room(ids):
-            self._moving.add(request_id)
+        if not fits and request_id is not None and self._to_pool(request_id, ids, added):
             return True
         if self._confirmer is not None and self.pinned_blocks + added > self._yield_above:
             self._give_up_oldest(ids)
@@ -138,6 +145,18 @@ class DecodeSide:
         if not fits:
             tm.RETENTION_DECLINED.labels("capped").inc()
         return fits
+
+    def _to_pool(self, request_id: str, ids: set[int], added: int) -> bool:
+        """Admit a request past the share on its way to the host pool (see :meth:`admits`)."""
+        if self._host is None or self.pinned_blocks + added > self.max_pinned + self.max_in_transit:
+            return False
+        if self._host.has_room(ids):
+            self._moving.add(request_id)
+            return True
+        if self._host.can_take(ids) and self._confirmer is not None:
+            self._overflow.add(request_id)
+            return True
+        return False
 
     def _give_up_oldest(self, incoming: set[int]) -> None:
         """Give up the oldest runs until retention, with ``incoming`` (a finishing request's blocks)
@@ -188,14 +207,7 @@ class DecodeSide:
     def take_free_early(self) -> dict[str, float]:
         """Given-up runs whose drop the directory confirmed, and when (perf_counter) the worker may
         free each: for this step's metadata. A run not confirmed in time keeps its lease."""
-        if self._host is not None:
-            self._host.step()
-            self._demote()
-            for rid in [r for r in self._moving if not self._host.copying(r)]:
-                # copied (or not: no room, failed): nothing here was ever handed out, free it now
-                self._moving.discard(rid)
-                if rid in self._retained:
-                    self._free_early[rid] = time.perf_counter()
+        # confirmed drops first: a released copy's slots may then serve a run waiting for room
         if self._confirmer is not None:
             for done in self._confirmer.take():
                 if done.handle.endswith(HOST_SUFFIX):
@@ -210,8 +222,33 @@ class DecodeSide:
                 if done.free_at is not None and done.free_at < run.deadline:
                     run.deadline = done.free_at
                     self._free_early[done.handle] = done.free_at
+        if self._host is not None:
+            self._host.step()
+            self._demote()
+            for rid in [r for r in self._moving if not self._host.copying(r)]:
+                # copied (or not: no room, failed): nothing here was ever handed out, free it now
+                self._moving.discard(rid)
+                if rid in self._retained:
+                    self._free_early[rid] = time.perf_counter()
+            self._settle_overflow()
         free, self._free_early = self._free_early, {}
         return free
+
+    def _settle_overflow(self) -> None:
+        """Runs kept past the share until their host copy was made: given up once it is announced
+        (the pool now serves them); kept as ordinary runs if no copy came (it failed, or the run's
+        lease ended first)."""
+        assert self._host is not None
+        for rid in list(self._overflow):
+            run = self._retained.get(rid)
+            if run is None or run.given_up:
+                self._overflow.discard(rid)
+            elif self._host.has_copy(rid):
+                self._overflow.discard(rid)
+                self._unpin(self._kept, run.pinned)
+                self._give_up(rid, run)
+            elif not self._host.copying(rid):
+                self._overflow.discard(rid)
 
     def _demote(self) -> None:
         """Give up the KV-cache blocks of runs whose host copy is older than host_demote_after_s."""
@@ -363,6 +400,8 @@ class DecodeSide:
         now = time.perf_counter()
         for rid in finished_sending:
             run = self._retained.pop(rid, None)
+            self._moving.discard(rid)
+            self._overflow.discard(rid)
             if self._host is not None:
                 self._host.device_released(rid)
             if run is None:

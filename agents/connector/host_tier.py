@@ -16,6 +16,11 @@ newer copy and supersedes its older one. Which copies go first when the pool nee
 eviction policy's call (host_eviction.py, ``kvloop_host_eviction``): by default the oldest copy, the
 conversation least recently active.
 
+A run never waits behind its own pool's bookkeeping: when no slots are free, the pool releases copies
+for it at once, and the run waits for their slots (the read window of the fence) in the order runs
+came, while its KV-cache blocks stay (decode.py keeps it announced from there meanwhile). Only a run
+that even every announced and released copy's slots could not hold is left out (``no_room``).
+
 On a hybrid model a decode frees a sliding-window group's blocks as it generates past them, so by
 the time a run finishes it holds only the window at its end: a next prompt that agrees with it only
 through the previous prompt (a re-rendered or dropped answer) could not be pulled. So when a request's
@@ -60,6 +65,19 @@ class _Copy:
 
 
 @dataclass
+class _Waiting:
+    """A run bound for the pool, waiting for released copies' slots to come free."""
+
+    device: KvloopBlocksRetained
+    captured: dict[tuple[int, int], int]  # its window capture's slots, reserved for it
+
+
+def _block_ids(device: KvloopBlocksRetained) -> list[int]:
+    """The distinct KV-cache blocks a run's copy takes (its groups' blocks and its tail block)."""
+    return sorted(({b for g in device.block_ids for b in g} | set(device.tail_block_ids)) - {NULL_BLOCK})
+
+
+@dataclass
 class _Capture:
     slot_at: dict[tuple[int, int], int]  # (group, position) -> slot
     state: str = "copying"  # copying | done | orphaned (its run went: slots free once the copy ends)
@@ -83,6 +101,7 @@ class HostTier:
         self._free = list(range(slots, 0, -1))  # pop() hands out the lowest first
         self._copies: OrderedDict[str, _Copy] = OrderedDict()  # host handle -> copy, oldest first
         self._pending: list[HostCopy] = []
+        self._waiting: OrderedDict[str, _Waiting] = OrderedDict()  # host handle -> run waiting for room
         self.announced_at: dict[str, float] = {}  # device handle -> when its copy was announced
         self._captures: dict[str, _Capture] = {}  # device handle -> its window capture
         self._pending_captures: dict[str, HostCopy] = {}  # request id -> capture for the worker
@@ -99,31 +118,42 @@ class HostTier:
         return len(self._free)
 
     def has_room(self, block_ids: set[int]) -> bool:
-        """Whether a run holding ``block_ids`` would get slots now."""
-        return len(block_ids) <= self.free_slots
+        """Whether a run holding ``block_ids`` would get slots now (no run waits for room before it)."""
+        return not self._waiting and len(block_ids) <= self.free_slots
 
     def has_copy(self, device_handle: str) -> bool:
         return device_handle in self.announced_at
 
     def copying(self, device_handle: str) -> bool:
-        copy = self._copies.get(self.handle_of(device_handle))
-        return copy is not None and copy.state == "copying"
+        """Whether a run's copy is waiting for room or being written (its blocks must stay)."""
+        handle = self.handle_of(device_handle)
+        copy = self._copies.get(handle)
+        return handle in self._waiting or (copy is not None and copy.state == "copying")
 
     def plan(self, device: KvloopBlocksRetained) -> None:
-        """Copy the run ``device`` announces (its KV-cache block ids) into the pool, if there is room."""
+        """Copy the run ``device`` announces (its KV-cache block ids) into the pool. Without free slots
+        now, copies are released to make room; the run waits for their slots (a read window after
+        the directory dropped them) unless even all of them could not hold it."""
         handle = self.handle_of(device.retention_handle)
         capture = self._captures.pop(device.retention_handle, None)
         captured = capture.slot_at if capture is not None and capture.state == "done" else {}
         if capture is not None and not captured:
             self._drop_capture(device.retention_handle, capture)
-        ids = sorted(({b for g in device.block_ids for b in g} | set(device.tail_block_ids)) - {NULL_BLOCK})
-        now = time.perf_counter()
-        self.eviction.turn(device.block_hashes, now)
-        self._make_room(len(ids))
-        if len(ids) > len(self._free):
+        needed = len(_block_ids(device))
+        self.eviction.turn(device.block_hashes, time.perf_counter())
+        self._make_room(needed + self._waiting_need())
+        if not self._waiting and needed <= len(self._free):
+            self._place(handle, device, captured)
+        elif needed <= self._obtainable():
+            self._waiting[handle] = _Waiting(device, captured)
+            tm.HOST_COPIES.labels("waiting").inc()
+        else:
             tm.HOST_COPIES.labels("no_room").inc()
             self._free.extend(captured.values())
-            return
+
+    def _place(self, handle: str, device: KvloopBlocksRetained, captured: dict[tuple[int, int], int]) -> None:
+        """Give a run its slots and hand the worker its copy."""
+        ids = _block_ids(device)
         slot_of = {b: self._free.pop() for b in ids}
         # a position the run no longer holds in its KV cache is read from its window capture, if any
         slot_groups = [
@@ -149,8 +179,33 @@ class HostTier:
         )
         slots = [*slot_of.values(), *captured.values()]
         self._copies[handle] = _Copy(event, slots, hashes=tuple(device.block_hashes))
-        self.eviction.add(handle, device.block_hashes, now)
+        self.eviction.add(handle, device.block_hashes, time.perf_counter())
         self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
+
+    def _waiting_need(self) -> int:
+        return sum(len(_block_ids(w.device)) for w in self._waiting.values())
+
+    def _obtainable(self) -> int:
+        """Slots a new run could get once released copies' fences pass and every announced copy is
+        given up, beyond what the runs already waiting need."""
+        held = sum(len(c.slots) for c in self._copies.values() if c.state in ("announced", "released"))
+        return len(self._free) + held - self._waiting_need()
+
+    def can_take(self, block_ids: set[int]) -> bool:
+        """Whether a run holding ``block_ids`` would get slots, now or once the pool made room."""
+        return len(block_ids) <= self._obtainable()
+
+    def _place_waiting(self) -> None:
+        """Runs waiting for room, in the order they came: each as soon as its slots are free."""
+        while self._waiting:
+            handle, waiting = next(iter(self._waiting.items()))
+            needed = len(_block_ids(waiting.device))
+            if needed > len(self._free):
+                self._make_room(self._waiting_need())
+                return
+            del self._waiting[handle]
+            self._place(handle, waiting.device, waiting.captured)
+            tm.HOST_COPIES.labels("waited").inc()
 
     def capture(self, request_id: str, picks: list[tuple[int, int, int]]) -> None:
         """Copy a decoding request's blocks ``picks`` ((group, position, block id), the sliding-window
@@ -236,7 +291,12 @@ class HostTier:
             tm.HOST_COPIES.labels("copied").inc()
 
     def device_released(self, device_handle: str) -> None:
+        """vLLM freed a run's KV-cache blocks: a copy still waiting for room can no longer be made."""
         self.announced_at.pop(device_handle, None)
+        waiting = self._waiting.pop(self.handle_of(device_handle), None)
+        if waiting is not None:
+            tm.HOST_COPIES.labels("no_room").inc()
+            self._free.extend(waiting.captured.values())
 
     def confirmed(self, done: Confirmed) -> None:
         """kvloopd's answer for a released copy: its slots come free a read window after the drop was
@@ -254,6 +314,7 @@ class HostTier:
             if copy.state == "released" and copy.free_at is not None and now >= copy.free_at:
                 del self._copies[handle]
                 self._free.extend(copy.slots)
+        self._place_waiting()
 
     def _supersede(self, newer: str, hashes: tuple[bytes, ...]) -> None:
         """Release the copies whose blocks the newer copy ``newer`` starts with: it holds them all."""

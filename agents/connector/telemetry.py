@@ -177,8 +177,9 @@ SPECS = (
         ("outcome",),
     ),
     MetricSpec("reads_served", "counter", "READ completion notices received for retained runs"),
-    # outcome: copied (announced as a host run) | failed (the WRITE failed) | no_room (the pool had no
-    # free slots: the run stays in the KV cache only)
+    # outcome: copied (announced as a host run) | failed (the WRITE failed) | waiting (no free slots
+    # yet: released copies' slots are awaited) | waited (it got them) | no_room (the pool could not
+    # hold it, or its KV-cache blocks went first: the run stays in the KV cache only)
     MetricSpec("host_copies", "counter", "Retained runs copied into the host pool", ("outcome",)),
     # reason: evicted (the pool needed room) | superseded (a later turn's copy holds it) | expired
     MetricSpec("host_released", "counter", "Host copies released", ("reason",)),

@@ -87,10 +87,43 @@ def test_a_released_copys_slots_come_free_only_after_the_directory_confirmed_and
     tier.step()
     assert tier.free_slots == 5  # ... and a read window has passed
     tier.confirmed(Confirmed("a@host", time.perf_counter() - 0.001))
+    tier.step()  # a's slots are free: b, waiting for them, takes 6
+    assert tier.free_slots == 4 and [c.handle for c in tier.take_copies()] == ["b@host"]
+    tier.copied({"b@host": True})
+    assert tier.has_copy("b")
+
+
+def test_a_run_waits_for_room_only_where_the_pool_could_make_it():
+    confirmer = FakeConfirmer()
+    tier, events = _tier(10, confirmer)
+    tier.plan(_device("a", 4, first_id=10))
+    tier.take_copies()
+    tier.copied({"a@host": True})
+    tier.plan(_device("b", 4, first_id=20))
+    tier.take_copies()  # b is being written: not announced, so not a copy to give up yet
+    assert tier.can_take({1, 2, 3, 4, 5, 6}) and not tier.can_take(set(range(1, 8)))
+    tier.plan(_device("c", 6, first_id=30))  # 2 free: a goes, c waits for its 4 slots
+    assert tier.copying("c") and not tier.has_room({1})  # nobody passes a waiting run
+    tier.plan(_device("d", 3, first_id=40))  # a's 4 slots go to c: d could not fit even then
+    assert not tier.copying("d")
+    tier.copied({"b@host": True})
+    tier.confirmed(Confirmed("a@host", time.perf_counter() - 0.001))
     tier.step()
-    assert tier.free_slots == 10
-    tier.plan(_device("c", 6, first_id=50))
-    assert [c.handle for c in tier.take_copies()] == ["c@host"]
+    assert [c.handle for c in tier.take_copies()] == ["c@host"] and tier.free_slots == 0
+
+
+def test_a_waiting_run_whose_blocks_vllm_freed_is_not_copied():
+    tier, _ = _tier(4)
+    tier.plan(_device("a", 4, first_id=10))
+    tier.take_copies()
+    tier.copied({"a@host": True})
+    tier.plan(_device("b", 2, first_id=20))
+    assert tier.copying("b")
+    tier.device_released("b")  # its lease ended before the pool had room
+    assert not tier.copying("b")
+    tier.confirmed(Confirmed("a@host", time.perf_counter() - 0.001))
+    tier.step()
+    assert tier.take_copies() == [] and tier.free_slots == 4
 
 
 def test_a_later_turns_copy_supersedes_the_copy_it_starts_with():
@@ -336,6 +369,93 @@ def test_a_run_past_the_share_moves_to_the_pool_instead_of_being_declined():
     assert full.admits([list(range(1, 11))], "a")
     full.announce(_Finished("a", 10), {"remote_block_ids": [list(range(1, 11))]}, 60.0, [list(range(1, 11))])
     assert not full.admits([[50, 51, 52]], "b")  # no room in the pool either: declined as before
+
+
+class _FakeDecodeConfirmer(FakeConfirmer):
+    """What DecodeSide asks of its ReleaseConfirmer; drops are confirmed by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done: list[Confirmed] = []
+
+    def take(self) -> list[Confirmed]:
+        out, self.done = self.done, []
+        return out
+
+    def stop(self) -> None:
+        pass
+
+
+def test_a_run_past_the_share_waits_for_pool_room_announced_from_the_kv_cache():
+    """Past the share, with the pool full of announced copies: the finishing run is not declined. The
+    pool gives up its oldest copy; until that copy's slots come free the run stays announced from the
+    KV cache (pullable), and once its own copy is announced its KV-cache blocks are given up."""
+    from test_connector_units import _Finished
+
+    from kvloop.agents.connector.config import KvloopConfig
+    from kvloop.agents.connector.decode import DecodeSide
+
+    events: list = []
+    confirmer = _FakeDecodeConfirmer()
+    cfg = KvloopConfig(retention_max_share=0.1)
+    host = HostTier(16, 600.0, 2.0, events.append, confirmer)  # type: ignore[arg-type]
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer, host=host)  # type: ignore[arg-type]
+    side._confirmer = confirmer  # type: ignore[assignment]  # publish_events off in this config
+
+    def finish(rid: str, blocks: list[int]) -> bool:
+        if not side.admits([blocks], rid):
+            return False
+        request = _Finished(rid, len(blocks))
+        request.block_hashes = [rid.encode() * 32 + h for h in request.block_hashes]  # a conversation each
+        side.announce(request, {"remote_block_ids": [blocks]}, 60.0, [blocks])
+        return True
+
+    def announced(handle: str) -> bool:
+        return any(isinstance(e, KvloopBlocksRetained) and e.retention_handle == handle for e in events)
+
+    assert finish("a", list(range(1, 9)))  # 8 blocks, within the share; copied into the pool
+    side.host_copied({c.handle: True for c in side.take_host_copies()})
+    assert finish("b", list(range(20, 28)))  # past the share: the pool (8 free) has room, b moves
+    side.host_copied({c.handle: True for c in side.take_host_copies()})
+    assert set(side.take_free_early()) == {"b"} and host.free_slots == 0
+    side.released({"b"})
+    assert announced("a@host") and announced("b@host") and not announced("b")
+    # pool full of announced copies, share full: c overflows instead of being declined
+    assert finish("c", list(range(40, 48)))
+    assert announced("c")  # pullable from the KV cache meanwhile
+    assert host.copying("c") and [g.handle for g in confirmer.asked] == ["a@host"]  # oldest copy released
+    confirmer.done.append(Confirmed("a@host", time.perf_counter() - 0.001))
+    assert side.take_free_early() == {}  # a's slots free: c's copy is written now
+    (copy,) = side.take_host_copies()
+    assert copy.handle == "c@host"
+    side.host_copied({"c@host": True})
+    side.take_free_early()
+    released = [e.retention_handle for e in events if isinstance(e, KvloopRetentionReleased)]
+    assert released == ["a@host", "c"] and announced("c@host")  # the pool serves c now
+    assert [g.handle for g in confirmer.asked] == ["a@host", "c"]
+    confirmer.done.append(Confirmed("c", time.perf_counter() - 0.001))
+    assert set(side.take_free_early()) == {"c"}  # its KV-cache blocks go once the drop is confirmed
+
+
+def test_runs_in_transit_to_the_pool_stay_within_their_bound():
+    from test_connector_units import _Finished
+
+    from kvloop.agents.connector.config import KvloopConfig
+    from kvloop.agents.connector.decode import DecodeSide
+
+    events: list = []
+    cfg = KvloopConfig(retention_max_share=0.1)
+    host = HostTier(64, 600.0, 2.0, events.append, None)
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, host=host)
+    assert side.max_in_transit == 10
+    blocks = list(range(1, 11))
+    assert side.admits([blocks], "a")
+    side.announce(_Finished("a", 10), {"remote_block_ids": [blocks]}, 60.0, [blocks])
+    assert side.admits([list(range(20, 30))], "b")  # moves: 20 pinned until its copy is made
+    side.announce(
+        _Finished("b", 10), {"remote_block_ids": [list(range(20, 30))]}, 60.0, [list(range(20, 30))]
+    )
+    assert not side.admits([[50]], "c")  # 21 > 10 + 10: declined, not moved
 
 
 @pytest.mark.engines
