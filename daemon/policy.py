@@ -50,7 +50,7 @@ from kvloop.common.outcomes import reason_name
 from kvloop.common.route_estimate import queue_ms, tie_margin_ms
 from kvloop.daemon.index.model import BlockTier, Namespace, PrefixMatch, WorkerSpec
 from kvloop.daemon.index.store import BlockIndex
-from kvloop.daemon.windows import fit_windows
+from kvloop.daemon.windows import WINDOW_NOT_HELD, fit_windows
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.daemon")
@@ -287,6 +287,7 @@ _UNSERVABLE = {
     "peer_unavailable": pb.DECISION_REASON_PEER_UNAVAILABLE,
     "incompatible_layout": pb.DECISION_REASON_INCOMPATIBLE_LAYOUT,
     "directory_resyncing": pb.DECISION_REASON_DIRECTORY_RESYNCING,
+    WINDOW_NOT_HELD: pb.DECISION_REASON_WINDOW_NOT_HELD,
 }
 
 
@@ -629,11 +630,12 @@ class Policy:
                     "re-pushed their state",
                 )
             if match.unservable_reason:
-                return _Verdict(
-                    pb.DECISION_RECOMPUTE,
-                    _UNSERVABLE[match.unservable_reason],
-                    f"blocks beyond the local prefix are held but not servable: {match.unservable_reason}",
+                detail = (
+                    f"blocks beyond the local prefix are held but not servable: {match.unservable_reason}"
                 )
+                if match.unservable_detail:
+                    detail += f" ({match.unservable_detail})"
+                return _Verdict(pb.DECISION_RECOMPUTE, _UNSERVABLE[match.unservable_reason], detail)
             if local_blocks > 0:
                 return _Verdict(
                     pb.DECISION_LOCAL,

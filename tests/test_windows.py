@@ -10,7 +10,7 @@ import pytest
 from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index import BlockTier, Holding, IndexConfig, Namespace, PrefixMatch, Retained, WorkerSpec
 from kvloop.daemon.policy import KvLayout, LookupQuery, Policy, PolicyConfig
-from kvloop.daemon.windows import cut, fit_windows, servable_blocks
+from kvloop.daemon.windows import WINDOW_NOT_HELD, cut, fit_windows, servable_tokens
 from kvloop.v1 import directory_pb2 as pb
 from tests.store_backends import BACKENDS, open_store
 from tests.support import conversation
@@ -37,19 +37,24 @@ def holding(sw: list[int], matched: int, tier: int = BlockTier.DEVICE, handle: s
     return Holding(SPEC, matched, handle, 60_000, pack_u32(ids), 2, False, (1, 2), (7, 8), tier=tier)
 
 
+def servable_blocks(h: Holding, windows: tuple[int, ...], local_blocks: int) -> int:
+    return servable_tokens(h, windows, BS, local_blocks, with_tail=False) // BS
+
+
 def test_a_pull_ends_where_every_sliding_window_group_holds_the_window_before_it():
-    # the whole run matched: the KV-cache run serves it all (its last window is held)
-    assert servable_blocks(holding(DEVICE_SW, RUN), WINDOWS, BS, 0) == RUN
+    # the whole run matched: the KV-cache run serves it all (its last window is held), and its tail
+    assert servable_blocks(holding(DEVICE_SW, RUN), WINDOWS, 0) == RUN
+    assert servable_tokens(holding(DEVICE_SW, RUN), WINDOWS, BS, 0) == RUN * BS + 2
     # the prompt departs at block 25: the device run holds no window ending at or before it
-    assert servable_blocks(holding(DEVICE_SW, 25), WINDOWS, BS, 0) == 0
+    assert servable_blocks(holding(DEVICE_SW, 25), WINDOWS, 0) == 0
     # the host copy serves up to the previous prompt's end: blocks 12-19 are its window
-    assert servable_blocks(holding(HOST_SW, 25), WINDOWS, BS, 0) == 20
+    assert servable_blocks(holding(HOST_SW, 25), WINDOWS, 0) == 20
     # a puller holding blocks up to 14 itself needs only blocks 14-19 of that window ...
-    assert servable_blocks(holding(sliding(range(14, 20)), 25), WINDOWS, BS, 14) == 20
+    assert servable_blocks(holding(sliding(range(14, 20)), 25), WINDOWS, 14) == 20
     # ... and one holding nothing needs all of 12-19
-    assert servable_blocks(holding(sliding(range(14, 20)), 25), WINDOWS, BS, 0) == 0
-    # full attention only: every matched block is servable, nulls or not
-    assert servable_blocks(holding(DEVICE_SW, 25), (0, 0), BS, 0) == 25
+    assert servable_blocks(holding(sliding(range(14, 20)), 25), WINDOWS, 0) == 0
+    # full attention only: every matched block is servable (a full-attention group holds them all)
+    assert servable_blocks(holding(DEVICE_SW, 25), (0, 0), 0) == 25
 
 
 def test_a_cut_holding_keeps_each_groups_first_blocks_and_drops_the_tail():
@@ -57,7 +62,7 @@ def test_a_cut_holding_keeps_each_groups_first_blocks_and_drops_the_tail():
     assert short.matched_blocks == 20 and list(short.block_ids) == HOST_SW[:20] + FULL[:20]
     assert short.tail_token_ids == () and short.tail_block_ids == ()
     whole = holding(DEVICE_SW, RUN)
-    assert cut(whole, RUN) is whole
+    assert cut(whole, RUN).tail_token_ids == () and cut(whole, RUN).matched_blocks == RUN
 
 
 def test_the_holder_serving_the_most_is_handed_out_first():
@@ -74,9 +79,10 @@ def test_the_holder_serving_the_most_is_handed_out_first():
         0,
     )
     assert both.best is not None and [both.best.handle, *[o.handle for o in both.others]] == ["r", "r@host"]
-    # nothing servable: the match is left as it was, for the puller to name the group it cannot read
-    lost = PrefixMatch(device, [])
-    assert fit_windows(lost, WINDOWS, BS, 0) is lost
+    # nothing servable: no holder, and why (a puller told to pull would have to decline)
+    lost = fit_windows(PrefixMatch(device, []), WINDOWS, BS, 0)
+    assert lost.best is None and lost.others == [] and lost.unservable_reason == WINDOW_NOT_HELD
+    assert "sliding window 128" in lost.unservable_detail
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

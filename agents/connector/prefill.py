@@ -23,15 +23,15 @@ from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.compute_time import ComputeTime
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.decode import NULL_BLOCK
 from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer
 from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
 from kvloop.agents.connector.metadata import ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
 from kvloop.agents.connector.plans import PlanInbox
+from kvloop.agents.connector.remote_groups import remote_groups
 from kvloop.common.outcomes import path_name
 from kvloop.common.route_estimate import PULL_KEY, ROUTE_SETTLED_KEY, SETTLED_REASONS
-from kvloop.common.sliding_window import first_needed_block
+from kvloop.common.sliding_window import NULL_BLOCK, first_needed_block
 from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
 
@@ -345,17 +345,20 @@ class PrefillSide:
         m = answer.matched_blocks
         tail = self._usable_tail(request, h, m)
         outcome.matched_tokens = min(m * self.block_size + tail, request.num_prompt_tokens)
-        groups = self._remote_groups(h, m, tail, num_computed_tokens)
-        if isinstance(groups, str):
-            outcome.detail = groups
+        reads = remote_groups(
+            h, self.group_windows, self.block_size, m, tail, num_computed_tokens // self.block_size
+        )
+        if isinstance(reads, str):
+            outcome.detail = reads
             return 0, False
+        outcome.matched_tokens = min(reads.end_tokens, request.num_prompt_tokens)
         params.update(
-            remote_block_ids=groups,
+            remote_block_ids=reads.block_ids,
             remote_engine_id=h.engine_id,
             remote_request_id=h.retention_handle,
             remote_host=h.host,
             remote_port=h.port,
-            remote_num_tokens=m * self.block_size + tail,
+            remote_num_tokens=reads.end_tokens,
             remote_blocks_expiry_time=None,  # the worker checks the relative lease (pull_deadlines)
             tp_size=h.tp_size or self.transfer_tp_size,
         )
@@ -369,38 +372,6 @@ class PrefillSide:
             for k in HANDLE_KEYS:
                 params.pop(k, None)
         return count, is_async
-
-    def _remote_groups(
-        self, holder: HolderInfo, matched_blocks: int, tail: int, num_computed_tokens: int
-    ) -> tuple[list[int], ...] | str:
-        """The holder's blocks to READ per KV-cache group for a pull of ``matched_blocks`` blocks plus
-        ``tail`` tokens of its partly filled last block (or why none can be read).
-
-        vLLM's rules, per group (``SingleTypeKVCacheManager.get_num_blocks_to_allocate`` and
-        ``get_exchange_clipped_blocks``): a full-attention group needs every block past the local
-        prefix; a sliding-window group of w tokens needs only the blocks holding the last w - 1
-        tokens before the pull's end (this engine allocates nothing for earlier ones), and the holder
-        keeps only such a window of its run. The READ end-trims each remote list to the blocks
-        allocated here, so each list ends at the pull's last block."""
-        bs = self.block_size
-        end_tokens = matched_blocks * bs + tail
-        end = -(-end_tokens // bs)
-        local = num_computed_tokens // bs
-        if len(holder.block_ids) != len(self.group_windows):
-            theirs, mine = len(holder.block_ids), len(self.group_windows)
-            return f"the holder has {theirs} KV-cache groups, this engine {mine}"
-        out: list[list[int]] = []
-        for g, (ids, window) in enumerate(zip(holder.block_ids, self.group_windows, strict=True)):
-            by_position = list(ids[:matched_blocks]) + ([holder.tail_block_ids[g]] if tail else [])
-            first = max(local, first_needed_block(end_tokens, window, bs))
-            needed = by_position[first:end]
-            if NULL_BLOCK in needed:
-                return (
-                    f"KV-cache group {g} (sliding window {window}) needs blocks {first}-{end - 1}; "
-                    f"the holder keeps only the window at its run's end"
-                )
-            out.append(needed if window else by_position)
-        return tuple(out)
 
     def group_bytes(self, pulled_tokens: int, local_tokens: int) -> list[int]:
         """Bytes a pull of ``pulled_tokens`` past ``local_tokens`` moves, per KV-cache group."""

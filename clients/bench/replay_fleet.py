@@ -75,6 +75,7 @@ _DAEMON_MISS_REASONS = frozenset(
         "incompatible_layout",
         "disabled",
         "directory_resyncing",
+        "window_not_held",
     }
 )
 

@@ -171,8 +171,11 @@ class PrefixMatch(msgspec.Struct, gc=False):
     best: Holding | None
     others: list[Holding]
     # Set when blocks beyond the caller's local prefix exist but none is servable:
-    # "expired", "claimed", "peer_unavailable", "incompatible_layout" or "directory_resyncing".
+    # "expired", "claimed", "peer_unavailable", "incompatible_layout", "directory_resyncing" or
+    # "window_not_held" (daemon/windows.py).
     unservable_reason: str | None = None
+    # What exactly is not servable, when the reason alone does not say (the answer's detail).
+    unservable_detail: str = ""
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from kvloop.agents.connector.decode import NULL_BLOCK, aligned  # noqa: E402
 from kvloop.agents.connector.directory import HolderInfo  # noqa: E402
 from kvloop.agents.connector.prefill import PrefillSide  # noqa: E402
+from kvloop.agents.connector.remote_groups import remote_groups  # noqa: E402
 from kvloop.agents.connector.scheduler import group_bytes_per_block, group_windows  # noqa: E402
 from kvloop.daemon.policy import KvLayout, layout_mismatch  # noqa: E402
 
@@ -137,11 +138,12 @@ def test_sliding_window_group_reads_what_vllm_allocates(end_tokens, local_blocks
     holder = _holder(41, WINDOW // BS + 1)
     if tail:
         holder = HolderInfo(**{**holder.__dict__, "tail_block_ids": (500 + matched, 1000 + matched)})
-    groups = side._remote_groups(holder, matched, tail, local_blocks * BS)
-    if isinstance(groups, str):  # the holder keeps only its run's last window
-        assert any(p < 41 - (WINDOW // BS + 1) for p in allocated_here), groups
+    reads = remote_groups(holder, side.group_windows, BS, matched, tail, local_blocks)
+    if isinstance(reads, str):  # the holder keeps only its run's last window
+        assert any(p < 41 - (WINDOW // BS + 1) for p in allocated_here), reads
         return
-    sliding, full = groups
+    assert reads.end_tokens == end_tokens
+    sliding, full = reads.block_ids
     # vLLM end-trims each remote list to the blocks allocated here: the sliding list must cover them
     assert [b - 500 for b in sliding[-len(allocated_here) :]] == allocated_here if allocated_here else True
     assert len(sliding) == len(allocated_here)
@@ -154,6 +156,5 @@ def test_sliding_window_group_reads_what_vllm_allocates(end_tokens, local_blocks
 
 
 def test_a_pull_ending_before_the_holders_window_is_declined():
-    side = _prefill_side()
-    why = side._remote_groups(_holder(40, 5), 20, 0, 0)
+    why = remote_groups(_holder(40, 5), (WINDOW, 0), BS, 20, 0, 0)
     assert isinstance(why, str) and "sliding window" in why

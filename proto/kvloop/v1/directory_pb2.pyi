@@ -49,6 +49,7 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_ENGINE_DECLINED: _ClassVar[DecisionReason]
     DECISION_REASON_DIRECTORY_RESYNCING: _ClassVar[DecisionReason]
     DECISION_REASON_STALE_EPOCH: _ClassVar[DecisionReason]
+    DECISION_REASON_WINDOW_NOT_HELD: _ClassVar[DecisionReason]
 
 class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -97,6 +98,7 @@ DECISION_REASON_READ_FAILED: DecisionReason
 DECISION_REASON_ENGINE_DECLINED: DecisionReason
 DECISION_REASON_DIRECTORY_RESYNCING: DecisionReason
 DECISION_REASON_STALE_EPOCH: DecisionReason
+DECISION_REASON_WINDOW_NOT_HELD: DecisionReason
 TURN_PATH_UNSPECIFIED: TurnPath
 TURN_PATH_TRANSFER: TurnPath
 TURN_PATH_RECOMPUTE: TurnPath
