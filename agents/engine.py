@@ -68,6 +68,8 @@ class EngineConfig:
     host_retention_gib: float = 0.0
     host_nixl_port: int = 0
     host_eviction: str = "lru"  # kvloop_host_eviction: which host copies go first (host_eviction.py)
+    # kvloop_host_demote_after_s: give a run's KV-cache blocks up this long after its host copy exists
+    host_demote_after_s: float | None = None
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -109,6 +111,8 @@ class EngineConfig:
                     "kvloop_host_eviction": self.host_eviction,
                 }
             )
+            if self.host_demote_after_s is not None:
+                extra["kvloop_host_demote_after_s"] = self.host_demote_after_s
         if self.mode == "builtin":
             # vLLM's semantics: the decode frees retained blocks after the first read, and retains
             # without bound.

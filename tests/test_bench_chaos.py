@@ -100,3 +100,28 @@ def test_summary_counts_failures_and_recovery_from_the_worker_the_fault_hit():
     assert kill["worker_transfer_again_s"] == 4.0  # from decode-1, the worker it hit
     assert reset["transfer_again_s"] is None and reset["worker_transfer_again_s"] is None
     assert reset["turns"] == 1
+
+
+def test_the_pools_faults_join_only_where_decodes_have_pools():
+    from kvloop.clients.bench.chaos import HOST_FAULTS
+
+    assert not set(HOST_FAULTS) & set(schedule(CONFIG))
+    pooled = ChaosConfig(workdir=Path("unused"), quick=True, host_retention_gib=0.05)
+    assert sorted(schedule(pooled)) == sorted((*MEMORY_FAULTS, *HOST_FAULTS))
+    redis = ChaosConfig(workdir=Path("unused"), quick=True, store="redis", host_retention_gib=0.05)
+    assert set(HOST_FAULTS) <= set(schedule(redis)) and "redis_primary_kill" in schedule(redis)
+
+
+def test_the_pool_holder_is_the_one_that_served_the_latest_pull_from_a_pool():
+    from kvloop.clients.bench.chaos import Conversations
+
+    conversations = Conversations(CONFIG, "http://unused", "m", lambda: 0.0)
+    assert conversations.latest_pulled() is None
+    for i, (path, tier, holder) in enumerate(
+        [("transfer", "host", "decode-0@host"), ("transfer", "device", "decode-1"), ("recompute", "", "")]
+    ):
+        conversations.turns.append(Turn(1, i + 1, 0.0, 0.0, {}, path=path, tier=tier, holder=holder))
+    latest = conversations.latest_pulled()
+    assert latest is not None and latest.holder == "decode-0@host"
+    conversations.turns.append(Turn(2, 1, 0.0, 0.0, {}, path="transfer", tier="host", error="HTTP 503"))
+    assert conversations.latest_pulled() is latest  # a failed turn served nothing

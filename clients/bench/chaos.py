@@ -16,6 +16,17 @@ through the proxy as users would, while a seeded schedule injects faults:
 - ``stream_reset``: reset (TCP RST) every connection between the agents / proxy and kvloopd;
 - ``network_drop``: the same, and every new connection refused for ``drop_s``.
 
+With ``host_retention_gib`` the decodes copy retained runs into a host pool of that size (and give
+up a run's KV-cache blocks once its copy is announced, so continuations read the pools), two
+prefills serve, and three host-tier faults join:
+
+- ``pool_holder_kill``: kill -9 the decode whose pool served the latest pulled turn, while the
+  conversations go on pulling; start it again (its pool is gone: its copies leave the directory);
+- ``pool_exhausted``: a burst of new long conversations at once, more than the pools hold: copies
+  are evicted and finishing runs wait for pool room while the running conversations pull;
+- ``prefill_kill``: kill -9 the prefill that served the latest pulled turn (a READ from a pool may
+  be in flight); start it again.
+
 The agents and the proxy reach kvloopd through a relay (:class:`FaultyLink`) that makes the last two
 faults real TCP events. The client never retries: a request that fails is counted. Afterwards every
 turn's request is sent again, as it was, to a reference `vllm serve` without any KV transfer or
@@ -53,6 +64,7 @@ from kvloop.common.addresses import free_port, free_port_pair
 
 MEMORY_FAULTS = ("decode_kill", "sidecar_kill", "daemon_kill", "decode_stop", "stream_reset", "network_drop")
 REDIS_FAULTS = (*MEMORY_FAULTS, "redis_primary_kill")
+HOST_FAULTS = ("pool_holder_kill", "pool_exhausted", "prefill_kill")
 
 
 @dataclass
@@ -72,10 +84,14 @@ class ChaosConfig:
     logprob_bound: float = 1e-3
     tie_bound: float = 1e-4
     request_timeout_s: float = 180.0
+    host_retention_gib: float = 0.0  # decodes' host pools (0: none, no host-tier faults)
+    burst_conversations: int = 6  # pool_exhausted: new conversations at once ...
+    burst_system_words: int = 1500  # ... each this long a system prompt, two turns
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return REDIS_FAULTS if self.store == "redis" else MEMORY_FAULTS
+        base = REDIS_FAULTS if self.store == "redis" else MEMORY_FAULTS
+        return (*base, *HOST_FAULTS) if self.host_retention_gib else base
 
 
 @dataclass
@@ -89,6 +105,8 @@ class Turn:
     reason: str = ""
     decode: str = ""
     holder: str = ""  # the decode worker the prefill pulled from (a transfer)
+    tier: str = ""  # where the pulled KV was: device (a KV cache) or host (a pool)
+    prefill: str = ""  # the prefill server that took the turn
     ttft_ms: float | None = None
     tokens: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -164,6 +182,8 @@ def stream_chat(proxy_url: str, request: dict, timeout_s: float) -> dict:
                 reason=headers.get("x-kvloop-reason", ""),
                 decode=headers.get("x-kvloop-decode", ""),
                 holder=headers.get("x-kvloop-holder", ""),
+                tier=headers.get("x-kvloop-tier", ""),
+                prefill=headers.get("x-kvloop-prefill", ""),
             )
             for raw in response:
                 line = raw.decode().strip()
@@ -231,31 +251,58 @@ class Conversations:
             for turn in range(1, self.config.turns_per_conversation + 1):
                 if self._stop.is_set():
                     return
-                request = checked_request(self.model, conversation.messages, self.config.max_tokens)
-                started = self.clock()
-                result = stream_chat(self.proxy_url, request, self.config.request_timeout_s)
-                record = Turn(
-                    conversation=index * 1000 + generation,
-                    turn=turn,
-                    started_s=round(started, 3),
-                    ended_s=round(self.clock(), 3),
-                    request=request,
-                    path=result.get("path", ""),
-                    reason=result.get("reason", ""),
-                    decode=result.get("decode", ""),
-                    holder=result.get("holder", ""),
-                    ttft_ms=result.get("ttft_ms"),
-                    tokens=result["tokens"],
-                    logprobs=result["logprobs"],
-                    answer=result["answer"],
-                    error=result["error"],
-                )
-                with self._lock:
-                    self.turns.append(record)
-                    if record.decode and not record.error:
-                        self.latest_decode = record.decode
-                conversation.record(result["answer"])
+                self._turn(conversation, index * 1000 + generation, turn)
             generation += 1
+
+    def _turn(self, conversation: AgentConversation, number: int, turn: int) -> None:
+        request = checked_request(self.model, conversation.messages, self.config.max_tokens)
+        started = self.clock()
+        result = stream_chat(self.proxy_url, request, self.config.request_timeout_s)
+        record = Turn(
+            conversation=number,
+            turn=turn,
+            started_s=round(started, 3),
+            ended_s=round(self.clock(), 3),
+            request=request,
+            path=result.get("path", ""),
+            reason=result.get("reason", ""),
+            decode=result.get("decode", ""),
+            holder=result.get("holder", ""),
+            tier=result.get("tier", ""),
+            prefill=result.get("prefill", ""),
+            ttft_ms=result.get("ttft_ms"),
+            tokens=result["tokens"],
+            logprobs=result["logprobs"],
+            answer=result["answer"],
+            error=result["error"],
+        )
+        with self._lock:
+            self.turns.append(record)
+            if record.decode and not record.error:
+                self.latest_decode = record.decode
+        conversation.record(result["answer"])
+
+    def latest_pulled(self) -> Turn | None:
+        """The latest answered turn that pulled its history (from a pool, where one did)."""
+        with self._lock:
+            pulled = [t for t in self.turns if t.path == "transfer" and not t.error]
+        from_pool = [t for t in pulled if t.tier == "host"]
+        latest = from_pool or pulled
+        return latest[-1] if latest else None
+
+    def burst(self, count: int, system_words: int, base: int) -> int:
+        """``count`` new conversations of two turns at once (each turn checked like the others);
+        returns when all ended. Their numbers start at ``base``."""
+
+        def one(i: int) -> None:
+            seed = self.config.seed * 1000 + 900_000 + base + i
+            conversation = AgentConversation(seed=seed, system_words=system_words, tool_words=120)
+            for turn in (1, 2):
+                self._turn(conversation, base + i, turn)
+
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(one, range(count)))
+        return count * 2
 
 
 class Injector:
@@ -345,6 +392,37 @@ class Injector:
         finally:
             os.killpg(group, signal.SIGCONT)
         fault.note = f"stopped {self.config.stop_s:.1f}s"
+
+    def _serving(self, url: str, engines: list[Engine]) -> Engine:
+        return next((e for e in engines if e.config.url == url), self.rnd.choice(engines))
+
+    def _kill_and_restart(self, engine: Engine, fault: Fault, clock: Callable[[], float]) -> None:
+        fault.target = fault.worker = engine.config.worker_id
+        engine.kill(vllm=True)
+        engine.launch(vllm=True, agent=False)
+        self._wait_ready(engine, fault, clock)
+
+    def pool_holder_kill(
+        self, fault: Fault, conversations: Conversations, clock: Callable[[], float]
+    ) -> None:
+        latest = conversations.latest_pulled()
+        holder = latest.holder.removesuffix("@host") if latest is not None else ""
+        engine = next((e for e in self.stack.decodes if e.config.worker_id == holder), self._decode())
+        fault.note = (
+            f"its pool served turn {latest.turn} of conversation {latest.conversation}" if latest else ""
+        )
+        self._kill_and_restart(engine, fault, clock)
+
+    def prefill_kill(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
+        latest = conversations.latest_pulled()
+        engine = self._serving(latest.prefill if latest is not None else "", self.stack.prefills)
+        self._kill_and_restart(engine, fault, clock)
+
+    def pool_exhausted(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
+        count, words = self.config.burst_conversations, self.config.burst_system_words
+        fault.target = "the decodes' host pools"
+        turns = conversations.burst(count, words, base=10_000_000 + int(fault.at_s * 1000))
+        fault.note = f"{count} new conversations with {words}-word system prompts at once ({turns} turns)"
 
     def stream_reset(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
         fault.target = "agent/proxy -> kvloopd connections"
@@ -465,6 +543,7 @@ def summarize(
     ttft = [t.ttft_ms for t in turns if t.ttft_ms is not None and t.turn > 1]
     return {
         "store": config.store,
+        "host_retention_gib": config.host_retention_gib,
         "seed": config.seed,
         "quick": config.quick,
         "elapsed_s": round(elapsed_s, 1),
@@ -477,6 +556,7 @@ def summarize(
         "logprob_bound": config.logprob_bound,
         "tie_bound": config.tie_bound,
         "paths": dict(Counter(t.path or "error" for t in turns)),
+        "pulled_from": dict(Counter(t.tier for t in turns if t.path == "transfer" and not t.error)),
         "continuation_ttft_p50_ms": statistics.median(ttft) if ttft else None,
         "faults": fault_records,
         "failures": [t.record() for t in failed],
@@ -503,6 +583,10 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] = lambda line
         kv_cache_gib=1,
         ha=config.store == "redis",
         daemon_front=front,
+        host_retention_gib=config.host_retention_gib,
+        host_demote_after_s=0 if config.host_retention_gib else None,  # continuations read the pools
+        # with the pools' faults a prefill is killed too: the proxy sends its turns to the other
+        prefill_servers=2 if config.host_retention_gib else 1,
     )
     stack = Stack(stack_config)
     rnd = random.Random(config.seed)

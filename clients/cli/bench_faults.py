@@ -63,6 +63,14 @@ def bench_chaos(
     conversations: Annotated[int, typer.Option(min=1, help="concurrent agent conversations")] = 3,
     interval: Annotated[float, typer.Option(min=5, help="seconds between faults")] = 20.0,
     seed: Annotated[int, typer.Option(help="the fault schedule's and the conversations' seed")] = 0,
+    host_retention_gib: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="decodes' host pools (GiB); adds the pools' faults: their holder killed, pools exhausted, "
+            "a prefill killed",
+        ),
+    ] = 0.0,
     workdir: Annotated[Path, typer.Option(help="model, logs")] = Path(".kvloop-bench/chaos"),
     json_output: JsonFlag = False,
 ) -> None:
@@ -80,6 +88,7 @@ def bench_chaos(
         conversations=conversations,
         fault_interval_s=interval,
         seed=seed,
+        host_retention_gib=host_retention_gib,
     )
     result = run_chaos(config, progress=lambda line: err_console.print(line, highlight=False))
     if state.json:
@@ -113,7 +122,7 @@ def bench_chaos(
         console.print(table)
         console.print(
             f"failed requests {result['failed_requests']}, wrong answers {result['wrong_answers']}, "
-            f"near-ties {result['near_ties']}; paths {result['paths']}"
+            f"near-ties {result['near_ties']}; paths {result['paths']}; pulled from {result['pulled_from']}"
         )
         for failure in result["failures"][:10]:
             console.print(
