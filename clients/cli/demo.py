@@ -44,6 +44,14 @@ def demo(
             "sliding-window blocks while it answers; else 0, none)",
         ),
     ] = None,
+    host_demote_after_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0,
+            help="give a retained run's KV-cache blocks up this long after its host copy exists (0: the "
+            "next turn reads the pool; default: only when retention needs the room)",
+        ),
+    ] = None,
     keep_running: Annotated[
         bool,
         typer.Option(help="keep everything up after the conversation (Ctrl-C, SIGTERM or SIGHUP stops)"),
@@ -80,6 +88,7 @@ def demo(
                 decode_tp,
                 ha,
                 default_host_gib(model) if host_retention_gib is None else host_retention_gib,
+                host_demote_after_s,
             )
         except EngineStartError as exc:
             _fail(str(exc))

@@ -34,6 +34,7 @@ class TurnResult:
     # Bytes pulled per KV-cache group (a hybrid model's sliding-window group moves only its window).
     bytes_per_group: list[int] = field(default_factory=list)
     route: str = ""  # how the proxy chose the prefill (x-kvloop-route)
+    tier: str = ""  # where pulled KV was held: device (the holder's KV cache) or host (its pool)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -118,6 +119,7 @@ def chat_turn(
         trace_id=headers.get("x-kvloop-trace-id", ""),
         bytes_per_group=_header_ints(headers, "x-kvloop-group-bytes"),
         route=headers.get("x-kvloop-route", ""),
+        tier=headers.get("x-kvloop-tier", ""),
     )
 
 

@@ -33,6 +33,7 @@ def run_demo(
     decode_tp: int = 1,
     ha: bool = False,
     host_retention_gib: float = 0.0,
+    host_demote_after_s: float | None = None,
 ) -> int:
     console = make_console(stderr=as_json)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,7 @@ def run_demo(
             decode_tp=decode_tp,
             ha=ha,
             host_retention_gib=host_retention_gib,
+            host_demote_after_s=host_demote_after_s,
         )
     )
     results: list[TurnResult] = []
@@ -218,7 +220,7 @@ def turn_table(results: list[TurnResult], recomputed: dict[int, dict[str, float 
             str(r.matched_tokens),
             str(r.recompute_tokens),
             f"{r.bytes_moved:,}",
-            r.holder or "-",
+            f"{r.holder} ({r.tier})" if r.holder and r.tier else (r.holder or "-"),
             f"{r.ttft_ms:.0f}",
             _ms(measured["recompute_ttft_ms"]),
             _times(measured["saving_ratio"]),
