@@ -52,6 +52,23 @@ PATCHED: tuple[str, ...] = (
     "vllm.v1.engine:EngineCoreRequestType.WAKEUP",
     # agents/vllm_main.py runs vLLM's CLI
     "vllm.entrypoints.cli.main:main",
+    # agents/connector/host_pool.py: the pool's handshake is this engine's, its own fields replaced
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata:NixlHandshakePayload.compatibility_hash",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata:NixlHandshakePayload.agent_metadata_bytes",
+    *(
+        f"vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata:NixlAgentMetadata.{name}"
+        for name in (
+            "engine_id",
+            "agent_metadata",
+            "kv_caches_base_addr",
+            "device_id",
+            "num_blocks",
+            "block_lens",
+            "block_strides",
+            "region_num_blocks",
+            "region_mem_types",
+        )
+    ),
 )
 
 # Symbols present in some supported releases only; kvloop picks its adapter by the installed version.
@@ -64,10 +81,15 @@ VERSION_SPECIFIC: dict[str, tuple[str, ...]] = {
     "._registration_generation": ("0.33.0",),
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker:NixlPullConnectorWorker"
     "._remote_registration_generations": ("0.33.0",),
-    # the host retention pool's descriptors (agents/connector/host_pool.py; refused on 0.33)
+    # the host retention pool's descriptors, in each release's form (agents/connector/compat.py)
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker._stack_descs": (
         "0.32.0",
     ),
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker"
+    "._pack_strided_descs": ("0.33.0",),
+    # sleep mode: the connector's worker ends its host-pool copies before vLLM deregisters the KV cache
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker"
+    ".unregister_kv_caches": ("0.33.0",),
 }
 
 
@@ -457,8 +479,9 @@ def scan_kvloop(dirs: list[Path]) -> KvloopUse:
                     f"{rel}:{node.lineno}", info, vllm_bases, kvloop_bases, self_uses, super_inits, super_uses
                 )
             typed_uses.append((rel, tree))
-    # Other code that holds one of those classes' objects (a parameter annotated with the class, or an
-    # attribute set from one): what it reads there counts as the class's use.
+    # Other code that holds one of those classes' objects (a parameter annotated with the class, an
+    # attribute set from one, or a local name bound to either): what it reads there counts as the
+    # class's use.
     by_name = {qual.rsplit(".", 1)[1]: sub for qual, sub in use.subclasses.items()}
     for rel, tree in typed_uses:
         for fn in ast.walk(tree):
@@ -469,19 +492,26 @@ def scan_kvloop(dirs: list[Path]) -> KvloopUse:
                 typed = _annotation_name(arg.annotation)
                 if typed in by_name:
                     holders[arg.arg] = by_name[typed]
+            attrs = by_attr.get(rel, {})
+            # Local aliases (``w = self.worker``, ``loosely_typed: Any = worker``), chains included.
+            bindings = [
+                (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target], stmt.value)
+                for stmt in ast.walk(fn)
+                if isinstance(stmt, ast.Assign | ast.AnnAssign) and stmt.value is not None
+            ]
+            grown = True
+            while grown:
+                grown = False
+                for targets, value in bindings:
+                    holder = _held(value, holders, attrs)
+                    for target in targets:
+                        if holder is not None and isinstance(target, ast.Name) and target.id not in holders:
+                            holders[target.id] = holder
+                            grown = True
             for sub in ast.walk(fn):
                 if not isinstance(sub, ast.Attribute):
                     continue
-                holder = None
-                if isinstance(sub.value, ast.Name) and sub.value.id in holders:
-                    holder = holders[sub.value.id]
-                elif (
-                    isinstance(sub.value, ast.Attribute)
-                    and isinstance(sub.value.value, ast.Name)
-                    and sub.value.value.id == "self"
-                    and sub.value.attr in by_attr.get(rel, {})
-                ):
-                    holder = by_attr[rel][sub.value.attr]
+                holder = _held(sub.value, holders, attrs)
                 if holder is not None:
                     holder.self_uses.setdefault(sub.attr, f"{rel}:{sub.lineno}")
             if fn.name == "__init__":
@@ -495,6 +525,15 @@ def scan_kvloop(dirs: list[Path]) -> KvloopUse:
                             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
                                 by_attr.setdefault(rel, {})[t.attr] = holders[stmt.value.id]
     return use
+
+
+def _held(expr: ast.expr, holders: dict[str, Subclass], attrs: dict[str, Subclass]) -> Subclass | None:
+    """The kvloop subclass whose object ``expr`` is: a name bound to one, or ``self.X`` set from one."""
+    if isinstance(expr, ast.Name):
+        return holders.get(expr.id)
+    if isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name) and expr.value.id == "self":
+        return attrs.get(expr.attr)
+    return None
 
 
 def _annotation_name(annotation: ast.expr | None) -> str | None:

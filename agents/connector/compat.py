@@ -8,27 +8,42 @@ against each release's source (its ``VERSION_SPECIFIC`` table names the ones a s
   puller re-handshakes a peer whose generation rose. kvloop announces each run with the generation it
   was retained under, forwards it in the params it builds, and never reads a run announced under an
   older generation than the one last seen for its holder. 0.32.0 has no generation: always 0.
-* Sleep mode (0.33.0 adds it to the NIXL connector): refused. Sleeping discards the KV cache, so every
-  run a decode retains would point at freed memory; kvloop does not support it yet (see README).
-* Transfer descriptors: 0.32.0 builds them with ``_stack_descs``; 0.33.0 replaced it with strided
-  descriptors (``_pack_strided_descs``). The host retention pool builds its descriptors like 0.32.0
-  and is refused (one line) on 0.33.0.
+* Sleep mode (0.33.0 adds it to the NIXL connector): supported where NixlConnector supports it. As
+  the engine pauses to sleep, vLLM resets the connector's cache: the runs retained in the KV cache
+  leave the directory before their memory goes (``DecodeSide.cache_reset``); the host pool, host
+  memory, stays registered and served (``kvloop_host_on_reset`` "drop" releases it too, for
+  deployments that change weights while asleep); copies into it end before the KV cache is
+  deregistered (``KvloopConnectorWorker.unregister_kv_caches``). At wake the engine registers its KV
+  cache again under a new generation, which fences whatever was retained before.
+* Transfer descriptors: 0.32.0 describes a KV-cache region with one (address, length, device) row
+  per block (``_stack_descs``); 0.33.0 with strided rows (``_pack_strided_descs``: address, length,
+  device, stride, count), one per region, which NIXL >= 1.5 expands block by block. A descriptor id
+  is a flat block index in both (``_compute_desc_ids`` is the same), so only the lists differ. The
+  host retention pool describes its regions with the installed release's own code
+  (:func:`region_descs`) and prepares them as that release does (:func:`prep_region_dlist`); the
+  pool's handshake (``block_strides`` equal to ``block_lens``, ``region_num_blocks`` its slots) is
+  read by either release's pull code unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import vllm
 
 from kvloop.common.vllm_compat import at_least, release_of
+
+if TYPE_CHECKING:
+    from kvloop.agents.connector.worker import KvloopConnectorWorker
 
 VLLM_RELEASE = release_of(vllm.__version__)
 
 # vLLM 0.33.0: kv_transfer_params and RemoteMeta carry the holder's registration generation.
 HAS_REGISTRATION_GENERATION = at_least(VLLM_RELEASE, "0.33.0")
-# The host pool's descriptors follow 0.32.0's layout (``_stack_descs``).
-HOST_POOL_SUPPORTED = not at_least(VLLM_RELEASE, "0.33.0")
+# vLLM 0.33.0: transfer descriptors are strided, one row per region instead of one per block.
+STRIDED_DESCRIPTORS = at_least(VLLM_RELEASE, "0.33.0")
 GENERATION_PARAM = "remote_registration_generation"
 
 
@@ -52,16 +67,50 @@ def remote_generation(remote: Any) -> int:
     return int(getattr(remote, "registration_generation", 0) or 0)
 
 
-def host_pool_refusal() -> str | None:
-    if HOST_POOL_SUPPORTED:
-        return None
-    return (
-        f"kvloop_host_retention_gib needs vLLM 0.32.0's transfer descriptors; vLLM {VLLM_RELEASE} "
-        "builds strided ones: set it to 0"
+# A region of blocks laid back to back: (base address, bytes per block, blocks).
+DenseRegion = tuple[int, int, int]
+
+
+def region_descs(worker: KvloopConnectorWorker, regions: Sequence[DenseRegion], device_id: int) -> np.ndarray:
+    """NIXL descriptors of ``regions``, region after region, in the installed vLLM's form and built by
+    its own code, so that they line up with the descriptor ids ``_compute_desc_ids`` gives."""
+    if STRIDED_DESCRIPTORS:
+        return strided_region_descs(worker, regions, device_id)
+    return stacked_region_descs(worker, regions, device_id)
+
+
+def stacked_region_descs(
+    worker: KvloopConnectorWorker, regions: Sequence[DenseRegion], device_id: int
+) -> np.ndarray:
+    """vLLM 0.32.0's form: an Nx3 array, one (address, length, device) row per block."""
+    worker_032: Any = worker  # typed by the installed vLLM, which may be another release
+    return np.concatenate(
+        [
+            worker_032._stack_descs(
+                np.uint64(base) + np.arange(blocks, dtype=np.uint64) * np.uint64(block_len),
+                block_len,
+                device_id,
+            )
+            for base, block_len, blocks in regions
+        ]
     )
 
 
-SLEEP_MODE_REFUSAL = (
-    "kvloop's connector does not support sleep mode: sleeping discards the KV cache its retained "
-    "runs point at; run without --enable-sleep-mode"
-)
+def strided_region_descs(
+    worker: KvloopConnectorWorker, regions: Sequence[DenseRegion], device_id: int
+) -> np.ndarray:
+    """vLLM 0.33.0's form: an Nx5 array, one (address, length, device, stride, count) row per region
+    (dense: the stride is the block length)."""
+    worker_033: Any = worker  # typed by the installed vLLM, which may be another release
+    return worker_033._pack_strided_descs(
+        [(base, block_len, device_id, block_len, blocks) for base, block_len, blocks in regions]
+    )
+
+
+def prep_region_dlist(wrapper: Any, agent_name: str, descs: np.ndarray, mem_type: str) -> Any:
+    """Prepare descriptors from :func:`region_descs` for transfers by descriptor id, as their release
+    does: 0.32.0 wraps its Nx3 rows in a NIXL descriptor list first; NIXL (>= 1.5) takes 0.33.0's
+    strided rows with their memory type beside them."""
+    if descs.shape[1] == 5:
+        return wrapper.prep_xfer_dlist(agent_name, descs, mem_type=mem_type)
+    return wrapper.prep_xfer_dlist(agent_name, wrapper.get_xfer_descs(descs, mem_type))

@@ -76,6 +76,12 @@ class KvloopConfig(BaseModel):
     # Give a run's KV-cache blocks up this long after its host copy is announced, pressure or not
     # (None: only under pressure, see retention_yield). 0 frees the KV cache soonest.
     host_demote_after_s: float | None = Field(default=None, ge=0)
+    # What the host pool does when vLLM resets the connector's cache (before a sleep discards the KV
+    # cache, or when asked to forget cached KV): "keep" serves its copies on (the pool is host memory,
+    # not the KV cache, and a sleep that keeps the weights leaves their KV valid); "drop" releases
+    # them, for deployments that change the weights while an engine sleeps (KV computed with the old
+    # weights is not the new model's).
+    host_on_reset: Literal["keep", "drop"] = "keep"
     # "multi": every lookup may read a retained run until the lease ends (blocks are kept until
     # TTL). "single": vLLM's behaviour, freed after the first READ; the directory must claim it.
     sharing: Literal["multi", "single"] = "multi"

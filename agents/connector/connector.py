@@ -35,7 +35,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
-from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.metadata import KvloopHandshakePayload
@@ -93,11 +92,17 @@ class KvloopConnector(NixlPullConnector):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM >= 0.33 asks before it serves with --enable-sleep-mode: kvloop refuses (vLLM then
-        stops with "KvloopConnector does not support sleep mode"). Sleeping discards the KV cache that
-        a decode's retained runs point at; see compat.py."""
-        tm.log.error("kvloop.sleep_mode_refused", detail=compat.SLEEP_MODE_REFUSAL)
-        return False
+        """vLLM >= 0.33 asks before it serves with --enable-sleep-mode; NixlConnector's answer holds
+        (UCX only). A sleep resets the connector's cache first (:meth:`reset_cache`: runs in the KV
+        cache leave the directory before their memory goes, host copies stay served); at wake the
+        engine registers its KV cache again under a new generation (compat.py)."""
+        supported = getattr(super(), "supports_sleep_mode", None)
+        return bool(supported(kv_transfer_config)) if supported is not None else False
+
+    def reset_cache(self) -> bool | None:
+        if isinstance(self.connector_scheduler, KvloopConnectorScheduler):
+            self.connector_scheduler.reset_cache()
+        return super().reset_cache()
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         own = super().get_handshake_metadata()

@@ -364,21 +364,47 @@ class DecodeSide:
         if current <= self.generation:
             return 0
         self.generation = current
-        withdrawn = 0
-        for rid, run in self._retained.items():
-            if run.generation >= current or run.given_up or run.first_hash is None:
-                continue
-            run.given_up = run.settled = run.withdrawn = True
-            run.first_hash = None  # never handed out from here again
-            self._unpin(self._kept, run.pinned)
-            self._emit(KvloopRetentionReleased(retention_handle=rid, reason="reregistered", ts=time.time()))
-            withdrawn += 1
+        withdrawn = self._withdraw(lambda run: run.generation < current, "reregistered")
         tm.log.warning(
             "kvloop.reregistered",
             generation=current,
             withdrawn=withdrawn,
             detail="the engine registered its KV cache again: runs retained before are withdrawn",
         )
+        return withdrawn
+
+    def withdraw_kv_cache_runs(self) -> int:
+        """vLLM resets the connector's cache (before a sleep discards the KV cache, or when asked to
+        forget cached KV): every run announced from the KV cache leaves the directory now, before its
+        memory goes. Host copies are the pool's, not the KV cache's: the host tier decides about
+        them. Returns how many runs were withdrawn."""
+        withdrawn = self._withdraw(lambda run: True, "reset")
+        self._overflow.clear()
+        tm.log.warning(
+            "kvloop.kv_cache_reset",
+            withdrawn=withdrawn,
+            detail="vLLM reset the KV cache: runs retained in it are withdrawn",
+        )
+        return withdrawn
+
+    def cache_reset(self) -> None:
+        """vLLM resets the connector's cache: KV-cache runs leave the directory; the host pool keeps
+        its copies or releases them too, as ``kvloop_host_on_reset`` says."""
+        self.withdraw_kv_cache_runs()
+        if self._host is not None and self.cfg.host_on_reset == "drop":
+            released = self._host.reset()
+            tm.log.warning("kvloop.host_pool_reset", released=released)
+
+    def _withdraw(self, which: Callable[[_Retained], bool], reason: str) -> int:
+        withdrawn = 0
+        for rid, run in self._retained.items():
+            if run.given_up or run.first_hash is None or not which(run):
+                continue
+            run.given_up = run.settled = run.withdrawn = True
+            run.first_hash = None  # never handed out from here again
+            self._unpin(self._kept, run.pinned)
+            self._emit(KvloopRetentionReleased(retention_handle=rid, reason=reason, ts=time.time()))
+            withdrawn += 1
         return withdrawn
 
     def parked_until(self, request_id: str) -> float | None:

@@ -73,7 +73,7 @@ class KvloopRetentionReleased(KvloopEvent, tag=RELEASED_TAG):
     before its lease ended (yielded: freed once the directory's drop is confirmed, yielding.py)."""
 
     retention_handle: str
-    reason: str = "expired"  # "expired" | "read" | "aborted" | "yielded" | "reregistered"
+    reason: str = "expired"  # "expired" | "read" | "aborted" | "yielded" | "reregistered" | "reset"
     ts: float = 0.0
 
 

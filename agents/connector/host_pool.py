@@ -6,7 +6,8 @@ handshake with the pool's engine (``<engine id>@host``, served on its own side c
 scheduler side, host_tier.py), whose metadata is this engine's with the pool's addresses. Every
 region of the KV cache has a pool region of ``slots`` blocks of the same length, so a pool slot id
 is a block id there, and vLLM's descriptor arithmetic (``_compute_desc_ids``) serves both. Slot 0 is
-never handed out: it stands for vLLM's null block.
+never handed out: it stands for vLLM's null block. The pool's descriptors are built by the installed
+vLLM's own code, in its release's form (compat.py: one row per block, or one strided row per region).
 
 The copy is one NIXL WRITE per run from this engine's agent (the KV cache is registered there) into
 the pool's agent, built from vLLM's own descriptors, posted after the step's forward and polled
@@ -22,7 +23,6 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
@@ -30,8 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 )
 from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 
+from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
-from kvloop.agents.connector.compat import host_pool_refusal
 from kvloop.agents.connector.metadata import HostCopy
 
 if TYPE_CHECKING:
@@ -117,17 +117,11 @@ class HostPool:
         self.agent.register_memory(self._reg, backends=worker.nixl_backends)
         # The engine's own agent writes into the pool's.
         self._pool_agent_name = worker.nixl_wrapper.add_remote_agent(self.agent.get_agent_metadata())
+        # Region order and descriptor form as vLLM's own for its KV cache (``_build_fa_local``).
         order = worker._transfer_layer_region_indices or range(len(bases))
-        descs = np.concatenate(
-            [
-                worker._stack_descs(
-                    bases[i] + np.arange(rows, dtype=np.uint64) * np.uint64(block_lens[i]), block_lens[i], 0
-                )
-                for i in order
-            ]
-        )
-        self._dst = worker.nixl_wrapper.prep_xfer_dlist(
-            self._pool_agent_name, worker.nixl_wrapper.get_xfer_descs(descs, "DRAM")
+        self.pool_descs = compat.region_descs(worker, [(bases[i], block_lens[i], rows) for i in order], 0)
+        self._dst = compat.prep_region_dlist(
+            worker.nixl_wrapper, self._pool_agent_name, self.pool_descs, "DRAM"
         )
         self.region_num_blocks = [rows] * len(worker.region_num_blocks or bases)
         self.handshake = self._handshake_payload(bases, rows)
@@ -148,12 +142,9 @@ class HostPool:
 
     @staticmethod
     def _check(worker: KvloopConnectorWorker) -> None:
-        refused = host_pool_refusal()
-        if refused is not None:
-            raise UnsupportedLayout(refused)
         problems = []
-        if worker.world_size != 1:
-            problems.append("tensor parallelism")
+        if worker.vllm_config.parallel_config.pipeline_parallel_size != 1:
+            problems.append("pipeline parallelism")
         if worker._has_mamba:
             problems.append("Mamba/SSM state")
         if worker.use_host_buffer:
@@ -262,6 +253,20 @@ class HostPool:
             self._abandoned.discard(run)
             if state != "DONE":
                 tm.log.warning("kvloop.host_copy_failed", handle=run, state=state)
+
+    def drain(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for the copies in flight to end (the KV cache they read is about to
+        be deregistered); any still running then is reported failed, so never announced."""
+        deadline = time.monotonic() + wait_s
+        self._poll_copies()
+        while self._copies and time.monotonic() < deadline:
+            time.sleep(0.001)  # NIXL has no blocking wait on a transfer: poll its state
+            self._poll_copies()
+        for run in list(self._copies):
+            self._abandoned.add(run)
+            tm.log.warning("kvloop.host_copy_abandoned", handle=run, after_s=wait_s)
+        self._captures.clear()
+        self._held.requests.clear()
 
     def copying_runs(self) -> set[str]:
         """Device handles of the runs whose copy is in flight."""

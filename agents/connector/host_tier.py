@@ -62,6 +62,7 @@ class _Copy:
     state: str = "copying"  # copying | announced | released
     free_at: float | None = None  # released: when its slots may be reused (perf_counter)
     hashes: tuple[bytes, ...] = field(default=())
+    discard: bool = False  # being written when the pool was reset: never announced
 
 
 @dataclass
@@ -278,8 +279,8 @@ class HostTier:
             copy = self._copies.get(handle)
             if copy is None or copy.state != "copying":
                 continue
-            if not ok:
-                tm.HOST_COPIES.labels("failed").inc()
+            if not ok or copy.discard:
+                tm.HOST_COPIES.labels("failed" if not ok else "discarded").inc()
                 del self._copies[handle]
                 self.eviction.forget(handle)
                 self._free.extend(copy.slots)
@@ -304,6 +305,23 @@ class HostTier:
         copy = self._copies.get(done.handle)
         if copy is not None and copy.state == "released":
             copy.free_at = done.free_at if done.free_at is not None else copy.deadline + self.read_margin_s
+
+    def reset(self) -> int:
+        """Release every copy (``kvloop_host_on_reset`` "drop"): announced ones are dropped from the
+        directory and fenced as on eviction; those still waiting or being written are never announced.
+        Returns how many copies were released."""
+        released = 0
+        for handle, copy in list(self._copies.items()):
+            if copy.state == "announced":
+                self._release(handle, copy, "reset")
+                released += 1
+            elif copy.state == "copying":
+                copy.discard = True  # its WRITE may still be running: its slots come back when it ends
+        for waiting in self._waiting.values():
+            self._free.extend(waiting.captured.values())
+        released += len(self._waiting)
+        self._waiting.clear()
+        return released
 
     def step(self) -> None:
         """Expire copies whose lease ended; give back the slots of released copies past their fence."""

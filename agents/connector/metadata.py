@@ -92,8 +92,10 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
     finished READ, so the cost model learns from the transfer itself, not from engine steps."""
 
     reads: dict[str, ReadTiming] = field(default_factory=dict)
-    # Host copies finished since the last step (decode role): handle -> whether the copy succeeded.
+    # Host copies finished since the last step (decode role): handle -> whether the copy succeeded,
+    # and how many worker ranks' parts that covers (a rank copies its own share of the KV heads).
     host_copied: dict[str, bool] = field(default_factory=dict)
+    host_copy_ranks: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvloopWorkerMetadata):
@@ -102,7 +104,31 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
                 self.reads[req_id] = timing if mine is None else mine.merge(timing)
             for handle, ok in other.host_copied.items():  # every rank's copy must succeed
                 self.host_copied[handle] = self.host_copied.get(handle, True) and ok
+                ranks = other.host_copy_ranks.get(handle, 1)
+                self.host_copy_ranks[handle] = self.host_copy_ranks.get(handle, 0) + ranks
         return self
+
+
+class RankTally:
+    """Host copies reported by an engine's worker ranks, gathered over steps: vLLM merges the ranks'
+    metadata of one step, but ranks finish their parts of a copy in different steps, and a copy is
+    made (and may be announced) only once every rank made its part."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._seen: dict[str, tuple[int, bool]] = {}
+
+    def add(self, meta: KvloopWorkerMetadata) -> dict[str, bool]:
+        """The copies every rank has now reported, and whether all their parts succeeded."""
+        complete: dict[str, bool] = {}
+        for handle, ok in meta.host_copied.items():
+            count, all_ok = self._seen.pop(handle, (0, True))
+            count, all_ok = count + meta.host_copy_ranks.get(handle, 1), all_ok and ok
+            if count >= self.ranks:
+                complete[handle] = all_ok
+            else:
+                self._seen[handle] = (count, all_ok)
+        return complete
 
 
 @dataclass

@@ -31,6 +31,7 @@ from kvloop.agents.connector.metadata import (
     KvloopConnectorMetadata,
     KvloopHandshakePayload,
     KvloopWorkerMetadata,
+    RankTally,
 )
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.agents.connector.prefill import PrefillSide
@@ -103,6 +104,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
         self._host_listener: threading.Thread | None = None
+        # every worker rank copies its share of each run into its own pool (host_pool.py)
+        self._host_reports = RankTally(vllm_config.parallel_config.world_size)
         host_slots = pool_slots(kv_cache_config, cfg.host_retention_gib)
         confirmer = (
             ReleaseConfirmer(cfg.daemon, cfg.model, self.worker_id, cfg.read_margin_s)
@@ -293,7 +296,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvloopWorkerMetadata) and meta.host_copied:
-            self.decode.host_copied(meta.host_copied)
+            self.decode.host_copied(self._host_reports.add(meta))
         if self.prefill is not None:
             self.prefill.reads_done(
                 set(connector_output.finished_recving or ()),
@@ -319,6 +322,11 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         meta.host_copies = self.decode.take_host_copies()
         meta.host_captures = self.decode.take_host_captures()
         return meta
+
+    def reset_cache(self) -> None:
+        """vLLM resets the connector's cache (a sleep's pause, or a reset asked for): see
+        :meth:`DecodeSide.cache_reset`."""
+        self.decode.cache_reset()
 
     def take_events(self) -> list[Any]:
         events = self._events[:]

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.host_pool import HostPool, pool_slots
+from kvloop.agents.connector.host_pool import CAPTURE_WAIT_S, HostPool, pool_slots
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
 from kvloop.agents.connector.peers import Peer, PeerWarmer
 from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
@@ -265,6 +265,13 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             return "the holder's old NIXL agent is not released yet"
         return None
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33, before a sleep discards the KV cache: the host pool's copies out of it end
+        first (the pool itself stays registered and served: it is host memory)."""
+        if self.host_pool is not None:
+            self.host_pool.drain(CAPTURE_WAIT_S)
+        super().unregister_kv_caches()  # type: ignore[misc]
+
     def shutdown(self) -> None:
         if self._warmer is not None:
             self._warmer.stop()
@@ -408,7 +415,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         if not self._read_timings and not copied:
             return None
         reads, self._read_timings = self._read_timings, {}
-        return KvloopWorkerMetadata(reads, copied)
+        return KvloopWorkerMetadata(reads, copied, dict.fromkeys(copied, 1))
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         if self.host_pool is not None:

@@ -95,7 +95,7 @@ def test_a_released_copys_slots_come_free_only_after_the_directory_confirmed_and
 
 def test_a_run_waits_for_room_only_where_the_pool_could_make_it():
     confirmer = FakeConfirmer()
-    tier, events = _tier(10, confirmer)
+    tier, _ = _tier(10, confirmer)
     tier.plan(_device("a", 4, first_id=10))
     tier.take_copies()
     tier.copied({"a@host": True})

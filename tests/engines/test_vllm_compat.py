@@ -104,3 +104,31 @@ def test_a_private_attribute_kvloop_reads_is_named(vllm_tree, tmp_path):
     result = _check(tree)
     assert result.returncode == 1
     assert "KvloopConnectorWorker uses _invalid_remote_engines, which its vLLM bases lack" in result.stdout
+
+
+def test_a_method_the_host_pool_calls_through_a_local_name_is_named(vllm_tree, tmp_path):
+    # host_pool.py calls it as ``w._compute_desc_ids(...)`` after ``w = self.worker``
+    tree = _doctored(
+        vllm_tree, tmp_path, NIXL / "base_worker.py", "def _compute_desc_ids(", "def _compute_descriptor_ids("
+    )
+    result = _check(tree)
+    assert result.returncode == 1
+    assert "KvloopConnectorWorker uses _compute_desc_ids, which its vLLM bases lack" in result.stdout
+
+
+def test_the_descriptor_form_of_the_installed_release_is_checked(vllm_tree, tmp_path):
+    # compat.py builds the host pool's descriptors with 0.32.0's ``_stack_descs``
+    tree = _doctored(vllm_tree, tmp_path, NIXL / "base_worker.py", "def _stack_descs(", "def _stack_rows(")
+    result = _check(tree)
+    assert result.returncode == 1
+    assert "agents/connector/compat.py" in result.stdout
+    assert "KvloopConnectorWorker uses _stack_descs, which its vLLM bases lack" in result.stdout
+
+
+def test_a_handshake_field_the_host_pool_rewrites_is_named(vllm_tree, tmp_path):
+    tree = _doctored(
+        vllm_tree, tmp_path, NIXL / "metadata.py", "    block_strides: list[int]", "    strides: list[int]"
+    )
+    result = _check(tree)
+    assert result.returncode == 1
+    assert "kvloop uses NixlAgentMetadata.block_strides" in result.stdout
