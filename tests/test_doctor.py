@@ -102,3 +102,46 @@ def test_platform_can_be_forced(monkeypatch):
     assert detect_platform() == "cuda"
     monkeypatch.setenv("KVLOOP_PLATFORM", "cpu")
     assert detect_platform() == "cpu"
+
+
+def test_whether_a_model_can_keep_a_host_pool(tmp_path: Path, daemon):
+    """The host pool's rules (common/host_pool_support.py), as the engine applies them at start and the
+    doctor applies them to a configuration ahead of it."""
+    from kvloop.common.host_pool_support import PoolLayout, model_layout, pool_verdict, refusal
+
+    llama = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4}
+    hybrid = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 128,
+    }
+    mamba = {"architectures": ["NemotronHForCausalLM"]}
+    assert pool_verdict(model_layout(llama, gpu=True)).available
+    assert pool_verdict(model_layout(hybrid, gpu=False)).available  # the CPU build keeps one block
+    on_gpu = pool_verdict(model_layout(hybrid, gpu=True))
+    assert on_gpu.available and any("kernel blocks" in x for x in on_gpu.at_start)
+    assert pool_verdict(model_layout(mamba, gpu=True)).problems == ["Mamba/SSM state"]
+    staged = pool_verdict(model_layout(llama, gpu=True, pipeline_parallel_size=2, kv_buffer_device="cpu"))
+    assert staged.problems == [
+        "pipeline parallelism",
+        "a host staging buffer (kv_buffer_device cpu on a GPU)",
+    ]
+    assert refusal(staged) == (
+        "kvloop_host_retention_gib does not support pipeline parallelism, a host staging buffer "
+        "(kv_buffer_device cpu on a GPU): set it to 0"
+    )
+    assert refusal(pool_verdict(PoolLayout(kernel_blocks_per_block=2))) is not None
+
+    (tmp_path / "config.json").write_text(json.dumps(mamba))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvloop.clients.cli.main", "--daemon", daemon.address, "--json", "doctor",
+         "--model", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    found = json.loads(proc.stdout)
+    assert found["host_tier"]["available"] is False and found["host_tier"]["problems"] == ["Mamba/SSM state"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvloop.clients.cli.main", "doctor", "--model", str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "cannot read" in proc.stderr and "Traceback" not in proc.stderr

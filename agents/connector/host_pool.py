@@ -33,6 +33,7 @@ from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.metadata import HostCopy
+from kvloop.common.host_pool_support import PoolLayout, pool_verdict, refusal
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -142,21 +143,16 @@ class HostPool:
 
     @staticmethod
     def _check(worker: KvloopConnectorWorker) -> None:
-        problems = []
-        if worker.vllm_config.parallel_config.pipeline_parallel_size != 1:
-            problems.append("pipeline parallelism")
-        if worker._has_mamba:
-            problems.append("Mamba/SSM state")
-        if worker.use_host_buffer:
-            problems.append("a host staging buffer (kv_buffer_device cpu on a GPU)")
-        if worker._mixed_mem_types:
-            problems.append("KV cache regions of mixed memory types")
-        if worker._physical_blocks_per_logical_kv_block != 1:
-            problems.append("kernel blocks smaller than the scheduler's")
-        if problems:
-            raise UnsupportedLayout(
-                "kvloop_host_retention_gib does not support " + ", ".join(problems) + ": set it to 0"
-            )
+        layout = PoolLayout(
+            pipeline_parallel_size=worker.vllm_config.parallel_config.pipeline_parallel_size,
+            has_state_space_layers=bool(worker._has_mamba),
+            host_staging_buffer=bool(worker.use_host_buffer),
+            mixed_memory_types=bool(worker._mixed_mem_types),
+            kernel_blocks_per_block=worker._physical_blocks_per_logical_kv_block,
+        )
+        refused = refusal(pool_verdict(layout))
+        if refused is not None:
+            raise UnsupportedLayout(refused)
 
     def _handshake_payload(self, bases: list[int], rows: int) -> NixlHandshakePayload:
         """This engine's handshake metadata, as the pool's engine: its agent, addresses and size."""

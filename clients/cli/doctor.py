@@ -13,11 +13,12 @@ import os
 import platform as platform_mod
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from kvloop.clients.cli.output import JsonFlag, _client, _emit_json, console, state
+from kvloop.clients.cli.output import JsonFlag, _client, _emit_json, _fail, console, state
+from kvloop.common.host_pool_support import PoolLayout, model_layout, pool_verdict, read_model_config
 from kvloop.common.vllm_compat import (
     SUPPORTED_VLLM,
     at_least,
@@ -105,7 +106,38 @@ def connector_config(platform: str, daemon: str) -> dict[str, Any]:
     return config.kv_transfer_config()
 
 
-def report() -> dict[str, Any]:
+def host_tier(
+    platform: str, model: Path | None, pipeline_parallel_size: int, kv_buffer_device: str
+) -> dict[str, Any]:
+    """Whether a decode of this configuration can keep a host retention pool, and why not (the rules
+    the pool applies at engine start, common/host_pool_support.py)."""
+    gpu = platform == "cuda"
+    if model is None:
+        layout = PoolLayout(
+            pipeline_parallel_size=pipeline_parallel_size,
+            has_state_space_layers=None,
+            host_staging_buffer=gpu and kv_buffer_device == "cpu",
+            kernel_blocks_per_block=None if gpu else 1,
+        )
+    else:
+        layout = model_layout(
+            read_model_config(model),
+            gpu=gpu,
+            pipeline_parallel_size=pipeline_parallel_size,
+            kv_buffer_device=kv_buffer_device,
+        )
+    verdict = pool_verdict(layout)
+    return {
+        "available": verdict.available,
+        "problems": verdict.problems,
+        "decided_at_start": verdict.at_start,
+        "model": str(model) if model is not None else None,
+    }
+
+
+def report(
+    model: Path | None = None, pipeline_parallel_size: int = 1, kv_buffer_device: str = ""
+) -> dict[str, Any]:
     vllm = installed_vllm()
     platform = detect_platform(vllm)
     nixl = _nixl()
@@ -144,6 +176,7 @@ def report() -> dict[str, Any]:
             "start it (kvloopd --listen HOST:PORT) or point at it with --daemon / KVLOOP_DAEMON",
         )
     config = connector_config(platform, state.daemon)
+    pool = host_tier(platform, model, pipeline_parallel_size, kv_buffer_device)
     return {
         "kvloop": _version("kvloop"),
         "python": {"version": platform_mod.python_version(), "executable": sys.executable},
@@ -160,15 +193,30 @@ def report() -> dict[str, Any]:
         "torch": torch_info,
         "daemon": daemon,
         "kv_transfer_config": config,
+        "host_tier": pool,
         "problems": problems,
     }
 
 
-def doctor(json_output: JsonFlag = False) -> None:
+def doctor(
+    model: Annotated[
+        Path | None,
+        typer.Option(help="a local model folder: whether a decode serving it can keep a host pool"),
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        int, typer.Option(min=1, help="the engines' pipeline-parallel size")
+    ] = 1,
+    kv_buffer_device: Annotated[str, typer.Option(help="the connector's kv_buffer_device, if set")] = "",
+    json_output: JsonFlag = False,
+) -> None:
     """What is installed (kvloop, vLLM, NIXL, UCX, torch, Python), whether kvloop supports that vLLM,
     the connector config for `vllm serve --kv-transfer-config`, whether kvloopd answers at --daemon,
-    and one line per problem with its fix. Exits 1 when there is a problem."""
-    found = report()
+    whether a decode of this configuration can keep a host retention pool (and why not), and one line
+    per problem with its fix. Exits 1 when there is a problem."""
+    try:
+        found = report(model, pipeline_parallel_size, kv_buffer_device)
+    except ValueError as exc:  # an unreadable --model
+        _fail(str(exc))
     if state.json:
         _emit_json(found)
     else:
@@ -201,6 +249,19 @@ def _print(found: dict[str, Any]) -> None:
         line("torch", f"{torch_info['version']} (CUDA {torch_info['cuda'] or '-'}, {torch_info['gpus']} GPU)")
     daemon = found["daemon"]
     line("kvloopd", f"{daemon['address']}: " + ("answers" if daemon["answers"] else "no answer"))
+    pool = found["host_tier"]
+    if pool["available"]:
+        line(
+            "host tier",
+            "available"
+            + (
+                f" (decided at start: {'; '.join(pool['decided_at_start'])})"
+                if pool["decided_at_start"]
+                else ""
+            ),
+        )
+    else:
+        line("host tier", "not available: " + ", ".join(pool["problems"]))
     console.print("\nconnector config (vllm serve --kv-transfer-config '<this>'; a worker id per engine):")
     console.print(json.dumps(found["kv_transfer_config"]), highlight=False, soft_wrap=True)
     if found["problems"]:
