@@ -107,8 +107,8 @@ class DecodeSide:
         # For the worker: runs announced this step that it keeps until their lease ends.
         self.multi_reader_new: set[str] = set()
         # Runs past the share admitted only to move to the host pool, and runs past it kept here until
-        # their copy is made (see admits); what both may hold beyond the share: as much again, never
-        # more than half of what the share leaves live requests.
+        # their copy is made (see admits); what the latter may hold beyond the share: as much again,
+        # never more than half of what the share leaves live requests.
         self._moving: set[str] = set()
         self._overflow: set[str] = set()
         self.max_in_transit = min(self.max_pinned, (num_kv_blocks - self.max_pinned) // 2)
@@ -130,7 +130,7 @@ class DecodeSide:
         ids = pinned_ids(block_ids)
         added = sum(1 for b in ids if b not in self._pins)
         fits = self.pinned_blocks + added <= self.max_pinned
-        if not fits and request_id is not None and self._to_pool(request_id, ids, added):
+        if not fits and request_id is not None and self._to_pool(request_id, ids):
             return True
         if self._confirmer is not None and self.pinned_blocks + added > self._yield_above:
             self._give_up_oldest(ids)
@@ -146,14 +146,23 @@ class DecodeSide:
             tm.RETENTION_DECLINED.labels("capped").inc()
         return fits
 
-    def _to_pool(self, request_id: str, ids: set[int], added: int) -> bool:
-        """Admit a request past the share on its way to the host pool (see :meth:`admits`)."""
-        if self._host is None or self.pinned_blocks + added > self.max_pinned + self.max_in_transit:
+    def _to_pool(self, request_id: str, ids: set[int]) -> bool:
+        """Admit a request past the share on its way to the host pool (see :meth:`admits`). A run that
+        moves holds its blocks only until its copy is written (the next engine step or so), as vLLM
+        holds a finished request's blocks for a send: unbounded. A run that overflows stays announced
+        from here until the pool has freed room (a read window): those are bounded by
+        ``max_in_transit`` beyond the share."""
+        if self._host is None:
             return False
         if self._host.has_room(ids):
             self._moving.add(request_id)
             return True
-        if self._host.can_take(ids) and self._confirmer is not None:
+        kept_after = len(self._kept) + sum(1 for b in ids if b not in self._kept)
+        if (
+            self._confirmer is not None
+            and kept_after <= self.max_pinned + self.max_in_transit
+            and self._host.can_take(ids)
+        ):
             self._overflow.add(request_id)
             return True
         return False

@@ -437,25 +437,43 @@ def test_a_run_past_the_share_waits_for_pool_room_announced_from_the_kv_cache():
     assert set(side.take_free_early()) == {"c"}  # its KV-cache blocks go once the drop is confirmed
 
 
-def test_runs_in_transit_to_the_pool_stay_within_their_bound():
+def test_runs_moving_to_the_pool_are_not_bounded_but_runs_waiting_for_room_are():
+    """A run that moves holds its blocks for a step or so (until its copy is written), however many
+    finish at once; a run kept announced from the KV cache while the pool frees room holds them for a
+    read window, so those stay within ``max_in_transit`` beyond the share."""
     from test_connector_units import _Finished
 
     from kvloop.agents.connector.config import KvloopConfig
     from kvloop.agents.connector.decode import DecodeSide
 
     events: list = []
+    confirmer = _FakeDecodeConfirmer()
     cfg = KvloopConfig(retention_max_share=0.1)
-    host = HostTier(64, 600.0, 2.0, events.append, None)
-    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, host=host)
+    host = HostTier(40, 600.0, 2.0, events.append, confirmer)  # type: ignore[arg-type]
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer, host=host)  # type: ignore[arg-type]
+    side._confirmer = confirmer  # type: ignore[assignment]  # publish_events off in this config
     assert side.max_in_transit == 10
-    blocks = list(range(1, 11))
-    assert side.admits([blocks], "a")
-    side.announce(_Finished("a", 10), {"remote_block_ids": [blocks]}, 60.0, [blocks])
-    assert side.admits([list(range(20, 30))], "b")  # moves: 20 pinned until its copy is made
-    side.announce(
-        _Finished("b", 10), {"remote_block_ids": [list(range(20, 30))]}, 60.0, [list(range(20, 30))]
-    )
-    assert not side.admits([[50]], "c")  # 21 > 10 + 10: declined, not moved
+
+    def finish(rid: str, blocks: list[int]) -> bool:
+        if not side.admits([blocks], rid):
+            return False
+        request = _Finished(rid, len(blocks))
+        request.block_hashes = [rid.encode() * 32 + h for h in request.block_hashes]
+        side.announce(request, {"remote_block_ids": [blocks]}, 60.0, [blocks])
+        return True
+
+    # three runs of 12 blocks finish at once, each past the share alone: all move (36 pinned)
+    assert all(finish(rid, list(range(20 * i + 1, 20 * i + 13))) for i, rid in enumerate("abc"))
+    assert side.pinned_blocks == 36 and not [e for e in events if e.retention_handle in "abc"]
+    side.host_copied({c.handle: True for c in side.take_host_copies()})
+    assert set(side.take_free_early()) == {"a", "b", "c"}
+    side.released({"a", "b", "c"})
+    # the pool (4 free of 40) must now release copies for the next runs: they wait, announced from
+    # here, until the kept blocks would pass the share plus max_in_transit (20)
+    assert finish("d", list(range(100, 112)))
+    assert finish("e", list(range(120, 128)))  # 12 + 8 = 20 kept
+    assert not finish("f", [130])  # 21: declined
+    assert {e.retention_handle for e in events if isinstance(e, KvloopBlocksRetained)} >= {"d", "e"}
 
 
 @pytest.mark.engines
