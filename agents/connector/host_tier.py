@@ -26,7 +26,12 @@ the time a run finishes it holds only the window at its end: a next prompt that 
 through the previous prompt (a re-rendered or dropped answer) could not be pulled. So when a request's
 prompt KV has arrived from its prefill, and before it decodes, the sliding-window blocks a pull ending
 at the prompt's last complete block needs are copied into slots of their own (a *window capture*,
-``<request id>@window``); the run's copy then holds them beside its own blocks.
+``<request id>@window``); the run's copy then holds them beside its own blocks. Every later copy
+that shares a prefix with it names those windows too (and the one the earlier run ended with, within
+the prefix), and a later turn's copy that supersedes it keeps them: the earlier prompt stays pullable,
+for a regenerated answer, a new conversation sharing it, or another continuation of that turn, as
+long as any copy of that prefix stays. A slot several copies name comes free only once none of them
+can be read.
 """
 
 from __future__ import annotations
@@ -106,6 +111,9 @@ class HostTier:
         self.announced_at: dict[str, float] = {}  # device handle -> when its copy was announced
         self._captures: dict[str, _Capture] = {}  # device handle -> its window capture
         self._pending_captures: dict[str, HostCopy] = {}  # request id -> capture for the worker
+        # Slots more than one copy names (a copy took them over from one it shares a prefix with, see
+        # _take_over): slot -> how many copies beyond one; such a slot comes free with the last of them.
+        self._shared: dict[int, int] = {}
         # The copies not released yet, in the order the pool gives them up; a copy's turn ended when
         # its run was retained (plan).
         self.eviction = eviction_policy(eviction, ttl_s)
@@ -189,7 +197,8 @@ class HostTier:
     def _obtainable(self) -> int:
         """Slots a new run could get once released copies' fences pass and every announced copy is
         given up, beyond what the runs already waiting need."""
-        held = sum(len(c.slots) for c in self._copies.values() if c.state in ("announced", "released"))
+        named = sum(len(c.slots) for c in self._copies.values() if c.state in ("announced", "released"))
+        held = named - sum(self._shared.values())  # only announced copies share slots
         return len(self._free) + held - self._waiting_need()
 
     def can_take(self, block_ids: set[int]) -> bool:
@@ -283,11 +292,13 @@ class HostTier:
                 tm.HOST_COPIES.labels("failed" if not ok else "discarded").inc()
                 del self._copies[handle]
                 self.eviction.forget(handle)
-                self._free.extend(copy.slots)
+                self._give_back(copy.slots)
                 continue
             copy.state, copy.deadline = "announced", now + self.ttl_s
+            superseded = self._superseded_by(handle, copy)
             self._emit(_with_ts(copy.event))
-            self._supersede(handle, copy.hashes)
+            for older, old in superseded:
+                self._release(older, old, "superseded")
             self.announced_at[handle.removesuffix(HOST_SUFFIX)] = now
             tm.HOST_COPIES.labels("copied").inc()
 
@@ -331,20 +342,67 @@ class HostTier:
                 self._release(handle, copy, "expired", fence=False)
             if copy.state == "released" and copy.free_at is not None and now >= copy.free_at:
                 del self._copies[handle]
-                self._free.extend(copy.slots)
+                self._give_back(copy.slots)
         self._place_waiting()
 
-    def _supersede(self, newer: str, hashes: tuple[bytes, ...]) -> None:
-        """Release the copies whose blocks the newer copy ``newer`` starts with: it holds them all."""
-        for handle, copy in list(self._copies.items()):
-            covered = len(copy.hashes) <= len(hashes) and hashes[: len(copy.hashes)] == copy.hashes
-            if handle != newer and copy.state == "announced" and covered:
-                self._release(handle, copy, "superseded")
+    def _superseded_by(self, newer: str, copy: _Copy) -> list[tuple[str, _Copy]]:
+        """The announced copies whose blocks the newer copy ``newer`` starts with, to release once it
+        is announced (it holds them all). First the newer copy takes over, from every announced copy
+        it shares a prefix with, the blocks of that prefix it holds none of itself (see
+        :meth:`_take_over`): it then serves every pull the copies it supersedes served."""
+        out = []
+        for handle, old in self._copies.items():
+            if handle == newer or old.state != "announced":
+                continue
+            shared = _common_prefix(copy.hashes, old.hashes)
+            if shared:
+                self._take_over(copy, old, shared)
+            if shared == len(old.hashes):
+                out.append((handle, old))
+        return out
+
+    def _take_over(self, copy: _Copy, old: _Copy, blocks: int) -> None:
+        """``copy`` names ``old``'s slots at the positions of the first ``blocks`` blocks (the prefix
+        the two runs share) where it holds none itself.
+
+        On a hybrid model those are sliding-window blocks: an earlier turn's copy holds the window its
+        prompt ended with (its window capture) and the one its run ended with, which a later turn's
+        run, or another continuation of the same turn, had freed by the time it finished. A
+        regenerated answer, a new conversation sharing that prompt, or one more continuation of that
+        turn needs exactly those windows, so they stay with every copy of the prefix rather than with
+        one copy that may go first. The same chained hashes mean the same tokens up to each position,
+        so these are the very blocks ``copy`` lacks. A slot several copies name comes free with the
+        last of them, once its fence has passed (:meth:`_give_back`): until then one of them may be
+        read."""
+        groups = [list(g) for g in copy.event.block_ids]
+        for mine, theirs in zip(groups, old.event.block_ids, strict=False):
+            for p in range(min(blocks, len(mine), len(theirs))):
+                if theirs[p] != NULL_BLOCK and mine[p] == NULL_BLOCK:
+                    mine[p] = theirs[p]
+                    copy.slots.append(theirs[p])
+                    self._shared[theirs[p]] = self._shared.get(theirs[p], 0) + 1
+        copy.event = msgspec.structs.replace(copy.event, block_ids=groups)
+
+    def _give_back(self, slots: list[int]) -> None:
+        """A copy's slots, past its fence: free, but for those another copy still names."""
+        for slot in slots:
+            others = self._shared.get(slot, 0)
+            if not others:
+                self._free.append(slot)
+            elif others == 1:
+                del self._shared[slot]
+            else:
+                self._shared[slot] = others - 1
 
     def _make_room(self, needed: int) -> None:
         """Release copies, in the eviction policy's order, while too few slots are free or coming free
         (one still being copied is skipped: it was never announced)."""
-        coming = sum(len(c.slots) for c in self._copies.values() if c.state == "released")
+        # slots another copy took over do not come free with a released copy: not counted
+        coming = sum(
+            sum(1 for s in c.slots if s not in self._shared)
+            for c in self._copies.values()
+            if c.state == "released"
+        )
         if self.free_slots >= max(needed, FREE_LOW * self.slots):
             return
         want = max(needed, int(FREE_TARGET * self.slots))
@@ -354,7 +412,7 @@ class HostTier:
             copy = self._copies[handle]
             if copy.state == "announced":
                 self._release(handle, copy, "evicted")
-                coming += len(copy.slots)
+                coming += sum(1 for s in copy.slots if s not in self._shared)
 
     def _release(self, handle: str, copy: _Copy, reason: str, fence: bool = True) -> None:
         copy.state = "released"
@@ -368,6 +426,16 @@ class HostTier:
             self._confirmer.submit(GivenUp(handle, copy.hashes[0], copy.event.lora_name or ""))
         else:
             copy.free_at = copy.deadline + self.read_margin_s
+
+
+def _common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
+    """How many leading block hashes two runs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _with_ts(event: KvloopBlocksRetained) -> KvloopBlocksRetained:

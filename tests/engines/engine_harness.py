@@ -207,6 +207,45 @@ def _kv_shapes(worker: Any) -> list[list[int]]:
     return [list(c.shape) for c in worker.model_runner.kv_caches]
 
 
+def _sampling(args: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=args["max_tokens"],
+        logprobs=args.get("logprobs", 1),
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": args.get("kv_transfer_params")}
+        if args.get("kv_transfer_params") is not None
+        else None,
+    )
+
+
+def _prompt(args: dict[str, Any]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    prompt: dict[str, Any] = {"prompt_token_ids": list(args["prompt_token_ids"])}
+    if args.get("cache_salt"):
+        prompt["cache_salt"] = args["cache_salt"]
+    return TokensPrompt(**prompt)
+
+
+def _result(res: Any, elapsed: float) -> dict[str, Any]:
+    c = res.outputs[0]
+    lps = [lp[tok].logprob for lp, tok in zip(c.logprobs or [], c.token_ids, strict=False)]
+    return {
+        "request_id": res.request_id,
+        "token_ids": list(c.token_ids),
+        "logprobs": lps,
+        "top_logprobs": [
+            sorted(((t, p.logprob) for t, p in lp.items()), key=lambda x: -x[1]) for lp in (c.logprobs or [])
+        ],
+        "kv_transfer_params": res.kv_transfer_params,
+        "num_cached_tokens": res.num_cached_tokens,
+        "elapsed_s": elapsed,
+    }
+
+
 def _serve(conn: Any, spec: EngineSpec) -> None:
     from kvloop.common.processes import die_with_parent
 
@@ -251,8 +290,7 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             )
         trace.set_tracer_provider(provider)
 
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm import LLM
 
         extra = {"bidirectional_kv_xfer": True, **spec.extra_config}
         if spec.directory_target:
@@ -308,40 +346,15 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 conn.send(("ok", None))
                 break
             if cmd == "generate":
-                sp = SamplingParams(
-                    temperature=0.0,
-                    max_tokens=args["max_tokens"],
-                    logprobs=args.get("logprobs", 1),
-                    ignore_eos=True,
-                    extra_args={"kv_transfer_params": args.get("kv_transfer_params")}
-                    if args.get("kv_transfer_params") is not None
-                    else None,
-                )
-                prompt: dict[str, Any] = {"prompt_token_ids": list(args["prompt_token_ids"])}
-                if args.get("cache_salt"):
-                    prompt["cache_salt"] = args["cache_salt"]
                 t = time.perf_counter()
-                (res,) = llm.generate([TokensPrompt(**prompt)], sp, use_tqdm=False)
-                elapsed = time.perf_counter() - t
-                c = res.outputs[0]
-                lps = [lp[tok].logprob for lp, tok in zip(c.logprobs or [], c.token_ids, strict=False)]
-                conn.send(
-                    (
-                        "ok",
-                        {
-                            "request_id": res.request_id,
-                            "token_ids": list(c.token_ids),
-                            "logprobs": lps,
-                            "top_logprobs": [
-                                sorted(((t, p.logprob) for t, p in lp.items()), key=lambda x: -x[1])
-                                for lp in (c.logprobs or [])
-                            ],
-                            "kv_transfer_params": res.kv_transfer_params,
-                            "num_cached_tokens": res.num_cached_tokens,
-                            "elapsed_s": elapsed,
-                        },
-                    )
+                (res,) = llm.generate([_prompt(args)], _sampling(args), use_tqdm=False)
+                conn.send(("ok", _result(res, time.perf_counter() - t)))
+            elif cmd == "generate_many":  # several requests in one batch, side by side
+                t = time.perf_counter()
+                results = llm.generate(
+                    [_prompt(a) for a in args], [_sampling(a) for a in args], use_tqdm=False
                 )
+                conn.send(("ok", [_result(res, time.perf_counter() - t) for res in results]))
             elif cmd == "block_hashes":  # this engine's chained hashes of the full blocks
                 from vllm.utils.hashing import sha256_cbor
                 from vllm.v1.core.kv_cache_utils import hash_block_tokens
@@ -454,6 +467,11 @@ class EngineHandle:
                 "cache_salt": cache_salt,
             },
         )
+
+    def generate_many(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several requests in one ``generate`` call: the engine schedules them side by side. Each is
+        a dict of :meth:`generate`'s arguments (``prompt_token_ids``, ``max_tokens``, ...)."""
+        return self.call("generate_many", [{"logprobs": 1, **r} for r in requests])
 
     def kill(self) -> None:
         """Crash the engine (SIGKILL): no shutdown, no release events."""

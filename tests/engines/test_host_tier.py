@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
@@ -219,6 +220,107 @@ def test_a_capture_whose_run_is_not_copied_gives_its_slots_back_once_written():
     tier.plan(_hybrid_device("r", 4, {3: 53}))
     (copy,) = tier.take_copies()
     assert copy.block_ids == [[53], [100, 101, 102, 103]] and tier.free_slots == 16 - 5
+
+
+def _hybrid_turn(
+    tier: HostTier, handle: str, n: int, sliding: dict[int, int], capture: dict[int, int]
+) -> None:
+    """A hybrid run through the pool: its window capture (position -> KV-cache block) is written
+    while it decodes, then its copy is made and announced."""
+    tier.capture(handle, [(0, p, b) for p, b in capture.items()])
+    tier.take_captures()
+    tier.copied({handle + "@window": True})
+    tier.plan(_hybrid_device(handle, n, sliding))
+    tier.take_copies()
+    tier.copied({handle + "@host": True})
+
+
+def _announced(events: list, handle: str) -> KvloopBlocksRetained:
+    (event,) = [e for e in events if isinstance(e, KvloopBlocksRetained) and e.retention_handle == handle]
+    return event
+
+
+def _held(sliding: list[int]) -> list[int]:
+    return [p for p, s in enumerate(sliding) if s]
+
+
+def _two_turns(confirmer: FakeConfirmer) -> tuple[HostTier, list]:
+    """Turn 1's prompt ended at block 6 (its capture holds that window, positions 3-5) and its run at
+    block 10 (positions 8-9 still in its KV cache); turn 2 continued the whole history, so its run
+    starts with every block of turn 1's, but its sliding-window group holds only its own windows
+    (its prompt's, 11-13, and its run's end, 14-15)."""
+    tier, events = _tier(64, confirmer)
+    _hybrid_turn(tier, "t1", 10, {8: 58, 9: 59}, capture={3: 43, 4: 44, 5: 45})
+    _hybrid_turn(tier, "t2", 16, {14: 74, 15: 75}, capture={11: 81, 12: 82, 13: 83})
+    return tier, events
+
+
+def test_a_later_turns_copy_takes_over_the_windows_of_the_copy_it_supersedes():
+    """Superseding turn 1's copy, turn 2's copy also names turn 1's window slots, so a pull ending
+    with turn 1's prompt (a regenerated answer, a new conversation sharing it) or with turn 1's run
+    (another continuation of it) is still served once turn 1's copy is gone."""
+    confirmer = FakeConfirmer()
+    tier, events = _two_turns(confirmer)
+    t1 = _announced(events, "t1@host").block_ids[0]
+    sliding, full = _announced(events, "t2@host").block_ids
+    assert _released(events) == ["t1@host"] and [g.handle for g in confirmer.asked] == ["t1@host"]
+    assert _held(sliding) == [3, 4, 5, 8, 9, 11, 12, 13, 14, 15] and 0 not in full
+    assert [sliding[p] for p in (3, 4, 5, 8, 9)] == [t1[p] for p in (3, 4, 5, 8, 9)]
+    assert tier.free_slots == 64 - 15 - 21  # nothing copied twice: the slots are turn 1's
+    assert tier.can_take(set(range(1, 65))) and not tier.can_take(set(range(1, 66)))  # each slot once
+
+
+def test_slots_two_copies_name_come_free_only_once_neither_can_be_read():
+    confirmer = FakeConfirmer()
+    tier, events = _two_turns(confirmer)
+    shared = {_announced(events, "t1@host").block_ids[0][p] for p in (3, 4, 5, 8, 9)}
+    # turn 1's copy past its fence: its own slots come free, not those turn 2's copy names
+    tier.confirmed(Confirmed("t1@host", time.perf_counter() - 0.001))
+    tier.step()
+    assert tier.free_slots == 28 + 15 - 5 and not shared & set(tier._free)
+    tier._release("t2@host", tier._copies["t2@host"], "evicted")
+    tier.confirmed(Confirmed("t2@host", time.perf_counter() - 0.001))
+    tier.step()
+    assert tier.free_slots == 64
+
+    # the other order: turn 2's copy released and fenced while turn 1's fence still holds
+    confirmer = FakeConfirmer()
+    tier, events = _two_turns(confirmer)
+    tier._release("t2@host", tier._copies["t2@host"], "evicted")
+    tier.confirmed(Confirmed("t2@host", time.perf_counter() - 0.001))
+    tier.confirmed(Confirmed("t1@host", time.perf_counter() + 30))
+    tier.step()
+    assert tier.free_slots == 28 + 21 and not shared & set(tier._free)  # turn 1's readers may READ them
+    tier.confirmed(Confirmed("t1@host", time.perf_counter() - 0.001))
+    tier.step()
+    assert tier.free_slots == 64 and len(set(tier._free)) == 64
+
+
+def test_a_copy_sharing_a_prefix_names_the_windows_within_it_and_leaves_the_other_copy():
+    """Another continuation of turn 1 (a rewritten next message): its run departs from turn 1's at
+    block 9, so turn 1's copy stays beside it; the new copy names turn 1's window slots within the
+    blocks they share (turn 1's prompt window, 3-5), and they stay as long as either copy does."""
+    confirmer = FakeConfirmer()
+    tier, events = _tier(64, confirmer)
+    _hybrid_turn(tier, "t1", 10, {8: 58, 9: 59}, capture={3: 43, 4: 44, 5: 45})
+    t1 = _announced(events, "t1@host").block_ids[0]
+    sibling = msgspec.structs.replace(
+        _hybrid_device("c", 12, {10: 70, 11: 71}), block_hashes=[*H[:9], *H[16:19]]
+    )
+    tier.capture("c", [(0, 6, 66), (0, 7, 67), (0, 8, 68)])
+    tier.take_captures()
+    tier.copied({"c@window": True})
+    tier.plan(sibling)
+    tier.take_copies()
+    tier.copied({"c@host": True})
+    sliding = _announced(events, "c@host").block_ids[0]
+    assert _released(events) == [] and tier.has_copy("t1") and tier.has_copy("c")
+    assert _held(sliding) == [3, 4, 5, 6, 7, 8, 10, 11]
+    assert sliding[3:6] == t1[3:6] and sliding[8] != t1[8]  # its own block where it holds one
+    tier._release("t1@host", tier._copies["t1@host"], "evicted")
+    tier.confirmed(Confirmed("t1@host", time.perf_counter() - 0.001))
+    tier.step()
+    assert tier.free_slots == 64 - 17 - 3 and not set(t1[3:6]) & set(tier._free)  # c still names them
 
 
 def test_a_decode_captures_the_window_before_its_prompts_last_complete_block():

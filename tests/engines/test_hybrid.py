@@ -76,11 +76,30 @@ def group_diffs(
 
 def prefill_and_check(pair: EnginePair, prompt: list[int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Prefill through kvloop and as a salted recompute; KV of both groups equal, block by block."""
-    P = pair.prefill
-    out = P.generate(prompt, 1, {"do_remote_decode": True})
-    ref = P.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"ref-{uuid.uuid4()}")
-    rid = out["kv_transfer_params"]["remote_request_id"]
-    (span,) = [s for s in P.call("spans") if s.get("kvloop.request_id") == rid]
+    out = pair.prefill.generate(prompt, 1, {"do_remote_decode": True})
+    (span,) = spans_of(pair, [out])
+    check_against_recompute(pair, prompt, out)
+    return out, span
+
+
+def spans_of(pair: EnginePair, outs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prefill's kvloop span of each of ``outs`` (its prefills since the last call), in order."""
+    spans = pair.prefill.call("spans")
+    found = []
+    for out in outs:
+        rid = out["kv_transfer_params"]["remote_request_id"]
+        (span,) = [s for s in spans if s.get("kvloop.request_id") == rid]
+        found.append(span)
+    return found
+
+
+def check_against_recompute(
+    pair: EnginePair, prompt: list[int], out: dict[str, Any], ref: dict[str, Any] | None = None
+) -> None:
+    """``out``, the prefill of ``prompt`` through kvloop, against ``ref``, a salted recompute of it
+    (made here when not given): KV of both groups equal, block by block, and the same token."""
+    if ref is None:
+        ref = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"ref-{uuid.uuid4()}")
     diffs = group_diffs(pair, out, ref, len(prompt))
     # the negative control: each block against the reference's next block (other tokens' KV)
     shifted = dict(
@@ -97,7 +116,6 @@ def prefill_and_check(pair: EnginePair, prompt: list[int]) -> tuple[dict[str, An
         bad = [i for i, x in enumerate(d) if x > KV_TOL_STEPS]
         assert d and not bad, f"group {g}: blocks {bad} differ by up to {max(d)} bf16 steps"
     assert out["token_ids"] == ref["token_ids"]
-    return out, span
 
 
 def decode_turn(pair: EnginePair, prompt: list[int], p_params: dict[str, Any], n: int) -> dict[str, Any]:
