@@ -19,7 +19,7 @@ from kvloop.common import block_hash
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.common.outcomes import tier_name
-from kvloop.common.packed_ids import unpack_u32
+from kvloop.common.packed_ids import pack_u32, unpack_u32
 from kvloop.daemon.index import (
     BlockTier,
     Cleared,
@@ -97,11 +97,31 @@ def _root_key(root: bytes, width: int, where: str) -> bytes | None:
     return block_keys([root])[0]
 
 
-def _root(stored: pb.BlocksStored, keys: list[bytes], width: int, where: str) -> bytes | None:
+def _root(stored: pb.BlocksStored, keys: Sequence[bytes], width: int, where: str) -> bytes | None:
     """Where a stored chain starts: the root the agent named, its own first block, or not known."""
     if stored.root_block_hash:
         return _root_key(stored.root_block_hash, width, where)
     return None if stored.parent_block_hash else keys[0]
+
+
+def _event_keys(packed: bytes, listed: Sequence[bytes], width: int, limit: int, where: str) -> PackedHashes:
+    """An event's block hashes (packed, or one field per hash from an older agent) as their keys,
+    cut in one strided copy: no Python work per block."""
+    if packed:
+        if len(listed):
+            raise BadInput("hashes", f"{where}: give block_hashes or packed_block_hashes, not both")
+        n, rest = divmod(len(packed), width)
+        if rest:
+            raise BadInput(
+                "hash_length",
+                f"{where}: packed_block_hashes is {len(packed)} bytes, not a multiple of hash_length {width}",
+            )
+        if n > limit:
+            raise BadInput("too_many_hashes", f"{where}: {n} block hashes exceed the limit of {limit}")
+        return PackedHashes(packed_keys(packed, width), KEY_BYTES)
+    hashes = list(listed)
+    check_hashes(hashes, width, limit, where)
+    return PackedHashes(packed_keys(b"".join(hashes), width), KEY_BYTES)
 
 
 def spec_from_registration(reg: pb.WorkerRegistration) -> WorkerSpec:
@@ -252,25 +272,19 @@ def events_from_batch(batch: pb.EventBatch, spec: WorkerSpec, max_hashes: int) -
                 out.refused.append(refused)
                 continue
         elif kind == "stored":
-            hashes = list(event.stored.block_hashes)
-            check_hashes(hashes, width, max_hashes, where)
-            keys = block_keys(hashes)
-            events.append(
-                Stored(
-                    keys, event.stored.lora_name, event.stored.tier, _root(event.stored, keys, width, where)
-                )
-            )
+            stored = event.stored
+            keys = _event_keys(stored.packed_block_hashes, stored.block_hashes, width, max_hashes, where)
+            events.append(Stored(keys, stored.lora_name, stored.tier, _root(stored, keys, width, where)))
         elif kind == "removed":
-            hashes = list(event.removed.block_hashes)
-            check_hashes(hashes, width, max_hashes, where)
-            roots = list(event.removed.root_block_hashes)
-            if roots:
-                if len(roots) != len(hashes):
-                    raise BadInput(
-                        "roots", f"{where}: {len(roots)} root_block_hashes for {len(hashes)} block hashes"
-                    )
-                check_hashes(roots, width, max_hashes, where)
-            events.append(Removed(block_keys(hashes), event.removed.lora_name, block_keys(roots) or None))
+            removed = event.removed
+            keys = _event_keys(removed.packed_block_hashes, removed.block_hashes, width, max_hashes, where)
+            packed_roots = removed.packed_root_block_hashes
+            roots = None
+            if packed_roots or len(removed.root_block_hashes):
+                roots = _event_keys(packed_roots, removed.root_block_hashes, width, max_hashes, where)
+                if roots.n != keys.n:
+                    raise BadInput("roots", f"{where}: {roots.n} root_block_hashes for {keys.n} block hashes")
+            events.append(Removed(keys, removed.lora_name, roots))
         elif kind == "released":
             if not event.released.retention_handle:
                 raise BadInput("handle", f"{where}: retention_handle must be set")
@@ -289,12 +303,15 @@ def events_from_batch(batch: pb.EventBatch, spec: WorkerSpec, max_hashes: int) -
 
 
 def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: str) -> Retained:
-    hashes = list(r.block_hashes)
-    check_hashes(hashes, spec.hash_length, max_hashes, where)
+    keys = _event_keys(r.packed_block_hashes, r.block_hashes, spec.hash_length, max_hashes, where)
     groups = r.num_groups or 1
-    if len(r.block_ids) != len(hashes) * groups:
+    packed_ids = r.packed_block_ids
+    if packed_ids and len(r.block_ids):
+        raise BadInput("block_ids", f"{where}: give block_ids or packed_block_ids, not both")
+    ids = packed_ids if packed_ids else pack_u32(r.block_ids)
+    if len(ids) != keys.n * groups * 4:
         raise BadInput(
-            "block_ids", f"{where}: {len(r.block_ids)} block_ids for {len(hashes)} hashes x {groups} groups"
+            "block_ids", f"{where}: {len(ids) / 4:g} block_ids for {keys.n} hashes x {groups} groups"
         )
     if not r.retention_handle:
         raise BadInput("handle", f"{where}: retention_handle must be set")
@@ -323,8 +340,8 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
             "runs can be read: not indexed",
         )
     return Retained(
-        block_keys(hashes),
-        list(r.block_ids),
+        keys,
+        ids,
         groups,
         r.retention_handle,
         r.expires_in_ms,
@@ -382,7 +399,9 @@ def _prompt_hashes(
             check_hashes(listed, width or len(listed[0]), max_hashes, rpc, registered=bool(width))
             if len(listed[0]) < KEY_BYTES:  # only an unregistered model's (hash_length is >= 8)
                 raise BadInput("hash_length", f"{rpc}: block hashes must be at least {KEY_BYTES} bytes")
-        hashes = PackedHashes(b"".join(block_keys(listed)), KEY_BYTES)
+            hashes = PackedHashes(packed_keys(b"".join(listed), len(listed[0])), KEY_BYTES)
+        else:
+            hashes = PackedHashes(b"", KEY_BYTES)
     if request.block_size and block_size and request.block_size != block_size:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,

@@ -142,6 +142,7 @@ class AgentSession:
                     resync_required=resync,
                     heartbeat_interval_ms=int(self.ctx.heartbeat_interval_s * 1000),
                     lease_ms=int(self.ctx.store.config.lease_s * 1000),
+                    packed_events=True,
                 )
             )
         )

@@ -17,6 +17,7 @@ from kvloop.clients.directory_client import (
     KvloopError,
     holder_block_ids,
 )
+from kvloop.common.packed_ids import pack_u32
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, registration, retained, running_agent
 
@@ -370,6 +371,44 @@ async def test_bad_registration_gets_precise_status(daemon, first, code, fragmen
             ),
             "0 tail_block_ids for 1 groups",
         ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    packed_block_hashes=b"".join(conversation("x", 2)),
+                    packed_block_ids=bytes(4),
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                )
+            ),
+            "1 block_ids for 2 hashes",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 1),
+                    packed_block_hashes=b"".join(conversation("x", 1)),
+                    block_ids=[1],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                )
+            ),
+            "not both",
+        ),
+        (
+            pb.BlockEvent(stored=pb.BlocksStored(packed_block_hashes=bytes(40))),
+            "40 bytes, not a multiple of hash_length 32",
+        ),
+        (
+            pb.BlockEvent(
+                removed=pb.BlocksRemoved(
+                    packed_block_hashes=b"".join(conversation("x", 2)),
+                    packed_root_block_hashes=conversation("x", 1)[0],
+                )
+            ),
+            "1 root_block_hashes for 2 block hashes",
+        ),
     ],
 )
 async def test_bad_event_is_refused_and_nothing_else_is_hurt(daemon, event, fragment):
@@ -404,6 +443,39 @@ def rejected(daemon, reason: str) -> float:
 HOST_POOL = dict(
     nixl_endpoint="127.0.0.1:5998", host_engine_id="engine-pooled@host", host_nixl_endpoint="127.0.0.1:5999"
 )
+
+
+async def test_packed_events_index_what_one_field_per_hash_does(daemon):
+    """kvloopd says it reads packed events; a worker's packed retained run, stored and removed blocks
+    are served as the same events with one field per hash are."""
+    model = "m-packed"
+    prompt = conversation("packed", 8)
+    run = pb.BlocksRetained(
+        packed_block_hashes=b"".join(prompt[:6]),
+        packed_block_ids=pack_u32(range(100, 106)),
+        num_groups=1,
+        retention_handle="hp",
+        expires_in_ms=60_000,
+    )
+    async with AsyncDirectoryClient(daemon.address) as client:
+        call, ack = await open_stream(client, registration("packer", model=model))
+        assert ack.packed_events
+        events = [
+            pb.BlockEvent(retained=run),
+            pb.BlockEvent(stored=pb.BlocksStored(packed_block_hashes=b"".join(prompt))),
+            pb.BlockEvent(
+                removed=pb.BlocksRemoved(
+                    packed_block_hashes=b"".join(prompt[4:]), packed_root_block_hashes=prompt[0] * 4
+                )
+            ),
+        ]
+        await call.write(pb.ConnectRequest(batch=pb.EventBatch(sequence=1, events=events)))
+        assert (await call.read()).ack.sequence == 1
+        answer = await client.lookup(model, prompt, requester="puller")
+        assert answer.matched_blocks == 6 and list(answer.holder.block_ids) == list(range(100, 106))
+        (worker,) = await client.list_workers(model)
+        assert (worker.stored_blocks, worker.retained_blocks) == (4, 6)
+        call.cancel()
 
 
 async def test_a_host_memory_copy_is_read_from_the_host_pool_and_a_device_run_is_preferred(daemon):

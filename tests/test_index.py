@@ -557,3 +557,37 @@ async def test_a_newer_registration_generation_withdraws_the_workers_older_runs(
     await store.apply("a", 2, 1, [retain(before, "n0")], 60.0)
     again = (await store.lookup(NS, before, 0, "p", 60.0, claim=False)).best
     assert again is not None and again.handle == "n0" and again.registration_generation == 0
+
+
+async def test_memory_runs_are_paths_of_a_few_nodes_and_leave_nothing_behind():
+    """The in-memory index keeps retained runs as a tree of chains: a shared system prompt and a
+    conversation's turns (each run extending the one before) make paths of a node per turn, whatever
+    the runs' lengths; releasing the runs, in any order, leaves no node behind."""
+    import random
+
+    store = MemoryStore(IndexConfig(lease_s=1e9))
+    await store.register(spec("a"), 0, 0.0)
+    system = conversation("system", 300)
+    chats = {c: conversation(f"chat{c}", 400, start=300) for c in range(5)}
+    handles = []
+    for turn in range(4):
+        for c, chat in chats.items():
+            handles.append(f"c{c}t{turn}")
+            await store.apply(
+                "a", 1, len(handles), [retain(system + chat[: 100 * (turn + 1)], handles[-1])], 0.0
+            )
+    (chains,) = store._chains.values()
+
+    def paths(node, depth=1):
+        yield depth
+        for child in node.children.values():
+            yield from paths(child, depth + 1)
+
+    assert max(d for root in chains.roots.values() for d in paths(root)) == 1 + 4
+    match = await store.lookup(NS, system + chats[3][:250], 0, "p", 0.0, False)
+    # turns 2 and 3 reach as far, with equal leases: the first announced
+    assert (match.best.handle, match.best.matched_blocks) == ("c3t2", 550)
+    random.Random(7).shuffle(handles)
+    for n, handle in enumerate(handles):
+        await store.apply("a", 1, 21 + n, [Released(handle)], 0.0)
+    assert not chains.roots and (await store.counts()).entries == 0

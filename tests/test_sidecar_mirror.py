@@ -1,17 +1,24 @@
-"""The agent's conversion of the connector's events into protocol events: the tier of a retained run
-and of a READ (agents/sidecar/mirror.py)."""
+"""The agent's conversion of the engine's and the connector's events into protocol events: the tier of
+a retained run and of a READ, chain roots, an engine batch's events merged and packed, and a batch
+unpacked for a kvloopd that does not read packed fields (agents/sidecar/mirror.py, link.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import grpc
 import msgspec
 from prometheus_client import REGISTRY
 
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopTransferReport, decode_event_batch
+from kvloop.agents.sidecar.link import DirectoryLink, unpacked
 from kvloop.agents.sidecar.mirror import WorkerMirror
+from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.common.packed_ids import unpack_u32
 from kvloop.v1 import directory_pb2 as pb
-from tests.support import conversation
+from kvloop.v1 import directory_pb2_grpc as pb_grpc
+from tests.support import conversation, registration
 
 
 def run(handle: str, **fields) -> KvloopBlocksRetained:
@@ -101,6 +108,100 @@ def test_each_stored_block_names_its_chains_root_and_a_block_reported_again_is_n
         {"type": "BlockRemoved", "block_hashes": [prompt[9], conversation("orphan", 2)[1]]}
     )
     assert list(removed.removed.root_block_hashes) == [prompt[0], b"p" * 32]
-    # a resync snapshot sends each chain apart, under its root
-    chains = {e.stored.root_block_hash: list(e.stored.block_hashes) for e in mirror.snapshot()}
+    # a resync snapshot sends each chain apart, under its root, packed
+    chains = {e.stored.root_block_hash: cut(e.stored.packed_block_hashes) for e in mirror.snapshot()}
     assert chains == {prompt[0]: prompt[:9], b"p" * 32: conversation("orphan", 2)[:1]}
+
+
+def cut(data: bytes) -> list[bytes]:
+    return [data[i : i + 32] for i in range(0, len(data), 32)]
+
+
+def test_an_engine_batch_goes_as_one_event_per_run_packed():
+    """vLLM announces each evicted block on its own: a run of removals (of one LoRA) goes as one event,
+    a chain's stored pieces as one, a retained run packed; another kind or LoRA starts a new event."""
+    mirror = WorkerMirror(32)
+    prompt, other = conversation("p", 8), conversation("o", 3)
+    engine = [
+        stored(prompt[:2]),
+        stored(prompt[2:4], parent=prompt[1]),
+        stored(other),  # another chain
+        *({"type": "BlockRemoved", "block_hashes": [h]} for h in prompt[2:4]),
+        {"type": "BlockRemoved", "block_hashes": other[:1], "lora_name": "l"},
+        {"type": "AllBlocksCleared"},
+        stored(prompt[:1]),
+    ]
+    events = mirror.convert_batch(engine, [run("r")])
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds == ["stored", "stored", "removed", "removed", "cleared", "stored", "retained"]
+    first, second, gone, gone_lora = (e.stored if e.HasField("stored") else e.removed for e in events[:4])
+    assert (cut(first.packed_block_hashes), first.root_block_hash) == (prompt[:4], prompt[0])
+    assert not first.block_hashes and cut(second.packed_block_hashes) == other
+    assert (
+        cut(gone.packed_block_hashes) == prompt[2:4] and cut(gone.packed_root_block_hashes) == [prompt[0]] * 2
+    )
+    assert gone_lora.lora_name == "l" and cut(gone_lora.packed_block_hashes) == other[:1]
+    retained = events[-1].retained
+    assert cut(retained.packed_block_hashes) == conversation("r", 3) and not retained.block_hashes
+    assert list(unpack_u32(retained.packed_block_ids)) == [1, 2, 3] and not retained.block_ids
+
+
+def test_a_batch_for_an_older_kvloopd_carries_every_hash_in_its_own_field():
+    mirror = WorkerMirror(32)
+    prompt = conversation("u", 4)
+    removal = [{"type": "BlockRemoved", "block_hashes": [h]} for h in prompt[2:]]
+    events = mirror.convert_batch([stored(prompt), *removal], [run("r")])
+    batch = unpacked(pb.EventBatch(sequence=7, events=events), 32)
+    assert batch.sequence == 7
+    plain = WorkerMirror(32)
+    expected = [plain.convert_vllm(stored(prompt)), None, plain.convert_kvloop(run("r"))]
+    stored_, removed, retained = batch.events
+    expected[2].retained.expires_in_ms = retained.retained.expires_in_ms  # each converted at its own time
+    assert stored_ == expected[0] and retained.retained == expected[2].retained
+    assert list(removed.removed.block_hashes) == prompt[2:]
+    assert list(removed.removed.root_block_hashes) == [prompt[0]] * 2
+    assert not removed.removed.packed_block_hashes and not removed.removed.packed_root_block_hashes
+    # a batch with nothing packed goes as it is
+    releases_only = pb.EventBatch(
+        sequence=8, events=[pb.BlockEvent(released=pb.RetentionReleased(retention_handle="r"))]
+    )
+    assert unpacked(releases_only, 32) is releases_only
+
+
+async def test_a_link_to_a_kvloopd_that_reads_no_packed_events_sends_one_field_per_hash():
+    """An older kvloopd's RegisterAck says nothing of packed events: the agent's link sends the same
+    batches with every hash and id in a field of its own, which that kvloopd reads."""
+    received: list[pb.EventBatch] = []
+
+    class OlderKvloopd(pb_grpc.DirectoryServicer):
+        async def Connect(self, requests, context):
+            async for request in requests:
+                if request.HasField("register"):
+                    yield pb.ConnectResponse(
+                        registered=pb.RegisterAck(heartbeat_interval_ms=5000, lease_ms=10_000)
+                    )
+                elif request.HasField("batch"):
+                    received.append(request.batch)
+                    yield pb.ConnectResponse(ack=pb.BatchAck(sequence=request.batch.sequence))
+
+    server = grpc.aio.server()
+    pb_grpc.add_DirectoryServicer_to_server(OlderKvloopd(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    prompt = conversation("older", 3)
+    try:
+        async with AsyncDirectoryClient(f"127.0.0.1:{port}") as client:
+            mirror = WorkerMirror(32)
+            link = DirectoryLink(client, registration("w-older"), mirror.snapshot)
+            runner = asyncio.create_task(link.run())
+            try:
+                await asyncio.wait_for(link.connected.wait(), 10)
+                link.publish(mirror.convert_batch([stored(prompt)], [run("r")]))
+                await link.wait_acked(timeout=10)
+            finally:
+                runner.cancel()
+    finally:
+        await server.stop(None)
+    ((stored_, retained),) = [batch.events for batch in received]
+    assert list(stored_.stored.block_hashes) == prompt and not stored_.stored.packed_block_hashes
+    assert list(retained.retained.block_ids) == [1, 2, 3] and not retained.retained.packed_block_ids

@@ -21,6 +21,7 @@ import grpc
 import structlog
 
 from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.common.packed_ids import unpack_u32
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent.link")
@@ -68,6 +69,8 @@ class DirectoryLink:
         self.last_error: str | None = None
         self._session_task: asyncio.Task | None = None
         self._new_epoch_pending = False
+        # The daemon of the current session reads events' packed fields (RegisterAck.packed_events).
+        self._packed_events = True
 
     @property
     def worker_id(self) -> str:
@@ -211,6 +214,7 @@ class DirectoryLink:
         if first is grpc.aio.EOF or first.WhichOneof("message") != "registered":
             raise ConnectionError("daemon closed the stream before acknowledging the registration")
         ack = first.registered
+        self._packed_events = ack.packed_events
         self.sessions += 1
         outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
         needs_snapshot = (
@@ -273,6 +277,8 @@ class DirectoryLink:
                 request = await asyncio.wait_for(outbox.get(), heartbeat_s)
             except TimeoutError:
                 request = pb.ConnectRequest(heartbeat=pb.Heartbeat(sent_at_us=int(time.monotonic() * 1e6)))
+            if not self._packed_events and request.HasField("batch"):
+                request = pb.ConnectRequest(batch=unpacked(request.batch, self._registration.hash_length))
             try:
                 await call.write(request)
             except asyncio.InvalidStateError:  # the call ended; the reader reports why
@@ -308,3 +314,46 @@ class DirectoryLink:
         while self._pending and next(iter(self._pending)) <= sequence:
             self._pending.popitem(last=False)
         self._acked_changed.set()
+
+
+def unpacked(batch: pb.EventBatch, width: int) -> pb.EventBatch:
+    """The batch for a kvloopd that does not read packed events: every packed field moved to its
+    repeated twin (one field per hash or id), the rest as it is."""
+    if not any(_packed(event) for event in batch.events):
+        return batch
+    out = pb.EventBatch()
+    out.CopyFrom(batch)
+    for event in out.events:
+        kind = event.WhichOneof("event")
+        if kind == "stored" and event.stored.packed_block_hashes:
+            stored = event.stored
+            stored.block_hashes.extend(_cut(stored.packed_block_hashes, width))
+            stored.ClearField("packed_block_hashes")
+        elif kind == "removed":
+            removed = event.removed
+            removed.block_hashes.extend(_cut(removed.packed_block_hashes, width))
+            removed.root_block_hashes.extend(_cut(removed.packed_root_block_hashes, width))
+            removed.ClearField("packed_block_hashes")
+            removed.ClearField("packed_root_block_hashes")
+        elif kind == "retained":
+            retained = event.retained
+            retained.block_hashes.extend(_cut(retained.packed_block_hashes, width))
+            retained.block_ids.extend(unpack_u32(retained.packed_block_ids))
+            retained.ClearField("packed_block_hashes")
+            retained.ClearField("packed_block_ids")
+    return out
+
+
+def _packed(event: pb.BlockEvent) -> bool:
+    kind = event.WhichOneof("event")
+    if kind == "stored":
+        return bool(event.stored.packed_block_hashes)
+    if kind == "removed":
+        return bool(event.removed.packed_block_hashes or event.removed.packed_root_block_hashes)
+    if kind == "retained":
+        return bool(event.retained.packed_block_hashes or event.retained.packed_block_ids)
+    return False
+
+
+def _cut(data: bytes, width: int) -> list[bytes]:
+    return [data[i : i + width] for i in range(0, len(data), width)]

@@ -123,15 +123,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
                 mirror.forget_retained()
                 link.request_snapshot("unreadable engine event batch")
                 continue
-            events = []
-            for raw in decoded.vllm:
-                converted = mirror.convert_vllm(raw)
-                if converted is not None:
-                    events.append(converted)
-            for ours in decoded.kvloop:
-                converted = mirror.convert_kvloop(ours)
-                if converted is not None:
-                    events.append(converted)
+            events = mirror.convert_batch(decoded.vllm, decoded.kvloop)
             for event in events:
                 FORWARDED.labels(event.WhichOneof("event")).inc()
             if events:

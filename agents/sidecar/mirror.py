@@ -3,9 +3,10 @@ and keeps the state a resync snapshot must describe."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -18,6 +19,7 @@ from kvloop.agents.connector.events import (
     KvloopTransferReport,
 )
 from kvloop.common.outcomes import tier_value
+from kvloop.common.packed_ids import pack_u32
 from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent")
@@ -29,6 +31,40 @@ SKIPPED = Counter("kvloop_agent_skipped_events_total", "Engine events not forwar
 class _Run:
     event: pb.BlocksRetained
     deadline: float  # monotonic
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Consecutive engine events of one kind being merged into one protocol event."""
+
+    kind: str  # "stored" or "removed"
+    lora: str
+    root: bytes  # a stored run's chain root
+    parent: bytes  # a stored run's first block's parent
+    hashes: list[bytes] = field(default_factory=list)
+    roots: list[bytes] = field(default_factory=list)  # a removal's, one per hash
+
+    def takes(self, kind: str, lora: str, root: bytes) -> bool:
+        return kind == self.kind and lora == self.lora and root == self.root
+
+    def event(self) -> pb.BlockEvent:
+        if self.kind == "removed":
+            return pb.BlockEvent(
+                removed=pb.BlocksRemoved(
+                    packed_block_hashes=b"".join(self.hashes),
+                    lora_name=self.lora,
+                    packed_root_block_hashes=b"".join(self.roots),
+                )
+            )
+        return pb.BlockEvent(
+            stored=pb.BlocksStored(
+                packed_block_hashes=b"".join(self.hashes),
+                parent_block_hash=self.parent,
+                lora_name=self.lora,
+                tier=pb.BLOCK_TIER_DEVICE,
+                root_block_hash=self.root,
+            )
+        )
 
 
 class WorkerMirror:
@@ -80,27 +116,14 @@ class WorkerMirror:
         return hashes
 
     def convert_vllm(self, event: dict[str, Any]) -> pb.BlockEvent | None:
-        """vLLM's own BlockStored / BlockRemoved / AllBlocksCleared (raw msgpack maps)."""
+        """vLLM's own BlockStored / BlockRemoved / AllBlocksCleared (raw msgpack maps), one
+        protocol event each, hashes one field apiece (what any kvloopd reads)."""
         kind = event.get("type")
-        lora = event.get("lora_name") or ""
         if kind == "BlockStored":
-            hashes = self._hashes(event.get("block_hashes", []))
-            if hashes is None:
+            stored = self._stored(event)
+            if stored is None:
                 return None
-            # An int parent (vLLM's int hashes) is no digest: sent as unknown.
-            parent = event.get("parent_block_hash")
-            parent = parent if isinstance(parent, bytes) else b""
-            mine = self.stored.setdefault(lora, {})
-            # A parent this mirror does not hold (evicted first) stands in for the root: the blocks'
-            # later removal names the same root, so they are found where they were put. A block
-            # reported again keeps the root it was sent with (it is not sent again): a second root
-            # would leave it where its removal does not look.
-            root = mine.get(parent, parent) if parent else mine.get(hashes[0], hashes[0])
-            hashes = [h for h in hashes if h not in mine]
-            if not hashes:
-                SKIPPED.labels("already_stored").inc()
-                return None
-            mine.update(dict.fromkeys(hashes, root))
+            lora, hashes, parent, root = stored
             return pb.BlockEvent(
                 stored=pb.BlocksStored(
                     block_hashes=hashes,
@@ -111,11 +134,10 @@ class WorkerMirror:
                 )
             )
         if kind == "BlockRemoved":
-            hashes = self._hashes(event.get("block_hashes", []))
-            if hashes is None:
+            removed = self._removed(event)
+            if removed is None:
                 return None
-            mine = self.stored.get(lora, {})
-            roots = [mine.pop(h, h) for h in hashes]  # one never stored: not indexed anywhere
+            lora, hashes, roots = removed
             return pb.BlockEvent(
                 removed=pb.BlocksRemoved(block_hashes=hashes, lora_name=lora, root_block_hashes=roots)
             )
@@ -126,7 +148,40 @@ class WorkerMirror:
         SKIPPED.labels("unknown_type").inc()
         return None
 
-    def convert_kvloop(self, event: KvloopEvents) -> pb.BlockEvent | None:
+    def _stored(self, event: dict[str, Any]) -> tuple[str, list[bytes], bytes, bytes] | None:
+        """A BlockStored's (lora, blocks not held yet, parent, chain root), taken into the mirror."""
+        hashes = self._hashes(event.get("block_hashes", []))
+        if hashes is None:
+            return None
+        lora = event.get("lora_name") or ""
+        # An int parent (vLLM's int hashes) is no digest: sent as unknown.
+        parent = event.get("parent_block_hash")
+        parent = parent if isinstance(parent, bytes) else b""
+        mine = self.stored.setdefault(lora, {})
+        # A parent this mirror does not hold (evicted first) stands in for the root: the blocks'
+        # later removal names the same root, so they are found where they were put. A block
+        # reported again keeps the root it was sent with (it is not sent again): a second root
+        # would leave it where its removal does not look.
+        root = mine.get(parent, parent) if parent else mine.get(hashes[0], hashes[0])
+        hashes = [h for h in hashes if h not in mine]
+        if not hashes:
+            SKIPPED.labels("already_stored").inc()
+            return None
+        mine.update(dict.fromkeys(hashes, root))
+        return lora, hashes, parent, root
+
+    def _removed(self, event: dict[str, Any]) -> tuple[str, list[bytes], list[bytes]] | None:
+        """A BlockRemoved's (lora, blocks, each one's chain root), taken out of the mirror."""
+        hashes = self._hashes(event.get("block_hashes", []))
+        if hashes is None:
+            return None
+        lora = event.get("lora_name") or ""
+        mine = self.stored.get(lora, {})
+        return lora, hashes, [mine.pop(h, h) for h in hashes]  # one never stored: not indexed anywhere
+
+    def convert_kvloop(self, event: KvloopEvents, packed: bool = False) -> pb.BlockEvent | None:
+        """One connector event as a protocol event; ``packed``: a retained run's hashes and block ids
+        in its packed fields (for a kvloopd that reads them, see :meth:`convert_batch`)."""
         if isinstance(event, KvloopPrefillReport):
             return pb.BlockEvent(prefill=pb.PrefillReport(tokens=event.tokens, duration_us=event.duration_us))
         if isinstance(event, KvloopTransferReport):  # telemetry for the cost model, not state
@@ -169,8 +224,6 @@ class WorkerMirror:
             SKIPPED.labels("expired_in_transit").inc()
             return None
         retained = pb.BlocksRetained(
-            block_hashes=hashes,
-            block_ids=[i for group in event.block_ids for i in group],
             num_groups=len(event.block_ids),
             retention_handle=event.retention_handle,
             expires_in_ms=remaining,
@@ -181,8 +234,66 @@ class WorkerMirror:
             tail_block_ids=event.tail_block_ids,
             registration_generation=event.registration_generation,
         )
+        ids = itertools.chain.from_iterable(event.block_ids)  # group-major
+        if packed:
+            retained.packed_block_hashes = b"".join(hashes)
+            retained.packed_block_ids = pack_u32(ids)
+        else:
+            retained.block_hashes.extend(hashes)
+            retained.block_ids.extend(ids)
         self.retained[event.retention_handle] = _Run(retained, time.monotonic() + remaining / 1000)
         return pb.BlockEvent(retained=retained)
+
+    def convert_batch(
+        self, vllm_events: Iterable[dict[str, Any]], kvloop_events: Iterable[KvloopEvents]
+    ) -> list[pb.BlockEvent]:
+        """One engine batch's events as protocol events, vLLM's own first (the order the engine
+        publishes them in), for a kvloopd that reads packed events (RegisterAck.packed_events; the
+        link unpacks them for an older one).
+
+        Nothing that needs no event per block gets one: vLLM announces each block it evicts on its
+        own, so a run of consecutive BlockRemoved events (of one LoRA) goes as one event, as does a
+        run of BlockStored events of one chain; every event's hashes (and a retained run's block
+        ids) travel packed in one field, which kvloopd reads without an object per block."""
+        events: list[pb.BlockEvent] = []
+        pending: _Pending | None = None  # the run of vLLM events being merged
+        for raw in vllm_events:
+            kind = raw.get("type")
+            if kind == "BlockRemoved":
+                removed = self._removed(raw)
+                if removed is None:
+                    continue
+                lora, hashes, roots = removed
+                if pending is None or not pending.takes("removed", lora, b""):
+                    if pending is not None:
+                        events.append(pending.event())
+                    pending = _Pending("removed", lora, b"", b"")
+                pending.hashes += hashes
+                pending.roots += roots
+            elif kind == "BlockStored":
+                stored = self._stored(raw)
+                if stored is None:
+                    continue
+                lora, hashes, parent, root = stored
+                if pending is None or not pending.takes("stored", lora, root):
+                    if pending is not None:
+                        events.append(pending.event())
+                    pending = _Pending("stored", lora, root, parent)
+                pending.hashes += hashes
+            else:
+                if pending is not None:
+                    events.append(pending.event())
+                    pending = None
+                converted = self.convert_vllm(raw)
+                if converted is not None:
+                    events.append(converted)
+        if pending is not None:
+            events.append(pending.event())
+        for ours in kvloop_events:
+            converted = self.convert_kvloop(ours, packed=True)
+            if converted is not None:
+                events.append(converted)
+        return events
 
     def forget_retained(self) -> None:
         """After an unrecoverable event gap a release may have been missed: serve nothing older."""
@@ -194,7 +305,8 @@ class WorkerMirror:
         self.stored.clear()
 
     def snapshot(self) -> list[pb.BlockEvent]:
-        """The full state, with leases recomputed for now (expired runs left out)."""
+        """The full state, with leases recomputed for now (expired runs left out); a chain's stored
+        blocks in one event, packed (the link unpacks them for a kvloopd that does not read that)."""
         now = time.monotonic()
         events = []
         for handle, run in list(self.retained.items()):
@@ -214,7 +326,7 @@ class WorkerMirror:
                 events.append(
                     pb.BlockEvent(
                         stored=pb.BlocksStored(
-                            block_hashes=hashes,
+                            packed_block_hashes=b"".join(hashes),
                             lora_name=lora,
                             tier=pb.BLOCK_TIER_DEVICE,
                             root_block_hash=root,

@@ -38,7 +38,7 @@ import heapq
 import itertools
 import random
 import time
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -61,6 +61,7 @@ TIERS = ("device", "host")
 # A host-memory copy's retention handle: the device run's, with this suffix.
 HOST_SUFFIX = "@host"
 ROUTINGS = ("kvloop", "round_robin", "random")
+_HASH_LENGTH = 32  # sha256_cbor digests
 # A lease the daemon never sees end before the decode withdraws the run (trace time runs apart
 # from the daemon's clock).
 _DAEMON_LEASE_MS = 7 * 24 * 3600 * 1000
@@ -246,6 +247,10 @@ class FleetResult:
     behind_ms_max: float
     # kvloopd's events ingested during the replay (its GetStats counter, end less start)
     events_ingested: int = 0
+    # What the fleet published during the replay, by kind (stored, removed, retained_device,
+    # retained_host, released): protocol events, and the blocks they name (a release: its run's).
+    events_by_kind: dict[str, int] = field(default_factory=dict)
+    blocks_by_kind: dict[str, int] = field(default_factory=dict)
 
 
 class Fleet:
@@ -288,7 +293,7 @@ class Fleet:
         self.prefills = []
         for i in range(config.prefills):
             worker = f"replay-prefill-{i}"
-            mirror = WorkerMirror(32)
+            mirror = WorkerMirror(_HASH_LENGTH)
             client, target = self.replicas[(config.decodes + i) % len(self.replicas)]
             link = DirectoryLink(
                 client, _registration(worker, pb.WORKER_ROLE_PREFILL, bs, kv_bytes_per_block), mirror.snapshot
@@ -305,6 +310,8 @@ class Fleet:
         self._events: list[tuple[float, int, str, _Decode, TraceRequest | _Run | None]] = []
         self._seq = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-lookup")
+        self._events_by_kind: Counter[str] = Counter()
+        self._blocks_by_kind: Counter[str] = Counter()
 
     def _decode(self, worker: str) -> _Decode:
         mirror = self._decode_mirror()
@@ -330,7 +337,7 @@ class Fleet:
         return eviction_policy(cfg.host_eviction, cfg.lease_s - cfg.expiry_margin_s)
 
     def _decode_mirror(self) -> WorkerMirror:
-        return WorkerMirror(32, host_pool=self.config.host_retention_blocks > 0)
+        return WorkerMirror(_HASH_LENGTH, host_pool=self.config.host_retention_blocks > 0)
 
     def _decode_registration(self, worker: str) -> pb.WorkerRegistration:
         registration = _registration(
@@ -371,6 +378,8 @@ class Fleet:
         behind_max, truncated = 0.0, False
         rss_every = max(1, len(requests) // 50)
         events_before = (await self.client.stats()).events_ingested
+        self._events_by_kind.clear()
+        self._blocks_by_kind.clear()
         if self.meter is not None:
             self.meter.start()
         for n, request in enumerate(requests):
@@ -417,6 +426,8 @@ class Fleet:
             decodes=decodes,
             behind_ms_max=behind_max,
             events_ingested=events,
+            events_by_kind=dict(self._events_by_kind),
+            blocks_by_kind=dict(self._blocks_by_kind),
         )
 
     def _schedule(self, t_ms: float, kind: str, decode: _Decode, what: TraceRequest | _Run | None) -> None:
@@ -533,7 +544,8 @@ class Fleet:
                     await self.replicas[next(self._route_turn) % len(self.replicas)][0].route(
                         MODEL,
                         [p.worker_id for p in self.prefills],
-                        block_hashes=r.hashes,
+                        block_hashes=b"".join(r.hashes),  # packed, as the connector's Lookup sends them
+                        hash_length=_HASH_LENGTH,
                         block_size=bs,
                         prompt_tokens=r.input_length,
                     )
@@ -613,26 +625,32 @@ class Fleet:
             return
         cache, new = prefill.cache, []
         # vLLM frees a request's blocks tail first, so the tail is evicted before the head.
-        for h in reversed(hashes):
+        for i in range(len(hashes) - 1, -1, -1):
+            h = hashes[i]
             if h not in cache:
-                new.append(h)
+                new.append(i)
             cache[h] = None
             cache.move_to_end(h)
-        events: list[pb.BlockEvent] = []
         evicted = []
         while len(cache) > capacity:
             evicted.append(cache.popitem(last=False)[0])
         new.reverse()
-        new = [h for h in new if h in cache]
-        if new:
-            event = prefill.mirror.convert_vllm({"type": "BlockStored", "block_hashes": new})
-            if event is not None:
-                events.append(event)
-        if evicted:
-            event = prefill.mirror.convert_vllm({"type": "BlockRemoved", "block_hashes": evicted})
-            if event is not None:
-                events.append(event)
+        # The engine's own events, shaped as vLLM publishes them: each evicted block on its own (its
+        # block pool evicts one block at a time), then one BlockStored per stretch of newly cached
+        # blocks, naming the block before it; the sidecar's mirror converts them.
+        raw: list[dict] = [{"type": "BlockRemoved", "block_hashes": [h]} for h in evicted]
+        kept = [i for i in new if hashes[i] in cache]
+        for start, stop in _stretches(kept):
+            raw.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": hashes[start:stop],
+                    "parent_block_hash": hashes[start - 1] if start else None,
+                }
+            )
+        events = prefill.mirror.convert_batch(raw, ())
         if events:
+            self._count(events)
             prefill.link.publish(events)
 
     # ---- decode retention -----------------------------------------------------------------------
@@ -648,12 +666,15 @@ class Fleet:
         if pool.need(hashes, extra) > pool.capacity:
             decode.not_retained += 1
             return
+        # What the connector announces in this engine step (the runs it gave up to make room, then
+        # the new run) goes in one batch, as the engine's events of one step do.
+        batch: list[pb.BlockEvent] = []
         while pool.used + pool.need(hashes, extra) > pool.capacity and pool.runs:
             _, oldest = pool.runs.popitem(last=False)
             decode.evicted_runs += 1
             self._free(decode, oldest)
             if oldest.servable:
-                self._evict(decode, oldest, t_ms)
+                self._evict(decode, oldest, t_ms, batch)
         servable_for = cfg.lease_s - cfg.expiry_margin_s
         run = _Run(
             f"{decode.worker_id}/r{r.index}",
@@ -666,27 +687,28 @@ class Fleet:
         event = self._announce(decode, run, pool.add(run))
         decode.retained_runs += 1
         if event is not None and servable_for > 0:
-            self._publish(decode, [event])
+            self._publish(decode, [*batch, event])
             for h in dict.fromkeys(hashes):
                 self._held[h] += 1
                 self._gone.pop(h, None)
             self._schedule(run.withdraw_ms, "withdraw", decode, run)
         else:
             run.servable = False
+            if batch:
+                self._publish(decode, batch)
         self._schedule(run.expire_ms, "expire", decode, run)
 
-    def _evict(self, decode: _Decode, run: _Run, t_ms: float) -> None:
+    def _evict(self, decode: _Decode, run: _Run, t_ms: float, batch: list[pb.BlockEvent]) -> None:
         """The device gave up a servable run: it moves to the host pool if the decode has one that
-        can take it before the run's withdrawal, else it is dropped."""
+        can take it before the run's withdrawal, else it is dropped (the changes go in ``batch``)."""
         host = decode.host
         if (
             not host.capacity
             or run.withdraw_ms <= t_ms
             or host.need(run.hashes, run.extra_blocks) > host.capacity
         ):
-            self._unserve(decode, run, "evicted")
+            self._unserve(decode, run, "evicted", batch)
             return
-        batch: list[pb.BlockEvent] = []
         victims = iter(host.policy.victims(t_ms / 1000) if host.policy is not None else list(host.runs))
         while host.used + host.need(run.hashes, run.extra_blocks) > host.capacity and host.runs:
             victim = host.runs[next(victims)]
@@ -715,11 +737,11 @@ class Fleet:
             run.servable = False
             batch.append(self._released(decode, run, "moved"))
             self._schedule(copy.withdraw_ms, "withdraw", decode, copy)
-        self._publish(decode, batch)
         self._schedule(copy.expire_ms, "expire", decode, copy)
 
     def _announce(self, decode: _Decode, run: _Run, block_ids: list[int]) -> pb.BlockEvent | None:
-        """The connector's event for a retained run, converted by the sidecar's mirror."""
+        """The connector's event for a retained run, converted by the sidecar's mirror (as its
+        forwarding does: packed)."""
         return decode.mirror.convert_kvloop(
             KvloopBlocksRetained(
                 block_hashes=run.hashes,
@@ -729,7 +751,8 @@ class Fleet:
                 single_use=False,
                 ts=time.time(),
                 tier=run.tier,
-            )
+            ),
+            packed=True,
         )
 
     def _released(self, decode: _Decode, run: _Run, why: str) -> pb.BlockEvent:
@@ -737,6 +760,7 @@ class Fleet:
             KvloopRetentionReleased(retention_handle=run.handle, reason=why, ts=time.time())
         )
         assert event is not None  # a release always converts
+        self._blocks_by_kind["released"] += len(run.hashes)  # its events are counted when published
         return event
 
     def _unserve(
@@ -762,7 +786,20 @@ class Fleet:
         run.freed = True
         (decode.host if run.tier == "host" else decode.device).remove(run)
 
+    def _count(self, events: list[pb.BlockEvent]) -> None:
+        """What the events name, by kind (the report's block events per request by kind)."""
+        for event in events:
+            kind = event.WhichOneof("event")
+            if kind in ("stored", "removed", "retained"):
+                body = getattr(event, kind)
+                if kind == "retained":
+                    kind = "retained_host" if body.tier == pb.BLOCK_TIER_HOST else "retained_device"
+                blocks = len(body.block_hashes) + len(body.packed_block_hashes) // _HASH_LENGTH
+                self._blocks_by_kind[kind] += blocks
+            self._events_by_kind[kind or "none"] += 1
+
     def _publish(self, decode: _Decode, events: list[pb.BlockEvent]) -> None:
+        self._count(events)
         sent = time.perf_counter()
         sequence = decode.link.publish(events)
 
@@ -773,6 +810,17 @@ class Fleet:
         task = asyncio.get_running_loop().create_task(lag())
         decode.lag_tasks.add(task)
         task.add_done_callback(decode.lag_tasks.discard)
+
+
+def _stretches(positions: list[int]) -> list[tuple[int, int]]:
+    """Ascending positions as [start, stop) stretches of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for i in positions:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 def _unref(counts: dict[bytes, int], hashes: list[bytes]) -> list[bytes]:
@@ -797,7 +845,7 @@ def _registration(worker: str, role: int, block_size: int, kv_bytes_per_block: i
         nixl_endpoint="127.0.0.1:5600",
         block_size=block_size,
         hash_algorithm="sha256_cbor",
-        hash_length=32,
+        hash_length=_HASH_LENGTH,
         kv_bytes_per_block=kv_bytes_per_block,
         kv_dtype="bfloat16",
         parallel=pb.ParallelLayout(tensor_parallel_size=1),

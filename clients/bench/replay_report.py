@@ -253,6 +253,7 @@ def build_report(
         },
         "decodes": result.decodes,
         "over_time": _over_time(result, buckets),
+        "published": _by_kind(result),
     }
     if meter is not None:
         report.update(_cpu(result, meter, store))
@@ -289,6 +290,21 @@ def _cpu(result: FleetResult, meter: CpuMeter, store: str) -> dict[str, Any]:
         cpu["redis_cpu_per_reading_us"] = round(meter.redis.per_reading_s * 1e6, 3)
     out["cpu"] = cpu
     return out
+
+
+def _by_kind(result: FleetResult) -> dict[str, Any]:
+    """The fleet's published events per request by kind, and the blocks they name: what ingest is
+    made of (a release names one run, whose blocks the directory then drops)."""
+    n = len(result.records)
+    if not n:
+        return {}
+    kinds = sorted(set(result.events_by_kind) | set(result.blocks_by_kind))
+    return {
+        "events_per_request_by_kind": {k: round(result.events_by_kind.get(k, 0) / n, 2) for k in kinds},
+        "block_events_per_request_by_kind": {
+            k: round(result.blocks_by_kind.get(k, 0) / n, 1) for k in kinds if k in result.blocks_by_kind
+        },
+    }
 
 
 def _over_time(result: FleetResult, buckets: int) -> list[dict[str, Any]]:
@@ -413,6 +429,16 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
                 + f"; {cpu['block_events_per_request']} block events per request, "
                 f"{figures['ingest_us_per_block_event']} us of ingest each"
             )
+    published = r.get("published") or {}
+    if published:
+        blocks = published["block_events_per_request_by_kind"]
+        console.print(
+            "published per request: "
+            + ", ".join(
+                f"{kind} {n} events" + (f" ({blocks[kind]:,} blocks)" if kind in blocks else "")
+                for kind, n in published["events_per_request_by_kind"].items()
+            )
+        )
     table = Table(title="over time")
     for column in ("t (s)", "requests", "local", "pulled", "recomputed", "Lookup p50 ms", "RSS MiB"):
         table.add_column(column, justify="right")

@@ -48,6 +48,17 @@ def bench_replay(
     chat_gap: Annotated[
         float, typer.Option(min=0, help="--population mixed: median gap between a chat's turns, s")
     ] = 90.0,
+    system_tokens: Annotated[
+        str,
+        typer.Option(
+            help="--synthetic: tokens of each shared system prompt, MIN,MAX (drawn uniformly; "
+            "6000,12000 with --tool-tokens 1000: long prompts, ~13K tokens on average)"
+        ),
+    ] = "800,6000",
+    tool_tokens: Annotated[
+        float, typer.Option(min=1, help="--synthetic: median tokens a tool's output appends per turn")
+    ] = 700.0,
+    turns: Annotated[float, typer.Option(min=1, help="--synthetic: mean turns per session")] = 6.0,
     prefills: Annotated[int, typer.Option(min=1, help="prefill workers")] = 2,
     decodes: Annotated[int, typer.Option(min=1, help="decode workers")] = 4,
     block_size: Annotated[int, typer.Option(min=1, help="vLLM block size (tokens)")] = 16,
@@ -170,6 +181,13 @@ def bench_replay(
     if trace_format not in ("auto", "mooncake", "chat"):
         _fail(f"--format {trace_format!r}: auto, mooncake or chat", code=2)
     try:
+        low, _, high = system_tokens.partition(",")
+        system_range = (int(low), int(high or low))
+        if not 1 <= system_range[0] <= system_range[1]:
+            raise ValueError
+    except ValueError:
+        _fail(f"--system-tokens {system_tokens!r}: MIN,MAX with 1 <= MIN <= MAX", code=2)
+    try:
         grid = rp.parse_sweep(sweep or [])
         cost = (
             CostModel.from_multiturn(multiturn_results).with_host_read(host_read_gbps, kv_bytes_per_token)
@@ -190,6 +208,9 @@ def bench_replay(
                 agent_share=agent_share,
                 agent_gap_s_median=agent_gap,
                 chat_gap_s_median=chat_gap,
+                system_tokens=system_range,
+                tool_tokens_median=tool_tokens,
+                mean_turns=turns,
             )
             path = write_trace
             if path is None:

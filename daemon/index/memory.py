@@ -1,21 +1,16 @@
 """In-memory block directory.
 
-Layout, chosen for lookup speed and memory per entry:
+Layout, chosen for the cost per event and per lookup:
 - blocks are keyed as kvloopd receives them: by their hash's leading 8 bytes (kvloop.common.block_keys;
   the service cuts every hash it is given), as on Redis;
-- per namespace, ``retained`` maps a block key to the id of the retained run holding it (an int),
-  or a list of run ids when several runs hold it (shared prefixes); ``stored`` does the same for
-  prefix-cache blocks, with worker slots instead of run ids;
-- a run keeps its block keys concatenated (one buffer: a lookup's binary search over the run touches
-  one object, not a bytes object per probe) and its physical block ids packed as uint32s (as a Lookup
-  sends them: a holder's ids are one slice), so an entry costs a key, a dict slot and 12 bytes.
-
-Every retained run starts at the first block of its sequence and block hashes are chained, so the
-runs holding block i of a prompt also hold blocks 0..i-1: "some servable run holds block i" is
-monotone in i, and the longest servable prefix is found by binary search (O(log n) dict probes for
-an n-block prompt) instead of a walk over every block. When one run alone holds the prompt's first new
-block (the usual continuation), no other run can hold more, and that run's own hashes are compared
-instead: no dict probes past the first.
+- retained runs are indexed per namespace as a tree of chains (:mod:`.chains`): a run is a path of a
+  few nodes, so announcing or releasing one costs a walk down that path, not a dict operation per
+  block, and a lookup walks the prompt's path and judges only the runs that reach furthest;
+- a run keeps its block keys concatenated (one buffer, which the tree's nodes slice) and its physical
+  block ids packed as uint32s (as a Lookup sends them: a holder's ids are one slice);
+- a worker's prefix-cache blocks are a set of keys per namespace, changed a whole event at a time by
+  the set's own (C) update, and read for Route one worker at a time (its leading blocks of the
+  prompt, a scan in C that stops at the first block it lacks).
 """
 
 from __future__ import annotations
@@ -25,9 +20,10 @@ import itertools
 import struct
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from itertools import takewhile
 
-from kvloop.common.packed_ids import pack_u32
+from kvloop.daemon.index.chains import Chains
 from kvloop.daemon.index.model import (
     BlockTier,
     Change,
@@ -45,6 +41,9 @@ from kvloop.daemon.index.model import (
     Stored,
     WorkerSpec,
     WorkerView,
+    hash_list,
+    packed,
+    packed_block_ids,
 )
 from kvloop.daemon.index.store import Applied, DirectoryError, Fence, IndexConfig, StoreCounts
 
@@ -75,13 +74,9 @@ class _Run:
         self.run_id = run_id
         self.worker = worker
         self.namespace = namespace
-        hashes = event.hashes
-        self.blocks = len(hashes)
-        self.width = len(hashes[0]) if hashes else 0
-        self.keys = b"".join(hashes)
-        if len(self.keys) != self.blocks * self.width:
-            raise ValueError("a retained run's block hashes must all have one length")
-        self.block_ids = pack_u32(event.block_ids)  # packed, as a Lookup sends them (4 bytes an id)
+        self.keys, self.width = packed(event.hashes)
+        self.blocks = len(self.keys) // self.width if self.width else 0
+        self.block_ids = packed_block_ids(event.block_ids)  # 4 bytes an id, as a Lookup sends them
         self.num_groups = event.num_groups
         self.handle = event.handle
         self.deadline = now + event.expires_in_ms / 1000.0
@@ -104,10 +99,6 @@ class _Run:
         length = self.blocks * _ID_BYTES
         return b"".join(ids[g * length : g * length + blocks * _ID_BYTES] for g in range(self.num_groups))
 
-    def hashes(self) -> Iterator[bytes]:
-        keys, w = self.keys, self.width
-        return (keys[i : i + w] for i in range(0, len(keys), w))
-
     def position(self, key: bytes) -> int:
         """The block index of ``key`` in the run (-1: not held)."""
         keys, w = self.keys, self.width
@@ -127,91 +118,23 @@ class _Worker:
         "resyncs",
         "retained_blocks",
         "runs",
-        "slot",
         "spec",
         "state",
         "stored",
     )
 
-    def __init__(self, spec: WorkerSpec, slot: int, now: float):
+    def __init__(self, spec: WorkerSpec, now: float):
         self.spec = spec
-        self.slot = slot
         self.state = LeaseState.ACTIVE
         self.connected = True
         self.last_seen = now
         self.last_sequence = 0
         self.runs: dict[str, _Run] = {}
-        self.stored: dict[Namespace, set[bytes]] = {}
+        self.stored: dict[Namespace, set[bytes]] = {}  # the keys of its prefix-cache blocks
         self.events_ingested = 0
         self.resyncs = 0
         self.retained_blocks = 0
         self.generation = 0  # the highest registration generation its runs were announced under
-
-
-class _NamespaceIndex:
-    __slots__ = ("retained", "stored")
-
-    def __init__(self) -> None:
-        self.retained: dict[bytes, int | list[int]] = {}
-        self.stored: dict[bytes, int | list[int]] = {}
-
-
-def _add(index: dict, key: bytes, value: int) -> bool:
-    current = index.get(key)
-    if current is None:
-        index[key] = value
-        return True
-    if type(current) is list:
-        if value in current:
-            return False
-        current.append(value)
-        return True
-    if current == value:
-        return False
-    index[key] = [current, value]
-    return True
-
-
-def _discard(index: dict, key: bytes, value: int) -> bool:
-    current = index.get(key)
-    if current is None:
-        return False
-    if type(current) is list:
-        try:
-            current.remove(value)
-        except ValueError:
-            return False
-        if len(current) == 1:
-            index[key] = current[0]
-        return True
-    if current == value:
-        del index[key]
-        return True
-    return False
-
-
-def _values(entry: int | list[int]) -> Iterable[int]:
-    return entry if isinstance(entry, list) else (entry,)
-
-
-def _common_prefix(run: _Run, hashes: PackedHashes, known: int, n: int) -> int:
-    """Blocks the run shares with the prompt, given that both hold block ``known``: chained hashes
-    make equality at block i imply it for every block before i, so a binary search finds the end.
-    The prompt is sliced inline: this runs on every continuation's Lookup."""
-    keys, w = run.keys, run.width
-    top = min(run.blocks, n) - 1
-    data, pw = hashes.data, hashes.width  # pw == w within a namespace; each side sliced by its own
-    # keys.startswith(key, offset): one slice a probe, compared in place (~15% of the search)
-    if keys.startswith(data[top * pw : top * pw + pw], top * w):  # the usual continuation
-        return top + 1
-    lo, hi = known, top - 1
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if keys.startswith(data[mid * pw : mid * pw + pw], mid * w):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo + 1
 
 
 class MemoryStore:
@@ -230,10 +153,9 @@ class MemoryStore:
         # model -> a registered worker's spec, for model_spec on every Lookup without a scan of
         # the workers; forgotten whenever a worker registers or is dropped
         self._model_specs: dict[str, WorkerSpec] = {}
-        self._slots: dict[int, _Worker] = {}
-        self._next_slot = itertools.count(1)
         self._next_run = itertools.count(1)
-        self._namespaces: dict[Namespace, _NamespaceIndex] = {}
+        # (namespace, key width) -> its runs' tree; a key of another width never matches one of them
+        self._chains: dict[tuple[Namespace, int], Chains] = {}
         self._runs: dict[int, _Run] = {}  # insertion order = age, for eviction
         self._expiry_heap: list[tuple[float, int]] = []
         self._entries = 0
@@ -287,9 +209,8 @@ class MemoryStore:
             return worker.last_sequence, worker.state == LeaseState.RESYNCING
         if worker is not None:
             self._drop_worker(worker)
-        worker = _Worker(spec, next(self._next_slot), now)
+        worker = _Worker(spec, now)
         self._workers[spec.worker_id] = worker
-        self._slots[worker.slot] = worker
         if last_sequence > 0:
             # The agent has sent events in this epoch that we do not have (daemon restart).
             worker.state = LeaseState.RESYNCING
@@ -410,12 +331,6 @@ class MemoryStore:
             self._evict()
         return Applied(Fence.APPLIED, worker.last_sequence, touched)
 
-    def _index(self, namespace: Namespace) -> _NamespaceIndex:
-        index = self._namespaces.get(namespace)
-        if index is None:
-            index = self._namespaces[namespace] = _NamespaceIndex()
-        return index
-
     def _retain(self, worker: _Worker, event: Retained, now: float) -> int:
         generation = event.registration_generation
         if generation < worker.generation:
@@ -432,38 +347,25 @@ class MemoryStore:
             self._drop_run(previous)
         namespace = Namespace(worker.spec.model, event.lora_name)
         run = _Run(next(self._next_run), worker, namespace, event, now)
-        index = self._index(namespace).retained
-        rid = run.run_id
-        # One probe per hash on the common path (no other holder yet); shared blocks take _add.
-        before = len(index)
-        claim = index.setdefault
-        shared = [h for h in event.hashes if claim(h, rid) is not rid]
-        added = len(index) - before
-        # The run id is new, so it is in no holder list yet: append without _add's membership scan,
-        # which walked the whole list of every shared block (a common system prompt is held by
-        # every live run): ingest grew with the square of the runs sharing a prefix.
-        # dict.fromkeys: a hash the event repeats must not add the run twice.
-        for h in dict.fromkeys(shared) if shared else ():
-            current = index[h]
-            if isinstance(current, list):
-                current.append(rid)
-            else:
-                index[h] = [current, rid]
-            added += 1
-        self._runs[rid] = run
+        if run.blocks:
+            key = (namespace, run.width)
+            chains = self._chains.get(key)
+            if chains is None:
+                chains = self._chains[key] = Chains(run.width)
+            chains.insert(run.run_id, run.keys, run.blocks)
+        self._runs[run.run_id] = run
         worker.runs[event.handle] = run
-        worker.retained_blocks += len(event.hashes)
-        heapq.heappush(self._expiry_heap, (run.deadline, rid))
-        self._entries += added
-        return touched + len(event.hashes)
+        worker.retained_blocks += run.blocks
+        heapq.heappush(self._expiry_heap, (run.deadline, run.run_id))
+        self._entries += run.blocks
+        return touched + run.blocks
 
     def _drop_run(self, run: _Run) -> int:
         if self._runs.pop(run.run_id, None) is None:
             return 0
-        index = self._namespaces[run.namespace].retained
-        rid = run.run_id
-        removed = sum(_discard(index, h, rid) for h in run.hashes())
-        self._entries -= removed
+        if run.blocks:
+            self._chains[run.namespace, run.width].remove(run.run_id, run.keys, run.blocks)
+        self._entries -= run.blocks
         worker = run.worker
         if worker.runs.get(run.handle) is run:
             del worker.runs[run.handle]
@@ -471,39 +373,27 @@ class MemoryStore:
         return run.blocks
 
     def _store(self, worker: _Worker, event: Stored) -> int:
-        namespace = Namespace(worker.spec.model, event.lora_name)
-        index = self._index(namespace).stored
-        mine = worker.stored.setdefault(namespace, set())
-        slot = worker.slot
-        added = 0
-        for h in event.hashes:
-            if h not in mine:
-                mine.add(h)
-                added += _add(index, h, slot)
-        self._entries += added
+        mine = worker.stored.setdefault(Namespace(worker.spec.model, event.lora_name), set())
+        before = len(mine)
+        mine.update(hash_list(event.hashes))
+        self._entries += len(mine) - before
         return len(event.hashes)
 
     def _remove(self, worker: _Worker, event: Removed) -> int:
-        namespace = Namespace(worker.spec.model, event.lora_name)
-        mine = worker.stored.get(namespace)
+        mine = worker.stored.get(Namespace(worker.spec.model, event.lora_name))
         if not mine:
             return 0
-        index = self._namespaces[namespace].stored
-        removed = 0
-        for h in event.hashes:
-            if h in mine:
-                mine.discard(h)
-                removed += _discard(index, h, worker.slot)
+        before = len(mine)
+        mine.difference_update(hash_list(event.hashes))
+        removed = before - len(mine)
         self._entries -= removed
         return removed
 
     def _purge(self, worker: _Worker) -> int:
         touched = sum(self._drop_run(run) for run in list(worker.runs.values()))
-        for namespace, hashes in worker.stored.items():
-            index = self._namespaces[namespace].stored
-            removed = sum(_discard(index, h, worker.slot) for h in hashes)
-            self._entries -= removed
-            touched += removed
+        for hashes in worker.stored.values():
+            self._entries -= len(hashes)
+            touched += len(hashes)
         worker.stored.clear()
         return touched
 
@@ -511,7 +401,6 @@ class MemoryStore:
         self._purge(worker)
         self._workers.pop(worker.spec.worker_id, None)
         self._model_specs.clear()
-        self._slots.pop(worker.slot, None)
 
     def _evict(self) -> None:
         """Drop the oldest retained runs until under the bound (stored blocks go last)."""
@@ -524,10 +413,10 @@ class MemoryStore:
             for worker in list(self._workers.values()):
                 if self._entries <= target:
                     break
-                for namespace, hashes in worker.stored.items():
-                    index = self._namespaces[namespace].stored
+                for hashes in worker.stored.values():
                     while hashes and self._entries > target:
-                        self._entries -= _discard(index, hashes.pop(), worker.slot)
+                        hashes.pop()
+                        self._entries -= 1
                         self.evictions += 1
 
     # ---- queries -----------------------------------------------------------------------------
@@ -559,95 +448,57 @@ class MemoryStore:
 
         A run is servable when its lease outlives ``max(expiry_margin_s, margin_s)``, it is not
         claimed, its worker is live and not the requester, and ``accept`` (the caller's layout
-        check) takes its worker."""
-        ns = self._namespaces.get(namespace)
+        check) takes its worker. Among runs reaching as far, a device run before a host one (its
+        READ is the cheaper), then the longest-lived, then the first announced."""
         if isinstance(hashes, PackedHashes):  # a Lookup's prompt
             prompt = hashes
         elif local_blocks < len(hashes):  # other callers' hashes, packed once here
             prompt = PackedHashes(b"".join(hashes), len(hashes[0]))
         else:
             return PrefixMatch(None, [])
-        n, w = prompt.n, prompt.width
-        data = prompt.data  # sliced inline: no call per probe
-        if ns is None or local_blocks >= n:
+        n = prompt.n
+        chains = self._chains.get((namespace, prompt.width))
+        if chains is None or local_blocks >= n:
             return PrefixMatch(None, [])
-        key = data[local_blocks * w : local_blocks * w + w]
-        index = ns.retained
+        levels = chains.walk(prompt.data, n)
+        if not levels or levels[-1][1] <= local_blocks:
+            return PrefixMatch(None, [])  # no run holds the first block wanted
         runs = self._runs
-        first = index.get(key)
-        if first is None:
-            return PrefixMatch(None, [])
         floor = now + max(self.config.expiry_margin_s, margin_s)
-        if isinstance(first, int):
-            # Runs start at their sequence's first block and hashes chain, so a run holding any later
-            # block of this prompt also holds this one: a single holder here is the only candidate,
-            # and its match is found by comparing its own hashes (no index probes).
-            run = runs[first]
-            rw = run.width
-            if (
-                run.blocks > local_blocks
-                and run.keys[local_blocks * rw : local_blocks * rw + rw] == key
-                and self._servable(run, floor, now, requester)
-                and (accept is None or accept(run.worker.spec))
-            ):
-                best = self._holding(run, _common_prefix(run, prompt, local_blocks, n), now)
-                if claim and run.single_use:
-                    run.claimed_by = requester
-                return PrefixMatch(best, [])
-        verdicts: dict[int, bool] = {}  # probes mostly hit the same few runs: judge each once
-        accepted: dict[str, bool] = {}
+        accepted: dict[str, bool] = {}  # the caller's layout verdict, once per worker
 
         def servable(rid: int) -> bool:
-            verdict = verdicts.get(rid)
+            run = runs[rid]
+            if not self._servable(run, floor, now, requester):
+                return False
+            if accept is None:
+                return True
+            worker_id = run.worker.spec.worker_id
+            verdict = accepted.get(worker_id)
             if verdict is None:
-                run = runs[rid]
-                verdict = self._servable(run, floor, now, requester)
-                if verdict and accept is not None:
-                    worker_id = run.worker.spec.worker_id
-                    if worker_id not in accepted:
-                        accepted[worker_id] = accept(run.worker.spec)
-                    verdict = accepted[worker_id]
-                verdicts[rid] = verdict
+                verdict = accepted[worker_id] = accept(run.worker.spec)
             return verdict
 
-        def any_servable(position: int) -> bool:
-            entry = index.get(data[position * w : position * w + w])
-            if entry is None:
-                return False
-            if isinstance(entry, int):
-                return servable(entry)
-            return any(map(servable, entry))
-
-        if not any_servable(local_blocks):
-            held = [runs[r] for r in _values(first)]
-            return PrefixMatch(None, [], self._why_unservable(held, floor, now, requester, accepted))
-        lo, hi = local_blocks, n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if any_servable(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        matched = lo + 1
-        last = data[lo * w : lo * w + w]
-        candidates = [
-            run
-            for rid in _values(index[last])
-            if servable(rid)
-            and (run := runs[rid]).blocks >= matched
-            and run.keys[lo * run.width : matched * run.width] == last
-        ]
-        if not candidates:
-            return PrefixMatch(None, [])
-        # At equal reach a device run before a host one (its READ is the cheaper), then the longest-lived.
-        candidates.sort(key=lambda r: (r.tier != BlockTier.DEVICE, -r.deadline))
-        best = candidates[0]
-        if claim and best.single_use:
-            best.claimed_by = requester
-        return PrefixMatch(
-            self._holding(best, matched, now),
-            [self._holding(r, matched, now) for r in candidates[1:8]],
-        )
+        # From the deepest node up: the runs through a node that no deeper node holds reach exactly
+        # as far as the prompt agrees with that node (each run is judged once).
+        deeper: dict[int, None] = {}
+        for node, reach in reversed(levels):
+            if reach <= local_blocks:
+                break
+            found = [runs[rid] for rid in node.runs if rid not in deeper and servable(rid)]
+            if found:
+                if len(found) > 1:
+                    found.sort(key=lambda r: (r.tier != BlockTier.DEVICE, -r.deadline))
+                best = found[0]
+                if claim and best.single_use:
+                    best.claimed_by = requester
+                return PrefixMatch(
+                    self._holding(best, reach, now), [self._holding(r, reach, now) for r in found[1:8]]
+                )
+            deeper = node.runs
+        # None servable: why, from the runs holding the first block wanted (the last node judged).
+        held = [runs[rid] for rid in deeper]
+        return PrefixMatch(None, [], self._why_unservable(held, floor, now, requester, accepted))
 
     def _why_unservable(
         self, held: list[_Run], floor: float, now: float, requester: str, accepted: dict[str, bool]
@@ -666,42 +517,24 @@ class MemoryStore:
     async def stored_prefixes(
         self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
     ) -> dict[str, int]:
-        """Leading prompt blocks each worker holds in its prefix cache: one walk over the prompt for
-        all of them, ending when none holds the next block (a block evicted mid-prefix ends a run,
-        as it ends vLLM's own prefix hit)."""
+        """Leading prompt blocks each worker holds in its prefix cache, counted until the first block
+        it lacks (a block evicted mid-prefix ends a run, as it ends vLLM's own prefix hit): per
+        worker one scan in C over the prompt's keys, which stops there."""
         out = dict.fromkeys(workers, 0)
-        ns = self._namespaces.get(namespace)
-        slots = {
-            w.slot: w.spec.worker_id
-            for name in workers
-            if (w := self._workers.get(name)) is not None and self._serving(w, now)
-        }
-        if ns is None or not slots:
+        if not hashes:
             return out
-        index = ns.stored
-        alive = set(slots)
-        # Per block only the probe and a membership test: a worker's count is written once, where its
-        # run of held blocks ends (most prompts are hundreds of blocks, held by one or two workers).
-        for position, h in enumerate(hashes):
-            entry = index.get(h)
-            if entry is None:
-                dropped = alive
-            elif isinstance(entry, int):
-                if entry in alive and len(alive) == 1:
-                    continue
-                dropped = alive - {entry}
-            else:
-                dropped = alive.difference(entry)
-                if not dropped:
-                    continue
-            for slot in dropped:
-                out[slots[slot]] = position
-            alive = alive - dropped
-            if not alive:
-                break
-        else:
-            for slot in alive:
-                out[slots[slot]] = len(hashes)
+        first = hashes[0]
+        keys: list[bytes] | None = None  # cut once, for the first worker holding block 0
+        for name in workers:
+            worker = self._workers.get(name)
+            if worker is None or not self._serving(worker, now):
+                continue
+            mine = worker.stored.get(namespace)
+            if not mine or first not in mine:
+                continue
+            if keys is None:
+                keys = hash_list(hashes)
+            out[name] = len(list(takewhile(mine.__contains__, keys)))
         return out
 
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
@@ -730,12 +563,10 @@ class MemoryStore:
         return holding
 
     async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
-        ns = self._namespaces.get(namespace)
-        if ns is None:
-            return []
         floor = now + self.config.expiry_margin_s
         found = []
-        for rid in _values(ns.retained.get(block_hash, [])):
+        chains = self._chains.get((namespace, len(block_hash)))
+        for rid in chains.holding(block_hash) if chains is not None else ():
             run = self._runs[rid]
             position = run.position(block_hash)
             length = run.blocks
@@ -754,9 +585,9 @@ class MemoryStore:
                     tier=run.tier,
                 )
             )
-        for slot in _values(ns.stored.get(block_hash, [])):
-            worker = self._slots[slot]
-            found.append(Location(worker.spec.worker_id, "stored", -1, [], "", 0, False, 0))
+        for worker in self._workers.values():
+            if block_hash in worker.stored.get(namespace, ()):
+                found.append(Location(worker.spec.worker_id, "stored", -1, [], "", 0, False, 0))
         return found
 
     async def workers(self, now: float, model: str = "") -> list[WorkerView]:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 import msgspec
+import numpy as np
 
-from kvloop.common.packed_ids import unpack_u32
+from kvloop.common.packed_ids import pack_u32, unpack_u32
 
 
 class LeaseState(IntEnum):
@@ -30,9 +31,10 @@ class BlockTier(IntEnum):
 
 
 class PackedHashes(Sequence[bytes]):
-    """A view of concatenated fixed-length hashes (a Lookup's ``packed_block_hashes``): the in-memory
-    index slices only the hashes its search probes; a store that ships the whole prompt elsewhere
-    takes :attr:`data` at once (a per-item walk through ``__getitem__`` costs per block)."""
+    """A view of concatenated fixed-length hashes (a Lookup's prompt, an event's blocks): the
+    in-memory index slices only the hashes its search probes, or takes them all at once
+    (:meth:`keys`); a store that ships them elsewhere takes :attr:`data` whole (a per-item walk
+    through ``__getitem__`` costs per block)."""
 
     __slots__ = ("data", "n", "width")
 
@@ -45,6 +47,12 @@ class PackedHashes(Sequence[bytes]):
         return self.n
 
     def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.n)
+            w = self.width
+            if step == 1:
+                return PackedHashes(self.data[start * w : max(start, stop) * w], w)
+            return [self[j] for j in range(start, stop, step)]
         if i < 0:
             i += self.n
         if not 0 <= i < self.n:
@@ -53,8 +61,38 @@ class PackedHashes(Sequence[bytes]):
         return self.data[i * w : (i + 1) * w]
 
     def __iter__(self) -> Iterator[bytes]:
-        data, w = self.data, self.width
-        return (data[i : i + w] for i in range(0, len(data), w))
+        return iter(self.keys())
+
+    def keys(self) -> list[bytes]:
+        """Every hash as its own bytes object, cut in one pass in C (numpy's view of the buffer as
+        fixed-width records: no Python work per block)."""
+        if not self.n:
+            return []
+        return np.frombuffer(self.data, np.dtype((np.void, self.width))).tolist()
+
+
+def hash_list(hashes: Sequence[bytes]) -> list[bytes]:
+    """Hashes as a list, cut at once when they come packed."""
+    if isinstance(hashes, PackedHashes):
+        return hashes.keys()
+    return hashes if isinstance(hashes, list) else list(hashes)
+
+
+def packed(hashes: Sequence[bytes]) -> tuple[bytes, int]:
+    """Hashes concatenated, and their width (0 when there are none); ValueError when their widths differ."""
+    if isinstance(hashes, PackedHashes):
+        return hashes.data, hashes.width
+    if not hashes:
+        return b"", 0
+    data, width = b"".join(hashes), len(hashes[0])
+    if len(data) != len(hashes) * width:
+        raise ValueError("block hashes of one event must all have one length")
+    return data, width
+
+
+def packed_block_ids(ids: Sequence[int] | bytes) -> bytes:
+    """Block ids as little-endian uint32s (kvloop.common.packed_ids), however an event carries them."""
+    return bytes(ids) if isinstance(ids, (bytes, bytearray)) else pack_u32(ids)
 
 
 class Namespace(msgspec.Struct, frozen=True, gc=False):
@@ -93,9 +131,10 @@ class WorkerSpec:
     agent_version: str = ""  # the kvloop release of the agent that registered it; empty: older agent
 
 
+# An event's hashes: a list, or (as kvloopd builds them from a batch) one PackedHashes.
 @dataclass(slots=True)
 class Stored:
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     lora_name: str = ""
     tier: int = 0
     # The key of the chain's first block (a sharded store places the blocks by it): hashes[0]'s own
@@ -105,8 +144,9 @@ class Stored:
 
 @dataclass(slots=True)
 class Retained:
-    hashes: list[bytes]
-    block_ids: list[int]
+    hashes: Sequence[bytes]
+    # group-major; as ints, or packed (little-endian uint32s, kvloop.common.packed_ids)
+    block_ids: Sequence[int] | bytes
     num_groups: int
     handle: str
     expires_in_ms: int
@@ -122,9 +162,9 @@ class Retained:
 
 @dataclass(slots=True)
 class Removed:
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     lora_name: str = ""
-    roots: list[bytes] | None = None  # each hash's root key (as Stored.root); None: not known
+    roots: Sequence[bytes] | None = None  # each hash's root key (as Stored.root); None: not known
 
 
 @dataclass(slots=True)

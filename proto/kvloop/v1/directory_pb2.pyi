@@ -176,21 +176,23 @@ class WorkerRegistration(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algorithm: _Optional[str] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., hash_length: _Optional[int] = ..., http_endpoint: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., last_sequence: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., hash_seed: _Optional[str] = ..., host_engine_id: _Optional[str] = ..., host_nixl_endpoint: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier", "root_block_hash")
+    __slots__ = ("block_hashes", "parent_block_hash", "lora_name", "tier", "root_block_hash", "packed_block_hashes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     ROOT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     lora_name: str
     tier: BlockTier
     root_block_hash: bytes
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., root_block_hash: _Optional[bytes] = ...) -> None: ...
+    packed_block_hashes: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., root_block_hash: _Optional[bytes] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class BlocksRetained(_message.Message):
-    __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids", "registration_generation")
+    __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids", "registration_generation", "packed_block_hashes", "packed_block_ids")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,8 @@ class BlocksRetained(_message.Message):
     TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TAIL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_groups: int
@@ -213,17 +217,23 @@ class BlocksRetained(_message.Message):
     tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tail_block_ids: _containers.RepeatedScalarFieldContainer[int]
     registration_generation: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., registration_generation: _Optional[int] = ...) -> None: ...
+    packed_block_hashes: bytes
+    packed_block_ids: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., registration_generation: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes", "lora_name", "root_block_hashes")
+    __slots__ = ("block_hashes", "lora_name", "root_block_hashes", "packed_block_hashes", "packed_root_block_hashes")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     ROOT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_ROOT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lora_name: str
     root_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., lora_name: _Optional[str] = ..., root_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_block_hashes: bytes
+    packed_root_block_hashes: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., lora_name: _Optional[str] = ..., root_block_hashes: _Optional[_Iterable[bytes]] = ..., packed_block_hashes: _Optional[bytes] = ..., packed_root_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class RetentionReleased(_message.Message):
     __slots__ = ("retention_handle",)
@@ -324,16 +334,18 @@ class ConnectRequest(_message.Message):
     def __init__(self, register: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., batch: _Optional[_Union[EventBatch, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., snapshot_begin: _Optional[_Union[SnapshotBegin, _Mapping]] = ..., snapshot_end: _Optional[_Union[SnapshotEnd, _Mapping]] = ...) -> None: ...
 
 class RegisterAck(_message.Message):
-    __slots__ = ("last_applied_sequence", "resync_required", "heartbeat_interval_ms", "lease_ms")
+    __slots__ = ("last_applied_sequence", "resync_required", "heartbeat_interval_ms", "lease_ms", "packed_events")
     LAST_APPLIED_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     RESYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_EVENTS_FIELD_NUMBER: _ClassVar[int]
     last_applied_sequence: int
     resync_required: bool
     heartbeat_interval_ms: int
     lease_ms: int
-    def __init__(self, last_applied_sequence: _Optional[int] = ..., resync_required: _Optional[bool] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    packed_events: bool
+    def __init__(self, last_applied_sequence: _Optional[int] = ..., resync_required: _Optional[bool] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ..., packed_events: _Optional[bool] = ...) -> None: ...
 
 class BatchAck(_message.Message):
     __slots__ = ("sequence",)
