@@ -50,6 +50,7 @@ from kvloop.agents.connector.host_eviction import LRU, eviction_policy
 from kvloop.agents.connector.host_pool import HOST_SUFFIX, WINDOW_SUFFIX
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
+from kvloop.common.tokens import agreeing_prefix_length
 
 NULL_BLOCK = 0
 # Start releasing copies (the eviction policy's first) when fewer than this share of the pool's
@@ -354,7 +355,7 @@ class HostTier:
         for handle, old in self._copies.items():
             if handle == newer or old.state != "announced":
                 continue
-            shared = _common_prefix(copy.hashes, old.hashes)
+            shared = agreeing_prefix_length(copy.hashes, old.hashes)
             if shared:
                 self._take_over(copy, old, shared)
             if shared == len(old.hashes):
@@ -426,16 +427,6 @@ class HostTier:
             self._confirmer.submit(GivenUp(handle, copy.hashes[0], copy.event.lora_name or ""))
         else:
             copy.free_at = copy.deadline + self.read_margin_s
-
-
-def _common_prefix(a: tuple[bytes, ...], b: tuple[bytes, ...]) -> int:
-    """How many leading block hashes two runs share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _with_ts(event: KvloopBlocksRetained) -> KvloopBlocksRetained:

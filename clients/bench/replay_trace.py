@@ -27,6 +27,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvloop.common.tokens import agreeing_prefix_length
+
 MOONCAKE_BLOCK_SIZE = 512
 
 
@@ -297,18 +299,9 @@ def link_sessions(requests: list[TraceRequest], block_size: int) -> None:
         last[r.session] = r
         if prev is None:
             continue
-        common = _common_prefix(prev.hashes, r.hashes)
+        common = agreeing_prefix_length(prev.hashes, r.hashes)
         if common >= prev.certain_blocks:
             prev.held = (prev.hashes[:common] + r.hashes[common:])[: prev.held_tokens // block_size]
-
-
-def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def read_trace(
