@@ -33,7 +33,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -176,7 +176,9 @@ class _Agent:
         self.reference = Reference()
         self.handles = 0
         self.next_block = 0
-        self.pending: str | None = None  # a fault the schedule asked for: "restart", "gap", "clear"
+        # Faults the schedule asked for ("restart", "gap", "clear"), applied in order: none is dropped,
+        # and the run ends only once every one asked for has been applied.
+        self.pending: deque[str] = deque()
         self.probing = False
         self.counts: Counter[str] = Counter()
         self.epochs = 0
@@ -283,10 +285,7 @@ class _Agent:
 
     async def step(self) -> int:
         """Publish one batch (or apply one scheduled fault); returns the events sent."""
-        fault, self.pending = self.pending, None
-        if fault and self._probe_held():
-            self.pending = fault
-            fault = None
+        fault = self.pending.popleft() if self.pending and not self._probe_held() else None
         if fault == "restart":
             await self.restart()
             return 0
@@ -347,7 +346,7 @@ async def _fleet(config: SoakConfig, index: int, target: str, conn: Any, probes:
 
     async def agent_loop(agent: _Agent) -> None:
         nonlocal sent
-        while not stop.is_set():
+        while not stop.is_set() or agent.pending:
             events = await agent.step()
             sent += events
             if event_budget is not None and sent >= event_budget:
@@ -365,7 +364,7 @@ async def _fleet(config: SoakConfig, index: int, target: str, conn: Any, probes:
             if kind == "probe":
                 agent.probing = True
             else:
-                agent.pending = kind
+                agent.pending.append(kind)
             await asyncio.sleep(period)
 
     async def report() -> None:
