@@ -4,7 +4,8 @@ vLLM (``vllm.v1.core.kv_cache_utils.hash_block_tokens``) chains one hash per ful
 ``H((parent, tuple(block_tokens), extra_keys))``, with ``H(seed)`` standing in for the first
 block's parent, ``seed`` being PYTHONHASHSEED or, for the sha256 algorithms, ``"vllm-none-hash"``.
 ``cache_salt`` enters the first block's extra keys only. A LoRA adds its name and adapter path to every
-block's extra keys, and multimodal inputs their own hashes: neither is reproduced here.
+block's extra keys (``lora``: given both, they are); multimodal inputs add their own hashes, which are
+not reproduced here.
 ``tests/test_route.py`` checks the result against vLLM's own function.
 """
 
@@ -57,14 +58,18 @@ def block_hashes(
     algorithm: str,
     seed: str = DEFAULT_SEED,
     cache_salt: str = "",
+    lora: tuple[str, str] | None = None,
 ) -> list[bytes]:
-    """The chained hashes of the full blocks of ``token_ids``, as a vLLM engine computes them."""
+    """The chained hashes of the full blocks of ``token_ids``, as a vLLM engine computes them;
+    ``lora`` is the adapter's (name, path) as the engine was given them, for a LoRA request."""
     hash_fn = _hash_fn(algorithm, block_size)
     parent = hash_fn(seed)
     out = []
     tokens = list(token_ids)
+    lora_keys: tuple[tuple[str, ...], ...] = (("lora", *lora),) if lora else ()
     for i in range(len(tokens) // block_size):
-        extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
+        keys = lora_keys + ((("cache_salt", cache_salt),) if i == 0 and cache_salt else ())
+        extra = keys or None
         parent = hash_fn((parent, tuple(tokens[i * block_size : (i + 1) * block_size]), extra))
         out.append(parent)
     return out

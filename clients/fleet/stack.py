@@ -5,11 +5,13 @@ the end-to-end tests."""
 from __future__ import annotations
 
 import functools
+import json
 import operator
 import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from pathlib import Path
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.directory_client import DaemonUnavailable, DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port, free_port_pair
+from kvloop.common.block_hash import block_hashes
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
 from kvloop.v1 import directory_pb2 as pb
@@ -464,6 +467,48 @@ class Stack:
                         return True
                 except DaemonUnavailable:  # --ha: a replica or the Redis primary is failing over
                     pass
+                time.sleep(0.02)  # polling the directory
+        return False
+
+    def wait_turn_retained(
+        self, messages: list[dict], model: str = "", cache_salt: str = "", timeout_s: float = 60.0
+    ) -> bool:
+        """Wait until a decode's retained run holds the last full block of the chat prompt ``messages``
+        (a turn that sent them ended; its retention travels engine -> ZMQ -> sidecar -> kvloopd). Exact
+        where a count of runs is not: other runs come and go meanwhile. ``model`` may name a LoRA
+        adapter of the stack's; the prompt is rendered by a decode's ``/tokenize``."""
+        model = model or self.config.served_model_name
+        adapter = self.config.lora_modules.get(model)
+        request = json.dumps({"model": model, "messages": messages}).encode()
+        with urllib.request.urlopen(
+            urllib.request.Request(
+                f"{self.decodes[0].config.url}/tokenize", request, {"Content-Type": "application/json"}
+            ),
+            timeout=30,
+        ) as answer:
+            tokens = json.loads(answer.read())["tokens"]
+        base = self.config.served_model_name
+        with DirectoryClient(self.daemon_address, timeout=5) as client:
+            spec = client.list_workers(base)[0].registration
+            hashes = block_hashes(
+                tokens,
+                spec.block_size,
+                spec.hash_algorithm,
+                spec.hash_seed,
+                cache_salt,
+                lora=(model, str(adapter)) if adapter is not None else None,
+            )
+            if not hashes:
+                raise ValueError(f"a prompt of {len(tokens)} tokens has no full block of {spec.block_size}")
+            lora_name = model if adapter is not None else ""
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    found = client.find_block(base, hashes[-1], lora_name=lora_name)
+                except DaemonUnavailable:  # --ha: a replica or the Redis primary is failing over
+                    found = []
+                if any(loc.kind == "retained" for loc in found):
+                    return True
                 time.sleep(0.02)  # polling the directory
         return False
 

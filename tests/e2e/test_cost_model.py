@@ -14,14 +14,15 @@ def test_transfer_estimates_come_from_nixl_timed_reads(served_stack):
     conversation = AgentConversation(seed=43, system_words=500, tool_words=250)
     with DirectoryClient(served_stack.daemon_address) as directory:
         for turn in range(1, 5):
-            retained = directory.stats().retained_runs
             result = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, turn)
             conversation.record(result.answer)
             if turn > 1:
                 assert result.path == "transfer", (
                     f"turn {turn}: {result.path}/{result.reason} ({result.detail})"
                 )
-            assert served_stack.wait_retained(retained + 1), "the decode's retained run never reached kvloopd"
+            assert served_stack.wait_turn_retained(conversation.messages[:-2]), (
+                "the decode's retained run never reached kvloopd"
+            )
 
         def measured_pairs():
             pairs = [p for p in directory.pairs(MODEL).pairs if p.puller_worker_id == "prefill-0"]

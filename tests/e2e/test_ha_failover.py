@@ -57,15 +57,11 @@ class Turns:
 
     def next(self) -> dict:
         """The next turn; its answer joins the conversation and its retained run reaches kvloopd."""
-        retained = self.retained()
+        prompt = list(self.conversation.messages)
         result = self.ask()
         self.conversation.record(result["answer"])
-        assert self.stack.wait_retained(retained + 1, timeout_s=20), "the retained run never reached kvloopd"
+        assert self.stack.wait_turn_retained(prompt), "the retained run never reached kvloopd"
         return result
-
-    def retained(self) -> int:
-        with DirectoryClient(self.stack.daemon_address, timeout=5) as directory:
-            return directory.stats().retained_runs
 
     def check_against_recompute(self, pulled: dict) -> None:
         """The same tokens under another cache_salt match nothing: a full recompute to compare with."""

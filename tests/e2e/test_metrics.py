@@ -10,7 +10,6 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.directory_client import DirectoryClient
 
 MODEL = "kvloop-tiny"
 
@@ -40,12 +39,12 @@ def test_connector_metrics_on_served_metrics_after_a_transfer(served_stack):
         tuple(sorted(engine.items())),
     ) in before, sorted(n for n, _ in before if n.startswith("kvloop"))
 
-    with DirectoryClient(served_stack.daemon_address) as directory:
-        retained = directory.stats().retained_runs
     conversation = AgentConversation(seed=41, system_words=500, tool_words=250)
     first = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, 1)
     conversation.record(first.answer)
-    assert served_stack.wait_retained(retained + 1), "the decode's retained run never reached kvloopd"
+    assert served_stack.wait_turn_retained(conversation.messages[:-2]), (
+        "the decode's retained run never reached kvloopd"
+    )
     second = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, 2)
     assert second.path == "transfer", f"{second.path}/{second.reason} ({second.detail})"
 

@@ -13,7 +13,6 @@ import urllib.request
 import yaml
 
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.directory_client import DirectoryClient
 from kvloop.common.addresses import free_port
 from kvloop.common.processes import supervisor
 from tests.prometheus_rules import ALERTS, alert_signal, alerts, dashboard_queries
@@ -38,12 +37,12 @@ def test_prometheus_scrapes_the_stack_and_every_query_has_a_series(served_stack,
     assert prometheus, "prometheus is missing: apt-get install prometheus (.ci/run does)"
 
     # traffic first: a conversation whose second turn pulls, so every family has its series
-    with DirectoryClient(served_stack.daemon_address) as directory:
-        retained = directory.stats().retained_runs
     conversation = AgentConversation(seed=53, system_words=400, tool_words=200)
     first = chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, 1)
     conversation.record(first.answer)
-    assert served_stack.wait_retained(retained + 1), "the decode's retained run never reached kvloopd"
+    assert served_stack.wait_turn_retained(conversation.messages[:-2]), (
+        "the decode's retained run never reached kvloopd"
+    )
     chat_turn(served_stack.proxy_url, MODEL, conversation.messages, 8, 2)
 
     engines = served_stack.engines

@@ -53,8 +53,6 @@ def test_chat_without_and_with_streaming(served_stack):
 
 def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
     by_worker = {e.config.worker_id: e.config.url for e in served_stack.decodes}
-    with DirectoryClient(served_stack.daemon_address) as directory:
-        retained = directory.stats().retained_runs
     for seed in (21, 22):  # two conversations: round-robin alone would split their turns across decoders
         conversation = AgentConversation(seed=seed, system_words=500, tool_words=250)
         results = []
@@ -63,8 +61,9 @@ def test_continuation_turns_transfer_and_go_to_the_holder(served_stack):
             conversation.record(result.answer)
             results.append(result)
             # as while an agent's tool runs: the finished turn's retention reaches the directory
-            retained += 1
-            assert served_stack.wait_retained(retained), "the decode's retained run never reached kvloopd"
+            assert served_stack.wait_turn_retained(conversation.messages[:-2]), (
+                "the decode's retained run never reached kvloopd"
+            )
         assert results[0].path in ("miss", "recompute")
         for r in results[1:]:
             assert r.path == "transfer", f"turn {r.turn}: {r.path}/{r.reason} ({r.detail})"
@@ -114,8 +113,6 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     trace_id = secrets.token_hex(16)
     traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
     conversation = AgentConversation(seed=31, system_words=400, tool_words=200)
-    with DirectoryClient(served_stack.daemon_address) as directory:
-        retained = directory.stats().retained_runs
     with post(
         f"{served_stack.proxy_url}/v1/chat/completions",
         {"model": MODEL, "messages": conversation.messages, "max_tokens": 4},
@@ -123,7 +120,9 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
     ) as r:
         conversation.record(json.loads(r.read())["choices"][0]["message"]["content"])
     # the next turn can pull only once the decode's retention of this one has reached the directory
-    assert served_stack.wait_retained(retained + 1), "the decode's retained run never reached kvloopd"
+    assert served_stack.wait_turn_retained(conversation.messages[:-2]), (
+        "the decode's retained run never reached kvloopd"
+    )
     trace_id2 = secrets.token_hex(16)
     with post(
         f"{served_stack.proxy_url}/v1/chat/completions",

@@ -151,15 +151,14 @@ def test_the_routing_benchs_prefix_arm_is_a_proxy_that_takes_the_own_prefix_and_
         served_stack, served_stack.daemon_address, tmp_path, *ROUTING_PROXY_OPTIONS[arm]
     ) as proxy:
         client = ProxiedArmClient(arm, proxy)
-        with DirectoryClient(served_stack.daemon_address) as directory:
-            retained_before = directory.stats().retained_runs
+        prompt = list(session.messages)
         first = client.turn(session, 16)
         session.messages += [
             {"role": "assistant", "content": first.answer},
             {"role": "user", "content": "Tool output: " + random_text(200, 44)},
         ]
         # decode-0 holds the first turn's run: a pull could serve the second turn's history
-        assert served_stack.wait_retained(retained_before + 1, timeout_s=20)
+        assert served_stack.wait_turn_retained(prompt, cache_salt=client.salt)
         second = client.turn(session, 16)
     for turn in (first, second):
         assert (turn.route, turn.prefill_worker, turn.path) == ("prefix", warm, "local"), turn

@@ -5,15 +5,12 @@ its tokens are identical."""
 from __future__ import annotations
 
 from kvloop.clients.demo.conversation import AgentConversation, chat_turn
-from kvloop.clients.directory_client import DirectoryClient
 from tests.e2e.conftest import LORAS
 
 MODEL = "kvloop-tiny"
 
 
 def test_a_tenant_never_pulls_another_tenants_kv(served_stack):
-    with DirectoryClient(served_stack.daemon_address) as directory:
-        retained = directory.stats().retained_runs
     conversation = AgentConversation(seed=41, system_words=400, tool_words=200)
     # a first block of its own: the unsalted turn below may rightly pull the unsalted KV of other
     # tests' conversations (seed 41 opens test_metrics' too), and must find none of tenant a's
@@ -23,7 +20,9 @@ def test_a_tenant_never_pulls_another_tenants_kv(served_stack):
     )
     assert first.path in ("miss", "recompute"), first
     conversation.record(first.answer)
-    assert served_stack.wait_retained(retained + 1), "tenant a's retained run never reached kvloopd"
+    assert served_stack.wait_turn_retained(conversation.messages[:-2], cache_salt="tenant-a"), (
+        "tenant a's retained run never reached kvloopd"
+    )
 
     # tenant b sends exactly tenant a's next prompt: nothing of a's may be pulled for it
     other = chat_turn(
@@ -49,8 +48,6 @@ def test_a_lora_adapter_never_pulls_another_adapters_or_the_base_models_kv(serve
     """Two tenants' LoRA adapters of one base model: the same tokens through another adapter (or the
     base model) compute other KV, so nothing one left on a decode may be pulled for another."""
     lora_a, lora_b = LORAS
-    with DirectoryClient(served_stack.daemon_address) as directory:
-        retained = directory.stats().retained_runs
     conversation = AgentConversation(seed=43, system_words=400, tool_words=200)
     # a first block of its own: every AgentConversation opens with the same words, whose base-model
     # KV other tests leave on the decodes (and the base model may rightly pull)
@@ -58,7 +55,9 @@ def test_a_lora_adapter_never_pulls_another_adapters_or_the_base_models_kv(serve
     first = chat_turn(served_stack.proxy_url, lora_a, conversation.messages, 8, 1)
     assert first.path in ("miss", "recompute"), first
     conversation.record(first.answer)
-    assert served_stack.wait_retained(retained + 1), "adapter a's retained run never reached kvloopd"
+    assert served_stack.wait_turn_retained(conversation.messages[:-2], lora_a), (
+        "adapter a's retained run never reached kvloopd"
+    )
 
     for model in (lora_b, MODEL):
         other = chat_turn(served_stack.proxy_url, model, conversation.messages, 8, 2)

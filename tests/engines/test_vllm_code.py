@@ -35,6 +35,40 @@ def test_block_hashes_equal_vllms_own():
         assert block_hash.block_hashes(tokens, bs, name, cache_salt="s") == expected
 
 
+def test_block_hashes_of_a_lora_request_equal_vllms_own():
+    """vLLM's own request block hasher, on a salted LoRA request: the adapter's name and path enter
+    every block."""
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    bs = 16
+    tokens = list(range(100, 100 + 3 * bs + 5))
+    kv_cache_utils.init_none_hash(sha256_cbor)
+    request = Request(
+        "r",
+        tokens,
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=LoRARequest("tenant", 1, "/adapters/tenant"),
+        cache_salt="s",
+        block_hasher=kv_cache_utils.get_request_block_hasher(bs, sha256_cbor),
+    )
+    expected = [bytes(h) for h in request.block_hashes]
+    assert len(expected) == 3
+    ours = block_hash.block_hashes(
+        tokens, bs, "sha256_cbor", cache_salt="s", lora=("tenant", "/adapters/tenant")
+    )
+    assert ours == expected
+    # another adapter path under the same name is other KV
+    assert (
+        block_hash.block_hashes(tokens, bs, "sha256_cbor", cache_salt="s", lora=("tenant", "/b"))[0]
+        != ours[0]
+    )
+
+
 def test_reasoning_workload_drops_earlier_thinking_from_the_next_prompt():
     import jinja2
 
