@@ -1,4 +1,4 @@
-"""Fuzzing kvloopd through its public RPCs (issue 12 items 3 and 5), and the regression tests of what
+"""Fuzzing kvloopd through its public RPCs, and the regression tests of what
 the fuzzer found. Every daemon here is a real kvloopd process."""
 
 from __future__ import annotations

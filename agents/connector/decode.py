@@ -382,11 +382,11 @@ class DecodeSide:
         )
         return withdrawn
 
-    def withdraw_kv_cache_runs(self) -> int:
+    def cache_reset(self) -> None:
         """vLLM resets the connector's cache (before a sleep discards the KV cache, or when asked to
         forget cached KV): every run announced from the KV cache leaves the directory now, before its
-        memory goes. Host copies are the pool's, not the KV cache's: the host tier decides about
-        them. Returns how many runs were withdrawn."""
+        memory goes. Host copies are the pool's, not the KV cache's: it keeps them or releases them
+        too, as ``kvloop_host_on_reset`` says."""
         withdrawn = self._withdraw(lambda run: True, "reset")
         self._overflow.clear()
         tm.log.warning(
@@ -394,12 +394,6 @@ class DecodeSide:
             withdrawn=withdrawn,
             detail="vLLM reset the KV cache: runs retained in it are withdrawn",
         )
-        return withdrawn
-
-    def cache_reset(self) -> None:
-        """vLLM resets the connector's cache: KV-cache runs leave the directory; the host pool keeps
-        its copies or releases them too, as ``kvloop_host_on_reset`` says."""
-        self.withdraw_kv_cache_runs()
         if self._host is not None and self.cfg.host_on_reset == "drop":
             released = self._host.reset()
             tm.log.warning("kvloop.host_pool_reset", released=released)

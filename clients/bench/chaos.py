@@ -148,6 +148,10 @@ def schedule(config: ChaosConfig) -> list[str]:
     return order
 
 
+# The proxy's x-kvloop-<name> headers a turn's record keeps (each a field of Turn).
+PATH_HEADERS = ("path", "reason", "decode", "holder", "tier", "prefill")
+
+
 def checked_request(model: str, messages: list[dict], max_tokens: int) -> dict:
     """A greedy streamed chat request whose answer can be checked against a reference: token ids
     (not text, which two token sequences can share) and each token's logprob."""
@@ -177,14 +181,7 @@ def stream_chat(proxy_url: str, request: dict, timeout_s: float) -> dict:
     try:
         with urllib.request.urlopen(http, timeout=timeout_s) as response:
             headers = response.headers
-            out.update(
-                path=headers.get("x-kvloop-path", ""),
-                reason=headers.get("x-kvloop-reason", ""),
-                decode=headers.get("x-kvloop-decode", ""),
-                holder=headers.get("x-kvloop-holder", ""),
-                tier=headers.get("x-kvloop-tier", ""),
-                prefill=headers.get("x-kvloop-prefill", ""),
-            )
+            out.update({name: headers.get(f"x-kvloop-{name}", "") for name in PATH_HEADERS})
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
@@ -264,12 +261,7 @@ class Conversations:
             started_s=round(started, 3),
             ended_s=round(self.clock(), 3),
             request=request,
-            path=result.get("path", ""),
-            reason=result.get("reason", ""),
-            decode=result.get("decode", ""),
-            holder=result.get("holder", ""),
-            tier=result.get("tier", ""),
-            prefill=result.get("prefill", ""),
+            **{name: result.get(name, "") for name in PATH_HEADERS},
             ttft_ms=result.get("ttft_ms"),
             tokens=result["tokens"],
             logprobs=result["logprobs"],

@@ -1,4 +1,4 @@
-"""The sidecar's reader of vLLM's KV events under malformed msgpack (issue 12 item 3): a format it does
+"""The sidecar's reader of vLLM's KV events under malformed msgpack: a format it does
 not know is a counted, logged error (EngineEventError), never a crash or a silent misparse."""
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ the host pool, where, what is announced, and when a copy's slots may be reused (
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -11,6 +12,9 @@ import pytest
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.connector.host_tier import HostTier
 from kvloop.agents.connector.yielding import Confirmed, GivenUp
+
+if TYPE_CHECKING:
+    from kvloop.agents.connector.decode import DecodeSide
 
 H = [bytes([i]) * 32 for i in range(20)]
 
@@ -434,6 +438,21 @@ def test_a_pull_from_the_host_pool_gives_the_kv_a_recompute_gives(host_pair):
     assert pf.out["num_cached_tokens"] == len(nxt) - 64 - 1
 
 
+def _finish(side: DecodeSide, rid: str, blocks: list[int], own_conversation: bool = True) -> bool:
+    """A decode request ``rid`` finishes holding ``blocks``: True when retained (announced, or bound
+    for the pool). Each request's hashes are its own conversation's, unless ``own_conversation`` is
+    False (then requests of one length hold the same blocks)."""
+    from test_connector_units import _Finished
+
+    if not side.admits([blocks], rid):
+        return False
+    request = _Finished(rid, len(blocks))
+    if own_conversation:
+        request.block_hashes = [rid.encode() * 32 + h for h in request.block_hashes]
+    side.announce(request, {"remote_block_ids": [blocks]}, 60.0, [blocks])
+    return True
+
+
 def test_a_run_past_the_share_moves_to_the_pool_instead_of_being_declined():
     """Past retention_max_share, a finishing request the pool has room for is admitted only to be
     copied there: it is never announced from the KV cache, and its blocks are freed as soon as the
@@ -448,17 +467,13 @@ def test_a_run_past_the_share_moves_to_the_pool_instead_of_being_declined():
     host = HostTier(64, 600.0, 2.0, events.append, None)
     side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, host=host)  # 10 blocks pinned at most
 
-    def finish(rid: str, blocks: list[int]) -> bool:
-        if not side.admits([blocks], rid):
-            return False
-        side.announce(_Finished(rid, len(blocks)), {"remote_block_ids": [blocks]}, 60.0, [blocks])
-        return True
-
-    assert finish("fits", list(range(1, 9)))
+    assert _finish(side, "fits", list(range(1, 9)), own_conversation=False)
     (device,) = events
     assert device.retention_handle == "fits" and device.tier == "device"
     events.clear()
-    assert finish("moves", list(range(20, 28)))  # 8 more blocks: past the share, the pool has room
+    assert _finish(
+        side, "moves", list(range(20, 28)), own_conversation=False
+    )  # 8 more blocks: past the share, the pool has room
     assert events == []  # not announced from the KV cache
     assert [c.handle for c in side.take_host_copies()] == ["fits@host", "moves@host"]
     assert side.take_free_early() == {}  # its blocks stay until the copy is made
@@ -492,7 +507,6 @@ def test_a_run_past_the_share_waits_for_pool_room_announced_from_the_kv_cache():
     """Past the share, with the pool full of announced copies: the finishing run is not declined. The
     pool gives up its oldest copy; until that copy's slots come free the run stays announced from the
     KV cache (pullable), and once its own copy is announced its KV-cache blocks are given up."""
-    from test_connector_units import _Finished
 
     from kvloop.agents.connector.config import KvloopConfig
     from kvloop.agents.connector.decode import DecodeSide
@@ -504,26 +518,18 @@ def test_a_run_past_the_share_waits_for_pool_room_announced_from_the_kv_cache():
     side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer, host=host)  # type: ignore[arg-type]
     side._confirmer = confirmer  # type: ignore[assignment]  # publish_events off in this config
 
-    def finish(rid: str, blocks: list[int]) -> bool:
-        if not side.admits([blocks], rid):
-            return False
-        request = _Finished(rid, len(blocks))
-        request.block_hashes = [rid.encode() * 32 + h for h in request.block_hashes]  # a conversation each
-        side.announce(request, {"remote_block_ids": [blocks]}, 60.0, [blocks])
-        return True
-
     def announced(handle: str) -> bool:
         return any(isinstance(e, KvloopBlocksRetained) and e.retention_handle == handle for e in events)
 
-    assert finish("a", list(range(1, 9)))  # 8 blocks, within the share; copied into the pool
+    assert _finish(side, "a", list(range(1, 9)))  # 8 blocks, within the share; copied into the pool
     side.host_copied({c.handle: True for c in side.take_host_copies()})
-    assert finish("b", list(range(20, 28)))  # past the share: the pool (8 free) has room, b moves
+    assert _finish(side, "b", list(range(20, 28)))  # past the share: the pool (8 free) has room, b moves
     side.host_copied({c.handle: True for c in side.take_host_copies()})
     assert set(side.take_free_early()) == {"b"} and host.free_slots == 0
     side.released({"b"})
     assert announced("a@host") and announced("b@host") and not announced("b")
     # pool full of announced copies, share full: c overflows instead of being declined
-    assert finish("c", list(range(40, 48)))
+    assert _finish(side, "c", list(range(40, 48)))
     assert announced("c")  # pullable from the KV cache meanwhile
     assert host.copying("c") and [g.handle for g in confirmer.asked] == ["a@host"]  # oldest copy released
     confirmer.done.append(Confirmed("a@host", time.perf_counter() - 0.001))
@@ -543,7 +549,6 @@ def test_runs_moving_to_the_pool_are_not_bounded_but_runs_waiting_for_room_are()
     """A run that moves holds its blocks for a step or so (until its copy is written), however many
     finish at once; a run kept announced from the KV cache while the pool frees room holds them for a
     read window, so those stay within ``max_in_transit`` beyond the share."""
-    from test_connector_units import _Finished
 
     from kvloop.agents.connector.config import KvloopConfig
     from kvloop.agents.connector.decode import DecodeSide
@@ -556,25 +561,17 @@ def test_runs_moving_to_the_pool_are_not_bounded_but_runs_waiting_for_room_are()
     side._confirmer = confirmer  # type: ignore[assignment]  # publish_events off in this config
     assert side.max_in_transit == 10
 
-    def finish(rid: str, blocks: list[int]) -> bool:
-        if not side.admits([blocks], rid):
-            return False
-        request = _Finished(rid, len(blocks))
-        request.block_hashes = [rid.encode() * 32 + h for h in request.block_hashes]
-        side.announce(request, {"remote_block_ids": [blocks]}, 60.0, [blocks])
-        return True
-
     # three runs of 12 blocks finish at once, each past the share alone: all move (36 pinned)
-    assert all(finish(rid, list(range(20 * i + 1, 20 * i + 13))) for i, rid in enumerate("abc"))
+    assert all(_finish(side, rid, list(range(20 * i + 1, 20 * i + 13))) for i, rid in enumerate("abc"))
     assert side.pinned_blocks == 36 and not [e for e in events if e.retention_handle in "abc"]
     side.host_copied({c.handle: True for c in side.take_host_copies()})
     assert set(side.take_free_early()) == {"a", "b", "c"}
     side.released({"a", "b", "c"})
     # the pool (4 free of 40) must now release copies for the next runs: they wait, announced from
     # here, until the kept blocks would pass the share plus max_in_transit (20)
-    assert finish("d", list(range(100, 112)))
-    assert finish("e", list(range(120, 128)))  # 12 + 8 = 20 kept
-    assert not finish("f", [130])  # 21: declined
+    assert _finish(side, "d", list(range(100, 112)))
+    assert _finish(side, "e", list(range(120, 128)))  # 12 + 8 = 20 kept
+    assert not _finish(side, "f", [130])  # 21: declined
     assert {e.retention_handle for e in events if isinstance(e, KvloopBlocksRetained)} >= {"d", "e"}
 
 

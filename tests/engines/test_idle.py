@@ -1,4 +1,4 @@
-"""A decode that holds retained runs and nothing else lets its engine loop sleep (issue 17).
+"""A decode that holds retained runs and nothing else lets its engine loop sleep.
 
 The decode here runs vLLM's busy loop in its own engine-core process, as `vllm serve` does, unlike
 the session engines (in-process `vllm.LLM`, which step only inside `generate`); the session's prefill
