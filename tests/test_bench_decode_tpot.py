@@ -69,7 +69,7 @@ def _trial(condition: str, rnd: int, step_s: float, reads=()) -> Trial:
 
 def test_paired_ratios_pair_the_same_round_and_slot():
     trials = [_trial("reads", r, 0.012) for r in range(3)] + [_trial("base", r, 0.010) for r in range(3)]
-    trials.append(_trial("reads", 9, 0.050))  # no base in round 9: unpaired, left out
+    trials.append(_trial("reads", 9, 0.050))  # no base trial beside it: unpaired, left out
     out = paired_ratios(trials, "reads", "base")
     assert out is not None
     assert out["pairs"] == 6

@@ -34,12 +34,29 @@ def test_a_development_round_fails(tmp_path: Path) -> None:
         "paired against the previous code (2ca471d, run from a worktree)",
         "as of commit 4559bcb",
         "Round 3 of the work",
+        "figures of earlier rounds",
     ],
 )
 def test_other_round_references_fail(tmp_path: Path, line: str) -> None:
     text = tmp_path / "text.py"
     text.write_text(f"# {line}\n")
     assert run_checker(text).returncode == 1
+
+
+def test_the_tests_are_checked_too(tmp_path: Path) -> None:
+    """Run without files, the check covers tests/ (a test docstring naming an issue fails); only its
+    own tests, which spell what it must catch, are left out."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_x.py").write_text('"""The reader (issue 12 item 3)."""\n')
+    (repo / "tests" / "test_wording.py").write_text('"""fixed in issue 17"""\n')
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, timeout=60)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT)], cwd=repo, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "tests/test_x.py:1: issue 12" in result.stdout and "test_wording" not in result.stdout
 
 
 def test_clean_text_passes(tmp_path: Path) -> None:
