@@ -47,12 +47,12 @@ import msgspec
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.connector.host_eviction import LRU, eviction_policy
-from kvloop.agents.connector.host_pool import HOST_SUFFIX, WINDOW_SUFFIX
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
+from kvloop.common.host_names import HOST_SUFFIX, WINDOW_SUFFIX
+from kvloop.common.sliding_window import NULL_BLOCK
 from kvloop.common.tokens import agreeing_prefix_length
 
-NULL_BLOCK = 0
 # Start releasing copies (the eviction policy's first) when fewer than this share of the pool's
 # slots are free, so that the next runs find room (a released copy's slots stay fenced for a read
 # window).

@@ -25,7 +25,7 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
-from kvloop.agents.connector.host_pool import host_engine_id, pool_slots
+from kvloop.agents.connector.host_pool import pool_slots
 from kvloop.agents.connector.host_tier import HostTier
 from kvloop.agents.connector.metadata import (
     KvloopConnectorMetadata,
@@ -36,6 +36,7 @@ from kvloop.agents.connector.metadata import (
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.agents.connector.prefill import PrefillSide
 from kvloop.agents.connector.yielding import ReleaseConfirmer
+from kvloop.common.host_names import host_engine_id
 from kvloop.common.tracing import configure_tracing
 
 if TYPE_CHECKING:

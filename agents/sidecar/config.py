@@ -17,6 +17,7 @@ from pydantic_settings import (
 
 from kvloop.common.addresses import DaemonAddresses, OptionalHostPort
 from kvloop.common.config_files import ReadableFile, read_secret
+from kvloop.common.host_names import host_engine_id
 from kvloop.common.security import ClientSecurity, TlsSettings
 
 
@@ -120,7 +121,7 @@ class AgentSettings(BaseSettings):
         """The host pool's engine id ("" without a host pool)."""
         if not self.host_nixl_endpoint:
             return ""
-        return self.host_engine_id or f"{self.registered_engine_id()}@host"
+        return self.host_engine_id or host_engine_id(self.registered_engine_id())
 
     def security(self) -> ClientSecurity:
         return ClientSecurity(

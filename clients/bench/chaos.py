@@ -61,6 +61,7 @@ from kvloop.clients.directory_client import DaemonUnavailable, DirectoryClient
 from kvloop.clients.fleet.model import build_tiny_llama
 from kvloop.clients.fleet.stack import Stack, StackConfig
 from kvloop.common.addresses import free_port, free_port_pair
+from kvloop.common.host_names import HOST_SUFFIX
 
 MEMORY_FAULTS = ("decode_kill", "sidecar_kill", "daemon_kill", "decode_stop", "stream_reset", "network_drop")
 REDIS_FAULTS = (*MEMORY_FAULTS, "redis_primary_kill")
@@ -398,7 +399,7 @@ class Injector:
         self, fault: Fault, conversations: Conversations, clock: Callable[[], float]
     ) -> None:
         latest = conversations.latest_pulled()
-        holder = latest.holder.removesuffix("@host") if latest is not None else ""
+        holder = latest.holder.removesuffix(HOST_SUFFIX) if latest is not None else ""
         engine = next((e for e in self.stack.decodes if e.config.worker_id == holder), self._decode())
         fault.note = (
             f"its pool served turn {latest.turn} of conversation {latest.conversation}" if latest else ""

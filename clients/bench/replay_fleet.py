@@ -53,13 +53,13 @@ from kvloop.clients.bench.common import rss_bytes
 from kvloop.clients.bench.cpu import CpuMeter
 from kvloop.clients.bench.replay_trace import TraceRequest
 from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.common.host_names import HOST_SUFFIX
 from kvloop.common.outcomes import path_name, reason_name
 from kvloop.v1 import directory_pb2 as pb
 
 MODEL = "replay-model"
 TIERS = ("device", "host")
 # A host-memory copy's retention handle: the device run's, with this suffix.
-HOST_SUFFIX = "@host"
 ROUTINGS = ("kvloop", "round_robin", "random")
 _HASH_LENGTH = 32  # sha256_cbor digests
 # A lease the daemon never sees end before the decode withdraws the run (trace time runs apart
