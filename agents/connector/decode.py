@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_pool import HOST_SUFFIX
 from kvloop.agents.connector.host_tier import HostTier
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import YIELD_AT, GivenUp, ReleaseConfirmer
-from kvloop.common.sliding_window import first_needed_block
+from kvloop.common.host_names import HOST_SUFFIX
+from kvloop.common.sliding_window import NULL_BLOCK, first_needed_block
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 # vLLM's null block (``BlockPool.null_block``, never a real KV block): in a retained run's group it
 # marks a position whose KV the holder no longer has (out of a sliding window).
-NULL_BLOCK = 0
 
 
 def aligned(groups: Any, num_blocks: int | None) -> list[list[int]]:
@@ -123,10 +122,10 @@ class DecodeSide:
         them to ``request_finished``) keeps retention within ``retention_max_share``.
 
         A request past the share goes to the host pool rather than being declined, as long as the pool
-        could hold it and the runs in transit to it stay within ``max_in_transit`` blocks: with room
-        there now, it *moves* (copied, never announced from the KV cache, freed once the copy is made);
-        while the pool frees room (released copies' slots wait a read window), it *overflows* (announced
-        from the KV cache as usual, and given up as soon as its copy is announced)."""
+        could hold it: within ``max_in_transit`` blocks beyond the share it *overflows* (announced from
+        the KV cache as usual, copied as soon as the pool has room, and given up once its copy is
+        announced); past that, with room in the pool now, it *moves* (copied, never announced from the
+        KV cache, freed once the copy is made)."""
         ids = pinned_ids(block_ids)
         added = sum(1 for b in ids if b not in self._pins)
         fits = self.pinned_blocks + added <= self.max_pinned
@@ -148,15 +147,14 @@ class DecodeSide:
 
     def _to_pool(self, request_id: str, ids: set[int]) -> bool:
         """Admit a request past the share on its way to the host pool (see :meth:`admits`). A run that
-        moves holds its blocks only until its copy is written (the next engine step or so), as vLLM
-        holds a finished request's blocks for a send: unbounded. A run that overflows stays announced
-        from here until the pool has freed room (a read window): those are bounded by
-        ``max_in_transit`` beyond the share."""
+        overflows stays announced from here until its copy is announced, and its blocks are freed a
+        read window after that: such runs are bounded by ``max_in_transit`` beyond the share. Past
+        that bound a run the pool has room for *moves*: it holds its blocks only until its copy is
+        written (the next engine step or so), as vLLM holds a finished request's blocks for a send,
+        unbounded, but it is hidden until then (a continuation arriving meanwhile pulls an older
+        copy, or recomputes). So a run overflows while the bound allows, and moves past it."""
         if self._host is None:
             return False
-        if self._host.has_room(ids):
-            self._moving.add(request_id)
-            return True
         kept_after = len(self._kept) + sum(1 for b in ids if b not in self._kept)
         if (
             self._confirmer is not None
@@ -164,6 +162,9 @@ class DecodeSide:
             and self._host.can_take(ids)
         ):
             self._overflow.add(request_id)
+            return True
+        if self._host.has_room(ids):
+            self._moving.add(request_id)
             return True
         return False
 

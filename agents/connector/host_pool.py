@@ -33,21 +33,13 @@ from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.metadata import HostCopy
+from kvloop.common.host_names import HOST_SUFFIX, host_engine_id
 from kvloop.common.host_pool_support import PoolLayout, pool_verdict, refusal
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvloop.agents.connector.worker import KvloopConnectorWorker
-
-HOST_SUFFIX = "@host"
-# A request's window capture (host_tier.py): the copy made while it decodes, of the sliding-window
-# blocks it frees before it finishes.
-WINDOW_SUFFIX = "@window"
-
-
-def host_engine_id(engine_id: str) -> str:
-    return f"{engine_id}{HOST_SUFFIX}"
 
 
 def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
@@ -244,6 +236,8 @@ class HostPool:
             if state == "PROC":
                 continue
             del self._copies[run]
+            if state == "DONE":
+                _record_copy(wrapper, handle)
             wrapper.release_xfer_handle(handle)
             self._done[run] = state == "DONE" and run not in self._abandoned
             self._abandoned.discard(run)
@@ -282,3 +276,16 @@ class HostPool:
             self.agent.deregister_memory(self._reg)
         except Exception as exc:  # shutting down: the process's memory goes anyway
             tm.log.debug("kvloop.host_pool_deregister_failed", error=repr(exc))
+
+
+def _record_copy(wrapper: Any, handle: Any) -> None:
+    """The WRITE's bytes and duration as NIXL measured them (its transfer telemetry, which vLLM turns
+    on for its agent); nothing where this NIXL keeps none."""
+    try:
+        telemetry = wrapper.get_xfer_telemetry(handle)
+    except Exception:  # a NIXL without telemetry, or with it off, raises errors of its own kinds
+        return
+    if telemetry is None:
+        return
+    tm.HOST_COPIED_BYTES.inc(telemetry.totalBytes)
+    tm.HOST_COPY_SECONDS.observe(telemetry.xferDuration / 1e6)

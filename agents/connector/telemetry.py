@@ -184,6 +184,14 @@ SPECS = (
     # reason: evicted (the pool needed room) | superseded (a later turn's copy holds it) | expired
     MetricSpec("host_released", "counter", "Host copies released", ("reason",)),
     MetricSpec("host_reads", "counter", "READs of host copies by prefills"),
+    # As NIXL timed each WRITE into the pool (its transfer telemetry): copy GB/s = bytes / seconds.
+    MetricSpec("host_copied_bytes", "counter", "KV bytes written into the host pool"),
+    MetricSpec(
+        "host_copy_seconds",
+        "histogram",
+        "Duration of each WRITE of a run into the host pool, as NIXL timed it",
+        buckets=(0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+    ),
     MetricSpec("claims_released", "counter", "Single-use claims given back unread", ("released",)),
     # outcome: received | used | unmatched (another local prefix or too short a pull) | expired |
     # stale (an older directory epoch) | bad
@@ -214,6 +222,8 @@ READS_SERVED = _METRICS["reads_served"]
 HOST_COPIES = _METRICS["host_copies"]
 HOST_RELEASED = _METRICS["host_released"]
 HOST_READS = _METRICS["host_reads"]
+HOST_COPIED_BYTES = _METRICS["host_copied_bytes"]
+HOST_COPY_SECONDS = _METRICS["host_copy_seconds"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
 IDLE_WAKEUPS = _METRICS["idle_wakeups"]
 ROUTE_PLANS = _METRICS["route_plans"]

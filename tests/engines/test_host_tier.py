@@ -396,6 +396,7 @@ def test_a_pull_from_the_host_pool_gives_the_kv_a_recompute_gives(host_pair):
     import random
     import uuid
 
+    from conftest import KV_BYTES_PER_BLOCK
     from test_reverse_pull import prefill_and_check, rand_tokens
 
     from kvloop.v1 import directory_pb2 as pb
@@ -422,7 +423,11 @@ def test_a_pull_from_the_host_pool_gives_the_kv_a_recompute_gives(host_pair):
     assert pair.decode.call("host_pool_diff", {"ids": device_ids[: len(slots)], "slots": slots}) == [0] * len(
         slots
     ), "the pool holds other bytes than the KV cache"
-    assert pair.decode.call("metrics").get(("kvloop_connector_host_copies_total", (("outcome", "copied"),)))
+    metrics = pair.decode.call("metrics")
+    assert metrics.get(("kvloop_connector_host_copies_total", (("outcome", "copied"),)))
+    # the WRITE as NIXL counted and timed it: every block of the copy, once
+    assert metrics.get(("kvloop_connector_host_copied_bytes_total", ()), 0) >= len(slots) * KV_BYTES_PER_BLOCK
+    assert metrics.get(("kvloop_connector_host_copy_seconds_count", ()), 0) >= 1
 
     # the decode's own copy goes (the pool still holds the run): the next turn reads the pool
     def device_dropped() -> bool:
@@ -523,15 +528,21 @@ def test_a_run_past_the_share_waits_for_pool_room_announced_from_the_kv_cache():
 
     assert _finish(side, "a", list(range(1, 9)))  # 8 blocks, within the share; copied into the pool
     side.host_copied({c.handle: True for c in side.take_host_copies()})
-    assert _finish(side, "b", list(range(20, 28)))  # past the share: the pool (8 free) has room, b moves
+    # past the share, within max_in_transit: b is announced from the KV cache until its copy is (a
+    # continuation arriving meanwhile pulls b, not an older copy), then given up
+    assert _finish(side, "b", list(range(20, 28)))
+    assert announced("b")
     side.host_copied({c.handle: True for c in side.take_host_copies()})
-    assert set(side.take_free_early()) == {"b"} and host.free_slots == 0
+    assert announced("b@host") and host.free_slots == 0
+    assert side.take_free_early() == {}  # b given up: its blocks wait for the directory's drop
+    assert [g.handle for g in confirmer.asked] == ["b"]
+    confirmer.done.append(Confirmed("b", time.perf_counter() - 0.001))
+    assert set(side.take_free_early()) == {"b"}
     side.released({"b"})
-    assert announced("a@host") and announced("b@host") and not announced("b")
     # pool full of announced copies, share full: c overflows instead of being declined
     assert _finish(side, "c", list(range(40, 48)))
     assert announced("c")  # pullable from the KV cache meanwhile
-    assert host.copying("c") and [g.handle for g in confirmer.asked] == ["a@host"]  # oldest copy released
+    assert host.copying("c") and [g.handle for g in confirmer.asked] == ["b", "a@host"]  # oldest copy
     confirmer.done.append(Confirmed("a@host", time.perf_counter() - 0.001))
     assert side.take_free_early() == {}  # a's slots free: c's copy is written now
     (copy,) = side.take_host_copies()
@@ -539,16 +550,16 @@ def test_a_run_past_the_share_waits_for_pool_room_announced_from_the_kv_cache():
     side.host_copied({"c@host": True})
     side.take_free_early()
     released = [e.retention_handle for e in events if isinstance(e, KvloopRetentionReleased)]
-    assert released == ["a@host", "c"] and announced("c@host")  # the pool serves c now
-    assert [g.handle for g in confirmer.asked] == ["a@host", "c"]
+    assert released == ["b", "a@host", "c"] and announced("c@host")  # the pool serves c now
+    assert [g.handle for g in confirmer.asked] == ["b", "a@host", "c"]
     confirmer.done.append(Confirmed("c", time.perf_counter() - 0.001))
     assert set(side.take_free_early()) == {"c"}  # its KV-cache blocks go once the drop is confirmed
 
 
-def test_runs_moving_to_the_pool_are_not_bounded_but_runs_waiting_for_room_are():
-    """A run that moves holds its blocks for a step or so (until its copy is written), however many
-    finish at once; a run kept announced from the KV cache while the pool frees room holds them for a
-    read window, so those stay within ``max_in_transit`` beyond the share."""
+def test_runs_moving_to_the_pool_are_not_bounded_but_runs_announced_meanwhile_are():
+    """A run kept announced from the KV cache until its copy is holds its blocks for a read window
+    more, so those stay within ``max_in_transit`` beyond the share; past it, a run that moves holds
+    its blocks for a step or so (until its copy is written), however many finish at once."""
 
     from kvloop.agents.connector.config import KvloopConfig
     from kvloop.agents.connector.decode import DecodeSide
@@ -561,11 +572,15 @@ def test_runs_moving_to_the_pool_are_not_bounded_but_runs_waiting_for_room_are()
     side._confirmer = confirmer  # type: ignore[assignment]  # publish_events off in this config
     assert side.max_in_transit == 10
 
-    # three runs of 12 blocks finish at once, each past the share alone: all move (36 pinned)
+    # three runs of 12 blocks finish at once, each past the share alone: a is announced from here
+    # (12 kept, within 10 + 10), b and c would pass that and move (36 pinned)
     assert all(_finish(side, rid, list(range(20 * i + 1, 20 * i + 13))) for i, rid in enumerate("abc"))
-    assert side.pinned_blocks == 36 and not [e for e in events if e.retention_handle in "abc"]
+    assert side.pinned_blocks == 36
+    assert [e.retention_handle for e in events if isinstance(e, KvloopBlocksRetained)] == ["a"]
     side.host_copied({c.handle: True for c in side.take_host_copies()})
-    assert set(side.take_free_early()) == {"a", "b", "c"}
+    assert set(side.take_free_early()) == {"b", "c"}  # a's drop awaits the directory
+    confirmer.done.append(Confirmed("a", time.perf_counter() - 0.001))
+    assert set(side.take_free_early()) == {"a"}
     side.released({"a", "b", "c"})
     # the pool (4 free of 40) must now release copies for the next runs: they wait, announced from
     # here, until the kept blocks would pass the share plus max_in_transit (20)
