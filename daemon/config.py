@@ -29,7 +29,7 @@ from kvloop.common.addresses import HostPort, OptionalHostPort, parse_host_port
 from kvloop.common.config_files import ReadableFile, error_lines, read_secret
 from kvloop.common.security import TlsSettings, TokenGrant
 from kvloop.daemon.index import IndexConfig
-from kvloop.daemon.policy import PolicyConfig
+from kvloop.daemon.policy_config import PolicyConfig
 
 DEFAULT_CONFIG_PATH = Path("/etc/kvloop/kvloopd.toml")
 

@@ -20,6 +20,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.common.outcomes import tier_name
 from kvloop.common.packed_ids import pack_u32, unpack_u32
+from kvloop.daemon.cost_model import Cost
 from kvloop.daemon.index import (
     BlockTier,
     Cleared,
@@ -36,7 +37,8 @@ from kvloop.daemon.index import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.policy import Answer, Cost, KvLayout, LookupQuery, RouteCandidate, RouteQuery, RouteScore
+from kvloop.daemon.layout import KvLayout
+from kvloop.daemon.queries import Answer, LookupQuery, RouteCandidate, RouteQuery, RouteScore
 from kvloop.v1 import directory_pb2 as pb
 
 MAX_ID_LENGTH = 256

@@ -30,7 +30,8 @@ from kvloop.daemon.index import Change, DirectoryStore, LeaseState, Namespace
 from kvloop.daemon.index.store import entry_bound
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.plans import PlanBoard
-from kvloop.daemon.policy import Policy, RouteScore
+from kvloop.daemon.policy import Policy
+from kvloop.daemon.queries import RouteScore
 from kvloop.daemon.roster import WorkerRoster
 from kvloop.daemon.session import AgentSession, SessionContext
 from kvloop.daemon.watch import ChangeFeed

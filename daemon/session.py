@@ -21,9 +21,9 @@ from kvloop.common.security import TokenGrant
 from kvloop.common.version import VERSION
 from kvloop.daemon import metrics
 from kvloop.daemon.convert import BadInput, Refused, events_from_batch, spec_from_registration
+from kvloop.daemon.cost_model import CostModel
 from kvloop.daemon.index import Change, DirectoryError, DirectoryStore, Fence, StoreUnavailable, WorkerSpec
 from kvloop.daemon.metrics import DaemonCounters
-from kvloop.daemon.policy import CostModel
 from kvloop.daemon.roster import WorkerRoster
 from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb

@@ -8,7 +8,9 @@ import pytest
 
 from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index import Holding, Namespace, PrefixMatch, WorkerSpec
-from kvloop.daemon.policy import LookupQuery, Policy, PolicyConfig
+from kvloop.daemon.policy import Policy
+from kvloop.daemon.policy_config import PolicyConfig
+from kvloop.daemon.queries import LookupQuery
 from kvloop.v1 import directory_pb2 as pb
 
 HOLDER = WorkerSpec("decode-0", 2, "m", "e", "h:1", 16, "sha256_cbor", 32, 1, kv_bytes_per_block=1 << 20)
@@ -150,7 +152,7 @@ def test_the_pullers_minimum_pull_is_part_of_the_one_decision():
 
 
 def test_layout_compatibility_follows_vllms_nixl_rules():
-    from kvloop.daemon.policy import KvLayout, layout_mismatch
+    from kvloop.daemon.layout import KvLayout, layout_mismatch
 
     same = KvLayout(1, 1, "bfloat16", 1024)
     assert layout_mismatch(same, same) is None

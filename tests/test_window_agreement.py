@@ -20,7 +20,10 @@ from kvloop.agents.connector.directory import HolderInfo, answer_from_proto
 from kvloop.agents.connector.remote_groups import RemoteGroups, remote_groups
 from kvloop.daemon.convert import lookup_response
 from kvloop.daemon.index import BlockTier, IndexConfig, MemoryStore, Namespace, Retained, WorkerSpec
-from kvloop.daemon.policy import KvLayout, LookupQuery, Policy, PolicyConfig
+from kvloop.daemon.layout import KvLayout
+from kvloop.daemon.policy import Policy
+from kvloop.daemon.policy_config import PolicyConfig
+from kvloop.daemon.queries import LookupQuery
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation
 

@@ -9,7 +9,10 @@ import pytest
 
 from kvloop.common.packed_ids import pack_u32
 from kvloop.daemon.index import BlockTier, Holding, IndexConfig, Namespace, PrefixMatch, Retained, WorkerSpec
-from kvloop.daemon.policy import KvLayout, LookupQuery, Policy, PolicyConfig
+from kvloop.daemon.layout import KvLayout
+from kvloop.daemon.policy import Policy
+from kvloop.daemon.policy_config import PolicyConfig
+from kvloop.daemon.queries import LookupQuery
 from kvloop.daemon.windows import WINDOW_NOT_HELD, cut, fit_windows, servable_tokens
 from kvloop.v1 import directory_pb2 as pb
 from tests.store_backends import BACKENDS, open_store

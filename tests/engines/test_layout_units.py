@@ -30,7 +30,7 @@ from kvloop.agents.connector.directory import HolderInfo  # noqa: E402
 from kvloop.agents.connector.prefill import PrefillSide  # noqa: E402
 from kvloop.agents.connector.remote_groups import remote_groups  # noqa: E402
 from kvloop.agents.connector.scheduler import group_bytes_per_block, group_windows  # noqa: E402
-from kvloop.daemon.policy import KvLayout, layout_mismatch  # noqa: E402
+from kvloop.daemon.layout import KvLayout, layout_mismatch  # noqa: E402
 
 BS = 32
 WINDOW = 128
