@@ -24,11 +24,13 @@ import contextlib
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import structlog
 
+from kvloop.daemon.convert import lookup_response
 from kvloop.daemon.metrics import ROUTE_PLANS
+from kvloop.daemon.queries import RouteScore
 from kvloop.daemon.watch import ChangeRelay, listen
 from kvloop.v1 import directory_pb2 as pb
 
@@ -64,6 +66,35 @@ class PlanBoard:
         """Whether a plan for this worker may reach a subscriber: here, or on a replica that announced
         it lately."""
         return worker_id in self._queues or self._remote.get(worker_id, 0.0) > time.monotonic()
+
+    def post_ranked(
+        self,
+        hashes: Sequence[bytes],
+        block_size: int,
+        ranked: Sequence[RouteScore],
+        continuation: bool,
+        directory_epoch: int,
+        read_window_ms: int,
+    ) -> None:
+        """Each pull Route planned for a candidate, to that candidate's subscribed connector."""
+        for score in ranked:
+            worker_id = score.candidate.worker_id
+            if score.plan is None or not self.wants(worker_id):
+                continue
+            lookup = lookup_response(
+                score.plan, block_size, pack_block_ids=True, read_window_ms=read_window_ms
+            )
+            lookup.directory_epoch = directory_epoch
+            self.post(
+                worker_id,
+                pb.PlansResponse(
+                    prompt_key=hashes[-1],
+                    prompt_blocks=len(hashes),
+                    local_blocks=score.local_blocks,
+                    lookup=lookup,
+                    continuation=continuation,
+                ),
+            )
 
     def post(self, worker_id: str, plan: pb.PlansResponse) -> None:
         queues = self._queues.get(worker_id)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 import structlog
@@ -20,7 +20,6 @@ from opentelemetry import trace
 
 from kvloop.common.block_hash import BlockHasher
 from kvloop.common.block_keys import KEY_BYTES
-from kvloop.common.outcomes import decision_name, path_name, reason_name
 from kvloop.common.security import Role
 from kvloop.common.version import VERSION
 from kvloop.daemon import convert, metrics
@@ -31,9 +30,9 @@ from kvloop.daemon.index.store import entry_bound
 from kvloop.daemon.metrics import DaemonCounters
 from kvloop.daemon.plans import PlanBoard
 from kvloop.daemon.policy import Policy
-from kvloop.daemon.queries import RouteScore
 from kvloop.daemon.roster import WorkerRoster
 from kvloop.daemon.session import AgentSession, SessionContext
+from kvloop.daemon.spans import annotate_lookup
 from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -129,7 +128,7 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         response.lookup_us = int(elapsed * 1e6)
         self.counters.lookup(elapsed, answer.decision, answer.reason)
         if self.traced:
-            _annotate_lookup(trace.get_current_span(), request, response)
+            annotate_lookup(trace.get_current_span(), request, response)
         return response
 
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
@@ -145,7 +144,13 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         # Posted after the answer is on its way: the plan has the router's whole hop to the prefill
         # (and the engine's to its scheduler) to arrive in, and is not the router's wait.
         asyncio.get_running_loop().call_soon(
-            self._post_plans, query.hashes, query.block_size, ranked, request.continuation
+            self.plans.post_ranked,
+            query.hashes,
+            query.block_size,
+            ranked,
+            request.continuation,
+            self.store.epoch,
+            self._read_window_ms,
         )
         tied = self.policy.tied(request.model, ranked)
         response = convert.route_response(query, ranked, tied)
@@ -284,29 +289,6 @@ class DirectoryService(pb_grpc.DirectoryServicer):
             agent_versions=agent_versions,
         )
 
-    def _post_plans(
-        self, hashes: Sequence[bytes], block_size: int, ranked: Sequence[RouteScore], continuation: bool
-    ) -> None:
-        """Each planned pull to its candidate's subscribed connector (see plans.py)."""
-        for score in ranked:
-            worker_id = score.candidate.worker_id
-            if score.plan is None or not self.plans.wants(worker_id):
-                continue
-            lookup = convert.lookup_response(
-                score.plan, block_size, pack_block_ids=True, read_window_ms=self._read_window_ms
-            )
-            lookup.directory_epoch = self.store.epoch
-            self.plans.post(
-                worker_id,
-                pb.PlansResponse(
-                    prompt_key=hashes[-1],
-                    prompt_blocks=len(hashes),
-                    local_blocks=score.local_blocks,
-                    lookup=lookup,
-                    continuation=continuation,
-                ),
-            )
-
     async def Plans(
         self, request: pb.PlansRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PlansResponse]:
@@ -402,32 +384,3 @@ class DirectoryService(pb_grpc.DirectoryServicer):
         for session in list(self.sessions.live.values()):
             session.send(pb.ConnectResponse(drain=pb.DrainRequest(reason="daemon shutting down")))
             session.outbox.put_nowait(None)
-
-
-def _annotate_lookup(span: trace.Span, request: pb.LookupRequest, response: pb.LookupResponse) -> None:
-    """The turn's decision on kvloopd's Lookup span (attribute names are a stable interface)."""
-    if not span.is_recording():
-        return
-    span.set_attributes(
-        {
-            "kvloop.model": request.model,
-            "kvloop.decision": decision_name(response.decision),
-            "kvloop.reason": reason_name(response.reason),
-            "kvloop.path": path_name(response.path),
-            "kvloop.matched_blocks": response.matched_blocks,
-            "kvloop.matched_tokens": response.matched_tokens,
-            "kvloop.recompute_tokens": response.recompute_tokens,
-            "kvloop.holder": response.holder.worker_id,
-            "kvloop.requester": request.requester_worker_id,
-            "kvloop.lookup_us": response.lookup_us,
-            "kvloop.directory_epoch": response.directory_epoch,
-        }
-    )
-    if response.HasField("cost"):
-        span.set_attributes(
-            {
-                "kvloop.estimated_transfer_ms": response.cost.transfer_ms,
-                "kvloop.estimated_recompute_ms": response.cost.recompute_ms,
-                "kvloop.detail": response.detail,
-            }
-        )
