@@ -9,7 +9,8 @@
 #                  (CI runs it)
 #   make vllm-compat - check every vLLM symbol kvloop uses against each supported vLLM release's wheel
 #   make doctor  - kvloop doctor: what is installed, whether that vLLM is supported, the connector config
-#   make gpu-check - the demo and bench multiturn on one GPU with the official vLLM wheel (no GPU: says so, exit 0)
+#   make gpu-check - KV-equality tests, the demo and bench gpu on one GPU (official vLLM wheel): gpu-check.json
+#                    (no GPU: says so, exit 0)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv

@@ -16,6 +16,7 @@ from kvloop.clients.cli import (
     bench_daemon,
     bench_decode,
     bench_faults,
+    bench_gpu,
     bench_multiturn,
     bench_replay,
     demo,
@@ -90,6 +91,7 @@ bench_app.command("replay")(bench_replay.bench_replay)
 app.command()(proxy.proxy)
 bench_app.command("multiturn")(bench_multiturn.bench_multiturn)
 bench_app.command("multiturn-pool")(bench_multiturn.bench_multiturn_pool)
+bench_app.command("gpu")(bench_gpu.bench_gpu)
 # `kvloop engine ... -- ARGS`: ARGS go to vllm serve as they are.
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(engine.engine)
 app.command()(demo.demo)

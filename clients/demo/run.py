@@ -67,7 +67,6 @@ def run_demo(
     results: list[TurnResult] = []
     # per continuation turn, the same prompt recomputed: its TTFT, and that over the turn's own
     recomputed: dict[int, dict[str, float | None]] = {}
-    probes = 0  # recompute requests measured: the decode retains each, as a run of its own
     # --ha: before these turns, kill the kvloopd replica the decode's sidecar streams to, then the
     # Redis primary
     faults = {max(2, turns // 3): "kvloopd_replica", max(3, 2 * turns // 3): "redis_primary"} if ha else {}
@@ -122,11 +121,9 @@ def run_demo(
                 # conversation still shows the recovery (the next turn transfers when the wait ends)
                 progress("tool", "runs while Sentinel fails over and the agents re-push their state")
                 stack.wait_failed_over(killed, past_epoch)
-            stack.wait_retained(len(results) + probes)
+            stack.wait_turn_retained(messages, timeout_s=10)
             if turn > 1:
                 recomputed[turn] = measure_recompute(stack, messages, result, progress)
-                if recomputed[turn] is not NOT_MEASURED:
-                    probes += 1
             measured = recomputed.get(turn, NOT_MEASURED)
             if as_json:
                 sys.stdout.write(json.dumps(result.as_dict() | measured) + "\n")

@@ -36,6 +36,7 @@ class StackConfig:
     prefill_prefix_caching: bool = False  # off: emulates a fleet of prefill workers losing their cache
     mode: str = "kvloop"  # "kvloop" | "builtin" | "recompute" (see EngineConfig.mode)
     kv_cache_gib: int = 2
+    max_model_len: int = 16384  # every engine's (vLLM --max-model-len)
     # Decodes: GiB of host memory retained runs are copied into (see EngineConfig.host_retention_gib).
     host_retention_gib: float = 0.0
     host_demote_after_s: float | None = None  # see EngineConfig.host_demote_after_s
@@ -198,6 +199,7 @@ class Stack:
                         block_size=cfg.block_size,
                         dtype=cfg.dtype,
                         kv_cache_gib=cfg.kv_cache_gib,
+                        max_model_len=cfg.max_model_len,
                         host_retention_gib=cfg.host_retention_gib if role == "decode" else 0.0,
                         host_nixl_port=free_port() if role == "decode" and cfg.host_retention_gib else 0,
                         host_demote_after_s=cfg.host_demote_after_s,
@@ -470,23 +472,31 @@ class Stack:
                 time.sleep(0.02)  # polling the directory
         return False
 
+    def tokenize(self, messages: list[dict], model: str = "") -> list[int]:
+        """The token ids of the chat prompt ``messages``, rendered by a decode's ``/tokenize``."""
+        request = json.dumps({"model": model or self.config.served_model_name, "messages": messages})
+        url = f"{self.decodes[0].config.url}/tokenize"
+        headers = {"Content-Type": "application/json"}
+        post = urllib.request.Request(url, request.encode(), headers)
+        with urllib.request.urlopen(post, timeout=30) as answer:
+            return list(json.loads(answer.read())["tokens"])
+
     def wait_turn_retained(
-        self, messages: list[dict], model: str = "", cache_salt: str = "", timeout_s: float = 60.0
+        self,
+        messages: list[dict],
+        model: str = "",
+        cache_salt: str = "",
+        timeout_s: float = 60.0,
+        only_tier: int = 0,
     ) -> bool:
         """Wait until a decode's retained run holds the last full block of the chat prompt ``messages``
         (a turn that sent them ended; its retention travels engine -> ZMQ -> sidecar -> kvloopd). Exact
         where a count of runs is not: other runs come and go meanwhile. ``model`` may name a LoRA
-        adapter of the stack's; the prompt is rendered by a decode's ``/tokenize``."""
+        adapter of the stack's. With ``only_tier`` (a pb.BlockTier), until every retained run holding
+        that block is of that tier (the host: its copy announced and the KV cache's run given up)."""
         model = model or self.config.served_model_name
         adapter = self.config.lora_modules.get(model)
-        request = json.dumps({"model": model, "messages": messages}).encode()
-        with urllib.request.urlopen(
-            urllib.request.Request(
-                f"{self.decodes[0].config.url}/tokenize", request, {"Content-Type": "application/json"}
-            ),
-            timeout=30,
-        ) as answer:
-            tokens = json.loads(answer.read())["tokens"]
+        tokens = self.tokenize(messages, model)
         base = self.config.served_model_name
         with DirectoryClient(self.daemon_address, timeout=5) as client:
             spec = client.list_workers(base)[0].registration
@@ -507,7 +517,8 @@ class Stack:
                     found = client.find_block(base, hashes[-1], lora_name=lora_name)
                 except DaemonUnavailable:  # --ha: a replica or the Redis primary is failing over
                     found = []
-                if any(loc.kind == "retained" for loc in found):
+                retained = [loc for loc in found if loc.kind == "retained"]
+                if retained and (not only_tier or all(loc.tier == only_tier for loc in retained)):
                     return True
                 time.sleep(0.02)  # polling the directory
         return False

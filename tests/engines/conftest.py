@@ -268,6 +268,7 @@ def start_pair(
     kv_bytes_per_block: int = KV_BYTES_PER_BLOCK,
     decode_tp: int = 1,
     host_retention_gib: float = 0.0,
+    prefill_tp: int = 1,
 ) -> EnginePair:
     """kvloopd, a decode engine with its kvloop-agent and a prefill engine, all serving ``model_dir``;
     with ``host_retention_gib``, the decode copies retained runs into a host pool of that size."""
@@ -343,7 +344,11 @@ def start_pair(
             },
             directory_target=kvloop.address,
             otlp_endpoint=otlp_endpoint,
-        )
+            tensor_parallel_size=prefill_tp,
+            executor="mp" if prefill_tp > 1 else "uni",
+            multiprocessing=prefill_tp > 1,
+        ),
+        timeout_s=600.0 if prefill_tp > 1 else 300.0,
     )
     pair = EnginePair(prefill, decode, kvloop, {})
     try:
@@ -397,6 +402,7 @@ class EngineSlot:
         kv_bytes_per_block: int,
         decode_tp: int = 1,
         host_retention_gib: float = 0.0,
+        prefill_tp: int = 1,
     ) -> EnginePair:
         if self.key != key or self.pair is None:
             self.close()
@@ -408,6 +414,7 @@ class EngineSlot:
                 kv_bytes_per_block,
                 decode_tp,
                 host_retention_gib,
+                prefill_tp,
             )
             self.key = key
         return self.pair

@@ -124,17 +124,26 @@ class EngineSpec:
     otlp_endpoint: str = ""
 
 
+def _blocks(cache: Any, ids: list[int], num_blocks: int) -> Any:
+    """Blocks ``ids`` of a layer's KV cache as rows, whatever the backend's layout: blocks first (the
+    CPU build's [blocks, heads, bs, 2*hd]) or after K/V (a GPU attention backend's [2, blocks, ...])."""
+    import torch
+
+    dim = 0 if cache.shape[0] == num_blocks else 1
+    rows = cache.index_select(dim, torch.tensor(ids, dtype=torch.long, device=cache.device))
+    return rows.movedim(dim, 0).reshape(len(ids), -1)
+
+
 def _kv_block_maxdiff(worker: Any, a_ids: list[int], b_ids: list[int]) -> list[float]:
-    """Max |a - b| per block pair over all layers (KV layout [blocks, heads, bs, 2*hd])."""
+    """Max |a - b| per block pair over all layers."""
     import torch
 
     caches = worker.model_runner.kv_caches
+    num_blocks = worker.model_runner.kv_cache_config.num_blocks
     out = torch.zeros(len(a_ids), dtype=torch.float32)
-    a = torch.tensor(a_ids, dtype=torch.long)
-    b = torch.tensor(b_ids, dtype=torch.long)
     for c in caches:
-        d = (c[a].float() - c[b].float()).abs().reshape(len(a_ids), -1).amax(dim=1)
-        out = torch.maximum(out, d)
+        a, b = _blocks(c, a_ids, num_blocks).float(), _blocks(c, b_ids, num_blocks).float()
+        out = torch.maximum(out, (a - b).abs().amax(dim=1).cpu())
     return out.tolist()
 
 
@@ -147,19 +156,17 @@ def _kv_group_maxdiff(worker: Any, a_groups: list[list[int]], b_groups: list[lis
     from vllm.model_executor.models.utils import extract_layer_index
 
     caches = worker.model_runner.kv_caches
+    num_blocks = worker.model_runner.kv_cache_config.num_blocks
     groups = worker.model_runner.kv_cache_config.kv_cache_groups
     out = []
     for group, a_ids, b_ids in zip(groups, a_groups, b_groups, strict=True):
         diff = torch.zeros(len(a_ids), dtype=torch.float32)
-        a = torch.tensor(a_ids, dtype=torch.long)
-        b = torch.tensor(b_ids, dtype=torch.long)
         for name in group.layer_names:
             c = caches[extract_layer_index(name)]
-            x, y = c[a].float(), c[b].float()
-            step = torch.exp2(
-                torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), torch.ones(1)))) - 7
-            )
-            d = ((x - y).abs() / step).reshape(len(a_ids), -1).amax(dim=1)
+            x, y = _blocks(c, a_ids, num_blocks).float(), _blocks(c, b_ids, num_blocks).float()
+            one = torch.ones(1, device=x.device)
+            step = torch.exp2(torch.floor(torch.log2(torch.maximum(x.abs().maximum(y.abs()), one))) - 7)
+            d = ((x - y).abs() / step).amax(dim=1).cpu()
             diff = torch.maximum(diff, d)
         out.append(diff.tolist())
     return out
@@ -193,13 +200,17 @@ def _host_pool_diff(worker: Any, block_ids: list[int], slots: list[int]) -> list
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     w = get_kv_transfer_group().connector_worker  # type: ignore[attr-defined]
-    caches = list(w.device_kv_caches.values())
+    num_blocks = worker.model_runner.kv_cache_config.num_blocks
+    regions = []
+    for cache in w.device_kv_caches.values():
+        # a layout with K and V apart ([2, blocks, ...]) registers each as a region of its own
+        regions += [cache] if cache.shape[0] == num_blocks else [cache[0], cache[1]]
     pooled = w.host_pool.read_slots(slots)
-    assert len(caches) == len(pooled), (len(caches), len(pooled))
+    assert len(regions) == len(pooled), (len(regions), len(pooled))
     out = torch.zeros(len(block_ids), dtype=torch.long)
-    for cache, pool in zip(caches, pooled, strict=True):
-        rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)[torch.tensor(block_ids)]
-        out += (rows != pool).sum(dim=1)
+    for region, pool in zip(regions, pooled, strict=True):
+        rows = _blocks(region.view(torch.uint8), block_ids, num_blocks).cpu()
+        out += (rows != pool.reshape(len(block_ids), -1)).sum(dim=1)
     return out.tolist()
 
 
@@ -257,7 +268,6 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_TARGET_DEVICE": "cpu",
             "NIXL_LOG_LEVEL": "WARN",
             "VLLM_LOGGING_LEVEL": os.environ.get("KVLOOP_TEST_VLLM_LOG", "WARNING"),
             "TOKENIZERS_PARALLELISM": "false",
@@ -265,7 +275,11 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
         }
     )
-    if spec.tensor_parallel_size > 1:
+    # `make gpu-check` runs the KV-equality tests on a GPU (KVLOOP_PLATFORM=cuda), both engines on it
+    on_gpu = os.environ.get("KVLOOP_PLATFORM") == "cuda"
+    if not on_gpu:
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    if spec.tensor_parallel_size > 1 and not on_gpu:
         cores = os.cpu_count() or 1
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(r % cores) for r in range(spec.tensor_parallel_size)
@@ -299,12 +313,12 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             "kv_connector": "KvloopConnector",
             "kv_connector_module_path": "kvloop.agents.connector.connector",
             "kv_role": "kv_both",
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": "cuda" if on_gpu else "cpu",
             "engine_id": spec.engine_id,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"gpu_memory_utilization": 0.4} if on_gpu else {}
         if spec.kv_events_endpoint:
             kwargs["kv_events_config"] = {
                 "enable_kv_cache_events": True,
@@ -357,8 +371,12 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 conn.send(("ok", [_result(res, time.perf_counter() - t) for res in results]))
             elif cmd == "block_hashes":  # this engine's chained hashes of the full blocks
                 from vllm.utils.hashing import sha256_cbor
+                from vllm.v1.core import kv_cache_utils
                 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 
+                # a multiprocess engine seeds its hashes in its core process: seed this one alike
+                # (PYTHONHASHSEED, as every engine of the pair has it)
+                kv_cache_utils.init_none_hash(sha256_cbor)
                 toks, hashes, parent = list(args), [], None
                 for i in range(len(toks) // BLOCK_SIZE):
                     parent = hash_block_tokens(
@@ -371,7 +389,9 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             elif cmd == "kv_groups":
                 conn.send(("ok", llm.collective_rpc(_kv_groups)[0]))
             elif cmd == "kv_diff":
-                conn.send(("ok", llm.collective_rpc(_kv_block_maxdiff, args=(args["a"], args["b"]))[0]))
+                # every rank's heads: a TP engine's ranks each hold a part of every block
+                per_rank = llm.collective_rpc(_kv_block_maxdiff, args=(args["a"], args["b"]))
+                conn.send(("ok", [max(d) for d in zip(*per_rank, strict=True)]))
             elif cmd == "spans":
                 spans = [
                     {"name": s.name, **{k: v for k, v in (s.attributes or {}).items()}}

@@ -1,4 +1,4 @@
-"""A prefill at TP 1 pulls from a decode at TP 2 (vLLM's CPU build runs TP as worker processes), from
+"""A prefill at TP 1 or 2 pulls from a decode at TP 2 (vLLM's CPU build runs TP as worker processes), from
 its KV cache and from its host pool.
 
 vLLM's NIXL connector reads across TP sizes that divide each other: each of the decode's two ranks
@@ -43,7 +43,7 @@ def test_tp1_prefill_pulls_from_tp2_decode(tp_pair):
     prompt = rand_tokens(rnd, 1000)
     p = tp_pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt="cold-tp")
     d = tp_pair.decode.generate(prompt, 64, p["kv_transfer_params"])
-    hashes = tp_pair.prefill.call("block_hashes", prompt)  # a multiprocess engine hashes in its core
+    hashes = tp_pair.prefill.call("block_hashes", prompt)
     handle = d["kv_transfer_params"]["remote_request_id"]
     # retained in the KV cache, or already in the host pool (whose copy takes over from it)
     wait_until(
@@ -88,3 +88,49 @@ def test_tp1_prefill_pulls_from_the_host_pools_of_a_tp2_decode(tp_pair):
     assert pf.span["kvloop.path"] == "transfer", pf.span
     assert pf.span["kvloop.tier"] == "host", pf.span
     assert pf.out["num_cached_tokens"] == len(nxt) - 64 - 1
+
+
+def test_tp2_prefill_pulls_from_the_host_pools_of_a_tp2_decode(engine_slot: EngineSlot, tiny_model: Path):
+    """Both sides at TP 2: each prefill rank reads its own half of every block from the decode rank's
+    pool of the same rank (the handshake of ``decode-0@host`` names each rank's pool)."""
+    from kvloop.v1 import directory_pb2 as pb
+
+    pair = engine_slot.get(
+        "tp2-tp2",
+        tiny_model,
+        MODEL,
+        KV_BYTES_PER_BLOCK // 2,
+        decode_tp=2,
+        host_retention_gib=0.05,
+        prefill_tp=2,
+    )
+    rnd = random.Random(41)
+    prompt = rand_tokens(rnd, 700)
+    p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt="cold-tp22-host")
+    d = pair.decode.generate(prompt, 32, p["kv_transfer_params"])
+    handle = d["kv_transfer_params"]["remote_request_id"]
+    hashes = pair.prefill.call("block_hashes", prompt + d["token_ids"])
+
+    def host_only() -> bool:
+        pair.decode.generate(rand_tokens(rnd, 8), 1)  # steps the decode: copies are reported at steps
+        host = pair.kvloop.locations(hashes[0], "retained", f"{handle}@host")
+        device = pair.kvloop.locations(hashes[0], "retained", handle)
+        return bool(host) and host[0].tier == pb.BLOCK_TIER_HOST and not device
+
+    wait_until(host_only, 60, "the host copy announced and the KV-cache run given up")
+
+    def host_reads() -> int:  # pulls kvloopd sent to decode-0's pool (verdicts) and READs reported on it
+        return sum(
+            len(p.sample_gbytes_per_s) + sum(p.verdicts.values())
+            for p in pair.kvloop.client.pairs(MODEL).pairs
+            if p.holder_worker_id == "decode-0" and p.tier == pb.BLOCK_TIER_HOST
+        )
+
+    before = host_reads()
+    nxt = prompt + d["token_ids"] + rand_tokens(rnd, 64)
+    # KV of every full block, on both ranks, equals a recompute (this prefill's spans stay in its
+    # engine-core process: what it pulled is read from its output and from kvloopd)
+    pf = prefill_and_check(pair, nxt, span=False)
+    # turn 1 was prefilled under a salt: every cached token of this unsalted prompt was pulled
+    assert pf.out["num_cached_tokens"] == len(nxt) - 64 - 1
+    assert host_reads() > before, "kvloopd saw no pull from decode-0's host pool"
