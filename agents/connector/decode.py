@@ -13,6 +13,7 @@ newer turns fit.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -420,7 +421,16 @@ class DecodeSide:
             return None  # a run given up steps until its drop is settled (a round trip)
         if self._host is not None and self._host.copying(request_id):
             return None  # its host copy is reported at an engine step
-        return run.deadline
+        return min(run.deadline, self._demote_at(request_id, run))
+
+    def _demote_at(self, request_id: str, run: _Retained) -> float:
+        """When ``_demote`` gives the run's KV-cache blocks up (at an engine step: an idle engine is
+        woken then); infinity when it does not."""
+        after = self.cfg.host_demote_after_s
+        if after is None or self._host is None or self._confirmer is None or run.given_up:
+            return math.inf
+        announced = self._host.announced_at.get(request_id)
+        return math.inf if announced is None else announced + after
 
     def shutdown(self) -> None:
         if self._confirmer is not None:

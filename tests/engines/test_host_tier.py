@@ -725,3 +725,30 @@ def test_the_tier_takes_its_eviction_policy_by_name():
     assert tier.eviction.name == "predicted_return" and tier.eviction.horizon_s == 600.0  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="unknown host eviction policy 'mru'"):
         HostTier(8, 600.0, 2.0, lambda e: None, None, eviction="mru")
+
+
+def test_an_idle_decode_is_woken_to_give_up_a_run_whose_copy_is_old_enough():
+    """With ``kvloop_host_demote_after_s``, a run whose copy is announced is parked (the engine loop
+    may sleep) only until its demotion is due, not until its lease ends: the step that gives it up
+    comes then even on a decode with nothing else to do."""
+    from kvloop.agents.connector.config import KvloopConfig
+    from kvloop.agents.connector.decode import DecodeSide
+
+    events: list = []
+    confirmer = _FakeDecodeConfirmer()
+    cfg = KvloopConfig(retention_max_share=0.5, host_demote_after_s=5.0)
+    host = HostTier(64, 600.0, 2.0, events.append, confirmer)  # type: ignore[arg-type]
+    side = DecodeSide(cfg, 4, events.append, num_kv_blocks=100, confirmer=confirmer, host=host)  # type: ignore[arg-type]
+    assert _finish(side, "a", list(range(1, 9)))
+    assert side.parked_until("a") is None  # its copy is reported at an engine step
+    side.host_copied({c.handle: True for c in side.take_host_copies()})
+    announced = host.announced_at["a"]
+    lease_end = side.parked_until("a")
+    assert lease_end is not None and lease_end == pytest.approx(announced + 5.0)
+    host.announced_at["a"] = announced - 5.0  # the copy is 5 s old: due now
+    side.take_free_early()
+    assert [g.handle for g in confirmer.asked] == ["a"]  # given up from the KV cache
+    assert side.parked_until("a") is None  # the engine steps until the drop is settled
+    without = DecodeSide(KvloopConfig(retention_max_share=0.5), 4, events.append, num_kv_blocks=100)
+    assert _finish(without, "b", list(range(20, 28)))
+    assert without.parked_until("b") is not None and without.parked_until("b") > announced + 30  # its lease
