@@ -154,7 +154,9 @@ def _continuation(
     first_prompt = list(conversation.messages)
     first = chat_turn(stack.proxy_url, model, first_prompt, max_tokens, 1)
     conversation.record(first.answer)
-    if not stack.wait_turn_retained(first_prompt, timeout_s=120, only_tier=TIERS[tier]):
+    # the host stack: until the copy is announced and the KV cache's run given up (Lookup prefers a
+    # device holder at equal reach)
+    if not stack.wait_turn_retained(first_prompt, timeout_s=120, tier=TIERS[tier], only=tier == "host"):
         say(f"{tier} {target}", "turn 1's run was not held in this tier in time: turn 2 may recompute")
     prompt = list(conversation.messages)
     second = chat_turn(stack.proxy_url, model, prompt, max_tokens, 2)

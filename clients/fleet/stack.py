@@ -487,13 +487,15 @@ class Stack:
         model: str = "",
         cache_salt: str = "",
         timeout_s: float = 60.0,
-        only_tier: int = 0,
+        tier: int = 0,
+        only: bool = False,
     ) -> bool:
         """Wait until a decode's retained run holds the last full block of the chat prompt ``messages``
         (a turn that sent them ended; its retention travels engine -> ZMQ -> sidecar -> kvloopd). Exact
         where a count of runs is not: other runs come and go meanwhile. ``model`` may name a LoRA
-        adapter of the stack's. With ``only_tier`` (a pb.BlockTier), until every retained run holding
-        that block is of that tier (the host: its copy announced and the KV cache's run given up)."""
+        adapter of the stack's. With ``tier`` (a pb.BlockTier), until a run of that tier holds it; with
+        ``only`` too, until every run holding it is of that tier (the host: its copy announced and the
+        KV cache's run given up)."""
         model = model or self.config.served_model_name
         adapter = self.config.lora_modules.get(model)
         tokens = self.tokenize(messages, model)
@@ -517,8 +519,8 @@ class Stack:
                     found = client.find_block(base, hashes[-1], lora_name=lora_name)
                 except DaemonUnavailable:  # --ha: a replica or the Redis primary is failing over
                     found = []
-                retained = [loc for loc in found if loc.kind == "retained"]
-                if retained and (not only_tier or all(loc.tier == only_tier for loc in retained)):
+                tiers = {loc.tier for loc in found if loc.kind == "retained"}
+                if tiers and (not tier or (tiers == {tier} if only else tier in tiers)):
                     return True
                 time.sleep(0.02)  # polling the directory
         return False
