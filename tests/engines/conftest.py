@@ -255,8 +255,9 @@ class EnginePair:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_harness import build_tiny_llama
+    from kvloop.clients.fleet.model import build_tiny_llama
 
+    # the product's builder, as the demo and benchmarks use it: hidden 384, 4 layers, 6 heads, vocab 1024
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 

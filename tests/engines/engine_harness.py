@@ -14,89 +14,12 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 BLOCK_SIZE = 32
 
 
 # ----------------------------------------------------------------------------------- model
-
-
-def build_tiny_llama(out: Path) -> Path:
-    """Random-weight Llama (hidden 384, 4 layers, 6 heads, vocab 1024) + a trained BPE tokenizer."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    out.mkdir(parents=True, exist_ok=True)
-    words = [
-        "kv",
-        "cache",
-        "block",
-        "transfer",
-        "prefill",
-        "decode",
-        "engine",
-        "token",
-        "hash",
-        "lease",
-        "the",
-        "a",
-        "of",
-        "and",
-        "to",
-        "in",
-        "is",
-        "it",
-        "that",
-        "for",
-        "on",
-        "with",
-        "as",
-        "at",
-        "model",
-        "layer",
-        "attention",
-        "head",
-        "vector",
-        "matrix",
-        "loop",
-        "daemon",
-        "worker",
-        "peer",
-    ]
-    import random
-
-    rnd = random.Random(0)
-    corpus = [" ".join(rnd.choice(words) for _ in range(40)) for _ in range(2000)]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(out)
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        max_position_embeddings=32768,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    return out
 
 
 # ----------------------------------------------------------------------------------- engine
