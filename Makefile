@@ -50,7 +50,7 @@ run: setup
 	$(BIN)/kvloopd --listen 127.0.0.1:50051 --metrics-listen 127.0.0.1:9464
 
 test: setup setup-engines
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=15
 
 # The tests that need no vLLM (tests/*.py); they pass on a venv with '.[test,bench]' alone, e.g.
 # `make test-fast VENV=.venv-fast`. tests/engines needs vLLM's code, tests/e2e the served stack.
