@@ -4,17 +4,18 @@ directory current over the Connect stream, and exits cleanly on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
 import ssl
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import structlog
 import typer
-from prometheus_client import Counter, Gauge
+from prometheus_client import Gauge
 from pydantic import ValidationError
 
 from kvloop.common.addresses import parse_host_port
@@ -23,13 +24,14 @@ from kvloop.common.logging import configure_logging
 from kvloop.common.sd_notify import Notifier
 from kvloop.common.version import VERSION, publish_build_info, version_line
 
+if TYPE_CHECKING:
+    from kvloop.v1 import directory_pb2 as pb
+
 log = structlog.get_logger("kvloop.agent")
 app = typer.Typer(
     add_completion=False, help="kvloop sidecar: streams one vLLM worker's block events to kvloopd."
 )
 
-FORWARDED = Counter("kvloop_agent_events_forwarded_total", "Block events forwarded to kvloopd", ["kind"])
-ENGINE_GAPS = Counter("kvloop_agent_engine_event_gaps_total", "Unrecoverable gaps in the engine's KV events")
 CONNECTED = Gauge("kvloop_agent_connected", "1 while the Connect stream to kvloopd is up")
 UNACKED = Gauge(
     "kvloop_agent_unacked_batches",
@@ -39,18 +41,12 @@ UNACKED = Gauge(
 _ROLES = {"prefill": 1, "decode": 2, "both": 3}
 
 
-async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | None = None) -> int:
-    from kvloop.agents.sidecar.engine_watch import EngineIncarnation, health_url, watch_health
-    from kvloop.agents.sidecar.health import serve_health
-    from kvloop.agents.sidecar.kv_events import KvEventSubscriber, PublisherRestarted, read_or_count
-    from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
-    from kvloop.agents.sidecar.mirror import WorkerMirror
-    from kvloop.clients.directory_client import AsyncDirectoryClient
+def worker_registration(settings) -> pb.WorkerRegistration:
+    """What the agent registers its worker as: the settings, a fresh epoch, this process's pid."""
     from kvloop.common import block_hash
     from kvloop.v1 import directory_pb2 as pb
 
-    mirror = WorkerMirror(settings.hash_length, host_pool=bool(settings.host_nixl_endpoint))
-    registration = pb.WorkerRegistration(
+    return pb.WorkerRegistration(
         worker_id=settings.worker_id,
         role=_ROLES[settings.role],
         model=settings.model,
@@ -73,6 +69,38 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         labels={"agent_pid": str(os.getpid())},
         agent_version=VERSION,
     )
+
+
+def agent_status(settings, link, pump) -> tuple[bool, dict]:
+    """``/healthz``: whether the stream to kvloopd is up, and the agent's state."""
+    connected = link.connected.is_set()
+    return connected, {
+        "worker_id": settings.worker_id,
+        "connected": connected,
+        "epoch": pump.registration.epoch,
+        "sequence": link.sequence,
+        "acked": link.acked,
+        "engine_batches": pump.subscriber.messages,
+        "engine_gaps": pump.subscriber.unrecoverable_gaps,
+        "retained_runs": len(pump.mirror.retained),
+        "engine": pump.engine.state,
+        "engine_restarts": pump.engine.restarts,
+        "last_error": link.last_error,
+        "drained": link.drain_reason,
+    }
+
+
+async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | None = None) -> int:
+    from kvloop.agents.sidecar.engine_watch import EngineIncarnation, health_url, watch_health
+    from kvloop.agents.sidecar.event_pump import EventPump
+    from kvloop.agents.sidecar.health import serve_health
+    from kvloop.agents.sidecar.kv_events import KvEventSubscriber
+    from kvloop.agents.sidecar.link import DirectoryLink, RegistrationRefused
+    from kvloop.agents.sidecar.mirror import WorkerMirror
+    from kvloop.clients.directory_client import AsyncDirectoryClient
+
+    mirror = WorkerMirror(settings.hash_length, host_pool=bool(settings.host_nixl_endpoint))
+    registration = worker_registration(settings)
     publish_build_info("kvloop-agent")
     client = AsyncDirectoryClient(settings.daemon, settings.security())
     link = DirectoryLink(
@@ -85,103 +113,14 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
     subscriber = KvEventSubscriber(settings.kv_events, settings.kv_events_replay, settings.kv_events_topic)
     started = time.monotonic()
     engine = EngineIncarnation()
-    engine_gone = asyncio.Event()  # set by the health watch; the pump drops the engine's state
-    engine_gone_reason = ""
+    pump = EventPump(subscriber, mirror, link, registration, engine)
 
-    def status() -> tuple[bool, dict]:
-        connected = link.connected.is_set()
-        return connected, {
-            "worker_id": settings.worker_id,
-            "connected": connected,
-            "epoch": registration.epoch,
-            "sequence": link.sequence,
-            "acked": link.acked,
-            "engine_batches": subscriber.messages,
-            "engine_gaps": subscriber.unrecoverable_gaps,
-            "retained_runs": len(mirror.retained),
-            "engine": engine.state,
-            "engine_restarts": engine.restarts,
-            "last_error": link.last_error,
-            "drained": link.drain_reason,
-        }
+    status = functools.partial(agent_status, settings, link, pump)
 
     health = None
     if settings.health_listen:
         host, port = parse_host_port(settings.health_listen, "health_listen")
         health = serve_health(host, port, status, health_tls)
-
-    async def take_engine_events() -> None:
-        async for seq, payload, gap in subscriber.batches():
-            engine.batch_taken()
-            if gap:
-                ENGINE_GAPS.inc()
-                mirror.forget_retained()
-                link.request_snapshot("engine event gap")
-            decoded = read_or_count(payload, seq)
-            if decoded is None:
-                # Its events are lost like a gap's: a release may be among them.
-                mirror.forget_retained()
-                link.request_snapshot("unreadable engine event batch")
-                continue
-            events = mirror.convert_batch(decoded.vllm, decoded.kvloop)
-            for event in events:
-                FORWARDED.labels(event.WhichOneof("event")).inc()
-            if events:
-                link.publish(events)
-
-    def forget_engine(signal: str, reason: str) -> None:
-        """The engine process ended: the directory must drop every block it announced (their ids
-        mean other data in a relaunched engine). A new epoch replaces the worker with an empty one."""
-        old_epoch = registration.epoch
-        mirror.clear()
-        link.restart_epoch(random.getrandbits(63) | 1, f"engine ended ({signal})")
-        log.warning(
-            "engine process ended: its blocks are dropped from the directory",
-            worker_id=settings.worker_id,
-            signal=signal,
-            reason=reason,
-            old_epoch=old_epoch,
-            epoch=registration.epoch,
-            engine_restarts=engine.restarts,
-        )
-
-    async def pump() -> None:
-        """The engine's events, one engine process at a time: each ends with its publisher (or its
-        /health), and the next is read from a fresh subscription and replay from seq 0."""
-        while True:
-            consumer = asyncio.create_task(take_engine_events(), name="engine events")
-            gone = asyncio.create_task(engine_gone.wait())
-            try:
-                await asyncio.wait({consumer, gone}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                gone.cancel()
-                consumer.cancel()
-                outcome = (await asyncio.gather(consumer, return_exceptions=True))[0]
-            # Only now, with no batch of the old engine left in flight, is its state dropped.
-            if engine_gone.is_set():
-                engine_gone.clear()
-                forget_engine("health", engine_gone_reason)
-            elif isinstance(outcome, PublisherRestarted):
-                if engine.mark_down("publisher", str(outcome)):
-                    forget_engine("publisher", str(outcome))
-            elif isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
-                raise outcome
-
-    def engine_down(reason: str) -> None:
-        nonlocal engine_gone_reason
-        if engine.mark_down("health", reason):
-            engine_gone_reason = reason
-            engine_gone.set()
-
-    async def watch_silence() -> None:
-        await asyncio.sleep(settings.silent_engine_warning_s)
-        if subscriber.messages == 0:
-            log.warning(
-                "no KV events from the engine yet: is vLLM started with kv_events_config "
-                "(enable_kv_cache_events, publisher zmq) on this endpoint?",
-                endpoint=settings.kv_events,
-                waited_s=settings.silent_engine_warning_s,
-            )
 
     async def track_connection() -> None:
         while True:
@@ -200,7 +139,7 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
         epoch=registration.epoch,
     )
     # These run for the agent's whole life: the first to end (or SIGTERM) ends the agent.
-    named = {"directory link": link.run(), "event pump": pump(), "connection tracker": track_connection()}
+    named = {"directory link": link.run(), "event pump": pump.run(), "connection tracker": track_connection()}
     engine_health = health_url(settings.http_endpoint) if settings.engine_health_interval_s else None
     if engine_health is not None:
         named["engine health watch"] = watch_health(
@@ -208,10 +147,10 @@ async def run_agent(settings, stop: asyncio.Event, health_tls: ssl.SSLContext | 
             settings.engine_health_interval_s,
             settings.engine_down_after_s,
             on_up=engine.mark_up,
-            on_down=engine_down,
+            on_down=pump.engine_down,
         )
     tasks = [asyncio.create_task(coro, name=name) for name, coro in named.items()]
-    warner = asyncio.create_task(watch_silence())
+    warner = asyncio.create_task(pump.warn_if_silent(settings.silent_engine_warning_s, settings.kv_events))
     stopper = asyncio.create_task(stop.wait())
     # systemd (Type=notify): ready once /healthz serves and the tasks run (whether kvloopd answers
     # is /healthz's business: an agent waiting for kvloopd is started, not failed); the watchdog is
