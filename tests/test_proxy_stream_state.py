@@ -49,7 +49,7 @@ def broken_after_three_tokens(body: dict) -> StreamState:
 def test_continuation_prompt_is_prompt_and_sent_tokens_with_the_budget_left():
     stream = broken_after_three_tokens(CHAT)
     assert stream.unresumable_reason() is None
-    body = stream.continuation_body()
+    body = stream.resume_body()
     assert body["prompt"] == [1, 2, 5, 6, 7]
     assert body["max_tokens"] == 7 and body["min_tokens"] == 1
     assert body["temperature"] == 0 and body["ignore_eos"] is True and body["return_token_ids"] is True
@@ -119,7 +119,7 @@ def test_completions_streams_carry_prompt_token_ids_in_the_choice():
         }
     )
     assert out["choices"][0] == {"index": 0, "text": "a", "prompt_token_ids": None, "token_ids": None}
-    assert stream.continuation_body()["prompt"] == [1, 2, 9] and stream.continuation_body()["max_tokens"] == 4
+    assert stream.resume_body()["prompt"] == [1, 2, 9] and stream.resume_body()["max_tokens"] == 4
 
 
 def test_streams_that_cannot_be_continued_are_not_asked_for_token_ids():
@@ -130,7 +130,7 @@ def test_streams_that_cannot_be_continued_are_not_asked_for_token_ids():
 def test_logprobs_continue_in_the_chat_format():
     body = {**CHAT, "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}
     stream = broken_after_three_tokens(body)
-    request = stream.continuation_body()
+    request = stream.resume_body()
     assert request["logprobs"] == 1 and request["return_tokens_as_token_ids"] is True
     out = stream.translate(
         {

@@ -573,7 +573,7 @@ async def _stream(
                     broken = exc
         if broken is not None:
             _mark_failed(state, UpstreamError(502, str(broken), leg.decode))
-            if not await _continue(request, response, state, span, stream, broken, attempts):
+            if not await _resume(request, response, state, span, stream, broken, attempts):
                 REQUESTS.labels(endpoint, "stream_failed").inc()
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
@@ -636,7 +636,7 @@ def _turn_ended(state: _State, body: dict, answer: str, token_ids: list[int]) ->
     task.add_done_callback(state.after_turns.discard)
 
 
-async def _continue(
+async def _resume(
     request: web.Request,
     response: web.StreamResponse,
     state: _State,
@@ -671,7 +671,7 @@ async def _continue(
         stream.resumed += 1
         span.set_attributes({"kvloop.proxy.attempts": attempts, "kvloop.proxy.resumed": stream.resumed})
         try:
-            leg = await _place(state, span, "/v1/completions", stream.continuation_body(), chat=False)
+            leg = await _place(state, span, "/v1/completions", stream.resume_body(), chat=False)
             log.info(
                 "continuing the answer",
                 decode=leg.decode.url,

@@ -191,7 +191,7 @@ class StreamState:
         limit = _max_tokens(self.body)
         return None if limit is None else limit - len(self.sent_token_ids)
 
-    def continuation_body(self) -> dict:
+    def resume_body(self) -> dict:
         """The `/v1/completions` request that generates the rest of the answer."""
         assert self.prompt_token_ids is not None
         body: dict[str, Any] = {k: self.body[k] for k in _CARRIED_PARAMS if k in self.body}
