@@ -17,12 +17,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvloop.agents.connector.directory import TracedDirectoryClient
 from kvloop.agents.engine import Engine, EngineConfig, EngineStartError
 from kvloop.clients.directory_client import DaemonUnavailable, DirectoryClient, KvloopError
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.block_hash import block_hashes
 from kvloop.common.otlp_receiver import OtlpReceiver, SpanFile
 from kvloop.common.processes import ChildProcesses, supervisor
+from kvloop.common.tracing import not_sampled
 from kvloop.v1 import directory_pb2 as pb
 
 
@@ -500,7 +502,8 @@ class Stack:
         adapter = self.config.lora_modules.get(model)
         tokens = self.tokenize(messages, model)
         base = self.config.served_model_name
-        with DirectoryClient(self.daemon_address, timeout=5) as client:
+        # a poll, not a turn: its calls carry an unsampled trace context, so kvloopd records no trace
+        with not_sampled(), TracedDirectoryClient(self.daemon_address, timeout=5) as client:
             spec = client.list_workers(base)[0].registration
             hashes = block_hashes(
                 tokens,
