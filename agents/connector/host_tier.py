@@ -1,9 +1,13 @@
 """The decode's host retention tier, scheduler side: which retained runs get a copy in the host pool
 (host_pool.py), where, and for how long; their announcements and their fenced release.
 
-When a retained run is announced, its KV-cache blocks are copied into free pool slots (one slot per
-distinct block). Once the worker reports the copy, the copy is announced as a run of its own: handle
-``<request id>@host``, tier ``host``, slot ids for block ids, its own lease
+When a retained run is announced, its KV-cache blocks are copied into free pool slots. The pool holds a
+block once (common/held_blocks.py: by chained hash, within a LoRA and a KV-cache group): a block an
+announced copy holds already is not written again, the new copy names that slot, and a slot comes
+free only once no copy names it. Two conversations on one system prompt hold it once, as vLLM's own
+KV cache and ``kvloop bench replay``'s pools do. Once the worker reports the copy, the copy is
+announced as a run of its own: handle ``<request id>@host``, tier ``host``, slot ids for block ids, its
+own lease
 (``kvloop_host_retention_ttl_s``). The directory then knows both; the run's KV-cache blocks may go
 (decode.py gives up runs with a host copy first) while the copy stays pullable.
 
@@ -49,6 +53,7 @@ from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetention
 from kvloop.agents.connector.host_eviction import LRU, eviction_policy
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
+from kvloop.common.held_blocks import HeldBlocks
 from kvloop.common.host_names import HOST_SUFFIX, WINDOW_SUFFIX
 from kvloop.common.sliding_window import NULL_BLOCK
 from kvloop.common.tokens import agreeing_prefix_length
@@ -60,10 +65,15 @@ FREE_LOW = 0.1
 FREE_TARGET = 0.25
 
 
+# A slot's key in the pool's HeldBlocks: (LoRA, chained hash, KV-cache group) for a full block held
+# by content; (None, slot id) for a slot no other copy may name by content (a tail block, a full
+# block written while another copy was still writing the same content).
+SlotKey = tuple[object, ...]
+
+
 @dataclass
 class _Copy:
     event: KvloopBlocksRetained  # the host run's announcement, slot ids for block ids
-    slots: list[int]
     deadline: float = 0.0  # perf_counter; set once announced
     state: str = "copying"  # copying | announced | released
     free_at: float | None = None  # released: when its slots may be reused (perf_counter)
@@ -77,11 +87,6 @@ class _Waiting:
 
     device: KvloopBlocksRetained
     captured: dict[tuple[int, int], int]  # its window capture's slots, reserved for it
-
-
-def _block_ids(device: KvloopBlocksRetained) -> list[int]:
-    """The distinct KV-cache blocks a run's copy takes (its groups' blocks and its tail block)."""
-    return sorted(({b for g in device.block_ids for b in g} | set(device.tail_block_ids)) - {NULL_BLOCK})
 
 
 @dataclass
@@ -112,9 +117,13 @@ class HostTier:
         self.announced_at: dict[str, float] = {}  # device handle -> when its copy was announced
         self._captures: dict[str, _Capture] = {}  # device handle -> its window capture
         self._pending_captures: dict[str, HostCopy] = {}  # request id -> capture for the worker
-        # Slots more than one copy names (a copy took them over from one it shares a prefix with, see
-        # _take_over): slot -> how many copies beyond one; such a slot comes free with the last of them.
-        self._shared: dict[int, int] = {}
+        # The slots copies name, by key: a slot comes free once no copy names it (and the fence of the
+        # last that did has passed). Content keys of announced copies are readable: a later copy names
+        # their slots instead of writing the same blocks again.
+        self._blocks: HeldBlocks[SlotKey] = HeldBlocks()
+        self._slot_of: dict[SlotKey, int] = {}
+        self._key_at: dict[int, SlotKey] = {}
+        self._readable: set[SlotKey] = set()
         # The copies not released yet, in the order the pool gives them up; a copy's turn ended when
         # its run was retained (plan).
         self.eviction = eviction_policy(eviction, ttl_s)
@@ -149,9 +158,9 @@ class HostTier:
         captured = capture.slot_at if capture is not None and capture.state == "done" else {}
         if capture is not None and not captured:
             self._drop_capture(device.retention_handle, capture)
-        needed = len(_block_ids(device))
         self.eviction.turn(device.block_hashes, time.perf_counter())
-        self._make_room(needed + self._waiting_need())
+        self._make_room(self._needed(device) + self._waiting_need())
+        needed = self._needed(device)
         if not self._waiting and needed <= len(self._free):
             self._place(handle, device, captured)
         elif needed <= self._obtainable():
@@ -161,21 +170,72 @@ class HostTier:
             tm.HOST_COPIES.labels("no_room").inc()
             self._free.extend(captured.values())
 
-    def _place(self, handle: str, device: KvloopBlocksRetained, captured: dict[tuple[int, int], int]) -> None:
-        """Give a run its slots and hand the worker its copy."""
-        ids = _block_ids(device)
-        slot_of = {b: self._free.pop() for b in ids}
-        # a position the run no longer holds in its KV cache is read from its window capture, if any
-        slot_groups = [
-            [slot_of[b] if b != NULL_BLOCK else captured.get((g, p), NULL_BLOCK) for p, b in enumerate(ids_g)]
-            for g, ids_g in enumerate(device.block_ids)
-        ]
-        # what the worker copies, per group: the run's blocks and its partly filled tail block
+    def _content_key(self, device: KvloopBlocksRetained, group: int, position: int) -> SlotKey | None:
+        if position >= len(device.block_hashes):
+            return None
+        return (device.lora_name or "", device.block_hashes[position], group)
+
+    def _held_slot(self, device: KvloopBlocksRetained, group: int, position: int) -> int | None:
+        """The slot of a block at (group, position) an announced copy holds already, if any."""
+        key = self._content_key(device, group, position)
+        return self._slot_of[key] if key in self._readable else None
+
+    def _to_write(self, device: KvloopBlocksRetained) -> list[list[int]]:
+        """Per group, the KV-cache blocks the copy writes: the run's blocks the pool does not hold yet
+        and its partly filled tail block."""
         tails = device.tail_block_ids or [NULL_BLOCK] * len(device.block_ids)
-        copied = [
-            [b for b in [*g, tail] if b != NULL_BLOCK]
-            for g, tail in zip(device.block_ids, tails, strict=True)
+        return [
+            [
+                *(
+                    b
+                    for p, b in enumerate(ids_g)
+                    if b != NULL_BLOCK and self._held_slot(device, g, p) is None
+                ),
+                *([tail] if tail != NULL_BLOCK else []),
+            ]
+            for g, (ids_g, tail) in enumerate(zip(device.block_ids, tails, strict=True))
         ]
+
+    def _needed(self, device: KvloopBlocksRetained) -> int:
+        """Free slots a run's copy takes: one per distinct block the pool does not hold yet."""
+        return len({b for g in self._to_write(device) for b in g})
+
+    def _name(self, handle: str, key: SlotKey | None, slot: int) -> None:
+        """Copy ``handle`` names ``slot``: by content where no copy holds that content yet."""
+        if slot in self._key_at:
+            key = self._key_at[slot]
+        elif key is None or key in self._blocks:
+            key = (None, slot)
+        self._slot_of[key], self._key_at[slot] = slot, key
+        self._blocks.hold(handle, [key])
+
+    def _place(self, handle: str, device: KvloopBlocksRetained, captured: dict[tuple[int, int], int]) -> None:
+        """Give a run its slots and hand the worker its copy: only the blocks the pool does not hold
+        yet are written; the copy names the slots of those it does."""
+        copied = self._to_write(device)
+        slot_of = {b: self._free.pop() for b in sorted({b for g in copied for b in g})}
+        slot_groups: list[list[int]] = []
+        shared = 0
+        for g, ids_g in enumerate(device.block_ids):
+            slots_g = []
+            for p, b in enumerate(ids_g):
+                held = self._held_slot(device, g, p)
+                if held is not None:
+                    slot = held
+                    shared += 1
+                elif b != NULL_BLOCK:
+                    slot = slot_of[b]
+                else:  # no longer in its KV cache: read from its window capture, if any
+                    slot = captured.get((g, p), NULL_BLOCK)
+                if slot != NULL_BLOCK:
+                    self._name(handle, self._content_key(device, g, p), slot)
+                slots_g.append(slot)
+            slot_groups.append(slots_g)
+        for slot in slot_of.values():  # its tail blocks
+            self._name(handle, None, slot)
+        named = {s for g in slot_groups for s in g}
+        # a capture of a block the pool held already: never announced, so no READ can reach it
+        self._free.extend(s for s in captured.values() if s not in named)
         event = KvloopBlocksRetained(
             block_hashes=device.block_hashes,
             block_ids=slot_groups,
@@ -187,20 +247,25 @@ class HostTier:
             tail_block_ids=[slot_of.get(b, NULL_BLOCK) for b in device.tail_block_ids],
             tier="host",
         )
-        slots = [*slot_of.values(), *captured.values()]
-        self._copies[handle] = _Copy(event, slots, hashes=tuple(device.block_hashes))
+        self._copies[handle] = _Copy(event, hashes=tuple(device.block_hashes))
         self.eviction.add(handle, device.block_hashes, time.perf_counter())
-        self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
+        if shared:
+            tm.HOST_SHARED_BLOCKS.inc(shared)
+        if slot_of:
+            self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
+        else:  # the pool holds every block already: nothing to write
+            self.copied({handle: True})
 
     def _waiting_need(self) -> int:
-        return sum(len(_block_ids(w.device)) for w in self._waiting.values())
+        return sum(self._needed(w.device) for w in self._waiting.values())
 
     def _obtainable(self) -> int:
         """Slots a new run could get once released copies' fences pass and every announced copy is
         given up, beyond what the runs already waiting need."""
-        named = sum(len(c.slots) for c in self._copies.values() if c.state in ("announced", "released"))
-        held = named - sum(self._shared.values())  # only announced copies share slots
-        return len(self._free) + held - self._waiting_need()
+        being_written = {
+            k for h, c in self._copies.items() if c.state == "copying" for k in self._blocks.names(h)
+        }
+        return len(self._free) + len(self._blocks) - len(being_written) - self._waiting_need()
 
     def can_take(self, block_ids: set[int]) -> bool:
         """Whether a run holding ``block_ids`` would get slots, now or once the pool made room."""
@@ -210,7 +275,7 @@ class HostTier:
         """Runs waiting for room, in the order they came: each as soon as its slots are free."""
         while self._waiting:
             handle, waiting = next(iter(self._waiting.items()))
-            needed = len(_block_ids(waiting.device))
+            needed = self._needed(waiting.device)
             if needed > len(self._free):
                 self._make_room(self._waiting_need())
                 return
@@ -293,9 +358,10 @@ class HostTier:
                 tm.HOST_COPIES.labels("failed" if not ok else "discarded").inc()
                 del self._copies[handle]
                 self.eviction.forget(handle)
-                self._give_back(copy.slots)
+                self._give_back(handle)
                 continue
             copy.state, copy.deadline = "announced", now + self.ttl_s
+            self._hold_by_content(handle, copy)
             superseded = self._superseded_by(handle, copy)
             self._emit(_with_ts(copy.event))
             for older, old in superseded:
@@ -343,7 +409,7 @@ class HostTier:
                 self._release(handle, copy, "expired", fence=False)
             if copy.state == "released" and copy.free_at is not None and now >= copy.free_at:
                 del self._copies[handle]
-                self._give_back(copy.slots)
+                self._give_back(handle)
         self._place_waiting()
 
     def _superseded_by(self, newer: str, copy: _Copy) -> list[tuple[str, _Copy]]:
@@ -357,12 +423,12 @@ class HostTier:
                 continue
             shared = agreeing_prefix_length(copy.hashes, old.hashes)
             if shared:
-                self._take_over(copy, old, shared)
+                self._take_over(newer, copy, old, shared)
             if shared == len(old.hashes):
                 out.append((handle, old))
         return out
 
-    def _take_over(self, copy: _Copy, old: _Copy, blocks: int) -> None:
+    def _take_over(self, handle: str, copy: _Copy, old: _Copy, blocks: int) -> None:
         """``copy`` names ``old``'s slots at the positions of the first ``blocks`` blocks (the prefix
         the two runs share) where it holds none itself.
 
@@ -380,30 +446,39 @@ class HostTier:
             for p in range(min(blocks, len(mine), len(theirs))):
                 if theirs[p] != NULL_BLOCK and mine[p] == NULL_BLOCK:
                     mine[p] = theirs[p]
-                    copy.slots.append(theirs[p])
-                    self._shared[theirs[p]] = self._shared.get(theirs[p], 0) + 1
+                    self._blocks.hold(handle, [self._key_at[theirs[p]]])
         copy.event = msgspec.structs.replace(copy.event, block_ids=groups)
 
-    def _give_back(self, slots: list[int]) -> None:
+    def _hold_by_content(self, handle: str, copy: _Copy) -> None:
+        """An announced copy's full blocks become readable by content: later copies name their slots.
+        A block it wrote while another copy was writing the same one is held by content now if that
+        other copy's WRITE failed or its slots came free meanwhile."""
+        lora = copy.event.lora_name or ""
+        for g, slots in enumerate(copy.event.block_ids):
+            for p, slot in enumerate(slots[: len(copy.hashes)]):
+                content = (lora, copy.hashes[p], g)
+                key = self._key_at.get(slot)
+                if key is not None and key[0] is None and content not in self._blocks:
+                    self._blocks.rekey(key, content)
+                    del self._slot_of[key]
+                    self._slot_of[content], self._key_at[slot] = slot, content
+                    key = content
+                if key == content:
+                    self._readable.add(content)
+
+    def _give_back(self, handle: str) -> None:
         """A copy's slots, past its fence: free, but for those another copy still names."""
-        for slot in slots:
-            others = self._shared.get(slot, 0)
-            if not others:
-                self._free.append(slot)
-            elif others == 1:
-                del self._shared[slot]
-            else:
-                self._shared[slot] = others - 1
+        for key in self._blocks.release(handle):
+            slot = self._slot_of.pop(key)
+            del self._key_at[slot]
+            self._readable.discard(key)
+            self._free.append(slot)
 
     def _make_room(self, needed: int) -> None:
         """Release copies, in the eviction policy's order, while too few slots are free or coming free
         (one still being copied is skipped: it was never announced)."""
-        # slots another copy took over do not come free with a released copy: not counted
-        coming = sum(
-            sum(1 for s in c.slots if s not in self._shared)
-            for c in self._copies.values()
-            if c.state == "released"
-        )
+        # slots another copy names too do not come free with a released copy: not counted
+        coming = sum(self._blocks.sole(h) for h, c in self._copies.items() if c.state == "released")
         if self.free_slots >= max(needed, FREE_LOW * self.slots):
             return
         want = max(needed, int(FREE_TARGET * self.slots))
@@ -413,7 +488,7 @@ class HostTier:
             copy = self._copies[handle]
             if copy.state == "announced":
                 self._release(handle, copy, "evicted")
-                coming += sum(1 for s in copy.slots if s not in self._shared)
+                coming += self._blocks.sole(handle)
 
     def _release(self, handle: str, copy: _Copy, reason: str, fence: bool = True) -> None:
         copy.state = "released"

@@ -184,6 +184,11 @@ SPECS = (
     # reason: evicted (the pool needed room) | superseded (a later turn's copy holds it) | expired
     MetricSpec("host_released", "counter", "Host copies released", ("reason",)),
     MetricSpec("host_reads", "counter", "READs of host copies by prefills"),
+    MetricSpec(
+        "host_shared_blocks",
+        "counter",
+        "Blocks a host copy named instead of writing them (the pool held them already)",
+    ),
     # As NIXL timed each WRITE into the pool (its transfer telemetry): copy GB/s = bytes / seconds.
     MetricSpec("host_copied_bytes", "counter", "KV bytes written into the host pool"),
     MetricSpec(
@@ -222,6 +227,7 @@ READS_SERVED = _METRICS["reads_served"]
 HOST_COPIES = _METRICS["host_copies"]
 HOST_RELEASED = _METRICS["host_released"]
 HOST_READS = _METRICS["host_reads"]
+HOST_SHARED_BLOCKS = _METRICS["host_shared_blocks"]
 HOST_COPIED_BYTES = _METRICS["host_copied_bytes"]
 HOST_COPY_SECONDS = _METRICS["host_copy_seconds"]
 CLAIMS_RELEASED = _METRICS["claims_released"]

@@ -27,9 +27,15 @@ class FakeConfirmer:
         self.asked.append(run)
 
 
+def _hashes(first_id: int, n: int) -> list[bytes]:
+    """The chained hashes of KV-cache blocks ``first_id``...: as in vLLM's prefix cache, the same
+    block holds the same content (runs of one conversation share blocks; other conversations not)."""
+    return [bytes([first_id + i]) * 32 for i in range(n)]
+
+
 def _device(handle: str, n: int, first_id: int = 10, tail: bool = False) -> KvloopBlocksRetained:
     return KvloopBlocksRetained(
-        block_hashes=H[:n],
+        block_hashes=_hashes(first_id, n),
         block_ids=[[first_id + i for i in range(n)]],
         retention_handle=handle,
         lease_ms=60_000,
@@ -54,7 +60,7 @@ def test_a_copy_is_announced_as_a_host_run_only_once_the_worker_made_it():
     tier.copied({"r1@host": True})
     (host,) = events
     assert host.tier == "host" and host.retention_handle == "r1@host" and not host.single_use
-    assert host.block_hashes == H[:3] and host.lease_ms == 600_000
+    assert host.block_hashes == _hashes(10, 3) and host.lease_ms == 600_000
     slot_of = dict(zip(copy.block_ids[0], copy.slots[0], strict=True))
     assert host.block_ids == [[slot_of[10], slot_of[11], slot_of[12]]]
     assert host.tail_block_ids == [slot_of[13]] and host.tail_token_ids == [1, 2, 3]
@@ -84,7 +90,8 @@ def test_a_released_copys_slots_come_free_only_after_the_directory_confirmed_and
     tier.plan(_device("b", 6, first_id=30))  # 5 free: the oldest copy goes, and b waits for room
     released = [e for e in events if isinstance(e, KvloopRetentionReleased)]
     assert [(e.retention_handle, e.reason) for e in released] == [("a@host", "evicted")]
-    assert [g.handle for g in confirmer.asked] == ["a@host"] and confirmer.asked[0].first_hash == H[0]
+    assert [g.handle for g in confirmer.asked] == ["a@host"]
+    assert confirmer.asked[0].first_hash == _hashes(10, 1)[0]
     assert not tier.has_copy("a") and tier.take_copies() == []
     tier.step()
     assert tier.free_slots == 5  # a's slots are fenced until the drop is confirmed ...
@@ -270,7 +277,9 @@ def test_a_later_turns_copy_takes_over_the_windows_of_the_copy_it_supersedes():
     assert _released(events) == ["t1@host"] and [g.handle for g in confirmer.asked] == ["t1@host"]
     assert _held(sliding) == [3, 4, 5, 8, 9, 11, 12, 13, 14, 15] and 0 not in full
     assert [sliding[p] for p in (3, 4, 5, 8, 9)] == [t1[p] for p in (3, 4, 5, 8, 9)]
-    assert tier.free_slots == 64 - 15 - 21  # nothing copied twice: the slots are turn 1's
+    # nothing copied twice: turn 2 wrote only what turn 1's copy does not hold (its own windows,
+    # 14-15 and its capture 11-13, and its full-attention blocks 10-15)
+    assert tier.free_slots == 64 - 15 - 11
     assert tier.can_take(set(range(1, 65))) and not tier.can_take(set(range(1, 66)))  # each slot once
 
 
@@ -281,7 +290,7 @@ def test_slots_two_copies_name_come_free_only_once_neither_can_be_read():
     # turn 1's copy past its fence: its own slots come free, not those turn 2's copy names
     tier.confirmed(Confirmed("t1@host", time.perf_counter() - 0.001))
     tier.step()
-    assert tier.free_slots == 28 + 15 - 5 and not shared & set(tier._free)
+    assert tier.free_slots == 64 - 15 - 11 and not shared & set(tier._free)  # turn 2 names them all
     tier._release("t2@host", tier._copies["t2@host"], "evicted")
     tier.confirmed(Confirmed("t2@host", time.perf_counter() - 0.001))
     tier.step()
@@ -294,7 +303,8 @@ def test_slots_two_copies_name_come_free_only_once_neither_can_be_read():
     tier.confirmed(Confirmed("t2@host", time.perf_counter() - 0.001))
     tier.confirmed(Confirmed("t1@host", time.perf_counter() + 30))
     tier.step()
-    assert tier.free_slots == 28 + 21 and not shared & set(tier._free)  # turn 1's readers may READ them
+    # turn 2's own 11 slots: turn 1's readers may READ the rest
+    assert tier.free_slots == 64 - 15 and not shared & set(tier._free)
     tier.confirmed(Confirmed("t1@host", time.perf_counter() - 0.001))
     tier.step()
     assert tier.free_slots == 64 and len(set(tier._free)) == 64
@@ -302,8 +312,9 @@ def test_slots_two_copies_name_come_free_only_once_neither_can_be_read():
 
 def test_a_copy_sharing_a_prefix_names_the_windows_within_it_and_leaves_the_other_copy():
     """Another continuation of turn 1 (a rewritten next message): its run departs from turn 1's at
-    block 9, so turn 1's copy stays beside it; the new copy names turn 1's window slots within the
-    blocks they share (turn 1's prompt window, 3-5), and they stay as long as either copy does."""
+    block 9, so turn 1's copy stays beside it; the new copy names turn 1's slots within the blocks
+    they share (turn 1's prompt window, 3-5, its run's block 8, the full-attention blocks 0-8), its
+    capture of block 8 comes back unused, and the shared slots stay as long as either copy does."""
     confirmer = FakeConfirmer()
     tier, events = _tier(64, confirmer)
     _hybrid_turn(tier, "t1", 10, {8: 58, 9: 59}, capture={3: 43, 4: 44, 5: 45})
@@ -320,11 +331,14 @@ def test_a_copy_sharing_a_prefix_names_the_windows_within_it_and_leaves_the_othe
     sliding = _announced(events, "c@host").block_ids[0]
     assert _released(events) == [] and tier.has_copy("t1") and tier.has_copy("c")
     assert _held(sliding) == [3, 4, 5, 6, 7, 8, 10, 11]
-    assert sliding[3:6] == t1[3:6] and sliding[8] != t1[8]  # its own block where it holds one
+    assert sliding[3:6] == t1[3:6] and sliding[8] == t1[8]
+    # c wrote its windows 6-7 (captured), 10-11 and its full-attention blocks 9-11
+    assert tier.free_slots == 64 - 15 - 7
     tier._release("t1@host", tier._copies["t1@host"], "evicted")
     tier.confirmed(Confirmed("t1@host", time.perf_counter() - 0.001))
     tier.step()
-    assert tier.free_slots == 64 - 17 - 3 and not set(t1[3:6]) & set(tier._free)  # c still names them
+    # t1's block 9 (its window and its full-attention block) came free; c still names the rest
+    assert tier.free_slots == 64 - 15 - 7 + 2 and not set(t1[3:6]) & set(tier._free)
 
 
 def test_a_decode_captures_the_window_before_its_prompts_last_complete_block():
