@@ -9,6 +9,7 @@ block once per hash the same way.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Iterable
 from typing import Generic, TypeVar
 
@@ -73,9 +74,10 @@ class HeldBlocks(Generic[K]):
     def names(self, run: Hashable) -> list[K]:
         return list(self._runs.get(run, ()))
 
-    def sole(self, run: Hashable) -> int:
-        """How many of ``run``'s blocks would leave the pool with it (no other run names them)."""
-        return sum(1 for k in self._runs.get(run, ()) if self._refs[k] == 1)
+    def leaving(self, runs: Iterable[Hashable]) -> int:
+        """How many blocks would leave the pool with ``runs`` (no run beside them names them)."""
+        counts = Counter(k for r in set(runs) for k in self._runs.get(r, ()))
+        return sum(1 for k, n in counts.items() if n == self._refs[k])
 
     def runs(self) -> list[Hashable]:
         return list(self._runs)

@@ -40,6 +40,21 @@ def conversation(name: str, blocks: int, start: int = 0) -> list[bytes]:
     return chain([f"{name}:{i}".encode() for i in range(start, start + blocks)])
 
 
+def named_hash(name: str, i: int) -> bytes:
+    """A 32-byte block hash readable in a failure message (``name/i`` padded)."""
+    return f"{name}/{i}".encode().ljust(32, b".")
+
+
+class RecordingConfirmer:
+    """A host tier's release confirmer that records what it was asked; the test answers."""
+
+    def __init__(self) -> None:
+        self.asked: list = []
+
+    def submit(self, run) -> None:
+        self.asked.append(run)
+
+
 def registration(
     worker_id: str,
     model: str = "test-model",

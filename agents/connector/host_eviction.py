@@ -32,6 +32,20 @@ LRU = "lru"
 PREDICTED_RETURN = "predicted_return"
 POLICIES = (LRU, PREDICTED_RETURN)
 
+# A pool starts releasing copies (its policy's first) when fewer than this share of its slots are
+# free, so that the next runs find room (a released copy's slots stay fenced for a read window) ...
+FREE_LOW = 0.1
+# ... and releases until this share is free or coming free.
+FREE_TARGET = 0.25
+
+
+def room_wanted(free: int, needed: int, slots: int) -> int:
+    """How many slots a pool of ``slots`` wants free or coming free before it places a run that takes
+    ``needed`` more, when ``free`` are free now; 0: it has room, nothing to release."""
+    if free >= max(needed, FREE_LOW * slots):
+        return 0
+    return max(needed, int(FREE_TARGET * slots))
+
 
 class EvictionPolicy(ABC):
     """The order in which a pool gives its runs up. Keys are the pool's own (a copy's handle); times

@@ -50,20 +50,13 @@ import msgspec
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_eviction import LRU, eviction_policy
+from kvloop.agents.connector.host_eviction import LRU, eviction_policy, room_wanted
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
 from kvloop.common.held_blocks import HeldBlocks
 from kvloop.common.host_names import HOST_SUFFIX, WINDOW_SUFFIX
 from kvloop.common.sliding_window import NULL_BLOCK
 from kvloop.common.tokens import agreeing_prefix_length
-
-# Start releasing copies (the eviction policy's first) when fewer than this share of the pool's
-# slots are free, so that the next runs find room (a released copy's slots stay fenced for a read
-# window).
-FREE_LOW = 0.1
-FREE_TARGET = 0.25
-
 
 # A slot's key in the pool's HeldBlocks: (LoRA, chained hash, KV-cache group) for a full block held
 # by content; (None, slot id) for a slot no other copy may name by content (a tail block, a full
@@ -477,18 +470,18 @@ class HostTier:
     def _make_room(self, needed: int) -> None:
         """Release copies, in the eviction policy's order, while too few slots are free or coming free
         (one still being copied is skipped: it was never announced)."""
-        # slots another copy names too do not come free with a released copy: not counted
-        coming = sum(self._blocks.sole(h) for h, c in self._copies.items() if c.state == "released")
-        if self.free_slots >= max(needed, FREE_LOW * self.slots):
+        want = room_wanted(self.free_slots, needed, self.slots)
+        if not want:
             return
-        want = max(needed, int(FREE_TARGET * self.slots))
+        # the slots that come free once the released copies' fences pass: those no other copy names
+        released = [h for h, c in self._copies.items() if c.state == "released"]
         for handle in self.eviction.victims(time.perf_counter()):
-            if self.free_slots + coming >= want:
+            if self.free_slots + self._blocks.leaving(released) >= want:
                 return
             copy = self._copies[handle]
             if copy.state == "announced":
                 self._release(handle, copy, "evicted")
-                coming += self._blocks.sole(handle)
+                released.append(handle)
 
     def _release(self, handle: str, copy: _Copy, reason: str, fence: bool = True) -> None:
         copy.state = "released"

@@ -12,13 +12,15 @@ protocol, driven through a trace in trace time.
   announces one (a retained run of its own, handle ``<request id>@host``, tier host, pool slot ids
   for block ids, read from the pool's engine ``<worker>@host`` that the worker registers) and the
   device run is released in the same event batch, so no Lookup sees neither. The copy keeps the
-  run's lease; the host pool evicts runs in the order of the connector's own eviction policy
-  (``host_eviction``: host_eviction.py's classes, told of every turn the decode retains; ``lru``, the
-  default, evicts the oldest runs first; blocks of equal hash held once), and those are dropped.
-  This models what host memory adds, not the connector's policy for it, which copies
-  every run when it is retained, gives copied runs up first from the KV cache, leases copies for
-  ``kvloop_host_retention_ttl_s``, releases a copy that a later turn's copy supersedes and gives each
-  copy slots of its own.
+  run's lease. The host pool is the connector's in what it holds and when a block leaves it: blocks
+  of equal hash held once (common/held_blocks.py; ``host_pool_shared`` False holds each run's apart,
+  as a pool that copies every run whole would), a run released once a later turn's copy that starts
+  with its blocks arrives (superseded), and for room, below 10% free, runs released down to 25% free
+  (host_eviction.room_wanted) in the order of the connector's own eviction policy (``host_eviction``:
+  host_eviction.py's classes, told of every turn the decode retains; ``lru``, the default, evicts the
+  oldest runs first). What it models apart is when a run enters: the connector copies every run when
+  it is retained and gives copied runs up first from the KV cache, and leases copies for
+  ``kvloop_host_retention_ttl_s``.
 - Prefill workers keep a local prefix cache (vLLM's LRU over freed blocks, a prompt's tail evicted
   before its head), publish its stored/removed blocks through their own link as a prefill's sidecar
   would, and ask kvloopd with the connector's own ``DirectoryLookups`` (same request, same
@@ -39,22 +41,24 @@ import itertools
 import random
 import time
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_eviction import LRU, POLICIES, EvictionPolicy, eviction_policy
+from kvloop.agents.connector.host_eviction import LRU, POLICIES, EvictionPolicy, eviction_policy, room_wanted
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.bench.common import rss_bytes
 from kvloop.clients.bench.cpu import CpuMeter
 from kvloop.clients.bench.replay_trace import TraceRequest
 from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.common.held_blocks import HeldBlocks
 from kvloop.common.host_names import HOST_SUFFIX
 from kvloop.common.outcomes import path_name, reason_name
+from kvloop.common.tokens import agreeing_prefix_length
 from kvloop.v1 import directory_pb2 as pb
 
 MODEL = "replay-model"
@@ -92,6 +96,9 @@ class FleetConfig:
     host_retention_blocks: int = 0
     # Which runs the host pool evicts first (the connector's kvloop_host_eviction policies).
     host_eviction: str = LRU
+    # The host pool holds a block once, however many runs hold it (as the connector's does); False:
+    # each run's blocks apart (a pool that copies every run whole), for comparison.
+    host_pool_shared: bool = True
     # Retention lease (vLLM's decoder_kv_blocks_ttl, 480 s) and the puller's margin (connector's 6 s).
     lease_s: float = 480.0
     expiry_margin_s: float = 6.0
@@ -157,29 +164,32 @@ class _Run:
 
 @dataclass
 class _Pool:
-    """One tier of a decode's retention memory: blocks of equal hash held once, runs oldest first;
-    with an eviction policy (the host tier), the policy knows every run it holds."""
+    """One tier of a decode's retention memory, holding what common/held_blocks.py says a pool holds
+    (blocks of equal hash once, as vLLM's KV cache and the connector's host pool do; a run's blocks
+    without a reusable hash are its own); runs oldest first; with an eviction policy (the host
+    tier), the policy knows every run it holds."""
 
     capacity: int
-    refs: dict[bytes, int] = field(default_factory=dict)
-    extra: int = 0
+    blocks: HeldBlocks[Hashable] = field(default_factory=HeldBlocks)
     runs: OrderedDict[str, _Run] = field(default_factory=OrderedDict)  # oldest first
     next_slot: int = 0
     policy: EvictionPolicy | None = None
+    shared: bool = True  # False: each run's blocks apart, however many runs hold the same
 
     @property
     def used(self) -> int:
-        return len(self.refs) + self.extra
+        return len(self.blocks)
 
     def need(self, run_hashes: list[bytes], extra: int) -> int:
         """Blocks a run with these hashes takes beyond what the pool holds already."""
-        return sum(1 for h in dict.fromkeys(run_hashes) if h not in self.refs) + extra
+        if not self.shared:
+            return len(dict.fromkeys(run_hashes)) + extra
+        return len(self.blocks.missing(run_hashes)) + extra
 
     def add(self, run: _Run) -> list[int]:
         """Hold the run; its block (slot) ids."""
-        for h in dict.fromkeys(run.hashes):
-            self.refs[h] = self.refs.get(h, 0) + 1
-        self.extra += run.extra_blocks
+        hashes: list[Hashable] = list(run.hashes) if self.shared else [(run.handle, h) for h in run.hashes]
+        self.blocks.hold(run.handle, [*hashes, *((run.handle, i) for i in range(run.extra_blocks))])
         self.runs[run.handle] = run
         if self.policy is not None:
             self.policy.add(run.handle, run.hashes, run.retained_ms / 1000)
@@ -191,16 +201,52 @@ class _Pool:
         self.runs.pop(run.handle, None)
         if self.policy is not None:
             self.policy.forget(run.handle)
-        _unref(self.refs, run.hashes)
-        self.extra -= run.extra_blocks
+        self.blocks.release(run.handle)
+
+    def free(self, run: _Run) -> None:
+        if not run.freed:
+            run.freed = True
+            self.remove(run)
+
+    def make_room(self, run: _Run, at_s: float) -> list[_Run]:
+        """Free the runs the pool gives up before it holds ``run``, as the connector's does: below
+        a low share of free blocks, down to a target share, in its eviction policy's order."""
+        out = []
+        want = room_wanted(self.capacity - self.used, self.need(run.hashes, run.extra_blocks), self.capacity)
+        while want and self.runs:
+            victims = iter(self.policy.victims(at_s) if self.policy is not None else list(self.runs))
+            while self.capacity - self.used < want and self.runs:
+                victim = self.runs[next(victims)]
+                self.free(victim)
+                out.append(victim)
+            # blocks ``run`` would have shared left with a victim: another round if it lacks room now
+            # (the connector's, once the victims' fences passed)
+            need = self.need(run.hashes, run.extra_blocks)
+            want = (
+                room_wanted(self.capacity - self.used, need, self.capacity)
+                if need > self.capacity - self.used
+                else 0
+            )
+        return out
+
+    def supersede(self, run: _Run) -> list[_Run]:
+        """Free the runs whose blocks ``run`` starts with (its conversation's earlier turns): the
+        host pool releases them once it holds ``run``, as the connector's does."""
+        out = [
+            old
+            for old in self.runs.values()
+            if old is not run and agreeing_prefix_length(run.hashes, old.hashes) == len(old.hashes)
+        ]
+        for old in out:
+            self.free(old)
+        return out
 
     def clear(self) -> None:
         for handle in self.runs:
             if self.policy is not None:
                 self.policy.forget(handle)
         self.runs.clear()
-        self.refs.clear()
-        self.extra = 0
+        self.blocks.clear()
 
 
 @dataclass
@@ -221,6 +267,7 @@ class _Decode:
     not_retained: int = 0
     moved_to_host_runs: int = 0
     host_evicted_runs: int = 0
+    host_superseded_runs: int = 0
 
     @property
     def used(self) -> int:
@@ -321,7 +368,11 @@ class Fleet:
             mirror,
             DirectoryLink(self._home(worker), registration, mirror.snapshot),
             device=_Pool(self.config.retention_blocks),
-            host=_Pool(self.config.host_retention_blocks, policy=self._host_policy()),
+            host=_Pool(
+                self.config.host_retention_blocks,
+                policy=self._host_policy(),
+                shared=self.config.host_pool_shared,
+            ),
         )
 
     def _home(self, decode_worker: str) -> AsyncDirectoryClient:
@@ -412,6 +463,7 @@ class Fleet:
                 "blocks_in_use_at_end": d.used,
                 "moved_to_host_runs": d.moved_to_host_runs,
                 "host_evicted_runs": d.host_evicted_runs,
+                "host_superseded_runs": d.host_superseded_runs,
                 "host_blocks_in_use_at_end": d.host.used,
                 "failures": d.failures,
             }
@@ -709,11 +761,8 @@ class Fleet:
         ):
             self._unserve(decode, run, "evicted", batch)
             return
-        victims = iter(host.policy.victims(t_ms / 1000) if host.policy is not None else list(host.runs))
-        while host.used + host.need(run.hashes, run.extra_blocks) > host.capacity and host.runs:
-            victim = host.runs[next(victims)]
+        for victim in host.make_room(run, t_ms / 1000):
             decode.host_evicted_runs += 1
-            self._free(decode, victim)
             if victim.servable:
                 self._unserve(decode, victim, "evicted", batch)
         copy = _Run(
@@ -737,6 +786,10 @@ class Fleet:
             run.servable = False
             batch.append(self._released(decode, run, "moved"))
             self._schedule(copy.withdraw_ms, "withdraw", decode, copy)
+            for old in host.supersede(copy):
+                decode.host_superseded_runs += 1
+                if old.servable:
+                    self._unserve(decode, old, "superseded", batch)
         self._schedule(copy.expire_ms, "expire", decode, copy)
 
     def _announce(self, decode: _Decode, run: _Run, block_ids: list[int]) -> pb.BlockEvent | None:
@@ -781,10 +834,7 @@ class Fleet:
             self._gone[h] = why
 
     def _free(self, decode: _Decode, run: _Run) -> None:
-        if run.freed:
-            return
-        run.freed = True
-        (decode.host if run.tier == "host" else decode.device).remove(run)
+        (decode.host if run.tier == "host" else decode.device).free(run)
 
     def _count(self, events: list[pb.BlockEvent]) -> None:
         """What the events name, by kind (the report's block events per request by kind)."""

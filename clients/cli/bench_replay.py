@@ -78,6 +78,13 @@ def bench_replay(
             help="which runs the host memory evicts first (kvloop_host_eviction): lru or predicted_return"
         ),
     ] = "lru",
+    host_pool_per_copy: Annotated[
+        bool,
+        typer.Option(
+            help="host memory holds each run's blocks apart (a pool that copies every run whole), "
+            "not each block once as the connector's does: for comparison"
+        ),
+    ] = False,
     lease: Annotated[
         float, typer.Option(min=0, help="retention lease, s (vLLM decoder_kv_blocks_ttl)")
     ] = 480.0,
@@ -241,6 +248,7 @@ def bench_replay(
         retention_blocks=retention_blocks,
         host_retention_blocks=host_retention_blocks,
         host_eviction=host_eviction,
+        host_pool_shared=not host_pool_per_copy,
         lease_s=lease,
         expiry_margin_s=expiry_margin,
         prefill_cache_blocks=prefill_cache_blocks,

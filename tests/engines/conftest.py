@@ -428,7 +428,13 @@ class EngineSlot:
 
 # Modules whose engine pair serves another model than the tiny Llama: they run after every other
 # engine test, so the session switches pairs once.
-OTHER_MODEL_MODULES = ("test_host_tier.py", "test_hybrid.py", "test_hybrid_host.py", "test_tp.py")
+OTHER_MODEL_MODULES = (
+    "test_host_tier.py",
+    "test_host_tier_sharing.py",
+    "test_hybrid.py",
+    "test_hybrid_host.py",
+    "test_tp.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -449,3 +455,9 @@ def engine_slot(tmp_path_factory: pytest.TempPathFactory, otlp_receiver) -> Iter
 @pytest.fixture(scope="session")
 def engines(tiny_model: Path, engine_slot: EngineSlot) -> EnginePair:
     return engine_slot.get("llama", tiny_model, MODEL, KV_BYTES_PER_BLOCK)
+
+
+@pytest.fixture
+def host_pair(engine_slot: EngineSlot, tiny_model: Path) -> EnginePair:
+    """The tiny-Llama pair whose decode has a host pool (272 slots)."""
+    return engine_slot.get("llama-host", tiny_model, MODEL, KV_BYTES_PER_BLOCK, host_retention_gib=0.05)

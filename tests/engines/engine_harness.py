@@ -345,6 +345,11 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 )
             elif cmd == "host_pool_diff":
                 conn.send(("ok", llm.collective_rpc(_host_pool_diff, args=(args["ids"], args["slots"]))[0]))
+            elif cmd == "host_release":  # release one host copy as the pool's eviction does (in-process)
+                connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+                tier = connector.connector_scheduler.decode._host
+                tier._release(args, tier._copies[args], "evicted")
+                conn.send(("ok", None))
             elif cmd == "connector_state":
                 conn.send(("ok", llm.collective_rpc(_connector_state)[0]))
             elif cmd == "sleep":  # let the engine idle without stepping

@@ -386,15 +386,8 @@ def test_pool_slots_leave_slot_zero_for_the_null_block(gib, per_block, slots):
 
 
 # ------------------------------------------------------------------------------------ with engines
-# This module's engine pair (conftest.EngineSlot) has a decode with a host pool; it runs after the
+# This module's engine pair (conftest's host_pair) has a decode with a host pool; it runs after the
 # tiny-Llama pair's tests.
-
-
-@pytest.fixture(scope="module")
-def host_pair(engine_slot, tiny_model):
-    from conftest import KV_BYTES_PER_BLOCK, MODEL
-
-    return engine_slot.get("llama-host", tiny_model, MODEL, KV_BYTES_PER_BLOCK, host_retention_gib=0.05)
 
 
 def _host_runs(pair, first_hash: bytes, handle: str) -> list:

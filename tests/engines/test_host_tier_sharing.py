@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvloop.agents.connector.events import KvloopBlocksRetained
 from kvloop.agents.connector.host_tier import HostTier
-from kvloop.agents.connector.yielding import Confirmed, GivenUp
+from kvloop.agents.connector.yielding import Confirmed
 from kvloop.common.sliding_window import NULL_BLOCK
-
-
-class Confirmer:
-    def __init__(self) -> None:
-        self.asked: list[GivenUp] = []
-
-    def submit(self, run: GivenUp) -> None:
-        self.asked.append(run)
-
-
-def _h(name: str, i: int) -> bytes:
-    return f"{name}/{i}".encode().ljust(32, b".")
+from tests.support import RecordingConfirmer, named_hash, wait_until
 
 
 class Decode:
@@ -73,13 +63,13 @@ def _pass_fence(tier: HostTier, handle: str) -> None:
 
 def test_two_conversations_on_one_system_prompt_hold_it_once():
     events: list = []
-    tier = HostTier(32, 600.0, 2.0, events.append, Confirmer())  # type: ignore[arg-type]
+    tier = HostTier(32, 600.0, 2.0, events.append, RecordingConfirmer())  # type: ignore[arg-type]
     decode = Decode()
-    system = [_h("system", i) for i in range(4)]
-    tier.plan(decode.run("a", [*system, _h("a", 4), _h("a", 5)]))
+    system = [named_hash("system", i) for i in range(4)]
+    tier.plan(decode.run("a", [*system, named_hash("a", 4), named_hash("a", 5)]))
     _copy(tier, "a")
     assert tier.free_slots == 32 - 7  # 6 blocks and the tail
-    tier.plan(decode.run("b", [*system, _h("b", 4)]))
+    tier.plan(decode.run("b", [*system, named_hash("b", 4)]))
     written = _copy(tier, "b")
     assert sum(len(g) for g in written) == 2  # its own block and its tail: the prompt is held already
     a, b = _announced(events, "a").block_ids[0], _announced(events, "b").block_ids[0]
@@ -98,9 +88,9 @@ def test_a_block_still_being_written_is_written_again_not_named():
     """Two copies of one prompt in flight at once: neither may name a slot the other has not finished
     writing (that WRITE may fail), so each writes its own; the next copy names the first announced."""
     events: list = []
-    tier = HostTier(32, 600.0, 2.0, events.append, Confirmer())  # type: ignore[arg-type]
+    tier = HostTier(32, 600.0, 2.0, events.append, RecordingConfirmer())  # type: ignore[arg-type]
     decode = Decode()
-    system = [_h("system", i) for i in range(3)]
+    system = [named_hash("system", i) for i in range(3)]
     tier.plan(decode.run("a", system))
     tier.plan(decode.run("b", system))
     copies = {c.handle: c for c in tier.take_copies()}
@@ -138,7 +128,7 @@ def test_no_slot_is_written_while_a_copy_names_it_and_every_named_slot_holds_its
     announced copy names holds the block its hash says, as the WRITEs that reached it left it; no
     slot is lost."""
     events: list = []
-    tier = HostTier(24, 600.0, 0.0, events.append, Confirmer())  # type: ignore[arg-type]
+    tier = HostTier(24, 600.0, 0.0, events.append, RecordingConfirmer())  # type: ignore[arg-type]
     decode = Decode()
     slot_holds: dict[int, tuple[bytes, int] | str] = {}  # what the worker's WRITEs left in each slot
     in_flight: list = []
@@ -147,8 +137,8 @@ def test_no_slot_is_written_while_a_copy_names_it_and_every_named_slot_holds_its
         if op[0] == "plan":
             _, prompt, conversation, blocks, tail = op
             turn = turns[(prompt, conversation)] = turns.get((prompt, conversation), 0) + 1
-            history = [_h(prompt, i) for i in range(3)] + [
-                _h(f"{prompt}/{conversation}", i) for i in range(blocks * turn)
+            history = [named_hash(prompt, i) for i in range(3)] + [
+                named_hash(f"{prompt}/{conversation}", i) for i in range(blocks * turn)
             ]
             tier.plan(decode.run(f"r{n}", history, tail))
         elif op[0] == "write" and in_flight:
@@ -202,3 +192,89 @@ def test_no_slot_is_written_while_a_copy_names_it_and_every_named_slot_holds_its
         named = {tier._slot_of[k] for h in tier._blocks.runs() for k in tier._blocks.names(h)}
         assert len(tier._free) == len(set(tier._free)) and not set(tier._free) & named
         assert set(tier._free) | named == set(range(1, 25))
+
+
+# ------------------------------------------------------------------------------------ with engines
+
+
+def _host_slots(pair, hashes: list[bytes], handle: str) -> list[int]:
+    """The pool slot of each block of ``handle``'s copy, as the directory lists it."""
+    slots = []
+    for h in hashes:
+        (run,) = pair.kvloop.locations(h, "retained", handle)
+        slots.append(run.block_ids[0])
+    return slots
+
+
+@pytest.mark.engines
+def test_conversations_sharing_a_prompt_hold_it_once_and_each_pulls_its_whole_history(host_pair):
+    """Two conversations on one 320-token system prompt, copied one after the other: the second copy
+    names the first's slots for the prompt's blocks and writes only its own. Each conversation's
+    next turn pulls its whole history from the pool, the KV equal to a recompute's block by block;
+    with the first conversation's copy released (and new copies written meanwhile), the second's
+    pull is whole and exact still."""
+    import random
+    import uuid
+
+    from conftest import BS
+    from test_host_tier import _metric
+    from test_reverse_pull import empty_prefill_cache, prefill_and_check, rand_tokens
+
+    pair = host_pair
+    rnd = random.Random(53)
+
+    system = rand_tokens(rnd, 320)
+    n = len(system) // BS
+    shared_before = pair.decode.call("metrics").get(("kvloop_connector_host_shared_blocks_total", ()), 0.0)
+    conversations = []
+    for _ in range(2):
+        prompt = system + rand_tokens(rnd, 150)
+        p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
+        d = pair.decode.generate(prompt, 32, p["kv_transfer_params"])
+        handle = d["kv_transfer_params"]["remote_request_id"]
+        history = prompt + d["token_ids"]
+        hashes = pair.decode.call("block_hashes", history)
+
+        def copied(hashes=hashes, handle=handle) -> list:
+            pair.decode.generate(rand_tokens(rnd, 8), 1)  # the in-process engine steps only for requests
+            return pair.kvloop.locations(hashes[-1], "retained", f"{handle}@host")
+
+        # the pool may have to make room first: copies it releases come free a read window (30 s)
+        # after kvloopd confirmed their drop
+        wait_until(copied, 120, "the host copy announced")
+        conversations.append((handle, history, hashes))
+    (a, _, hashes_a), (b, history_b, hashes_b) = conversations
+    slots_a, slots_b = _host_slots(pair, hashes_a, f"{a}@host"), _host_slots(pair, hashes_b, f"{b}@host")
+    assert slots_b[:n] == slots_a[:n]  # the system prompt's blocks, held once
+    assert not set(slots_b[n:]) & set(slots_a) and 0 not in slots_b
+    shared = pair.decode.call("metrics").get(("kvloop_connector_host_shared_blocks_total", ()), 0.0)
+    assert shared - shared_before >= n
+
+    def pull(history: list[int]):
+        empty_prefill_cache(pair)  # nothing of it local: the whole history is pulled
+        nxt = history + rand_tokens(rnd, 64)
+        pf = prefill_and_check(pair, nxt)
+        assert pf.span["kvloop.path"] == "transfer" and pf.span["kvloop.tier"] == "host", pf.span
+        assert pf.out["num_cached_tokens"] == len(nxt) - 64 - 1
+        return pf
+
+    def gone(hashes: list[bytes], handle: str) -> bool:
+        pair.decode.generate(rand_tokens(rnd, 8), 1)
+        return not pair.kvloop.locations(hashes[0], "retained", handle)
+
+    for handle, history, hashes in conversations:
+        wait_until(lambda h=hashes, r=handle: gone(h, r), 30, "the KV-cache run dropped")
+        pull(history)
+
+    # a's copy released as the pool's eviction releases one; b still names the prompt's slots
+    released = _metric(pair, "kvloop_connector_host_released_total", ("reason", "evicted"))
+    pair.decode.call("host_release", f"{a}@host")
+    wait_until(lambda: gone(hashes_a, f"{a}@host"), 30, "a's copy dropped")
+    assert _metric(pair, "kvloop_connector_host_released_total", ("reason", "evicted")) == released + 1
+    for _ in range(3):  # new copies take free slots meanwhile (a's own, once their fence passed)
+        prompt = rand_tokens(rnd, 300)
+        p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
+        pair.decode.generate(prompt, 16, p["kv_transfer_params"])
+        pair.decode.generate(rand_tokens(rnd, 8), 1)
+    assert _host_slots(pair, hashes_b, f"{b}@host") == slots_b
+    pull(history_b)
