@@ -74,10 +74,20 @@ class HeldBlocks(Generic[K]):
     def names(self, run: Hashable) -> list[K]:
         return list(self._runs.get(run, ()))
 
-    def leaving(self, runs: Iterable[Hashable]) -> int:
-        """How many blocks would leave the pool with ``runs`` (no run beside them names them)."""
-        counts = Counter(k for r in set(runs) for k in self._runs.get(r, ()))
-        return sum(1 for k, n in counts.items() if n == self._refs[k])
+    def leaving(self, runs: Iterable[Hashable]) -> Leaving:
+        """The blocks that would leave the pool with ``runs`` (no run beside them names them), counted
+        on as runs are added to them."""
+        out = Leaving(self)
+        for run in dict.fromkeys(runs):
+            out.add(run)
+        return out
+
+    def refs(self, key: K) -> int:
+        """How many runs name ``key``."""
+        return self._refs.get(key, 0)
+
+    def _names(self, run: Hashable) -> list[K]:
+        return self._runs.get(run, [])
 
     def runs(self) -> list[Hashable]:
         return list(self._runs)
@@ -85,3 +95,24 @@ class HeldBlocks(Generic[K]):
     def clear(self) -> None:
         self._refs.clear()
         self._runs.clear()
+
+
+class Leaving:
+    """The blocks that would leave a pool with a set of runs that grows (a pool picking runs to
+    release until enough would come free): each run added costs its own blocks, not the set's."""
+
+    def __init__(self, held: HeldBlocks) -> None:
+        self._held = held
+        self._counts: Counter[Hashable] = Counter()
+        self._runs: set[Hashable] = set()
+        self.blocks = 0
+
+    def add(self, run: Hashable) -> None:
+        if run in self._runs:
+            return
+        self._runs.add(run)
+        for key in self._held._names(run):
+            count = self._counts[key] + 1
+            self._counts[key] = count
+            if count == self._held.refs(key):
+                self.blocks += 1

@@ -474,14 +474,14 @@ class HostTier:
         if not want:
             return
         # the slots that come free once the released copies' fences pass: those no other copy names
-        released = [h for h, c in self._copies.items() if c.state == "released"]
+        coming = self._blocks.leaving(h for h, c in self._copies.items() if c.state == "released")
         for handle in self.eviction.victims(time.perf_counter()):
-            if self.free_slots + self._blocks.leaving(released) >= want:
+            if self.free_slots + coming.blocks >= want:
                 return
             copy = self._copies[handle]
             if copy.state == "announced":
                 self._release(handle, copy, "evicted")
-                released.append(handle)
+                coming.add(handle)
 
     def _release(self, handle: str, copy: _Copy, reason: str, fence: bool = True) -> None:
         copy.state = "released"

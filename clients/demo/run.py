@@ -15,6 +15,7 @@ from kvloop.clients.demo.conversation import AgentConversation, TurnResult, chat
 from kvloop.clients.fleet.model import MODEL_BUILDERS
 from kvloop.clients.fleet.stack import Stack, StackConfig
 from kvloop.common.processes import Terminated
+from kvloop.v1 import directory_pb2 as pb
 
 # A turn's `recompute_ttft_ms` and `saving_ratio` (--json) where none was measured: the first turn
 # (nothing to reuse yet), or a recompute request that failed.
@@ -121,7 +122,12 @@ def run_demo(
                 # conversation still shows the recovery (the next turn transfers when the wait ends)
                 progress("tool", "runs while Sentinel fails over and the agents re-push their state")
                 stack.wait_failed_over(killed, past_epoch)
-            stack.wait_turn_retained(messages, timeout_s=10)
+            # copies demoted at once (--host-demote-after-s 0): the next turn reads the pool, so wait
+            # until the pool alone holds this one
+            to_pool = host_retention_gib > 0 and host_demote_after_s == 0
+            stack.wait_turn_retained(
+                messages, timeout_s=10, tier=pb.BLOCK_TIER_HOST if to_pool else 0, only=to_pool
+            )
             if turn > 1:
                 recomputed[turn] = measure_recompute(stack, messages, result, progress)
             measured = recomputed.get(turn, NOT_MEASURED)
