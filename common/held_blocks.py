@@ -86,9 +86,6 @@ class HeldBlocks(Generic[K]):
         """How many runs name ``key``."""
         return self._refs.get(key, 0)
 
-    def _names(self, run: Hashable) -> list[K]:
-        return self._runs.get(run, [])
-
     def runs(self) -> list[Hashable]:
         return list(self._runs)
 
@@ -111,7 +108,7 @@ class Leaving:
         if run in self._runs:
             return
         self._runs.add(run)
-        for key in self._held._names(run):
+        for key in self._held.names(run):
             count = self._counts[key] + 1
             self._counts[key] = count
             if count == self._held.refs(key):
