@@ -437,6 +437,12 @@ def test_plots_draw_a_panel_per_workload_and_sessions(tmp_path: Path):
         height, width, _ = matplotlib.image.imread(path).shape
         assert width > 1.5 * height  # 4 groups: 3 panels by 2 (a single panel is 5.5 x 4.2)
     assert plot([s for s in samples if s.turn == 1], [], tmp_path / "none") == []  # no continuation turns
+    # the host-pool arm alone (`--arm kvloop_host`): plotted like any other
+    host = [
+        TurnSample("kvloop_host", "plain", 8, 0, t, 1000 * t, 10.0 * t, 0, "transfer", "a") for t in (1, 2)
+    ]
+    (tmp_path / "host").mkdir()
+    assert len(plot(host, summarize(host, BS)["by_context"], tmp_path / "host")) == 2
 
 
 def test_decode_tpot_is_paired_per_turn_on_every_turn_it_was_measured():
