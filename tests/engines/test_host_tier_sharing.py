@@ -4,6 +4,7 @@ it (no engine needed; tests/engines/test_host_tier.py covers the pool's other ru
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -207,12 +208,12 @@ def _host_slots(pair, hashes: list[bytes], handle: str) -> list[int]:
 
 
 @pytest.mark.engines
-def test_conversations_sharing_a_prompt_hold_it_once_and_each_pulls_its_whole_history(host_pair):
+def test_conversations_sharing_a_prompt_hold_it_once_and_each_pulls_its_whole_history(host_pair, monkeypatch):
     """Two conversations on one 320-token system prompt, copied one after the other: the second copy
     names the first's slots for the prompt's blocks and writes only its own. Each conversation's
     next turn pulls its whole history from the pool, the KV equal to a recompute's block by block;
-    with the first conversation's copy released (and new copies written meanwhile), the second's
-    pull is whole and exact still."""
+    with the first conversation's copy released and new copies written while the second's pull
+    READs the pool, that pull is whole and exact still."""
     import random
     import uuid
 
@@ -266,15 +267,40 @@ def test_conversations_sharing_a_prompt_hold_it_once_and_each_pulls_its_whole_hi
         wait_until(lambda h=hashes, r=handle: gone(h, r), 30, "the KV-cache run dropped")
         pull(history)
 
-    # a's copy released as the pool's eviction releases one; b still names the prompt's slots
+    # a's copy released as the pool's eviction releases one, racing b's pull from the pool: in the
+    # decode the release and new copies (written into a's own slots once their fence passed), in
+    # the prefill meanwhile b's READ of slots both copies named. Whatever the interleaving, b's
+    # slots are never written and its pull is whole and exact.
+    lock = threading.Lock()  # the two threads share the prefill's pipe, one call at a time
+    call = pair.prefill.call
+
+    def one_at_a_time(cmd: str, args=None):
+        with lock:
+            return call(cmd, args)
+
+    monkeypatch.setattr(pair.prefill, "call", one_at_a_time)
     released = _metric(pair, "kvloop_connector_host_released_total", ("reason", "evicted"))
-    pair.decode.call("host_release", f"{a}@host")
+    fresh = [rand_tokens(rnd, 300) for _ in range(3)]
+    nxt_b = history_b + rand_tokens(rnd, 64)
+    empty_prefill_cache(pair)
+
+    def churn() -> None:
+        pair.decode.call("host_release", f"{a}@host")
+        for prompt in fresh:
+            p = pair.prefill.generate(
+                prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}"
+            )
+            pair.decode.generate(prompt, 16, p["kv_transfer_params"])
+
+    writer = threading.Thread(target=churn)
+    writer.start()
+    try:
+        pf = prefill_and_check(pair, nxt_b)
+    finally:
+        writer.join()
+    assert pf.span["kvloop.path"] == "transfer" and pf.span["kvloop.tier"] == "host", pf.span
+    assert pf.out["num_cached_tokens"] == len(nxt_b) - 64 - 1
     wait_until(lambda: gone(hashes_a, f"{a}@host"), 30, "a's copy dropped")
     assert _metric(pair, "kvloop_connector_host_released_total", ("reason", "evicted")) == released + 1
-    for _ in range(3):  # new copies take free slots meanwhile (a's own, once their fence passed)
-        prompt = rand_tokens(rnd, 300)
-        p = pair.prefill.generate(prompt, 1, {"do_remote_decode": True}, cache_salt=f"cold-{uuid.uuid4()}")
-        pair.decode.generate(prompt, 16, p["kv_transfer_params"])
-        pair.decode.generate(rand_tokens(rnd, 8), 1)
     assert _host_slots(pair, hashes_b, f"{b}@host") == slots_b
-    pull(history_b)
+    pull(history_b)  # and again, a's own slots possibly rewritten by now
