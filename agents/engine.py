@@ -67,7 +67,7 @@ class EngineConfig:
     # served as the NIXL engine `<worker_id>@host` on host_nixl_port.
     host_retention_gib: float = 0.0
     host_nixl_port: int = 0
-    host_eviction: str = "lru"  # kvloop_host_eviction: which host copies go first (host_eviction.py)
+    host_eviction: str = "lru"  # kvloop_host_eviction: which host copies go first (host/eviction.py)
     # kvloop_host_demote_after_s: give a run's KV-cache blocks up this long after its host copy exists
     host_demote_after_s: float | None = None
     agent_health_port: int = 0

@@ -1,5 +1,5 @@
 """Which engine layouts a decode's host retention pool mirrors: one statement of the rules, applied by
-the pool when the engine starts (``agents/connector/host_pool.py``, from the worker's own layout) and by
+the pool when the engine starts (``agents/connector/host/pool.py``, from the worker's own layout) and by
 ``kvloop doctor`` to a configuration before anything starts (from the options and the model's
 ``config.json``). No vLLM import: the doctor runs where vLLM may be absent.
 

@@ -52,7 +52,7 @@ PATCHED: tuple[str, ...] = (
     "vllm.v1.engine:EngineCoreRequestType.WAKEUP",
     # agents/vllm_main.py runs vLLM's CLI
     "vllm.entrypoints.cli.main:main",
-    # agents/connector/host_pool.py: the pool's handshake is this engine's, its own fields replaced
+    # agents/connector/host/pool.py: the pool's handshake is this engine's, its own fields replaced
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata:NixlHandshakePayload.compatibility_hash",
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata:NixlHandshakePayload.agent_metadata_bytes",
     *(

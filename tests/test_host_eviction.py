@@ -1,4 +1,4 @@
-"""The host pool's eviction policies (agents/connector/host_eviction.py): lru's order, what
+"""The host pool's eviction policies (agents/connector/host/eviction.py): lru's order, what
 predicted_return learns from the conversation chain, and unknown names."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.host_eviction import (
+from kvloop.agents.connector.host.eviction import (
     MIN_SAMPLES,
     Lru,
     PredictedReturn,

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvloop.agents.connector.host_eviction import LRU, POLICIES
+from kvloop.agents.connector.host.eviction import LRU, POLICIES
 from kvloop.common.addresses import daemon_addresses
 
 PREFIX = "kvloop_"
@@ -59,7 +59,7 @@ class KvloopConfig(BaseModel):
     # (docs/benchmarks.md has the figures).
     retention_yield_after_s: float = Field(default=60.0, ge=0)
     # Host retention tier (decode role): GiB of host memory, registered with NIXL, that retained runs
-    # are copied into when they finish (host_tier.py). A run then stays pullable from host memory after
+    # are copied into when they finish (host/tier.py). A run then stays pullable from host memory after
     # its blocks leave the KV cache: a finished run with a host copy is the first given up under
     # pressure, with no age guard. 0: no host tier.
     host_retention_gib: float = Field(default=0.0, ge=0)
@@ -68,7 +68,7 @@ class KvloopConfig(BaseModel):
     host_side_channel_port: int = Field(default=0, ge=0, le=65535)
     # Lease of a run's host copy, from when its copy is announced.
     host_retention_ttl_s: float = Field(default=1800.0, gt=0)
-    # Which copies the host pool gives up first when it needs room (host_eviction.py): "lru" the
+    # Which copies the host pool gives up first when it needs room (host/eviction.py): "lru" the
     # oldest; "predicted_return" those with the fewest pulls to expect per second held, from each
     # conversation's own gaps between turns (learned from the runs that extend one another) and how
     # long it has been idle.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import YIELD_AT, GivenUp, ReleaseConfirmer
 from kvloop.common.host_names import HOST_SUFFIX
@@ -87,7 +87,7 @@ class DecodeSide:
         # vLLM 0.33), and the highest one seen: runs retained under an older one are withdrawn.
         self._generation = generation
         self.generation = 0
-        # The host retention tier (host_tier.py): copies of retained runs that outlive their blocks here.
+        # The host retention tier (host/tier.py): copies of retained runs that outlive their blocks here.
         self._host = host
         self.block_size = block_size
         self._emit = emit if cfg.publish_events else (lambda event: None)
@@ -276,7 +276,7 @@ class DecodeSide:
     def capture_window(self, request_id: str, block_ids: Any, prompt_tokens: int) -> None:
         """A decode request whose prompt KV is arriving from its prefill: have the host tier copy the
         sliding-window blocks that a pull ending at the prompt's last complete block needs, before
-        vLLM frees them as the request decodes past its window (host_tier.py). Only complete blocks:
+        vLLM frees them as the request decodes past its window (host/tier.py). Only complete blocks:
         the last, partly filled one is written on by the tokens the request generates."""
         if self._host is None or not any(self.group_windows):
             return

@@ -23,9 +23,9 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
       announced under (the worker does not read it from a holder process of another epoch);
     * ``free_early``: retained runs given up before their lease ends (decode role, yielding.py) and
       when the worker may free each, in the scheduler's clock (a lease end brought forward);
-    * ``host_copies``: retained runs to copy into the host pool this step (decode role, host_tier.py);
+    * ``host_copies``: retained runs to copy into the host pool this step (decode role, host/tier.py);
     * ``host_captures``: per request whose prompt KV is arriving, the sliding-window blocks to copy
-      into the host pool once it has arrived, before the request decodes (decode role, host_tier.py).
+      into the host pool once it has arrived, before the request decodes (decode role, host/tier.py).
     """
 
     def __init__(self) -> None:

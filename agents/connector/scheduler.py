@@ -25,8 +25,8 @@ from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
-from kvloop.agents.connector.host_pool import pool_slots
-from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.host.pool import pool_slots
+from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.metadata import (
     KvloopConnectorMetadata,
     KvloopHandshakePayload,
@@ -105,7 +105,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             self.decoder_kv_blocks_ttl = cfg.retention_ttl_s
         self._events: list[Any] = []
         self._host_listener: threading.Thread | None = None
-        # every worker rank copies its share of each run into its own pool (host_pool.py)
+        # every worker rank copies its share of each run into its own pool (host/pool.py)
         self._host_reports = RankTally(vllm_config.parallel_config.world_size)
         host_slots = pool_slots(kv_cache_config, cfg.host_retention_gib)
         confirmer = (

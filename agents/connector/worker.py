@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
-from kvloop.agents.connector.host_pool import CAPTURE_WAIT_S, HostPool, pool_slots
+from kvloop.agents.connector.host.pool import CAPTURE_WAIT_S, HostPool, pool_slots
 from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
 from kvloop.agents.connector.peers import Peer, PeerWarmer
 from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
@@ -134,7 +134,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         self._restarted_peers: queue.SimpleQueue[Peer] = queue.SimpleQueue()
         self._replaced_peers: dict[str, Peer] = {}
         self._warmer: PeerWarmer | None = None
-        # Decode role: the host retention pool (host_pool.py), once the KV cache is registered.
+        # Decode role: the host retention pool (host/pool.py), once the KV cache is registered.
         self._host_slots = (
             pool_slots(kv_cache_config, cfg.host_retention_gib) if cfg.host_retention_gib else 0
         )

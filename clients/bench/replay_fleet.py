@@ -17,7 +17,7 @@ protocol, driven through a trace in trace time.
   as a pool that copies every run whole would), a run released once a later turn's copy that starts
   with its blocks arrives (superseded), and for room, below 10% free, runs released down to 25% free
   (host_eviction.room_wanted) in the order of the connector's own eviction policy (``host_eviction``:
-  host_eviction.py's classes, told of every turn the decode retains; ``lru``, the default, evicts the
+  host/eviction.py's classes, told of every turn the decode retains; ``lru``, the default, evicts the
   oldest runs first). What it models apart is when a run enters: the connector copies every run when
   it is retained and gives copied runs up first from the KV cache, and leases copies for
   ``kvloop_host_retention_ttl_s``.
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from kvloop.agents.connector.directory import DirectoryLookups, LookupAnswer, PullerConstraints
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_eviction import LRU, POLICIES, EvictionPolicy, eviction_policy, room_wanted
+from kvloop.agents.connector.host.eviction import LRU, POLICIES, EvictionPolicy, eviction_policy, room_wanted
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.bench.common import rss_bytes

@@ -169,7 +169,7 @@ def bench_replay(
 ) -> None:
     """What reverse transfer would save on a request log: replays it through a real kvloopd with a
     simulated prefill/decode fleet; token shares, missed pulls, estimated continuation TTFT."""
-    from kvloop.agents.connector.host_eviction import POLICIES
+    from kvloop.agents.connector.host.eviction import POLICIES
     from kvloop.clients.bench import replay as rp
     from kvloop.clients.bench.replay_fleet import ROUTINGS, FleetConfig
     from kvloop.clients.bench.replay_gen import POPULATIONS, SyntheticConfig, describe, generate

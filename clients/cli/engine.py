@@ -85,7 +85,7 @@ def engine(
         _fail("--role must be prefill or decode", code=2)
     if platform not in ("auto", "cpu", "cuda"):
         _fail("--platform must be auto, cpu or cuda", code=2)
-    from kvloop.agents.connector.host_eviction import POLICIES
+    from kvloop.agents.connector.host.eviction import POLICIES
 
     if host_eviction not in POLICIES:
         _fail(f"--host-eviction {host_eviction!r}: choose from {', '.join(POLICIES)}", code=2)

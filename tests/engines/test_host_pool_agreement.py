@@ -1,5 +1,5 @@
 """`kvloop bench replay`'s host pool (clients/bench/replay_fleet.py) and the connector's
-(agents/connector/host_tier.py) hold the same blocks through the same runs: a crafted trace of
+(agents/connector/host/tier.py) hold the same blocks through the same runs: a crafted trace of
 conversations sharing system prompts, later turns superseding earlier ones, and evictions for room."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from kvloop.agents.connector.events import KvloopBlocksRetained
-from kvloop.agents.connector.host_eviction import eviction_policy
-from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.host.eviction import eviction_policy
+from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.yielding import Confirmed
 from kvloop.clients.bench.replay_fleet import _Pool, _Run
 from kvloop.common.host_names import HOST_SUFFIX

@@ -48,7 +48,7 @@ from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config  # noqa: 
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 
 from kvloop.agents.connector import compat  # noqa: E402
-from kvloop.agents.connector.host_pool import HostPool  # noqa: E402
+from kvloop.agents.connector.host.pool import HostPool  # noqa: E402
 from kvloop.agents.connector.metadata import HostCopy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The host retention tier's scheduler side (agents/connector/host_tier.py): which runs get a copy in
+"""The host retention tier's scheduler side (agents/connector/host/tier.py): which runs get a copy in
 the host pool, where, what is announced, and when a copy's slots may be reused (no engine needed)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.yielding import Confirmed, GivenUp
 
 if TYPE_CHECKING:
@@ -363,7 +363,7 @@ def test_a_decode_captures_the_window_before_its_prompts_last_complete_block():
 
 
 def test_a_request_waits_for_its_window_capture_but_never_longer_than_the_wait():
-    from kvloop.agents.connector.host_pool import HeldRequests
+    from kvloop.agents.connector.host.pool import HeldRequests
 
     held = HeldRequests(wait_s=5.0)
     held.hold("a", "a@window", 100.0)
@@ -379,7 +379,7 @@ def test_a_request_waits_for_its_window_capture_but_never_longer_than_the_wait()
 def test_pool_slots_leave_slot_zero_for_the_null_block(gib, per_block, slots):
     from types import SimpleNamespace
 
-    from kvloop.agents.connector.host_pool import pool_slots
+    from kvloop.agents.connector.host.pool import pool_slots
 
     config = SimpleNamespace(num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=10 * per_block)])
     assert pool_slots(config, gib) == slots  # type: ignore[arg-type]
@@ -711,7 +711,7 @@ def test_by_default_the_oldest_copies_go_first():
 
 
 def test_the_pool_releases_copies_in_its_policys_order_skipping_copies_not_announced():
-    from kvloop.agents.connector.host_eviction import Lru
+    from kvloop.agents.connector.host.eviction import Lru
 
     class Newest(Lru):
         def victims(self, now: float) -> list[str]:

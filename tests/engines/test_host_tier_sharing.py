@@ -1,4 +1,4 @@
-"""The host pool holds a block once (agents/connector/host_tier.py): copies of runs that share blocks
+"""The host pool holds a block once (agents/connector/host/tier.py): copies of runs that share blocks
 (a system prompt, an earlier turn) name the same slots, and a slot is never written while a copy names
 it (no engine needed; tests/engines/test_host_tier.py covers the pool's other rules)."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvloop.agents.connector.events import KvloopBlocksRetained
-from kvloop.agents.connector.host_tier import HostTier
+from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.yielding import Confirmed
 from kvloop.common.sliding_window import NULL_BLOCK
 from tests.support import RecordingConfirmer, named_hash, wait_until

@@ -122,7 +122,7 @@ def test_sleep_mode_is_supported_where_vllms_nixl_connector_supports_it():
 
 def _host_decode(host_on_reset: str):
     from kvloop.agents.connector.decode import DecodeSide
-    from kvloop.agents.connector.host_tier import HostTier
+    from kvloop.agents.connector.host.tier import HostTier
 
     events: list = []
     host = HostTier(32, 600.0, 2.0, events.append, None)

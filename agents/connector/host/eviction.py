@@ -1,6 +1,6 @@
 """Which copies a decode's host pool gives up first when it needs room (``kvloop_host_eviction``).
 
-The pool (host_tier.py; ``kvloop bench replay`` models it with these same classes) tells its policy
+The pool (host/tier.py; ``kvloop bench replay`` models it with these same classes) tells its policy
 when a run enters it (:meth:`EvictionPolicy.add`) and leaves it (:meth:`EvictionPolicy.forget`), and
 of every turn that ends on the decode (:meth:`EvictionPolicy.turn`); it releases copies in the order
 :meth:`EvictionPolicy.victims` gives, skipping the ones it cannot release yet.

@@ -3,7 +3,7 @@ with NIXL under an engine of its own, that retained runs are copied into.
 
 A prefill reads a run's host copy exactly as it reads a run in a KV cache: through vLLM's NIXL
 handshake with the pool's engine (``<engine id>@host``, served on its own side channel by the
-scheduler side, host_tier.py), whose metadata is this engine's with the pool's addresses. Every
+scheduler side, host/tier.py), whose metadata is this engine's with the pool's addresses. Every
 region of the KV cache has a pool region of ``slots`` blocks of the same length, so a pool slot id
 is a block id there, and vLLM's descriptor arithmetic (``_compute_desc_ids``) serves both. Slot 0 is
 never handed out: it stands for vLLM's null block. The pool's descriptors are built by the installed
@@ -120,7 +120,7 @@ class HostPool:
         self.handshake = self._handshake_payload(bases, rows)
         self._copies: dict[str, int] = {}  # handle -> NIXL transfer handle
         self._done: dict[str, bool] = {}
-        # Window captures (host_tier.py) by request id, posted when the request's prompt KV has
+        # Window captures (host/tier.py) by request id, posted when the request's prompt KV has
         # arrived; the requests whose capture is being written, held back from vLLM until it is.
         self._captures: dict[str, HostCopy] = {}
         self._held = HeldRequests()

@@ -1,5 +1,5 @@
 """The decode's host retention tier, scheduler side: which retained runs get a copy in the host pool
-(host_pool.py), where, and for how long; their announcements and their fenced release.
+(host/pool.py), where, and for how long; their announcements and their fenced release.
 
 When a retained run is announced, its KV-cache blocks are copied into free pool slots. The pool holds a
 block once (common/held_blocks.py: by chained hash, within a LoRA and a KV-cache group): a block an
@@ -17,7 +17,7 @@ directory first, and its slots come free once kvloopd confirms the drop and its 
 (the fence of yielding.py); an expired copy's slots come free after the READ margin, since the
 directory never hands out a run that close to its lease's end. Each turn of a conversation makes a
 newer copy and supersedes its older one. Which copies go first when the pool needs room is the
-eviction policy's call (host_eviction.py, ``kvloop_host_eviction``): by default the oldest copy, the
+eviction policy's call (host/eviction.py, ``kvloop_host_eviction``): by default the oldest copy, the
 conversation least recently active.
 
 A run never waits behind its own pool's bookkeeping: when no slots are free, the pool releases copies
@@ -50,7 +50,7 @@ import msgspec
 
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
-from kvloop.agents.connector.host_eviction import LRU, eviction_policy, room_wanted
+from kvloop.agents.connector.host.eviction import LRU, eviction_policy, room_wanted
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
 from kvloop.common.held_blocks import HeldBlocks
