@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -22,6 +23,7 @@ from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.decoding import DecodeInterceptor
 from kvloop.daemon.index import DirectoryStore, MemoryStore, StoreUnavailable
 from kvloop.daemon.index.instrumented import InstrumentedStore
+from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
 from kvloop.daemon.index.redis_store import RedisStore
 from kvloop.daemon.index.store import entry_bound
 from kvloop.daemon.metrics import DaemonCounters
@@ -32,6 +34,9 @@ from kvloop.daemon.unavailable import StoreUnavailableInterceptor
 from kvloop.daemon.watch import ChangeFeed
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = structlog.get_logger("kvloop.daemon")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Directory"].full_name
@@ -47,12 +52,10 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
         return MemoryStore(settings.index_config())
     from redis.exceptions import RedisClusterException, RedisError
 
-    from kvloop.daemon.index.redis_store import redacted
+    from kvloop.daemon.index.redis_wire import redacted
 
     try:
         if settings.store.cluster:
-            from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
-
             return await RedisClusterStore.connect_cluster(
                 settings.store.url,
                 settings.index_config(),
@@ -76,32 +79,17 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
 
 async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> None:
     """Run kvloopd until SIGTERM/SIGINT (or `stop` is set), then shut down gracefully."""
-    traced = configure_tracing("kvloopd", settings.span_file)
-    if traced:
-        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorServer
-
-        GrpcAioInstrumentorServer().instrument()
-    options = [
-        ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ]
+    traced = _start_tracing(settings)
     counters = DaemonCounters()
     publish_build_info("kvloopd")
     backend = await open_store(settings)
     metrics.MAX_ENTRIES.set(entry_bound(backend))
-    interceptors: list[grpc.aio.ServerInterceptor] = []
-    if settings.tokens:
-        interceptors.append(AuthInterceptor(settings.tokens, counters.rejected_message))
-    interceptors.append(DecodeInterceptor(counters.rejected_message))
-    if not isinstance(backend, MemoryStore):  # only a networked store can be away
-        interceptors.append(StoreUnavailableInterceptor())
-    server = grpc.aio.server(options=options, interceptors=interceptors)
-    relay = backend.change_relay() if isinstance(backend, RedisStore) else None
-    changes = ChangeFeed(relay=relay)
-    plans = PlanBoard(relay=backend.plan_relay() if isinstance(backend, RedisStore) else None)
+    server = grpc.aio.server(
+        options=_server_options(settings), interceptors=_interceptors(settings, backend, counters)
+    )
+    shared = isinstance(backend, (RedisStore, RedisClusterStore))  # replicas share it: relay between them
+    changes = ChangeFeed(relay=backend.change_relay() if shared else None)
+    plans = PlanBoard(relay=backend.plan_relay() if shared else None)
     store = InstrumentedStore(backend, traced=traced)
     service = DirectoryService(
         store,
@@ -115,40 +103,10 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         traced=traced,
     )
     pb_grpc.add_DirectoryServicer_to_server(service, server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
-    host, port = parse_host_port(settings.listen, "listen")
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        if settings.tls is not None:
-            bound = server.add_secure_port(address, settings.tls.server_credentials())
-        else:
-            bound = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise DaemonStartError(f"cannot listen on {settings.listen}: {exc}") from None
-    if bound == 0:
-        raise DaemonStartError(f"cannot listen on {settings.listen} (address in use or not local)")
+    health = _add_health_and_reflection(server)
+    bound = _bind(server, settings)
     await server.start()
-    metrics_server = None
-    if settings.metrics_listen:
-        mhost, mport = parse_host_port(settings.metrics_listen, "metrics_listen")
-        tls = settings.tls
-        try:
-            metrics_server, _ = start_http_server(
-                mport,
-                addr=mhost,
-                certfile=str(tls.cert_file) if tls else None,
-                keyfile=str(tls.key_file) if tls else None,
-                client_cafile=str(tls.client_ca_file) if tls and tls.client_ca_file else None,
-                client_auth_required=bool(tls and tls.client_ca_file),
-            )
-        except OSError as exc:
-            await server.stop(None)
-            raise DaemonStartError(f"cannot serve metrics on {settings.metrics_listen}: {exc}") from None
+    metrics_server = await _start_metrics(server, settings)
     for problem in settings.exposure_warnings():
         log.warning("kvloopd is exposed", problem=problem)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -169,18 +127,7 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-
-    async def reaper() -> None:
-        while True:
-            await asyncio.sleep(settings.reap_interval_s)
-            try:
-                await service.reap()
-            except StoreUnavailable as exc:  # a failover in progress: reap again next interval
-                log.warning("reaping skipped", error=str(exc))
-            except Exception:  # a bug must not end reaping for good
-                log.exception("reaping failed; retrying next interval")
-
-    reaping = asyncio.create_task(reaper())
+    reaping = asyncio.create_task(_reap_forever(service, settings.reap_interval_s))
     relaying = asyncio.create_task(changes.relay())
     relaying_plans = asyncio.create_task(plans.relay())
     # systemd (Type=notify): ready once the port answers and health says SERVING; the watchdog is
@@ -208,3 +155,93 @@ async def serve(settings: DaemonSettings, stop: asyncio.Event | None = None) -> 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("kvloopd stopped")
+
+
+def _start_tracing(settings: DaemonSettings) -> bool:
+    """Whether spans are exported; when they are, every gRPC call gets its own."""
+    traced = configure_tracing("kvloopd", settings.span_file)
+    if traced:
+        from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorServer
+
+        GrpcAioInstrumentorServer().instrument()
+    return traced
+
+
+def _server_options(settings: DaemonSettings) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ]
+
+
+def _interceptors(
+    settings: DaemonSettings, backend: DirectoryStore, counters: DaemonCounters
+) -> list[grpc.aio.ServerInterceptor]:
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if settings.tokens:
+        interceptors.append(AuthInterceptor(settings.tokens, counters.rejected_message))
+    interceptors.append(DecodeInterceptor(counters.rejected_message))
+    if not isinstance(backend, MemoryStore):  # only a networked store can be away
+        interceptors.append(StoreUnavailableInterceptor())
+    return interceptors
+
+
+def _add_health_and_reflection(server: grpc.aio.Server) -> health_aio.HealthServicer:
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    return health
+
+
+def _bind(server: grpc.aio.Server, settings: DaemonSettings) -> int:
+    """The port bound for ``settings.listen`` (its own when that asks for port 0)."""
+    host, port = parse_host_port(settings.listen, "listen")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if settings.tls is not None:
+            bound = server.add_secure_port(address, settings.tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise DaemonStartError(f"cannot listen on {settings.listen}: {exc}") from None
+    if bound == 0:
+        raise DaemonStartError(f"cannot listen on {settings.listen} (address in use or not local)")
+    return bound
+
+
+async def _start_metrics(server: grpc.aio.Server, settings: DaemonSettings) -> WSGIServer | None:
+    """The /metrics endpoint, if configured; the started gRPC server is stopped when it cannot be."""
+    if not settings.metrics_listen:
+        return None
+    mhost, mport = parse_host_port(settings.metrics_listen, "metrics_listen")
+    tls = settings.tls
+    try:
+        metrics_server, _ = start_http_server(
+            mport,
+            addr=mhost,
+            certfile=str(tls.cert_file) if tls else None,
+            keyfile=str(tls.key_file) if tls else None,
+            client_cafile=str(tls.client_ca_file) if tls and tls.client_ca_file else None,
+            client_auth_required=bool(tls and tls.client_ca_file),
+        )
+    except OSError as exc:
+        await server.stop(None)
+        raise DaemonStartError(f"cannot serve metrics on {settings.metrics_listen}: {exc}") from None
+    return metrics_server
+
+
+async def _reap_forever(service: DirectoryService, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await service.reap()
+        except StoreUnavailable as exc:  # a failover in progress: reap again next interval
+            log.warning("reaping skipped", error=str(exc))
+        except Exception:  # a bug must not end reaping for good
+            log.exception("reaping failed; retrying next interval")

@@ -35,7 +35,8 @@ def test_short_soak_loses_nothing_and_invents_nothing(backend, request):
     faults = result["faults_and_events"]
     # The run went through what it is meant to survive, and measured what it reports.
     assert faults["restarts"] >= 1 and faults["gaps"] >= 1 and faults["cleared"] >= 1
-    assert faults["snapshots_sent"] >= faults["gaps"]
+    # every gap in a session resends a snapshot at once; one between sessions waits for the next
+    assert faults["snapshots_sent"] >= faults["gaps"] - faults.get("gaps_deferred", 0)
     assert result["event_lag_samples"] > 0 and result["lookups"] > 0
     assert result["daemon_errors_logged"] == 0
 

@@ -107,6 +107,29 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._host_listener: threading.Thread | None = None
         # every worker rank copies its share of each run into its own pool (host/pool.py)
         self._host_reports = RankTally(vllm_config.parallel_config.world_size)
+        self._init_decode(kv_cache_config)
+        if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
+            idle.install()
+        self.prefill: PrefillSide | None = None
+        kv_bytes = kv_bytes_per_block(kv_cache_config)
+        if cfg.daemon and cfg.lookup and self.is_bidirectional_kv_xfer_enabled:
+            self.prefill = self._prefill_side(kv_cache_config, kv_bytes, traced)
+        tm.log.info(
+            "kvloop.scheduler_init",
+            engine_id=engine_id,
+            worker_id=self.worker_id,
+            nixl_endpoint=f"{self.side_channel_host}:{self.side_channel_port}",
+            kv_bytes_per_block=kv_bytes,
+            block_size=self.block_size,
+            bidirectional=self.is_bidirectional_kv_xfer_enabled,
+            retention_ttl_s=self.decoder_kv_blocks_ttl,
+            sharing=cfg.sharing,
+            lookups=self.prefill is not None,
+        )
+
+    def _init_decode(self, kv_cache_config: KVCacheConfig) -> None:
+        """The decode role, with its host-memory tier and release confirmations where they apply."""
+        cfg = self.cfg
         host_slots = pool_slots(kv_cache_config, cfg.host_retention_gib)
         confirmer = (
             ReleaseConfirmer(cfg.daemon, cfg.model, self.worker_id, cfg.read_margin_s)
@@ -138,64 +161,51 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
             group_windows(kv_cache_config),
             generation=lambda: compat.registration_generation(self),
         )
-        if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
-            idle.install()
-        self.prefill: PrefillSide | None = None
-        kv_bytes = kv_bytes_per_block(kv_cache_config)
-        if cfg.daemon and cfg.lookup and self.is_bidirectional_kv_xfer_enabled:
-            constraints = PullerConstraints(
-                model=cfg.model,
-                requester=self.worker_id,
-                block_size=self.block_size,
-                # vLLM's own threshold is part of the one decision: the daemon applies the largest.
-                min_pull_tokens=max(cfg.min_pull_tokens, self.kv_recompute_threshold),
-                lease_margin_ms=int(cfg.expiry_margin_s * 1000),
-                tensor_parallel_size=self.transfer_tp_size,
-                kv_dtype=kv_dtype_name(kv_cache_config),
-                kv_bytes_per_block=kv_bytes,
-                kv_group_windows=tuple(group_windows(kv_cache_config)),
-            )
-            directory = DirectoryLookups(
-                cfg.daemon,
-                constraints,
-                timeout_ms=cfg.lookup_timeout_ms,
-                backoff_s=cfg.lookup_backoff_s,
-                traced=traced,
-            )
-            plans = (
-                PlanInbox(
-                    cfg.daemon,
-                    self.worker_id,
-                    block_size=self.block_size,
-                    min_pull_tokens=constraints.min_pull_tokens,
-                    lease_margin_ms=constraints.lease_margin_ms,
-                    epoch=lambda: directory.epoch,
-                ).start()
-                if cfg.route_plans
-                else None
-            )
-            self.prefill = PrefillSide(
-                cfg,
-                directory,
-                self.block_size,
-                kv_bytes,
-                self.transfer_tp_size,
-                self._events.append,
-                group_windows(kv_cache_config),
-                group_bytes_per_block(kv_cache_config),
-                plans,
-            )
-        tm.log.info(
-            "kvloop.scheduler_init",
-            engine_id=engine_id,
-            worker_id=self.worker_id,
-            nixl_endpoint=f"{self.side_channel_host}:{self.side_channel_port}",
-            kv_bytes_per_block=kv_bytes,
+
+    def _prefill_side(self, kv_cache_config: KVCacheConfig, kv_bytes: int, traced: bool) -> PrefillSide:
+        """The prefill role: directory lookups and, if enabled, the daemon's route plans."""
+        cfg = self.cfg
+        constraints = PullerConstraints(
+            model=cfg.model,
+            requester=self.worker_id,
             block_size=self.block_size,
-            bidirectional=self.is_bidirectional_kv_xfer_enabled,
-            retention_ttl_s=self.decoder_kv_blocks_ttl,
-            sharing=cfg.sharing,
-            lookups=self.prefill is not None,
+            # vLLM's own threshold is part of the one decision: the daemon applies the largest.
+            min_pull_tokens=max(cfg.min_pull_tokens, self.kv_recompute_threshold),
+            lease_margin_ms=int(cfg.expiry_margin_s * 1000),
+            tensor_parallel_size=self.transfer_tp_size,
+            kv_dtype=kv_dtype_name(kv_cache_config),
+            kv_bytes_per_block=kv_bytes,
+            kv_group_windows=tuple(group_windows(kv_cache_config)),
+        )
+        directory = DirectoryLookups(
+            cfg.daemon,
+            constraints,
+            timeout_ms=cfg.lookup_timeout_ms,
+            backoff_s=cfg.lookup_backoff_s,
+            traced=traced,
+        )
+        plans = (
+            PlanInbox(
+                cfg.daemon,
+                self.worker_id,
+                block_size=self.block_size,
+                min_pull_tokens=constraints.min_pull_tokens,
+                lease_margin_ms=constraints.lease_margin_ms,
+                epoch=lambda: directory.epoch,
+            ).start()
+            if cfg.route_plans
+            else None
+        )
+        return PrefillSide(
+            cfg,
+            directory,
+            self.block_size,
+            kv_bytes,
+            self.transfer_tp_size,
+            self._events.append,
+            group_windows(kv_cache_config),
+            group_bytes_per_block(kv_cache_config),
+            plans,
         )
 
     def get_num_new_matched_tokens(  # type: ignore[override]

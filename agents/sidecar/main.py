@@ -25,6 +25,7 @@ from kvloop.common.sd_notify import Notifier
 from kvloop.common.version import VERSION, publish_build_info, version_line
 
 if TYPE_CHECKING:
+    from kvloop.agents.sidecar.config import AgentSettings
     from kvloop.v1 import directory_pb2 as pb
 
 log = structlog.get_logger("kvloop.agent")
@@ -245,8 +246,6 @@ def run(
         typer.Option("--version", is_eager=True, callback=_print_version, help="print the version and exit"),
     ] = False,
 ) -> None:
-    from kvloop.agents.sidecar.config import AgentSettings
-
     if config is not None:
         os.environ["KVLOOP_AGENT_CONFIG"] = str(config)
     flags: dict[str, object] = dict(
@@ -279,9 +278,19 @@ def run(
             "client_ca_file": health_client_ca_file,
         }
         flags["health_tls"] = {k: v for k, v in tls.items() if v is not None}
-    given = {k: v for k, v in flags.items() if v is not None}
+    settings = _load_settings({k: v for k, v in flags.items() if v is not None})
+    health_tls = _health_tls_context(settings)
+    configure_logging(settings.log_level, settings.log_json)
+    raise typer.Exit(asyncio.run(_run_until_signalled(settings, health_tls)))
+
+
+def _load_settings(given: dict[str, object]) -> AgentSettings:
+    """The settings from ``given`` flags, the environment and the TOML file; on a configuration
+    error, each problem on stderr, naming where the bad value came from, and exit status 2."""
+    from kvloop.agents.sidecar.config import AgentSettings
+
     try:
-        settings = AgentSettings(**given)
+        return AgentSettings(**given)
     except ValidationError as exc:
         path = os.environ.get("KVLOOP_AGENT_CONFIG")
 
@@ -303,22 +312,22 @@ def run(
             f"kvloop-agent: {os.environ.get('KVLOOP_AGENT_CONFIG')}: TOML syntax error: {exc}", err=True
         )
         raise typer.Exit(2) from None
+
+
+def _health_tls_context(settings: AgentSettings) -> ssl.SSLContext | None:
     try:  # before anything starts: bad TLS files are a configuration error
-        health_tls = settings.health_tls.http_server_context() if settings.health_tls else None
+        return settings.health_tls.http_server_context() if settings.health_tls else None
     except ValueError as exc:
         typer.echo(f"kvloop-agent: health endpoint: {exc}", err=True)
         raise typer.Exit(2) from None
-    configure_logging(settings.log_level, settings.log_json)
 
-    async def main() -> int:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        return await run_agent(settings, stop, health_tls)
 
-    code = asyncio.run(main())
-    raise typer.Exit(code)
+async def _run_until_signalled(settings: AgentSettings, health_tls: ssl.SSLContext | None) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return await run_agent(settings, stop, health_tls)
 
 
 def main() -> None:

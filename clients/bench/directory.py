@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -378,6 +378,21 @@ def _redis_used_memory(url: str | None) -> int:
         return int(client.info("memory")["used_memory"])
 
 
+@dataclass
+class _Sequential:
+    """One caller's figures on one connection, once the fleet's runs are all in the directory."""
+
+    alone_us: list[float]  # the health Check alone, before any Lookup
+    entries: int
+    rss_after: int
+    redis_after: int
+    prompts: list[bytes]
+    server_us: list[float] = field(default_factory=list)
+    e2e_us: list[float] = field(default_factory=list)
+    floor_us: list[float] = field(default_factory=list)  # the health Check interleaved with Lookups
+    transfers: int = 0
+
+
 async def _run(config: BenchConfig, store: str, progress: Progress | None) -> dict:
     """One store's figures; ``store`` is "memory" or a Redis URL."""
     workdir = Path(tempfile.mkdtemp(prefix="kvloop-bench-"))
@@ -396,48 +411,11 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
         redis_before = _redis_used_memory(redis_url)
         fleet_proc.start()
         fleet = _Fleet(config)  # the same seeded runs, to build prompts that hit them
-        _, total = conn.recv()
-        task = progress.add_task("ingest", total=total) if progress else None
-        while True:
-            message = conn.recv()
-            if message[0] == "ingested":
-                _, hashes, ingest_seconds = message
-                break
-            if progress and task is not None:
-                progress.update(task, completed=message[1])
-        with DirectoryClient(target) as sync:
-            health = health_pb2_grpc.HealthStub(sync._channel)
-            check = health_pb2.HealthCheckRequest()
-            # The gRPC round-trip floor on this machine: the standard health Check, which does nothing.
-            # Alone it runs with all its code hot in the caches; the floor a Lookup is judged against
-            # is the Check interleaved with the Lookups below, under the same machine state.
-            alone_us = []
-            for _ in range(min(config.lookups, 1000)):
-                t0 = time.perf_counter()
-                health.Check(check)
-                alone_us.append((time.perf_counter() - t0) * 1e6)
-            stats = sync.stats()
-            rss_after = rss_bytes(daemon.pid)
-            redis_after = _redis_used_memory(redis_url)
-            prompts = _prompts(fleet, config, min(config.lookups, 500))
-            for p in prompts[:50]:  # warm up
-                sync.lookup(MODEL, p, **_LOOKUP)
-            server_us, e2e_us, floor_us, transfers = [], [], [], 0
-            task = progress.add_task("lookups (sequential)", total=config.lookups) if progress else None
-            for i in range(config.lookups):
-                t0 = time.perf_counter()
-                health.Check(check)
-                t1 = time.perf_counter()
-                answer = sync.lookup(MODEL, prompts[i % len(prompts)], **_LOOKUP)
-                e2e_us.append((time.perf_counter() - t1) * 1e6)
-                floor_us.append((t1 - t0) * 1e6)
-                server_us.append(answer.lookup_us)
-                transfers += answer.decision == pb.DECISION_TRANSFER
-                if progress and task is not None:
-                    progress.advance(task)
+        hashes, ingest_seconds = _await_ingest(conn, progress)
+        seq = _sequential_lookups(target, config, fleet, daemon.pid, redis_url, progress)
         if progress:
             progress.add_task(f"lookups ({config.concurrency} concurrent callers)", total=None)
-        throughput = await _concurrent_lookups(target, prompts, config.concurrency, config.lookups)
+        throughput = await _concurrent_lookups(target, seq.prompts, config.concurrency, config.lookups)
         if progress:
             progress.add_task(f"route ({config.route_turns} turns of one conversation)", total=None)
         more = await _route_figures(target, config)
@@ -445,105 +423,32 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
         if redis_url is None:  # the handler's own cost, hot: with the in-memory store only
             if progress:
                 progress.add_task("lookup handler, called in-process back to back", total=None)
-            more |= await _handler_figures(config, prompts)
-        entries = stats.entries
+            more |= await _handler_figures(config, seq.prompts)
         result = {
             "config": asdict(config),
-            "entries": entries,
+            "entries": seq.entries,
             "workers": config.workers,
             "ingest_block_events": hashes,
             "ingest_seconds": round(ingest_seconds, 3),
             "ingest_block_events_per_s": round(hashes / ingest_seconds),
-            "lookup_server_p50_us": percentile(server_us, 0.50),
-            "lookup_server_p99_us": percentile(server_us, 0.99),
-            "lookup_e2e_p50_ms": round(percentile(e2e_us, 0.50) / 1e3, 3),
-            "lookup_e2e_p99_ms": round(percentile(e2e_us, 0.99) / 1e3, 3),
-            "lookup_e2e_mean_ms": round(statistics.fmean(e2e_us) / 1e3, 3),
-            "grpc_health_check_e2e_p50_ms": round(percentile(floor_us, 0.50) / 1e3, 3),
-            "lookup_e2e_p50_over_health_check": round(
-                percentile(e2e_us, 0.50) / percentile(floor_us, 0.50), 3
-            ),
-            "grpc_health_check_alone_e2e_p50_ms": round(percentile(alone_us, 0.50) / 1e3, 3),
+            **_lookup_figures(seq),
             "lookups_per_s_concurrent": round(throughput),
             "concurrency": config.concurrency,
             "lookups": config.lookups,
-            "transfer_decisions": transfers,
+            "transfer_decisions": seq.transfers,
             "daemon_rss_before_mib": round(rss_before / 2**20, 1),
-            "daemon_rss_after_mib": round(rss_after / 2**20, 1),
+            "daemon_rss_after_mib": round(seq.rss_after / 2**20, 1),
             "bytes_per_entry": round(
-                ((redis_after - redis_before) if redis_url else (rss_after - rss_before)) / max(entries, 1), 1
+                ((seq.redis_after - redis_before) if redis_url else (seq.rss_after - rss_before))
+                / max(seq.entries, 1),
+                1,
             ),
             "memory_measured": "redis used_memory" if redis_url else "daemon RSS",
-            "redis_used_memory_mib": round(redis_after / 2**20, 1) if redis_url else None,
+            "redis_used_memory_mib": round(seq.redis_after / 2**20, 1) if redis_url else None,
             "cpu_count": os.cpu_count(),
             **more,
         }
-        result["table"] = [
-            (
-                "ingest (block-hash events/s)",
-                f"{result['ingest_block_events_per_s']:,}",
-                ">= 300,000" if redis_url else ">= 1,000,000",
-            ),
-            ("directory entries", f"{entries:,}", f"{config.entries:,}"),
-            (
-                f"lookup server p50 ({config.prompt_blocks} blocks)",
-                f"{result['lookup_server_p50_us']} us",
-                "",
-            ),
-            (
-                f"lookup server p99 ({config.prompt_blocks} blocks)",
-                f"{result['lookup_server_p99_us']} us",
-                "" if redis_url else "<= 100 us",  # Redis's target is relative: see its last row
-            ),
-            *(
-                []
-                if redis_url
-                else [
-                    (
-                        "  the handler alone, hot: p50 / p99 (in-process, back to back)",
-                        f"{result['lookup_handler_hot_p50_us']} / {result['lookup_handler_hot_p99_us']} us",
-                        "",
-                    ),
-                    (
-                        "  the handler alone, each call after 1 ms idle: p50 (in-process)",
-                        f"{result['lookup_handler_after_idle_p50_us']} us",
-                        "",
-                    ),
-                ]
-            ),
-            (
-                "lookup end-to-end p50 (gRPC, loopback)",
-                f"{result['lookup_e2e_p50_ms']} ms",
-                "" if redis_url else "<= 0.5 ms",
-            ),
-            (
-                "  gRPC floor: empty health Check p50 (interleaved)",
-                f"{result['grpc_health_check_e2e_p50_ms']} ms",
-                "",
-            ),
-            (
-                "  lookup end-to-end p50 / floor",
-                f"{result['lookup_e2e_p50_over_health_check']}x",
-                "<= 1.2x" if not redis_url else "",
-            ),
-            (
-                f"lookups/s, {config.concurrency} concurrent callers",
-                f"{result['lookups_per_s_concurrent']:,}",
-                "",
-            ),
-            ("lookups that chose TRANSFER", f"{transfers:,} / {config.lookups:,}", ""),
-            (
-                f"route server p50 / p99 ({result['route_prompt_tokens_mean']:,} token ids, 2 candidates)",
-                f"{result['route_server_p50_us']} / {result['route_server_p99_us']} us",
-                "",
-            ),
-            ("route end-to-end p50 (async client)", f"{result['route_e2e_p50_ms']} ms", ""),
-            (
-                f"memory per entry ({result['memory_measured']})",
-                f"{result['bytes_per_entry']} B",
-                "<= 250 B" if redis_url else "<= 200 B",
-            ),
-        ]
+        result["table"] = _table(result, config, redis_url is not None)
         return result
     finally:
         if fleet_proc.is_alive():
@@ -551,6 +456,147 @@ async def _run(config: BenchConfig, store: str, progress: Progress | None) -> di
         fleet_proc.join(10)
         supervisor().stop(daemon, grace_s=15)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _await_ingest(conn, progress: Progress | None) -> tuple[int, float]:
+    """The fleet's block-hash events and the seconds it took until the daemon acked them all."""
+    _, total = conn.recv()
+    task = progress.add_task("ingest", total=total) if progress else None
+    while True:
+        message = conn.recv()
+        if message[0] == "ingested":
+            _, hashes, ingest_seconds = message
+            return hashes, ingest_seconds
+        if progress and task is not None:
+            progress.update(task, completed=message[1])
+
+
+def _sequential_lookups(
+    target: str,
+    config: BenchConfig,
+    fleet: _Fleet,
+    daemon_pid: int,
+    redis_url: str | None,
+    progress: Progress | None,
+) -> _Sequential:
+    with DirectoryClient(target) as sync:
+        health = health_pb2_grpc.HealthStub(sync._channel)
+        check = health_pb2.HealthCheckRequest()
+        # The gRPC round-trip floor on this machine: the standard health Check, which does nothing.
+        # Alone it runs with all its code hot in the caches; the floor a Lookup is judged against
+        # is the Check interleaved with the Lookups below, under the same machine state.
+        alone_us = []
+        for _ in range(min(config.lookups, 1000)):
+            t0 = time.perf_counter()
+            health.Check(check)
+            alone_us.append((time.perf_counter() - t0) * 1e6)
+        seq = _Sequential(
+            alone_us=alone_us,
+            entries=sync.stats().entries,
+            rss_after=rss_bytes(daemon_pid),
+            redis_after=_redis_used_memory(redis_url),
+            prompts=_prompts(fleet, config, min(config.lookups, 500)),
+        )
+        prompts = seq.prompts
+        for p in prompts[:50]:  # warm up
+            sync.lookup(MODEL, p, **_LOOKUP)
+        task = progress.add_task("lookups (sequential)", total=config.lookups) if progress else None
+        for i in range(config.lookups):
+            t0 = time.perf_counter()
+            health.Check(check)
+            t1 = time.perf_counter()
+            answer = sync.lookup(MODEL, prompts[i % len(prompts)], **_LOOKUP)
+            seq.e2e_us.append((time.perf_counter() - t1) * 1e6)
+            seq.floor_us.append((t1 - t0) * 1e6)
+            seq.server_us.append(answer.lookup_us)
+            seq.transfers += answer.decision == pb.DECISION_TRANSFER
+            if progress and task is not None:
+                progress.advance(task)
+    return seq
+
+
+def _lookup_figures(seq: _Sequential) -> dict:
+    server_us, e2e_us, floor_us = seq.server_us, seq.e2e_us, seq.floor_us
+    return {
+        "lookup_server_p50_us": percentile(server_us, 0.50),
+        "lookup_server_p99_us": percentile(server_us, 0.99),
+        "lookup_e2e_p50_ms": round(percentile(e2e_us, 0.50) / 1e3, 3),
+        "lookup_e2e_p99_ms": round(percentile(e2e_us, 0.99) / 1e3, 3),
+        "lookup_e2e_mean_ms": round(statistics.fmean(e2e_us) / 1e3, 3),
+        "grpc_health_check_e2e_p50_ms": round(percentile(floor_us, 0.50) / 1e3, 3),
+        "lookup_e2e_p50_over_health_check": round(percentile(e2e_us, 0.50) / percentile(floor_us, 0.50), 3),
+        "grpc_health_check_alone_e2e_p50_ms": round(percentile(seq.alone_us, 0.50) / 1e3, 3),
+    }
+
+
+def _table(result: dict, config: BenchConfig, redis: bool) -> list[tuple[str, str, str]]:
+    """The figures as (what, measured, target) rows; targets differ between the stores."""
+    return [
+        (
+            "ingest (block-hash events/s)",
+            f"{result['ingest_block_events_per_s']:,}",
+            ">= 300,000" if redis else ">= 1,000,000",
+        ),
+        ("directory entries", f"{result['entries']:,}", f"{config.entries:,}"),
+        (
+            f"lookup server p50 ({config.prompt_blocks} blocks)",
+            f"{result['lookup_server_p50_us']} us",
+            "",
+        ),
+        (
+            f"lookup server p99 ({config.prompt_blocks} blocks)",
+            f"{result['lookup_server_p99_us']} us",
+            "" if redis else "<= 100 us",  # Redis's target is relative: see its last row
+        ),
+        *([] if redis else _handler_rows(result)),
+        (
+            "lookup end-to-end p50 (gRPC, loopback)",
+            f"{result['lookup_e2e_p50_ms']} ms",
+            "" if redis else "<= 0.5 ms",
+        ),
+        (
+            "  gRPC floor: empty health Check p50 (interleaved)",
+            f"{result['grpc_health_check_e2e_p50_ms']} ms",
+            "",
+        ),
+        (
+            "  lookup end-to-end p50 / floor",
+            f"{result['lookup_e2e_p50_over_health_check']}x",
+            "<= 1.2x" if not redis else "",
+        ),
+        (
+            f"lookups/s, {config.concurrency} concurrent callers",
+            f"{result['lookups_per_s_concurrent']:,}",
+            "",
+        ),
+        ("lookups that chose TRANSFER", f"{result['transfer_decisions']:,} / {config.lookups:,}", ""),
+        (
+            f"route server p50 / p99 ({result['route_prompt_tokens_mean']:,} token ids, 2 candidates)",
+            f"{result['route_server_p50_us']} / {result['route_server_p99_us']} us",
+            "",
+        ),
+        ("route end-to-end p50 (async client)", f"{result['route_e2e_p50_ms']} ms", ""),
+        (
+            f"memory per entry ({result['memory_measured']})",
+            f"{result['bytes_per_entry']} B",
+            "<= 250 B" if redis else "<= 200 B",
+        ),
+    ]
+
+
+def _handler_rows(result: dict) -> list[tuple[str, str, str]]:
+    return [
+        (
+            "  the handler alone, hot: p50 / p99 (in-process, back to back)",
+            f"{result['lookup_handler_hot_p50_us']} / {result['lookup_handler_hot_p99_us']} us",
+            "",
+        ),
+        (
+            "  the handler alone, each call after 1 ms idle: p50 (in-process)",
+            f"{result['lookup_handler_after_idle_p50_us']} us",
+            "",
+        ),
+    ]
 
 
 def _store_name(store: str) -> str:

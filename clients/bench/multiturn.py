@@ -52,7 +52,7 @@ from kvloop.clients.bench.multiturn_summary import decode_steps_of, summarize, w
 from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE, build_tiny_llama
 
 if TYPE_CHECKING:
-    pass
+    from kvloop.clients.fleet.stack import Stack, StackConfig
 
 
 def run_workload(
@@ -149,7 +149,7 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     from rich.progress import Progress
 
     from kvloop.clients.console import make_console
-    from kvloop.clients.fleet.stack import Stack, StackConfig
+    from kvloop.clients.fleet.stack import Stack
 
     config.workdir.mkdir(parents=True, exist_ok=True)
     model = build_tiny_llama(
@@ -159,54 +159,10 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
         chat_template=REASONING_CHAT_TEMPLATE,  # renders other workloads' prompts as the plain one
         tokenizer=config.tokenizer,
     )
-    stacks = {}
+    stacks: dict[str, Stack] = {}
     started = time.monotonic()
     try:
-        if config.routing:
-            stacks["fleet"] = Stack(
-                StackConfig(
-                    model_dir=model,
-                    workdir=config.workdir / "fleet",
-                    kv_cache_gib=config.kv_cache_gib,
-                    block_size=config.block_size,
-                    dtype=config.dtype,
-                    prefill_prefix_caching=config.prefill_prefix_caching,
-                    pin_engines=config.pin_engines,
-                    mode="kvloop",
-                    prefill_servers=config.prefills,
-                    decode_servers=config.decodes,
-                    retention_ttl_s=config.retention_ttl_s,
-                    retention_max_share=config.retention_max_share,
-                    retention_yield=config.retention_yield,
-                    ucx_tls=config.ucx_tls,
-                    with_proxy=False,
-                    # four engines starting at once on a small shared host take several minutes
-                    start_timeout_s=900,
-                )
-            )
-        for arm in () if config.routing else config.arms:
-            floor = arm == FLOOR_ARM
-            if arm == HOST_ARM and not config.host_retention_gib:
-                raise ValueError(f"the {HOST_ARM} arm needs --host-retention-gib")
-            stacks[arm] = Stack(
-                StackConfig(
-                    model_dir=model,
-                    workdir=config.workdir / arm,
-                    kv_cache_gib=config.kv_cache_gib,
-                    host_retention_gib=config.host_retention_gib if arm == HOST_ARM else 0.0,
-                    block_size=config.block_size,
-                    dtype=config.dtype,
-                    prefill_prefix_caching=floor or config.prefill_prefix_caching,
-                    pin_engines=config.pin_engines,
-                    mode="recompute" if floor else "kvloop" if arm == HOST_ARM else arm,
-                    decode_servers=0 if floor else 1,
-                    retention_ttl_s=config.retention_ttl_s,
-                    retention_max_share=config.retention_max_share,
-                    retention_yield=config.retention_yield,
-                    ucx_tls=config.ucx_tls,
-                    with_proxy=False,
-                )
-            )
+        stacks.update((arm, Stack(cfg)) for arm, cfg in _stack_configs(config, model).items())
         # On stderr: stdout keeps the results (a table, or the JSON with --json).
         with Progress(disable=not progress, transient=True, console=make_console(stderr=True)) as bar:
             task = bar.add_task(f"starting {len(stacks)} arms' engines", total=None)
@@ -218,59 +174,14 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
 
             for arm, stack in stacks.items():
                 stack.start(lambda what, state, arm=arm: say(f"{arm}: {what} {state}"))
-            clients: dict[str, ArmClient] = {
-                arm: ArmClient(
-                    arm,
-                    s.prefill.config.url,
-                    s.decodes[0].config.url if s.decodes else "",
-                    stack_processes(s),
-                )
-                for arm, s in stacks.items()
-                if not config.routing
-            }
-            if config.routing:
-                fleet = stacks["fleet"]
-                for arm in config.arms:
-                    url = fleet.start_proxy(
-                        f"proxy-{arm}",
-                        ROUTING_PROXY_OPTIONS[arm],
-                        lambda what, state: say(f"{what}: {state}"),
-                    )
-                    if "--route" in ROUTING_PROXY_OPTIONS[arm]:
-                        say(f"proxy-{arm}: loading the model's tokenizer")
-                        wait_tokenizer_loaded(url)
-                    clients[arm] = ProxiedArmClient(arm, url)
-            turns_in_all = (
-                len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
-            )
+            clients = _arm_clients(config, stacks, say)
             if config.warmup_turns:
                 say(f"warm-up: {config.warmup_turns} turns per arm, not measured")
                 warmup = MultiturnConfig(**{**asdict(config), "turns": config.warmup_turns})
                 run_workload(clients, "plain", 1, warmup, lambda: None, repeat=-1)
                 for client in clients.values():
                     client.forget()
-            bar.update(task, total=turns_in_all, completed=0)
-            samples: list[TurnSample] = []
-            transfers: dict[tuple[str, int, str], dict[str, float]] = {}
-            for repeat in range(config.repeats):
-                for workload in config.workloads:
-                    for concurrency in config.concurrency:
-                        say(
-                            f"repeat {repeat + 1}/{config.repeats}: {workload}, {concurrency} session(s), "
-                            f"{config.turns} turns x {len(clients)} arms "
-                            f"({int(bar.tasks[0].completed)}/{turns_in_all} arm-turns done)"
-                        )
-                        before = {arm: c.engine_totals() for arm, c in clients.items()}
-                        samples += run_workload(
-                            clients, workload, concurrency, config, lambda: bar.advance(task), repeat
-                        )
-                        for arm, c in clients.items():
-                            totals = transfers.setdefault(
-                                (workload, concurrency, arm), dict.fromkeys(before[arm], 0.0)
-                            )
-                            for key, value in c.engine_totals().items():
-                                totals[key] += value - before[arm][key]
-            say(f"all {turns_in_all} arm-turns done")
+            samples, transfers = _run_rounds(clients, config, bar, task, say)
         summary = summarize(
             samples, config.block_size, transfers, ROUTING_PAIRED_RATIOS if config.routing else PAIRED_RATIOS
         )
@@ -288,3 +199,104 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
     finally:
         for stack in stacks.values():
             stack.stop()
+
+
+def _stack_configs(config: MultiturnConfig, model: Path) -> dict[str, StackConfig]:
+    """The stacks to start: with routing one fleet all arms' proxies share, else a prefill + decode
+    pair per arm (the floor arm a prefill alone, with prefix caching)."""
+    from kvloop.clients.fleet.stack import StackConfig
+
+    shared = {
+        "model_dir": model,
+        "kv_cache_gib": config.kv_cache_gib,
+        "block_size": config.block_size,
+        "dtype": config.dtype,
+        "pin_engines": config.pin_engines,
+        "retention_ttl_s": config.retention_ttl_s,
+        "retention_max_share": config.retention_max_share,
+        "retention_yield": config.retention_yield,
+        "ucx_tls": config.ucx_tls,
+        "with_proxy": False,
+    }
+    if config.routing:
+        fleet = StackConfig(
+            workdir=config.workdir / "fleet",
+            prefill_prefix_caching=config.prefill_prefix_caching,
+            mode="kvloop",
+            prefill_servers=config.prefills,
+            decode_servers=config.decodes,
+            # four engines starting at once on a small shared host take several minutes
+            start_timeout_s=900,
+            **shared,
+        )
+        return {"fleet": fleet}
+    configs = {}
+    for arm in config.arms:
+        floor = arm == FLOOR_ARM
+        if arm == HOST_ARM and not config.host_retention_gib:
+            raise ValueError(f"the {HOST_ARM} arm needs --host-retention-gib")
+        configs[arm] = StackConfig(
+            workdir=config.workdir / arm,
+            host_retention_gib=config.host_retention_gib if arm == HOST_ARM else 0.0,
+            prefill_prefix_caching=floor or config.prefill_prefix_caching,
+            mode="recompute" if floor else "kvloop" if arm == HOST_ARM else arm,
+            decode_servers=0 if floor else 1,
+            **shared,
+        )
+    return configs
+
+
+def _arm_clients(config: MultiturnConfig, stacks: dict[str, Stack], say) -> dict[str, ArmClient]:
+    """A client per arm: straight to its own pair's engines, or (routing) through its proxy on the
+    shared fleet."""
+    if not config.routing:
+        return {
+            arm: ArmClient(
+                arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "", stack_processes(s)
+            )
+            for arm, s in stacks.items()
+        }
+    fleet = stacks["fleet"]
+    clients: dict[str, ArmClient] = {}
+    for arm in config.arms:
+        url = fleet.start_proxy(
+            f"proxy-{arm}", ROUTING_PROXY_OPTIONS[arm], lambda what, state: say(f"{what}: {state}")
+        )
+        if "--route" in ROUTING_PROXY_OPTIONS[arm]:
+            say(f"proxy-{arm}: loading the model's tokenizer")
+            wait_tokenizer_loaded(url)
+        clients[arm] = ProxiedArmClient(arm, url)
+    return clients
+
+
+def _run_rounds(
+    clients: dict[str, ArmClient], config: MultiturnConfig, bar, task, say
+) -> tuple[list[TurnSample], dict[tuple[str, int, str], dict[str, float]]]:
+    """Every repeat x workload x concurrency round on every arm: the turns' samples, and per round
+    and arm what the engines transferred meanwhile (their counters' growth)."""
+    turns_in_all = (
+        len(config.workloads) * len(config.concurrency) * config.turns * len(clients) * config.repeats
+    )
+    bar.update(task, total=turns_in_all, completed=0)
+    samples: list[TurnSample] = []
+    transfers: dict[tuple[str, int, str], dict[str, float]] = {}
+    for repeat in range(config.repeats):
+        for workload in config.workloads:
+            for concurrency in config.concurrency:
+                say(
+                    f"repeat {repeat + 1}/{config.repeats}: {workload}, {concurrency} session(s), "
+                    f"{config.turns} turns x {len(clients)} arms "
+                    f"({int(bar.tasks[0].completed)}/{turns_in_all} arm-turns done)"
+                )
+                before = {arm: c.engine_totals() for arm, c in clients.items()}
+                samples += run_workload(
+                    clients, workload, concurrency, config, lambda: bar.advance(task), repeat
+                )
+                for arm, c in clients.items():
+                    totals = transfers.setdefault(
+                        (workload, concurrency, arm), dict.fromkeys(before[arm], 0.0)
+                    )
+                    for key, value in c.engine_totals().items():
+                        totals[key] += value - before[arm][key]
+    say(f"all {turns_in_all} arm-turns done")
+    return samples, transfers

@@ -29,6 +29,7 @@ from kvloop.clients.bench.replay_fleet import TIERS, FleetConfig, FleetResult, R
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
 
 DEFAULT_HOST_READ_GBPS = 64.0
@@ -336,31 +337,52 @@ def _over_time(result: FleetResult, buckets: int) -> list[dict[str, Any]]:
 
 def print_report(console: Console, result: dict[str, Any]) -> None:
     """The human view of a report (or of a sweep) on a rich console."""
+    if "points" in result:
+        _print_sweep(console, result)
+        return
+    _print_summary(console, result)
+    _print_token_shares(console, result)
+    console.print("paths: " + ", ".join(f"{k} {v:,}" for k, v in result["paths"].items()))
+    console.print("reasons: " + ", ".join(f"{k} {v:,}" for k, v in result["reasons"].items()))
+    _print_ttft(console, result["ttft"])
+    _print_daemon(console, result["daemon"])
+    if "cpu" in result:
+        _print_cpu(console, result["cpu"])
+    _print_published(console, result.get("published") or {})
+    _print_over_time(console, result["over_time"])
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Table:
     from rich.table import Table
 
-    if "points" in result:
-        keys = list(result["sweep"])
-        table = Table(title="kvloop bench replay --sweep")
-        columns = (*keys, "local", "pulled", "of it from host", "recomputed", "continuation TTFT saved")
-        for column in (*columns, "evicted runs", "of them to host"):
-            table.add_column(column, justify="right")
-        for p in result["points"]:
-            saved = p["continuation_ttft_saving_share"]
-            table.add_row(
-                *(f"{p[k]:g}" for k in keys),
-                *(f"{p[k]:.3f}" for k in ("local_share", "pulled_share")),
-                f"{p['pulled_share_by_tier']['host']:.3f}",
-                f"{p['recomputed_share']:.3f}",
-                "-" if saved is None else f"{saved:.1%}",
-                str(p["evicted_runs"]),
-                str(p["moved_to_host_runs"]),
-            )
-        console.print(table)
-        if result.get("plot"):
-            console.print(f"plot: {result['plot']}")
-        return
-    r = result
-    replay, daemon, ttft = r["replay"], r["daemon"], r["ttft"]
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right")
+    return table
+
+
+def _print_sweep(console: Console, result: dict[str, Any]) -> None:
+    keys = list(result["sweep"])
+    columns = (*keys, "local", "pulled", "of it from host", "recomputed", "continuation TTFT saved")
+    table = _table("kvloop bench replay --sweep", (*columns, "evicted runs", "of them to host"))
+    for p in result["points"]:
+        saved = p["continuation_ttft_saving_share"]
+        table.add_row(
+            *(f"{p[k]:g}" for k in keys),
+            *(f"{p[k]:.3f}" for k in ("local_share", "pulled_share")),
+            f"{p['pulled_share_by_tier']['host']:.3f}",
+            f"{p['recomputed_share']:.3f}",
+            "-" if saved is None else f"{saved:.1%}",
+            str(p["evicted_runs"]),
+            str(p["moved_to_host_runs"]),
+        )
+    console.print(table)
+    if result.get("plot"):
+        console.print(f"plot: {result['plot']}")
+
+
+def _print_summary(console: Console, r: dict[str, Any]) -> None:
+    replay = r["replay"]
     console.print(
         f"[bold]{r['requests']:,} requests[/bold], {r['prompt_tokens']:,} prompt tokens over "
         f"{replay['trace_span_s']:,} s of trace, replayed in {replay['wall_s']:.1f} s "
@@ -368,14 +390,13 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
         + (", stopped early by --max-wall-s" if replay["truncated"] else "")
         + ")"
     )
-    table = Table(title="prompt tokens")
-    for column in (
-        "local prefix cache",
-        "reverse pull",
-        "recomputed",
-        "missed pulls (a decode had held them)",
-    ):
-        table.add_column(column, justify="right")
+
+
+def _print_token_shares(console: Console, r: dict[str, Any]) -> None:
+    table = _table(
+        "prompt tokens",
+        ("local prefix cache", "reverse pull", "recomputed", "missed pulls (a decode had held them)"),
+    )
     missed = ", ".join(f"{k} {v:,}" for k, v in r["missed_pull_tokens"].items()) or "none"
     pulled = f"{r['pulled_share']:.1%}"
     by_tier = r["pulled_share_by_tier"]
@@ -388,11 +409,13 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
         f"{r['missed_pull_share']:.1%} ({missed})",
     )
     console.print(table)
-    console.print("paths: " + ", ".join(f"{k} {v:,}" for k, v in r["paths"].items()))
-    console.print("reasons: " + ", ".join(f"{k} {v:,}" for k, v in r["reasons"].items()))
-    table = Table(title=f"estimated TTFT, ms ({ttft['model']['basis']})")
-    for column in ("", "requests", "without kvloop p50 / p90", "with kvloop p50 / p90", "saved (mean)"):
-        table.add_column(column, justify="right")
+
+
+def _print_ttft(console: Console, ttft: dict[str, Any]) -> None:
+    table = _table(
+        f"estimated TTFT, ms ({ttft['model']['basis']})",
+        ("", "requests", "without kvloop p50 / p90", "with kvloop p50 / p90", "saved (mean)"),
+    )
     for name in ("continuation", "all"):
         block = ttft[name]
         if not block["requests"]:
@@ -406,6 +429,9 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
             f"{block['saving_share_of_mean']:.1%}",
         )
     console.print(table)
+
+
+def _print_daemon(console: Console, daemon: dict[str, Any]) -> None:
     lk, lag, rss = daemon["lookup_ms"], daemon["event_lag_ms"], daemon["rss_mib"]
     console.print(
         "kvloopd: Lookup (client-side, loopback) "
@@ -415,34 +441,41 @@ def print_report(console: Console, result: dict[str, Any]) -> None:
         + "; RSS "
         + (f"{rss['start']} -> peak {rss['peak']} MiB" if rss else "-")
     )
-    if "cpu" in r:
-        cpu = r["cpu"]
-        for name in ("kvloopd", "redis"):
-            figures = cpu.get(name)
-            if not figures:
-                continue
-            by_part = figures["cpu_ms_per_request_by_part"]
-            console.print(
-                f"{name} CPU: {figures['cpu_ms_per_request']} ms per request "
-                f"({figures['requests_per_s_per_core']} requests/s per core): "
-                + ", ".join(f"{part} {ms} ms" for part, ms in by_part.items())
-                + f"; {cpu['block_events_per_request']} block events per request, "
-                f"{figures['ingest_us_per_block_event']} us of ingest each"
-            )
-    published = r.get("published") or {}
-    if published:
-        blocks = published["block_events_per_request_by_kind"]
+
+
+def _print_cpu(console: Console, cpu: dict[str, Any]) -> None:
+    for name in ("kvloopd", "redis"):
+        figures = cpu.get(name)
+        if not figures:
+            continue
+        by_part = figures["cpu_ms_per_request_by_part"]
         console.print(
-            "published per request: "
-            + ", ".join(
-                f"{kind} {n} events" + (f" ({blocks[kind]:,} blocks)" if kind in blocks else "")
-                for kind, n in published["events_per_request_by_kind"].items()
-            )
+            f"{name} CPU: {figures['cpu_ms_per_request']} ms per request "
+            f"({figures['requests_per_s_per_core']} requests/s per core): "
+            + ", ".join(f"{part} {ms} ms" for part, ms in by_part.items())
+            + f"; {cpu['block_events_per_request']} block events per request, "
+            f"{figures['ingest_us_per_block_event']} us of ingest each"
         )
-    table = Table(title="over time")
-    for column in ("t (s)", "requests", "local", "pulled", "recomputed", "Lookup p50 ms", "RSS MiB"):
-        table.add_column(column, justify="right")
-    for w in r["over_time"]:
+
+
+def _print_published(console: Console, published: dict[str, Any]) -> None:
+    if not published:
+        return
+    blocks = published["block_events_per_request_by_kind"]
+    console.print(
+        "published per request: "
+        + ", ".join(
+            f"{kind} {n} events" + (f" ({blocks[kind]:,} blocks)" if kind in blocks else "")
+            for kind, n in published["events_per_request_by_kind"].items()
+        )
+    )
+
+
+def _print_over_time(console: Console, over_time: list[dict[str, Any]]) -> None:
+    table = _table(
+        "over time", ("t (s)", "requests", "local", "pulled", "recomputed", "Lookup p50 ms", "RSS MiB")
+    )
+    for w in over_time:
         table.add_row(
             f"{w['t_s']:,}",
             str(w["requests"]),

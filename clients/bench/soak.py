@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import multiprocessing
 import multiprocessing.connection
 import queue
@@ -36,16 +35,15 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
-from kvloop.clients.bench.common import percentile, start_daemon
+from kvloop.clients.bench.common import start_daemon
+from kvloop.clients.bench.soak_report import ProcessWatch, SoakOutcome, build_report
 from kvloop.clients.directory_client import AsyncDirectoryClient, KvloopError
 from kvloop.common.processes import die_with_parent, supervisor
 from kvloop.v1 import directory_pb2 as pb
@@ -293,8 +291,13 @@ class _Agent:
             # What the sidecar does after a gap in the engine's own events (agents/sidecar/main.py).
             self.mirror.forget_retained()
             self.reference.forget_retained()
+            sent = self.link.snapshots_sent
             self.link.request_snapshot("soak: engine event gap")
             self.counts["gaps"] += 1
+            if self.link.snapshots_sent == sent:
+                # between sessions (a restart's reconnect): the next session opens with a snapshot, and
+                # gaps before it share that one
+                self.counts["gaps_deferred"] += 1
             return 0
         events: list[pb.BlockEvent] = []
         if fault == "clear":
@@ -609,26 +612,6 @@ def _show(entry: tuple) -> str:
 # ---- driver -------------------------------------------------------------------------------------
 
 
-def _redis_pid(url: str) -> int | None:
-    port = url.rsplit(":", 1)[-1].split("/")[0]
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if proc.name() == "redis-server" and any(port in arg for arg in proc.cmdline()):
-                return proc.pid
-        except psutil.Error:
-            continue
-    return None
-
-
-def _growth(samples: list[tuple[float, float]]) -> float | None:
-    """Resident memory growth over the last half of the run, in % of its value at half time."""
-    if len(samples) < 4:
-        return None
-    end = samples[-1][0]
-    half = [rss for t, rss in samples if t >= end / 2]
-    return round((max(half) - half[0]) / half[0] * 100, 2)
-
-
 def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None], cluster: bool = False) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvloop-soak-"))
     if store_url != "memory" and not cluster:  # a cluster is the soak's own, new
@@ -639,132 +622,23 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None], c
     env = {"KVLOOP_STORE__CLUSTER": "true"} if cluster else {}
     daemon, target = start_daemon(config.listen, workdir, ["--store", store_url], env)
     ctx = multiprocessing.get_context("spawn")
-    conns, procs = [], []
+    conns: list[Any] = []
+    procs: list[Any] = []
     probes = ctx.Queue()
     try:
-        for index in range(config.processes + 1):
-            conn, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_fleet_process, args=(config, index, target, child, probes), daemon=True
-            )
-            proc.start()
-            conns.append(conn)
-            procs.append(proc)
-        for conn in conns:
-            if not conn.poll(120):
-                raise RuntimeError("a fleet process did not connect its agents within 120 s")
-            conn.recv()
-        watched = {"kvloopd": psutil.Process(daemon.pid)}
-        redis_pid = _redis_pid(store_url) if store_url != "memory" else None
-        if redis_pid is not None:
-            watched["redis-server"] = psutil.Process(redis_pid)
-        cpu0 = {name: p.cpu_times() for name, p in watched.items()}
-        rss: dict[str, list[tuple[float, float]]] = {name: [] for name in watched}
+        _start_fleet(ctx, config, target, probes, conns, procs)
+        watch = ProcessWatch(daemon.pid, store_url)
         for conn in conns:
             conn.send("go")
-        started = time.perf_counter()
-        sent = [0] * len(conns)
-        lookups = [0] * len(conns)
-        results: list[dict | None] = [None] * len(conns)
-        next_sample = started
-        while any(r is None for r in results):
-            now = time.perf_counter()
-            if now >= next_sample and now - started <= config.duration_s + 1:
-                for name, p in watched.items():
-                    rss[name].append((round(now - started, 2), p.memory_info().rss / 2**20))
-                next_sample += 1.0
-            for i, conn in enumerate(conns):
-                while results[i] is None and conn.poll():
-                    message = conn.recv()
-                    if message[0] == "progress":
-                        sent[i], lookups[i] = message[1], message[2]
-                    else:
-                        results[i] = message[1]
-                if results[i] is None and not procs[i].is_alive():
-                    raise RuntimeError(f"fleet process {i} exited with status {procs[i].exitcode}")
-            progress(
-                {"elapsed": now - started, "events": sum(sent), "lookups": sum(lookups), "settling": False}
-            )
-            multiprocessing.connection.wait(conns, timeout=0.2)
-        wall = time.perf_counter() - started
-        cpu = {
-            name: round(
-                (
-                    sum(p.cpu_times()[:2])  # user + system
-                    - sum(cpu0[name][:2])
-                )
-                / wall
-                * 100,
-                1,
-            )
-            for name, p in watched.items()
-        }
-        progress({"elapsed": wall, "events": sum(sent), "lookups": sum(lookups), "settling": True})
-        done = [r for r in results if r is not None]
-        expected: dict[str, Reference] = {}
-        agents_done = [r for r in done if "expected" in r]
-        lookups_done = [r for r in done if "lookup_ms" in r]
-        for r in agents_done:
-            expected.update(r["expected"])
-        hashes = {h for chain in chain_pool(config.seed, config.chains, config.chain_blocks) for h in chain}
-        hashes.update(h for r in agents_done for h in r["probe_hashes"])
-        found, listed = asyncio.run(read_directory(target, hashes, set(expected)))
+        outcome = _soak(config, conns, procs, watch, progress)
+        progress(
+            {"elapsed": outcome.wall, "events": outcome.sent, "lookups": outcome.lookups, "settling": True}
+        )
+        expected, found, listed = _read_back(config, target, outcome.agents_done)
         for conn in conns:
             conn.send("stop")
         verdict = compare(expected, found, listed)
-        counts: Counter[str] = Counter()
-        for r in agents_done:
-            counts.update(r["counts"])
-        lags = sorted(x for r in lookups_done for x in r["lags_ms"])
-        lookup_ms = sorted(x for r in lookups_done for x in r["lookup_ms"])
-        events = sum(r["events_sent"] for r in agents_done)
-        log_lines = (workdir / "kvloopd.log").read_text().splitlines()
-        log_errors = [line for line in log_lines if '"level": "error"' in line]
-        warnings: Counter[str] = Counter()
-        warning_samples: dict[str, str] = {}
-        for line in log_lines:
-            if '"level": "warning"' in line:
-                try:
-                    what = json.loads(line).get("event", "?")
-                except json.JSONDecodeError:
-                    what = line[:80]
-                warnings[what] += 1
-                warning_samples.setdefault(what, line[:600])
-        return {
-            "lost_events": verdict["lost_events"],
-            "phantom_entries": verdict["phantom_entries"],
-            "store": "memory" if store_url == "memory" else "redis",
-            "config": asdict(config),
-            "wall_s": round(wall, 2),
-            "events_sent": events,
-            "events_per_s": round(events / wall),
-            "batches_sent": sum(r["batches_sent"] for r in agents_done),
-            "faults_and_events": dict(sorted(counts.items())),
-            "entries_expected": verdict["entries_expected"],
-            "entries_found": verdict["entries_found"],
-            "count_mismatches": verdict["count_mismatches"],
-            "lost_samples": verdict["lost_samples"],
-            "phantom_samples": verdict["phantom_samples"],
-            "unacked_links": [u for r in agents_done for u in r["unacked"]],
-            "event_lag_samples": len(lags),
-            "event_lag_p50_ms": round(percentile(lags, 0.5), 2) if lags else None,
-            "event_lag_p99_ms": round(percentile(lags, 0.99), 2) if lags else None,
-            "probes_not_seen_in_30s": sum(r["probes_unseen"] for r in lookups_done),
-            "probes_skipped_busy": sum(r["probes_skipped"] for r in lookups_done),
-            "lookups": len(lookup_ms),
-            "lookups_per_s": round(len(lookup_ms) / wall),
-            "lookup_p50_ms": round(percentile(lookup_ms, 0.5), 2) if lookup_ms else None,
-            "lookup_p99_ms": round(percentile(lookup_ms, 0.99), 2) if lookup_ms else None,
-            "lookup_errors": dict(sum((Counter(r["lookup_errors"]) for r in lookups_done), Counter())),
-            "cpu_percent_of_one_core": cpu,
-            "rss_mib": {name: [(t, round(m, 1)) for t, m in samples] for name, samples in rss.items()},
-            "rss_growth_last_half_percent": {name: _growth(samples) for name, samples in rss.items()},
-            "daemon_errors_logged": len(log_errors),
-            "daemon_warnings_logged": dict(warnings.most_common()),
-            "daemon_warning_samples": list(warning_samples.values())[:5],
-            "daemon_error_samples": log_errors[:5],
-            "cpu_count": psutil.cpu_count(),
-        }
+        return build_report(config, store_url, outcome, verdict, watch.rss, workdir)
     finally:
         for conn in conns:
             try:
@@ -778,6 +652,76 @@ def _run(config: SoakConfig, store_url: str, progress: Callable[[dict], None], c
                 proc.join(5)
         supervisor().stop(daemon, grace_s=10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_fleet(
+    ctx: Any, config: SoakConfig, target: str, probes: Any, conns: list[Any], procs: list[Any]
+) -> None:
+    """Start the fleet's processes and wait until each has connected its agents. ``conns`` and
+    ``procs`` are the caller's, so that whatever did start is stopped when a later one fails."""
+    for index in range(config.processes + 1):
+        conn, child = ctx.Pipe()
+        proc = ctx.Process(target=_fleet_process, args=(config, index, target, child, probes), daemon=True)
+        proc.start()
+        conns.append(conn)
+        procs.append(proc)
+    for conn in conns:
+        if not conn.poll(120):
+            raise RuntimeError("a fleet process did not connect its agents within 120 s")
+        conn.recv()
+
+
+def _soak(
+    config: SoakConfig,
+    conns: list[Any],
+    procs: list[Any],
+    watch: ProcessWatch,
+    progress: Callable[[dict], None],
+) -> SoakOutcome:
+    """Until every fleet process has reported its results: their progress, and kvloopd's memory."""
+    started = time.perf_counter()
+    sent = [0] * len(conns)
+    lookups = [0] * len(conns)
+    results: list[dict | None] = [None] * len(conns)
+    next_sample = started
+    while any(r is None for r in results):
+        now = time.perf_counter()
+        if now >= next_sample and now - started <= config.duration_s + 1:
+            watch.sample_rss(now - started)
+            next_sample += 1.0
+        for i, conn in enumerate(conns):
+            while results[i] is None and conn.poll():
+                message = conn.recv()
+                if message[0] == "progress":
+                    sent[i], lookups[i] = message[1], message[2]
+                else:
+                    results[i] = message[1]
+            if results[i] is None and not procs[i].is_alive():
+                raise RuntimeError(f"fleet process {i} exited with status {procs[i].exitcode}")
+        progress({"elapsed": now - started, "events": sum(sent), "lookups": sum(lookups), "settling": False})
+        multiprocessing.connection.wait(conns, timeout=0.2)
+    wall = time.perf_counter() - started
+    return SoakOutcome(
+        results=[r for r in results if r is not None],
+        wall=wall,
+        cpu=watch.cpu_percent(wall),
+        sent=sum(sent),
+        lookups=sum(lookups),
+    )
+
+
+def _read_back(
+    config: SoakConfig, target: str, agents_done: list[dict]
+) -> tuple[dict[str, Reference], set[tuple], dict]:
+    """What the agents sent (their reference models) and what the directory holds of every hash any
+    agent could have sent."""
+    expected: dict[str, Reference] = {}
+    for r in agents_done:
+        expected.update(r["expected"])
+    hashes = {h for chain in chain_pool(config.seed, config.chains, config.chain_blocks) for h in chain}
+    hashes.update(h for r in agents_done for h in r["probe_hashes"])
+    found, listed = asyncio.run(read_directory(target, hashes, set(expected)))
+    return expected, found, listed
 
 
 def run_soak(config: SoakConfig, progress: Callable[[dict], None] = lambda state: None) -> dict:

@@ -65,13 +65,6 @@ def run_demo(
             host_demote_after_s=host_demote_after_s,
         )
     )
-    results: list[TurnResult] = []
-    # per continuation turn, the same prompt recomputed: its TTFT, and that over the turn's own
-    recomputed: dict[int, dict[str, float | None]] = {}
-    # --ha: before these turns, kill the kvloopd replica the decode's sidecar streams to, then the
-    # Redis primary
-    faults = {max(2, turns // 3): "kvloopd_replica", max(3, 2 * turns // 3): "redis_primary"} if ha else {}
-    primary_killed_at: float | None = None
     try:
         stack.start(progress)
         console.print(
@@ -79,95 +72,11 @@ def run_demo(
             f"grpcurl -plaintext {stack.daemon_address} list",
             highlight=False,
         )
-        conversation = AgentConversation(seed=11)
-        for turn in range(1, turns + 1):
-            if faults.get(turn) == "kvloopd_replica":
-                fault = kill_decode_replica(stack, turn)
-                emit(fault, as_json, progress)
-            elif faults.get(turn) == "redis_primary":
-                past_epoch = stack.directory_epoch()
-                killed = stack.kill_redis_primary()
-                primary_killed_at = time.monotonic()
-                progress(
-                    "fault", f"stopped the Redis primary {killed} before turn {turn}; Sentinel fails over"
-                )
-            messages = list(conversation.messages)  # as this turn sends them (its answer is appended)
-            try:
-                result = chat_turn(
-                    stack.proxy_url, stack.config.served_model_name, messages, max_tokens, turn
-                )
-            except OSError as exc:  # the request failed: recorded, the conversation goes on
-                failed = {"turn": turn, "path": "error", "ttft_ms": None, "error": str(exc)}
-                emit(failed, as_json, progress)
-                conversation.record("")
-                continue
-            conversation.record(result.answer)
-            results.append(result)
-            if primary_killed_at is not None and result.path == "transfer":
-                emit(
-                    {
-                        "fault": "redis_primary",
-                        "killed": killed,
-                        "recovered": "first transfer again",
-                        "at_turn": turn,
-                        "recovered_s": round(time.monotonic() - primary_killed_at, 2),
-                    },
-                    as_json,
-                    progress,
-                )
-                primary_killed_at = None
-            # The agent's tool runs now; meanwhile the decode's retained blocks reach the directory.
-            if primary_killed_at is not None:
-                # a tool that takes as long as Sentinel's failover and the agents' re-push, so a short
-                # conversation still shows the recovery (the next turn transfers when the wait ends)
-                progress("tool", "runs while Sentinel fails over and the agents re-push their state")
-                stack.wait_failed_over(killed, past_epoch)
-            # copies demoted at once (--host-demote-after-s 0): the next turn reads the pool, so wait
-            # until the pool alone holds this one
-            to_pool = host_retention_gib > 0 and host_demote_after_s == 0
-            stack.wait_turn_retained(
-                messages, timeout_s=10, tier=pb.BLOCK_TIER_HOST if to_pool else 0, only=to_pool
-            )
-            if turn > 1:
-                recomputed[turn] = measure_recompute(stack, messages, result, progress)
-            measured = recomputed.get(turn, NOT_MEASURED)
-            if as_json:
-                sys.stdout.write(json.dumps(result.as_dict() | measured) + "\n")
-                sys.stdout.flush()
-            else:
-                progress(
-                    f"turn {turn}",
-                    f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
-                    f"TTFT {result.ttft_ms:.0f} ms"
-                    + (
-                        f", recomputed {_ms(measured['recompute_ttft_ms'])} ms "
-                        f"({_times(measured['saving_ratio'])})"
-                        if measured["recompute_ttft_ms"]
-                        else ""
-                    ),
-                )
-        if primary_killed_at is not None:
-            emit({"fault": "redis_primary", "recovered": None}, as_json, progress)
+        conversation = _DemoConversation(stack, turns, max_tokens, as_json, progress, ha)
+        conversation.run()
         if not as_json:
-            console.print(turn_table(results, recomputed))
-        otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
-        )
-        where = f"OTLP endpoint {otlp}" if otlp else f"the local file {span_file}"
-        console.print(f"\nTraces went to {where}.")
-        if not otlp:
-            console.print(
-                f"See a turn's trace: kvloop trace --spans {span_file} --last 1  "
-                "(or --trace-id ID from the table)",
-                highlight=False,
-            )
-        console.print(
-            f"Inspect the daemon: kvloop --daemon {stack.daemon_address} workers  |  "
-            f"kvloop --daemon {stack.daemon_address} stats  |  grpcurl -plaintext {stack.daemon_address} "
-            "describe kvloop.v1.Directory",
-            highlight=False,
-        )
-        console.print(f"Logs: {workdir / 'logs'}")
+            console.print(turn_table(conversation.results, conversation.recomputed))
+        _print_where_to_look(console, stack, span_file, workdir)
         if keep_running:
             console.print(
                 f"Everything keeps running (OpenAI API at {stack.proxy_url}); "
@@ -187,6 +96,127 @@ def run_demo(
         console.print(
             f"[dim]stopped kvloopd, engines, sidecars and proxy after {time.monotonic() - started:.0f}s[/dim]"
         )
+
+
+class _DemoConversation:
+    """One agent conversation through the proxy, turn by turn: each continuation turn measured
+    against the same prompt recomputed, and with --ha the faults injected before their turns."""
+
+    def __init__(self, stack: Stack, turns: int, max_tokens: int, as_json: bool, progress, ha: bool) -> None:
+        self.stack = stack
+        self.turns = turns
+        self.max_tokens = max_tokens
+        self.as_json = as_json
+        self.progress = progress
+        self.results: list[TurnResult] = []
+        # per continuation turn, the same prompt recomputed: its TTFT, and that over the turn's own
+        self.recomputed: dict[int, dict[str, float | None]] = {}
+        # --ha: before these turns, kill the kvloopd replica the decode's sidecar streams to, then the
+        # Redis primary
+        self.faults = (
+            {max(2, turns // 3): "kvloopd_replica", max(3, 2 * turns // 3): "redis_primary"} if ha else {}
+        )
+        self.primary_killed_at: float | None = None
+        self.killed = ""
+        self.past_epoch = 0
+        config = stack.config
+        # copies demoted at once (--host-demote-after-s 0): the next turn reads the pool, so each turn
+        # waits until the pool alone holds the one before
+        self.to_pool = config.host_retention_gib > 0 and config.host_demote_after_s == 0
+
+    def run(self) -> None:
+        conversation = AgentConversation(seed=11)
+        for turn in range(1, self.turns + 1):
+            self._inject_fault(turn)
+            messages = list(conversation.messages)  # as this turn sends them (its answer is appended)
+            try:
+                result = chat_turn(
+                    self.stack.proxy_url, self.stack.config.served_model_name, messages, self.max_tokens, turn
+                )
+            except OSError as exc:  # the request failed: recorded, the conversation goes on
+                failed = {"turn": turn, "path": "error", "ttft_ms": None, "error": str(exc)}
+                emit(failed, self.as_json, self.progress)
+                conversation.record("")
+                continue
+            conversation.record(result.answer)
+            self.results.append(result)
+            self._note_recovery(turn, result)
+            # The agent's tool runs now; meanwhile the decode's retained blocks reach the directory.
+            if self.primary_killed_at is not None:
+                # a tool that takes as long as Sentinel's failover and the agents' re-push, so a short
+                # conversation still shows the recovery (the next turn transfers when the wait ends)
+                self.progress("tool", "runs while Sentinel fails over and the agents re-push their state")
+                self.stack.wait_failed_over(self.killed, self.past_epoch)
+            self.stack.wait_turn_retained(
+                messages, timeout_s=10, tier=pb.BLOCK_TIER_HOST if self.to_pool else 0, only=self.to_pool
+            )
+            if turn > 1:
+                self.recomputed[turn] = measure_recompute(self.stack, messages, result, self.progress)
+            self._report_turn(turn, result)
+        if self.primary_killed_at is not None:
+            emit({"fault": "redis_primary", "recovered": None}, self.as_json, self.progress)
+
+    def _inject_fault(self, turn: int) -> None:
+        if self.faults.get(turn) == "kvloopd_replica":
+            emit(kill_decode_replica(self.stack, turn), self.as_json, self.progress)
+        elif self.faults.get(turn) == "redis_primary":
+            self.past_epoch = self.stack.directory_epoch()
+            self.killed = self.stack.kill_redis_primary()
+            self.primary_killed_at = time.monotonic()
+            self.progress(
+                "fault", f"stopped the Redis primary {self.killed} before turn {turn}; Sentinel fails over"
+            )
+
+    def _note_recovery(self, turn: int, result: TurnResult) -> None:
+        if self.primary_killed_at is None or result.path != "transfer":
+            return
+        recovery = {
+            "fault": "redis_primary",
+            "killed": self.killed,
+            "recovered": "first transfer again",
+            "at_turn": turn,
+            "recovered_s": round(time.monotonic() - self.primary_killed_at, 2),
+        }
+        emit(recovery, self.as_json, self.progress)
+        self.primary_killed_at = None
+
+    def _report_turn(self, turn: int, result: TurnResult) -> None:
+        measured = self.recomputed.get(turn, NOT_MEASURED)
+        if self.as_json:
+            sys.stdout.write(json.dumps(result.as_dict() | measured) + "\n")
+            sys.stdout.flush()
+            return
+        recomputed = (
+            f", recomputed {_ms(measured['recompute_ttft_ms'])} ms ({_times(measured['saving_ratio'])})"
+            if measured["recompute_ttft_ms"]
+            else ""
+        )
+        self.progress(
+            f"turn {turn}",
+            f"{result.path} ({result.reason}) prompt {result.prompt_tokens} tokens, "
+            f"TTFT {result.ttft_ms:.0f} ms" + recomputed,
+        )
+
+
+def _print_where_to_look(console, stack: Stack, span_file: Path, workdir: Path) -> None:
+    otlp = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    )
+    where = f"OTLP endpoint {otlp}" if otlp else f"the local file {span_file}"
+    console.print(f"\nTraces went to {where}.")
+    if not otlp:
+        console.print(
+            f"See a turn's trace: kvloop trace --spans {span_file} --last 1  "
+            "(or --trace-id ID from the table)",
+            highlight=False,
+        )
+    console.print(
+        f"Inspect the daemon: kvloop --daemon {stack.daemon_address} workers  |  "
+        f"kvloop --daemon {stack.daemon_address} stats  |  grpcurl -plaintext {stack.daemon_address} "
+        "describe kvloop.v1.Directory",
+        highlight=False,
+    )
+    console.print(f"Logs: {workdir / 'logs'}")
 
 
 def turn_table(results: list[TurnResult], recomputed: dict[int, dict[str, float | None]]) -> Table:
