@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.table import Table
 
 from kvloop.clients.cli.output import JsonFlag, _emit_json, _fail, console, err_console, state
+
+if TYPE_CHECKING:
+    from kvloop.clients.bench.soak import SoakConfig
 
 
 def bench_directory(
@@ -172,8 +175,6 @@ def bench_soak(
     """Stream block events from a fleet of agents (with restarts, gaps and clears) and Lookups into a
     kvloopd it starts, then compare the directory with a reference model; exit 1 on a lost event or a
     phantom entry."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from kvloop.clients.bench.soak import SoakConfig, run_soak
     from kvloop.common.processes import supervisor
 
@@ -189,65 +190,71 @@ def bench_soak(
     )
     with supervisor().stop_on_signals():
         try:
-            if state.json:
-                result = run_soak(config)
-            else:
-                with Progress(
-                    TextColumn("soak ({task.fields[phase]})"),
-                    BarColumn(),
-                    TextColumn("{task.fields[figures]}"),
-                    TimeElapsedColumn(),
-                    console=err_console,
-                    transient=True,
-                ) as bar:
-                    task = bar.add_task("soak", total=duration, phase="load", figures="")
-
-                    def on_progress(p: dict) -> None:
-                        bar.update(
-                            task,
-                            completed=min(p["elapsed"], duration),
-                            phase="reading the directory back" if p["settling"] else "load",
-                            figures=f"{p['events']:,} events, {p['lookups']:,} lookups",
-                        )
-
-                    result = run_soak(config, on_progress)
+            result = run_soak(config) if state.json else _run_soak_with_progress(config)
         except (ValueError, FileNotFoundError, RuntimeError) as exc:
             _fail(str(exc))
     failed = bool(result["lost_events"] or result["phantom_entries"] or result["count_mismatches"])
     if state.json:
         _emit_json(result)
     else:
-        table = Table(title=f"kvloop bench soak: {result['store']} store, {agents} agents, {callers} callers")
-        table.add_column("figure")
-        table.add_column("value", justify="right")
-        table.add_column("target", justify="right")
-        table.add_row("lost events", str(result["lost_events"]), "0")
-        table.add_row("phantom entries", str(result["phantom_entries"]), "0")
-        table.add_row(
-            "entries at the end", f"{result['entries_found']:,} / {result['entries_expected']:,}", ""
-        )
-        table.add_row("events sent", f"{result['events_sent']:,} ({result['events_per_s']:,}/s)", "")
-        for kind in ("restarts", "gaps", "cleared", "snapshots_sent"):
-            table.add_row(f"  {kind}", str(result["faults_and_events"].get(kind, 0)), "")
-        table.add_row(
-            "event lag p50 / p99 (sent -> served by Lookup)",
-            f"{result['event_lag_p50_ms']} / {result['event_lag_p99_ms']} ms",
-            "",
-        )
-        table.add_row(
-            f"Lookup p50 / p99 under load ({result['lookups_per_s']:,}/s)",
-            f"{result['lookup_p50_ms']} / {result['lookup_p99_ms']} ms",
-            "",
-        )
-        for name, cpu in result["cpu_percent_of_one_core"].items():
-            table.add_row(f"{name} CPU (% of one core)", f"{cpu}", "")
-        for name, growth in result["rss_growth_last_half_percent"].items():
-            last = result["rss_mib"][name][-1][1] if result["rss_mib"][name] else "?"
-            table.add_row(
-                f"{name} RSS at the end / growth over the last half", f"{last} MiB / {growth}%", "< 5%"
-            )
-        console.print(table)
-        for line in result["count_mismatches"][:5] + result["lost_samples"] + result["phantom_samples"]:
-            err_console.print(f"[red]mismatch[/red] {line}")
+        _print_soak(result, agents, callers)
     if failed:
         raise typer.Exit(1)
+
+
+def _run_soak_with_progress(config: SoakConfig) -> dict:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvloop.clients.bench.soak import run_soak
+
+    duration = config.duration_s
+    with Progress(
+        TextColumn("soak ({task.fields[phase]})"),
+        BarColumn(),
+        TextColumn("{task.fields[figures]}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("soak", total=duration, phase="load", figures="")
+
+        def on_progress(p: dict) -> None:
+            bar.update(
+                task,
+                completed=min(p["elapsed"], duration),
+                phase="reading the directory back" if p["settling"] else "load",
+                figures=f"{p['events']:,} events, {p['lookups']:,} lookups",
+            )
+
+        return run_soak(config, on_progress)
+
+
+def _print_soak(result: dict, agents: int, callers: int) -> None:
+    table = Table(title=f"kvloop bench soak: {result['store']} store, {agents} agents, {callers} callers")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("target", justify="right")
+    table.add_row("lost events", str(result["lost_events"]), "0")
+    table.add_row("phantom entries", str(result["phantom_entries"]), "0")
+    table.add_row("entries at the end", f"{result['entries_found']:,} / {result['entries_expected']:,}", "")
+    table.add_row("events sent", f"{result['events_sent']:,} ({result['events_per_s']:,}/s)", "")
+    for kind in ("restarts", "gaps", "cleared", "snapshots_sent"):
+        table.add_row(f"  {kind}", str(result["faults_and_events"].get(kind, 0)), "")
+    table.add_row(
+        "event lag p50 / p99 (sent -> served by Lookup)",
+        f"{result['event_lag_p50_ms']} / {result['event_lag_p99_ms']} ms",
+        "",
+    )
+    table.add_row(
+        f"Lookup p50 / p99 under load ({result['lookups_per_s']:,}/s)",
+        f"{result['lookup_p50_ms']} / {result['lookup_p99_ms']} ms",
+        "",
+    )
+    for name, cpu in result["cpu_percent_of_one_core"].items():
+        table.add_row(f"{name} CPU (% of one core)", f"{cpu}", "")
+    for name, growth in result["rss_growth_last_half_percent"].items():
+        last = result["rss_mib"][name][-1][1] if result["rss_mib"][name] else "?"
+        table.add_row(f"{name} RSS at the end / growth over the last half", f"{last} MiB / {growth}%", "< 5%")
+    console.print(table)
+    for line in result["count_mismatches"][:5] + result["lost_samples"] + result["phantom_samples"]:
+        err_console.print(f"[red]mismatch[/red] {line}")

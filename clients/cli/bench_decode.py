@@ -70,7 +70,18 @@ def bench_decode_tpot(
     if state.json:
         _emit_json(result)
         return
-    summary = result["summary"]
+    _print_decode_tpot(result)
+    console.print(f"results: {out}")
+
+
+def _print_decode_tpot(result: dict) -> None:
+    _print_conditions(result["summary"]["conditions"])
+    _print_paired_effects(result["summary"]["effects"])
+    if len(result["stacks"]) > 1:
+        _print_effects_over_stacks(result["across_stacks"])
+
+
+def _print_conditions(conditions: list[dict]) -> None:
     table = Table(title="kvloop bench decode-tpot: the same decode under each condition")
     for column in (
         "condition",
@@ -85,7 +96,7 @@ def bench_decode_tpot(
         "continuation prefills",
     ):
         table.add_column(column)
-    for c in summary["conditions"]:
+    for c in conditions:
         table.add_row(
             c["condition"],
             str(c["requests"]),
@@ -99,12 +110,15 @@ def bench_decode_tpot(
             str(c["reads"]),
         )
     console.print(table)
+
+
+def _print_paired_effects(effects: list[dict]) -> None:
     table = Table(
         title="paired effects: TPOT ratio per request (same round and slot), and step time at equal batch"
     )
     for column in ("factor", "ratio", "pairs", "median", "95% CI", "step ratio by batch (no arrival)"):
         table.add_column(column)
-    for e in summary["effects"]:
+    for e in effects:
         t = e["tpot"] or {}
         table.add_row(
             e["factor"],
@@ -115,19 +129,20 @@ def bench_decode_tpot(
             ", ".join(f"{b['batch']}: {b['ratio']}" for b in e["step_at_equal_batch"]),
         )
     console.print(table)
-    if len(result["stacks"]) > 1:
-        table = Table(title="each effect over stacks: each stack's paired median, their mean, its 95% CI")
-        for column in ("factor", "stack medians", "mean", "95% CI"):
-            table.add_column(column)
-        for row in result["across_stacks"]:
-            table.add_row(
-                row["factor"],
-                ", ".join(str(m) for m in row["stack_medians"]),
-                _blank(row.get("mean")),
-                "-".join(str(x) for x in row.get("mean_ci95", ())),
-            )
-        console.print(table)
-    console.print(f"results: {out}")
+
+
+def _print_effects_over_stacks(across_stacks: list[dict]) -> None:
+    table = Table(title="each effect over stacks: each stack's paired median, their mean, its 95% CI")
+    for column in ("factor", "stack medians", "mean", "95% CI"):
+        table.add_column(column)
+    for row in across_stacks:
+        table.add_row(
+            row["factor"],
+            ", ".join(str(m) for m in row["stack_medians"]),
+            _blank(row.get("mean")),
+            "-".join(str(x) for x in row.get("mean_ci95", ())),
+        )
+    console.print(table)
 
 
 def bench_idle(

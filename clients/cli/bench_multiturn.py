@@ -11,154 +11,149 @@ import typer
 from kvloop.clients.cli.multiturn_tables import print_multiturn
 from kvloop.clients.cli.output import JsonFlag, _emit_json, _fail, console, state
 
+_Quick = Annotated[
+    bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")
+]
+_Workload = Annotated[
+    list[str] | None,
+    typer.Option(help="plain, shared_prefix, edited, reasoning (repeatable; default: all but reasoning)"),
+]
+_Arm = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="recompute, builtin, kvloop, local (repeatable; local is the "
+        "ideal reference: a prefill that kept its own cache); kvloop_host: kvloop with a host pool on "
+        "the decode (--host-retention-gib; not run unless asked for)"
+    ),
+]
+_ToolTokens = Annotated[
+    Optional[int],
+    typer.Option(min=1, help="words of tool output appended per turn [default: 600, --quick 400]"),
+]
+_SystemTokens = Annotated[
+    Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
+]
+_AnswerTokens = Annotated[
+    int,
+    typer.Option(
+        min=2,
+        help="tokens each turn's answer decodes: an agent's tool call (the reasoning workload "
+        "decodes 128 tokens of thinking instead)",
+    ),
+]
+_Tokenizer = Annotated[
+    str,
+    typer.Option(
+        help="words: answers tokenize back to the ids generated, as a real model's mostly do; "
+        "bpe: a random-weight model's answers almost never do (the next turn departs from its KV)"
+    ),
+]
+_RetentionTtl = Annotated[
+    float,
+    typer.Option(
+        min=1,
+        help="seconds a decode retains a finished turn's KV (vLLM's retention, the builtin arm's, never "
+        "yields to new runs: long leases with several sessions fill a decode with runs no one needs)",
+    ),
+]
+_RetentionMaxShare = Annotated[
+    float,
+    typer.Option(
+        min=0.01,
+        max=1.0,
+        help="share of a kvloop decode's KV cache retained runs may pin (kvloop engines default to "
+        "0.5; 1: no bound, as vLLM's, and as this bench's figures were taken)",
+    ),
+]
+_HostRetentionGib = Annotated[
+    float, typer.Option(min=0, help="the kvloop_host arm's decode: GiB of host memory for retained runs")
+]
+_RetentionYield = Annotated[
+    bool,
+    typer.Option(help="past 0.9 of that share, kvloop decodes give up their oldest runs for newer ones"),
+]
+_UcxTls = Annotated[
+    str,
+    typer.Option(
+        help="UCX transports of the engines' pulls (UCX_TLS): cma moves KV between processes of this "
+        "host at memory speed; tcp,self costs what a pull between hosts over TCP does",
+    ),
+]
+_Prefills = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="prefill engines; with --prefills or --decodes above 1 the routing bench runs instead: "
+        "arms kvloop (Route + pull), load_pull, prefix_route, recompute on one shared fleet, each "
+        "through a `kvloop proxy` of its own",
+    ),
+]
+_PinEngines = Annotated[
+    bool,
+    typer.Option(
+        help="prefill engines compute on the first half of the cores, decodes on the other half "
+        "(as on separate hosts): a decode's TPOT without co-located prefill compute"
+    ),
+]
+_Seed = Annotated[
+    int, typer.Option(help="conversations' seed: runs with other seeds replay other conversations")
+]
+_Dtype = Annotated[
+    str,
+    typer.Option(
+        help="engines' dtype: float32 keeps bf16 rounding from flipping the "
+        "random-weight model's greedy near-ties"
+    ),
+]
+_Output = Annotated[
+    Optional[Path],
+    typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
+]
+
 
 def bench_multiturn(
-    quick: Annotated[
-        bool, typer.Option("--quick", help="a few minutes: 2 sessions x 5 turns, concurrency 1 and 4")
-    ] = False,
+    quick: _Quick = False,
     sessions_turns: Annotated[int, typer.Option("--turns", min=2, help="turns per session")] = 10,
     concurrency: Annotated[list[int] | None, typer.Option(help="concurrent sessions (repeatable)")] = None,
-    workload: Annotated[
-        list[str] | None,
-        typer.Option(help="plain, shared_prefix, edited, reasoning (repeatable; default: all but reasoning)"),
-    ] = None,
-    arm: Annotated[
-        list[str] | None,
-        typer.Option(
-            help="recompute, builtin, kvloop, local (repeatable; local is the "
-            "ideal reference: a prefill that kept its own cache); kvloop_host: kvloop with a host pool on "
-            "the decode (--host-retention-gib; not run unless asked for)"
-        ),
-    ] = None,
-    tool_tokens: Annotated[
-        Optional[int],
-        typer.Option(min=1, help="words of tool output appended per turn [default: 600, --quick 400]"),
-    ] = None,
-    system_tokens: Annotated[
-        Optional[int], typer.Option(min=1, help="words of system prompt [default: 1500, --quick 800]")
-    ] = None,
-    answer_tokens: Annotated[
-        int,
-        typer.Option(
-            min=2,
-            help="tokens each turn's answer decodes: an agent's tool call (the reasoning workload "
-            "decodes 128 tokens of thinking instead)",
-        ),
-    ] = 128,
-    tokenizer: Annotated[
-        str,
-        typer.Option(
-            help="words: answers tokenize back to the ids generated, as a real model's mostly do; "
-            "bpe: a random-weight model's answers almost never do (the next turn departs from its KV)"
-        ),
-    ] = "words",
-    retention_ttl: Annotated[
-        float,
-        typer.Option(
-            min=1,
-            help="seconds a decode retains a finished turn's KV (vLLM's retention, the builtin arm's, never "
-            "yields to new runs: long leases with several sessions fill a decode with runs no one needs)",
-        ),
-    ] = 90.0,
-    retention_max_share: Annotated[
-        float,
-        typer.Option(
-            min=0.01,
-            max=1.0,
-            help="share of a kvloop decode's KV cache retained runs may pin (kvloop engines default to "
-            "0.5; 1: no bound, as vLLM's, and as this bench's figures were taken)",
-        ),
-    ] = 1.0,
+    workload: _Workload = None,
+    arm: _Arm = None,
+    tool_tokens: _ToolTokens = None,
+    system_tokens: _SystemTokens = None,
+    answer_tokens: _AnswerTokens = 128,
+    tokenizer: _Tokenizer = "words",
+    retention_ttl: _RetentionTtl = 90.0,
+    retention_max_share: _RetentionMaxShare = 1.0,
     kv_cache_gib: Annotated[int, typer.Option(min=1, help="each engine's KV cache, GiB")] = 1,
-    host_retention_gib: Annotated[
-        float, typer.Option(min=0, help="the kvloop_host arm's decode: GiB of host memory for retained runs")
-    ] = 0.0,
-    retention_yield: Annotated[
-        bool,
-        typer.Option(help="past 0.9 of that share, kvloop decodes give up their oldest runs for newer ones"),
-    ] = True,
+    host_retention_gib: _HostRetentionGib = 0.0,
+    retention_yield: _RetentionYield = True,
     prefix_caching: Annotated[bool, typer.Option(help="prefix caching on the prefill engines")] = False,
-    ucx_tls: Annotated[
-        str,
-        typer.Option(
-            help="UCX transports of the engines' pulls (UCX_TLS): cma moves KV between processes of this "
-            "host at memory speed; tcp,self costs what a pull between hosts over TCP does",
-        ),
-    ] = "cma,tcp,self",
-    prefills: Annotated[
-        int,
-        typer.Option(
-            min=1,
-            help="prefill engines; with --prefills or --decodes above 1 the routing bench runs instead: "
-            "arms kvloop (Route + pull), load_pull, prefix_route, recompute on one shared fleet, each "
-            "through a `kvloop proxy` of its own",
-        ),
-    ] = 1,
+    ucx_tls: _UcxTls = "cma,tcp,self",
+    prefills: _Prefills = 1,
     decodes: Annotated[int, typer.Option(min=1, help="decode engines (see --prefills)")] = 1,
-    pin_engines: Annotated[
-        bool,
-        typer.Option(
-            help="prefill engines compute on the first half of the cores, decodes on the other half "
-            "(as on separate hosts): a decode's TPOT without co-located prefill compute"
-        ),
-    ] = False,
+    pin_engines: _PinEngines = False,
     repeats: Annotated[int, typer.Option(min=1, help="repeat every workload")] = 1,
-    seed: Annotated[
-        int, typer.Option(help="conversations' seed: runs with other seeds replay other conversations")
-    ] = 1,
-    dtype: Annotated[
-        str,
-        typer.Option(
-            help="engines' dtype: float32 keeps bf16 rounding from flipping the "
-            "random-weight model's greedy near-ties"
-        ),
-    ] = "float32",
+    seed: _Seed = 1,
+    dtype: _Dtype = "float32",
     warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
-    output: Annotated[
-        Optional[Path],
-        typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
-    ] = None,
+    output: _Output = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
     ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
     --json prints the results JSON on stdout instead of the tables."""
     from kvloop.clients.bench.multiturn import run_multiturn
-    from kvloop.clients.bench.multiturn_setup import (
-        ARMS,
-        DEFAULT_WORKLOADS,
-        HOST_ARM,
-        ROUTING_ARMS,
-        WORKLOADS,
-        MultiturnConfig,
-    )
-    from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
+    from kvloop.clients.bench.multiturn_setup import MultiturnConfig
     from kvloop.common.processes import supervisor
 
-    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else (*ARMS, HOST_ARM)
-    if arm is None:
-        arm = [a for a in known_arms if a != HOST_ARM or host_retention_gib]
-    if workload is None:
-        workload = list(DEFAULT_WORKLOADS)
-    if concurrency is None:
-        concurrency = [1, 4, 8]
-    if dtype not in DTYPE_BYTES:
-        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
-    if tokenizer not in TOKENIZERS:
-        raise typer.BadParameter(
-            f"{tokenizer!r} is not one of {', '.join(TOKENIZERS)}", param_hint="--tokenizer"
-        )
-    for name, given, known in (("--arm", arm, known_arms), ("--workload", workload, WORKLOADS)):
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            raise typer.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(known)}", param_hint=name)
+    _check_engine_options(dtype, tokenizer)
+    arms, workloads = _arms_and_workloads(arm, workload, prefills, decodes, host_retention_gib)
     config = MultiturnConfig(
         workdir=workdir.resolve(),
         turns=5 if quick else sessions_turns,
-        concurrency=(1, 4) if quick else tuple(concurrency),
-        workloads=tuple(workload),
-        arms=tuple(a for a in known_arms if a in arm),
+        concurrency=(1, 4) if quick else tuple(concurrency or (1, 4, 8)),
+        workloads=workloads,
+        arms=arms,
         prefill_prefix_caching=prefix_caching,
         prefills=prefills,
         decodes=decodes,
@@ -188,6 +183,46 @@ def bench_multiturn(
         return
     print_multiturn(result["summary"])
     console.print(f"results: {out}; plots: {', '.join(result['plots'])}")
+
+
+def _check_engine_options(dtype: str, tokenizer: str) -> None:
+    from kvloop.clients.fleet.model import DTYPE_BYTES, TOKENIZERS
+
+    if dtype not in DTYPE_BYTES:
+        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPE_BYTES)}", param_hint="--dtype")
+    if tokenizer not in TOKENIZERS:
+        raise typer.BadParameter(
+            f"{tokenizer!r} is not one of {', '.join(TOKENIZERS)}", param_hint="--tokenizer"
+        )
+
+
+def _arms_and_workloads(
+    arm: list[str] | None,
+    workload: list[str] | None,
+    prefills: int,
+    decodes: int,
+    host_retention_gib: float,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The arms to run, in their running order, and the workloads; unknown names are refused. More
+    than one prefill or decode makes it the routing bench, whose arms are others."""
+    from kvloop.clients.bench.multiturn_setup import (
+        ARMS,
+        DEFAULT_WORKLOADS,
+        HOST_ARM,
+        ROUTING_ARMS,
+        WORKLOADS,
+    )
+
+    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else (*ARMS, HOST_ARM)
+    if arm is None:
+        arm = [a for a in known_arms if a != HOST_ARM or host_retention_gib]
+    if workload is None:
+        workload = list(DEFAULT_WORKLOADS)
+    for name, given, known in (("--arm", arm, known_arms), ("--workload", workload, WORKLOADS)):
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise typer.BadParameter(f"{', '.join(unknown)}: choose from {', '.join(known)}", param_hint=name)
+    return tuple(a for a in known_arms if a in arm), tuple(workload)
 
 
 def bench_multiturn_pool(

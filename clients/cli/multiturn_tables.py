@@ -8,31 +8,48 @@ from kvloop.clients.cli.output import _blank, console
 
 
 def print_multiturn(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn_arms import CPU_ROLES
-    from kvloop.clients.bench.multiturn_setup import ARMS, HOST_ARM, ROUTING_ARMS
+    _print_continuation_turns(summary)
+    _print_ttft_by_context(summary)
+    _print_turn_time_breakdown(summary)
+    _print_decode_side(summary)
+    _print_paired_ratios(summary)
+    _print_one_line_findings(summary)
+    _print_routing_choices(summary)
+
+
+def _table(title: str, columns: tuple[str, ...] | list[str]) -> Table:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+def _print_continuation_turns(summary: dict) -> None:
+    from kvloop.clients.bench.multiturn_setup import ROUTING_ARMS
 
     routing = any(row["arm"] in ROUTING_ARMS and "route_outcomes" in row for row in summary["rows"])
     what = "first streamed token through the arm's proxy" if routing else "disaggregated prefill latency"
-    table = Table(title=f"kvloop bench multiturn: continuation turns (TTFT = {what})")
-    for column in (
-        "workload",
-        "sessions",
-        "arm",
-        "turns",
-        "p50 ms",
-        "p90 ms",
-        "p50 per repeat",
-        "x recompute",
-        "transfer share",
-        "pulled tokens",
-        "prompt tokens",
-        "answers = recompute",
-        "wrong blocks",
-        "MiB moved",
-        "READ ms",
-        "lookup ms",
-    ):
-        table.add_column(column)
+    table = _table(
+        f"kvloop bench multiturn: continuation turns (TTFT = {what})",
+        (
+            "workload",
+            "sessions",
+            "arm",
+            "turns",
+            "p50 ms",
+            "p90 ms",
+            "p50 per repeat",
+            "x recompute",
+            "transfer share",
+            "pulled tokens",
+            "prompt tokens",
+            "answers = recompute",
+            "wrong blocks",
+            "MiB moved",
+            "READ ms",
+            "lookup ms",
+        ),
+    )
     for row in summary["rows"]:
         table.add_row(
             row["workload"],
@@ -53,16 +70,20 @@ def print_multiturn(summary: dict) -> None:
             _blank(row.get("lookup_ms_p50")),
         )
     console.print(table)
-    table = Table(
-        title="continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)"
-    )
+
+
+def _print_ttft_by_context(summary: dict) -> None:
+    from kvloop.clients.bench.multiturn_setup import ARMS, HOST_ARM, ROUTING_ARMS
+
     present = [
         a
         for a in dict.fromkeys((*ARMS, HOST_ARM, *ROUTING_ARMS))
         if any(r["arm"] == a for r in summary["rows"])
     ]
-    for column in ("workload", "sessions", "context", "turns", *present):
-        table.add_column(column)
+    table = _table(
+        "continuation TTFT by context length (nearest 2K tokens): p50 ms (x recompute in that bucket)",
+        ("workload", "sessions", "context", "turns", *present),
+    )
     cells: dict[tuple, dict[str, dict]] = {}
     for cell in summary["by_context"]:
         cells.setdefault((cell["workload"], cell["concurrency"], cell["context_k"]), {})[cell["arm"]] = cell
@@ -78,22 +99,24 @@ def print_multiturn(summary: dict) -> None:
             ),
         )
     console.print(table)
-    table = Table(
-        title="where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
-        "request metrics) and outside it (HTTP, chat template, tokenizer)"
+
+
+def _print_turn_time_breakdown(summary: dict) -> None:
+    table = _table(
+        "where a turn's time goes (means over all turns, ms): inside the prefill engine (vLLM's "
+        "request metrics) and outside it (HTTP, chat template, tokenizer)",
+        (
+            "workload",
+            "sessions",
+            "arm",
+            "TTFT",
+            "waiting (lookup + READ)",
+            "of which READ",
+            "prefill compute",
+            "outside the engine",
+            "decode TPOT",
+        ),
     )
-    for column in (
-        "workload",
-        "sessions",
-        "arm",
-        "TTFT",
-        "waiting (lookup + READ)",
-        "of which READ",
-        "prefill compute",
-        "outside the engine",
-        "decode TPOT",
-    ):
-        table.add_column(column)
     for row in summary["rows"]:
         if "engine_e2e_ms_mean" in row:
             ttft = row["ttft_mean_all_turns_ms"]
@@ -109,29 +132,38 @@ def print_multiturn(summary: dict) -> None:
                 _blank(row.get("decode_tpot_ms_mean")),
             )
     console.print(table)
+
+
+def _print_decode_side(summary: dict) -> None:
+    from kvloop.clients.bench.multiturn_arms import CPU_ROLES
+
     decode_rows = [row for row in summary["rows"] if "decode_tpot_ms_mean" in row]
-    if decode_rows:
-        table = Table(
-            title="the decode side: time per output token, mean batch (tokens per engine step) and CPU "
-            "seconds each process used in the measured turns"
+    if not decode_rows:
+        return
+    cpu_columns = [f"CPU s {role}" for role in CPU_ROLES]
+    table = _table(
+        "the decode side: time per output token, mean batch (tokens per engine step) and CPU "
+        "seconds each process used in the measured turns",
+        ("workload", "sessions", "arm", "decode TPOT ms", "decode batch", *cpu_columns),
+    )
+    for row in decode_rows:
+        cpu = row.get("cpu_s", {})
+        table.add_row(
+            row["workload"],
+            str(row["concurrency"]),
+            row["arm"],
+            _blank(row.get("decode_tpot_ms_mean")),
+            _blank(row.get("decode_batch_mean")),
+            *(_blank(cpu.get(role)) for role in CPU_ROLES),
         )
-        cpu_columns = [f"CPU s {role}" for role in CPU_ROLES]
-        for column in ("workload", "sessions", "arm", "decode TPOT ms", "decode batch", *cpu_columns):
-            table.add_column(column)
-        for row in decode_rows:
-            cpu = row.get("cpu_s", {})
-            table.add_row(
-                row["workload"],
-                str(row["concurrency"]),
-                row["arm"],
-                _blank(row.get("decode_tpot_ms_mean")),
-                _blank(row.get("decode_batch_mean")),
-                *(_blank(cpu.get(role)) for role in CPU_ROLES),
-            )
-        console.print(table)
-    table = Table(title="paired per-turn ratios (same turn, same prompt)")
-    for column in ("of", "workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"):
-        table.add_column(column)
+    console.print(table)
+
+
+def _print_paired_ratios(summary: dict) -> None:
+    table = _table(
+        "paired per-turn ratios (same turn, same prompt)",
+        ("of", "workload", "sessions", "ratio", "turns", "median", "95% CI of the median", "IQR"),
+    )
     paired = [("TTFT", p) for p in summary["paired"]]
     paired += [("decode TPOT", p) for p in summary.get("paired_decode_tpot", [])]
     for measure, pair in paired:
@@ -147,6 +179,9 @@ def print_multiturn(summary: dict) -> None:
             f"{pair['q1']:.2f}-{pair['q3']:.2f}",
         )
     console.print(table)
+
+
+def _print_one_line_findings(summary: dict) -> None:
     for row in summary.get("decode_step_at_equal_batch", []):
         console.print(
             f"decode step at equal batch (steps without an arrival), {row['ratio']}, {row['workload']}, "
@@ -160,14 +195,17 @@ def print_multiturn(summary: dict) -> None:
             f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, pulled {row['mean_pulled_tokens']:.0f} of "
             f"{row['mean_prompt_tokens']:.0f} tokens, {row['wrong_pulled_blocks']} wrong blocks"
         )
+
+
+def _print_routing_choices(summary: dict) -> None:
     routed_rows = [row for row in summary["rows"] if "route_outcomes" in row]
-    if routed_rows:
-        table = Table(
-            title="how each arm's proxy chose (its x-kvloop-* headers): the prefill leg as the proxy "
-            "timed it (choosing included), choosing alone, outcomes, prefills used, turns that waited "
-            "for their burst"
-        )
-        for column in (
+    if not routed_rows:
+        return
+    table = _table(
+        "how each arm's proxy chose (its x-kvloop-* headers): the prefill leg as the proxy "
+        "timed it (choosing included), choosing alone, outcomes, prefills used, turns that waited "
+        "for their burst",
+        (
             "workload",
             "sessions",
             "arm",
@@ -177,18 +215,18 @@ def print_multiturn(summary: dict) -> None:
             "outcomes",
             "prefills",
             "burst waits",
-        ):
-            table.add_column(column)
-        for row in routed_rows:
-            table.add_row(
-                row["workload"],
-                str(row["concurrency"]),
-                row["arm"],
-                f"{row['ttft_p50_ms']:.0f}",
-                _blank(row.get("prefill_leg_ms_p50")),
-                _blank(row.get("route_ms_p50")),
-                ", ".join(f"{k} {v}" for k, v in sorted(row["route_outcomes"].items())),
-                ", ".join(f"{k} {v}" for k, v in sorted(row["prefills_used"].items())),
-                str(row["burst_waits"]),
-            )
-        console.print(table)
+        ),
+    )
+    for row in routed_rows:
+        table.add_row(
+            row["workload"],
+            str(row["concurrency"]),
+            row["arm"],
+            f"{row['ttft_p50_ms']:.0f}",
+            _blank(row.get("prefill_leg_ms_p50")),
+            _blank(row.get("route_ms_p50")),
+            ", ".join(f"{k} {v}" for k, v in sorted(row["route_outcomes"].items())),
+            ", ".join(f"{k} {v}" for k, v in sorted(row["prefills_used"].items())),
+            str(row["burst_waits"]),
+        )
+    console.print(table)
