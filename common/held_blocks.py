@@ -1,5 +1,5 @@
 """What a content-addressed pool of KV blocks holds, stated once for the connector's host pool
-(agents/connector/host/tier.py) and ``kvloop bench replay``'s pools (clients/bench/replay_fleet.py).
+(agents/connector/host/tier.py) and ``kvloop bench replay``'s pools (clients/bench/replay/fleet.py).
 
 A block is held once per key (its chained hash, within a LoRA and a KV-cache group): every run that
 holds it names it, a run that needs it while the pool holds it takes nothing more, and the block

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvloop.clients.bench.multiturn import run_workload
-from kvloop.clients.bench.multiturn_arms import ArmClient, TurnOutcome, engine_totals
-from kvloop.clients.bench.multiturn_plot import plot
-from kvloop.clients.bench.multiturn_setup import (
+from kvloop.clients.bench.multiturn.arms import ArmClient, TurnOutcome, engine_totals
+from kvloop.clients.bench.multiturn.plot import plot
+from kvloop.clients.bench.multiturn.runner import run_workload
+from kvloop.clients.bench.multiturn.setup import (
     ARMS,
     ROUTING_PAIRED_RATIOS,
     WORKLOADS,
@@ -27,7 +27,7 @@ from kvloop.clients.bench.multiturn_setup import (
     build_sessions,
     session_seed_base,
 )
-from kvloop.clients.bench.multiturn_summary import (
+from kvloop.clients.bench.multiturn.summary import (
     context_bucket,
     median_ci95,
     pooled_summary,
@@ -144,8 +144,8 @@ vllm:num_requests_running{engine="0"} 3.0
 
 
 def test_decode_tpot_is_read_from_the_decode_engine():
-    from kvloop.clients.bench.multiturn_arms import DECODE_SERIES
-    from kvloop.clients.bench.multiturn_summary import _transfer_columns
+    from kvloop.clients.bench.multiturn.arms import DECODE_SERIES
+    from kvloop.clients.bench.multiturn.summary import _transfer_columns
 
     page = """# TYPE vllm:request_time_per_output_token_seconds histogram
 vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.06
@@ -198,7 +198,7 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 2.0
 
 
 def test_cpu_seconds_are_counted_per_role_and_a_gone_process_counts_nothing():
-    from kvloop.clients.bench.multiturn_arms import ArmClient
+    from kvloop.clients.bench.multiturn.arms import ArmClient
 
     busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
     done = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -280,7 +280,7 @@ def test_every_routing_arm_runs_a_proxy_whose_options_the_cli_takes():
     from typer.main import get_command
     from typer.testing import CliRunner
 
-    from kvloop.clients.bench.multiturn_setup import ROUTING_ARMS, ROUTING_PROXY_OPTIONS
+    from kvloop.clients.bench.multiturn.setup import ROUTING_ARMS, ROUTING_PROXY_OPTIONS
     from kvloop.clients.cli.main import app
 
     proxy = get_command(app).commands["proxy"]  # type: ignore[attr-defined]
@@ -480,7 +480,7 @@ def test_the_engines_transport_and_cores_reach_their_environment(tmp_path: Path)
 
 
 def test_decode_steps_are_compared_at_equal_batch_without_arrival_steps():
-    from kvloop.clients.bench.multiturn_summary import decode_steps_of
+    from kvloop.clients.bench.multiturn.summary import decode_steps_of
     from kvloop.clients.bench.steps import Stream
 
     alone = Stream(0.0, [0.0, 0.010, 0.020, 0.030], [1, 1, 1, 1])

@@ -1,4 +1,4 @@
-"""The synthetic trace generator (clients/bench/replay_gen.py): its default trace, and the mixed
+"""The synthetic trace generator (clients/bench/replay/gen.py): its default trace, and the mixed
 population's sessions with gap scales of their own."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from kvloop.clients.bench.replay_gen import SyntheticConfig, generate
+from kvloop.clients.bench.replay.gen import SyntheticConfig, generate
 
 
 def _session_log_gaps(config: SyntheticConfig) -> list[float]:

@@ -38,8 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvloop.clients.bench.multiturn_arms import engine_totals
-from kvloop.clients.bench.multiturn_summary import median_ci95, quartiles
+from kvloop.clients.bench.multiturn.arms import engine_totals
+from kvloop.clients.bench.multiturn.summary import median_ci95, quartiles
 from kvloop.clients.bench.steps import Gap, Stream, equal_batch, step_gaps
 
 MODEL = "kvloop-tiny"

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvloop.clients.cli.multiturn_tables import print_multiturn
+from kvloop.clients.bench.multiturn.tables import print_multiturn
 from kvloop.clients.cli.output import JsonFlag, _emit_json, _fail, console, state
 
 _Quick = Annotated[
@@ -142,8 +142,8 @@ def bench_multiturn(
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
     ideal), on real engines; with --prefills/--decodes above 1, prefill routing arms on one fleet.
     --json prints the results JSON on stdout instead of the tables."""
-    from kvloop.clients.bench.multiturn import run_multiturn
-    from kvloop.clients.bench.multiturn_setup import MultiturnConfig
+    from kvloop.clients.bench.multiturn.runner import run_multiturn
+    from kvloop.clients.bench.multiturn.setup import MultiturnConfig
     from kvloop.common.processes import supervisor
 
     _check_engine_options(dtype, tokenizer)
@@ -205,7 +205,7 @@ def _arms_and_workloads(
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The arms to run, in their running order, and the workloads; unknown names are refused. More
     than one prefill or decode makes it the routing bench, whose arms are others."""
-    from kvloop.clients.bench.multiturn_setup import (
+    from kvloop.clients.bench.multiturn.setup import (
         ARMS,
         DEFAULT_WORKLOADS,
         HOST_ARM,
@@ -233,7 +233,7 @@ def bench_multiturn_pool(
 ) -> None:
     """The tables of `bench multiturn` over several runs pooled (each run's turns a repeat of their
     own), as seeds run apart instead of --repeats on one fleet. --json prints the pooled summary."""
-    from kvloop.clients.bench.multiturn_summary import pooled_summary
+    from kvloop.clients.bench.multiturn.summary import pooled_summary
 
     loaded = []
     for path in results:

@@ -200,7 +200,7 @@ def _replay_with_progress(inputs: ReplayInputs, plot: Path) -> dict[str, Any]:
     """One replay, or one per point of the sweep grid, with a progress bar per replay on stderr."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvloop.clients.bench import replay as rp
+    from kvloop.clients.bench.replay import runner as rp
     from kvloop.common.processes import supervisor
 
     requests, config, info, grid = inputs.requests, inputs.config, inputs.info, inputs.grid
@@ -235,7 +235,7 @@ def _replay_with_progress(inputs: ReplayInputs, plot: Path) -> dict[str, Any]:
 
 
 def _report(result: dict[str, Any], output: Path | None) -> None:
-    from kvloop.clients.bench.replay_report import print_report
+    from kvloop.clients.bench.replay.report import print_report
 
     if output:
         output.write_text(json.dumps(result, indent=2, sort_keys=True))

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 from kvloop.clients.cli.output import _fail
 
 if TYPE_CHECKING:
-    from kvloop.clients.bench.replay import ReplayConfig
-    from kvloop.clients.bench.replay_fleet import FleetConfig
-    from kvloop.clients.bench.replay_gen import SyntheticConfig
-    from kvloop.clients.bench.replay_report import CostModel
-    from kvloop.clients.bench.replay_trace import TraceRequest
+    from kvloop.clients.bench.replay.fleet import FleetConfig
+    from kvloop.clients.bench.replay.gen import SyntheticConfig
+    from kvloop.clients.bench.replay.report import CostModel
+    from kvloop.clients.bench.replay.runner import ReplayConfig
+    from kvloop.clients.bench.replay.trace import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class ReplayInputs:
 def replay_inputs(options: ReplayOptions) -> ReplayInputs:
     """The replay's inputs; a usage error (exit 2) on the first option found wrong: the choices, then
     the figures, then the request log, then the store."""
-    from kvloop.clients.bench import replay as rp
-    from kvloop.clients.bench.replay_report import CostModelError
+    from kvloop.clients.bench.replay import runner as rp
+    from kvloop.clients.bench.replay.report import CostModelError
 
     _check_choices(options)
     system_range = _system_token_range(options.system_tokens)
@@ -110,8 +110,8 @@ def replay_inputs(options: ReplayOptions) -> ReplayInputs:
 
 def _check_choices(options: ReplayOptions) -> None:
     from kvloop.agents.connector.host.eviction import POLICIES
-    from kvloop.clients.bench.replay_fleet import ROUTINGS
-    from kvloop.clients.bench.replay_gen import POPULATIONS
+    from kvloop.clients.bench.replay.fleet import ROUTINGS
+    from kvloop.clients.bench.replay.gen import POPULATIONS
 
     if (options.trace is None) == (options.synthetic is None):
         _fail("give exactly one of --trace FILE and --synthetic N", code=2)
@@ -137,7 +137,7 @@ def _system_token_range(system_tokens: str) -> tuple[int, int]:
 
 
 def _cost_model(options: ReplayOptions) -> CostModel:
-    from kvloop.clients.bench.replay_report import CostModel
+    from kvloop.clients.bench.replay.report import CostModel
 
     if options.multiturn_results:
         return CostModel.from_multiturn(options.multiturn_results).with_host_read(
@@ -154,7 +154,7 @@ def _cost_model(options: ReplayOptions) -> CostModel:
 
 def _requests(options: ReplayOptions, system_range: tuple[int, int]) -> tuple[list[TraceRequest], dict]:
     """The requests to replay, and what the report says of them."""
-    from kvloop.clients.bench.replay_trace import TraceError, read_trace
+    from kvloop.clients.bench.replay.trace import TraceError, read_trace
 
     try:
         if options.synthetic is not None:
@@ -178,7 +178,7 @@ def _requests(options: ReplayOptions, system_range: tuple[int, int]) -> tuple[li
 
 
 def _synthetic_config(options: ReplayOptions, system_range: tuple[int, int]) -> SyntheticConfig:
-    from kvloop.clients.bench.replay_gen import SyntheticConfig
+    from kvloop.clients.bench.replay.gen import SyntheticConfig
 
     return SyntheticConfig(
         requests=options.synthetic,
@@ -196,8 +196,8 @@ def _synthetic_config(options: ReplayOptions, system_range: tuple[int, int]) -> 
 def _synthetic_requests(options: ReplayOptions, gen: SyntheticConfig) -> tuple[list[TraceRequest], dict]:
     """A generated trace, read back as a logged one is: through a file (--write-trace, or a temporary
     one removed once read)."""
-    from kvloop.clients.bench.replay_gen import describe, generate
-    from kvloop.clients.bench.replay_trace import read_trace, write_jsonl
+    from kvloop.clients.bench.replay.gen import describe, generate
+    from kvloop.clients.bench.replay.trace import read_trace, write_jsonl
 
     path = options.write_trace
     if path is None:
@@ -217,7 +217,7 @@ def _synthetic_requests(options: ReplayOptions, gen: SyntheticConfig) -> tuple[l
 
 
 def _fleet_config(options: ReplayOptions) -> FleetConfig:
-    from kvloop.clients.bench.replay_fleet import FleetConfig
+    from kvloop.clients.bench.replay.fleet import FleetConfig
 
     return FleetConfig(
         prefills=options.prefills,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import urllib.request
 
-from kvloop.clients.bench.multiturn_arms import _post, _stream_chat
-from kvloop.clients.bench.multiturn_setup import MODEL
+from kvloop.clients.bench.multiturn.arms import _post, _stream_chat
+from kvloop.clients.bench.multiturn.setup import MODEL
 
 
 def test_a_streamed_answer_matches_the_whole_one_and_times_every_token(served_stack):
@@ -35,7 +35,7 @@ def test_a_decode_request_can_decline_retention(served_stack, tmp_path):
     """`kvloop_retain: false` (what `kvloop bench decode-tpot`'s no-retention conditions send): the decode
     frees the request's blocks at once and announces nothing; the same request without it is retained."""
     from kvloop.clients.bench.decode_tpot import DecodeTpotConfig, Driver
-    from kvloop.clients.bench.multiturn_arms import engine_totals
+    from kvloop.clients.bench.multiturn.arms import engine_totals
     from tests.support import wait_until
 
     decode_url = served_stack.decodes[0].config.url

@@ -140,8 +140,8 @@ def test_the_routing_benchs_prefix_arm_is_a_proxy_that_takes_the_own_prefix_and_
     --no-pull`. A turn goes to the candidate whose own cache holds its prompt; the next turn too,
     although decode-0 now retains the whole history and its answer: that prefill computes all its own
     cache lacks and pulls nothing. The bench's client reads the proxy's account of each turn."""
-    from kvloop.clients.bench.multiturn_arms import ProxiedArmClient
-    from kvloop.clients.bench.multiturn_setup import ROUTING_PROXY_OPTIONS, Session
+    from kvloop.clients.bench.multiturn.arms import ProxiedArmClient
+    from kvloop.clients.bench.multiturn.setup import ROUTING_PROXY_OPTIONS, Session
 
     warm = served_stack.decodes[1].config.url
     arm = "prefix_route"

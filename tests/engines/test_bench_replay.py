@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 pytest.importorskip("vllm")  # the replay hashes blocks with vLLM's own helpers
 
-from kvloop.clients.bench.replay import parse_sweep
-from kvloop.clients.bench.replay_gen import SyntheticConfig, generate
+from kvloop.clients.bench.replay.gen import SyntheticConfig, generate
+from kvloop.clients.bench.replay.runner import parse_sweep
 from kvloop.clients.cli.main import app
 
 BS = 16  # vLLM block size in these tests; a 512-token trace block is 32 vLLM blocks
@@ -289,8 +289,8 @@ def test_host_copy_is_a_host_tier_run_of_its_own_in_kvloopd(tmp_path):
     import asyncio
 
     from kvloop.clients.bench.common import start_daemon
-    from kvloop.clients.bench.replay_fleet import MODEL, Fleet, FleetConfig
-    from kvloop.clients.bench.replay_trace import read_trace
+    from kvloop.clients.bench.replay.fleet import MODEL, Fleet, FleetConfig
+    from kvloop.clients.bench.replay.trace import read_trace
     from kvloop.clients.directory_client import AsyncDirectoryClient, DirectoryClient
     from kvloop.common.processes import supervisor
     from kvloop.v1 import directory_pb2 as pb
@@ -327,8 +327,8 @@ def test_host_copy_is_a_host_tier_run_of_its_own_in_kvloopd(tmp_path):
 
 
 def test_host_reads_cost_the_host_rate_never_less_than_the_link():
-    from kvloop.clients.bench.replay_fleet import RequestRecord
-    from kvloop.clients.bench.replay_report import CostModel, CostModelError
+    from kvloop.clients.bench.replay.fleet import RequestRecord
+    from kvloop.clients.bench.replay.report import CostModel, CostModelError
 
     def pull(tier: str) -> RequestRecord:
         return RequestRecord(
@@ -431,7 +431,7 @@ def test_chat_log_tokenized_and_hashed_like_vllm(tmp_path):
 
 
 def test_cost_model_fitted_to_a_multiturn_run(tmp_path):
-    from kvloop.clients.bench.replay_report import CostModel
+    from kvloop.clients.bench.replay.report import CostModel
 
     samples = [
         {"arm": "recompute", "prompt_tokens": 1000, "ttft_ms": 300.0, "cached_tokens": 0},

@@ -1,4 +1,4 @@
-"""`kvloop bench replay`'s host pool (clients/bench/replay_fleet.py) and the connector's
+"""`kvloop bench replay`'s host pool (clients/bench/replay/fleet.py) and the connector's
 (agents/connector/host/tier.py) hold the same blocks through the same runs: a crafted trace of
 conversations sharing system prompts, later turns superseding earlier ones, and evictions for room."""
 
@@ -10,7 +10,7 @@ from kvloop.agents.connector.events import KvloopBlocksRetained
 from kvloop.agents.connector.host.eviction import eviction_policy
 from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.yielding import Confirmed
-from kvloop.clients.bench.replay_fleet import _Pool, _Run
+from kvloop.clients.bench.replay.fleet import _Pool, _Run
 from kvloop.common.host_names import HOST_SUFFIX
 from tests.support import RecordingConfirmer, named_hash
 

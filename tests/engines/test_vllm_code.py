@@ -4,7 +4,7 @@ rendered by jinja2 (vLLM's template engine)."""
 
 from __future__ import annotations
 
-from kvloop.clients.bench.multiturn_setup import Session, next_turn_messages
+from kvloop.clients.bench.multiturn.setup import Session, next_turn_messages
 from kvloop.common import block_hash
 
 

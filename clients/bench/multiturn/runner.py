@@ -28,14 +28,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvloop.clients.bench.multiturn_arms import (
+from kvloop.clients.bench.multiturn.arms import (
     ArmClient,
     ProxiedArmClient,
     stack_processes,
     wait_tokenizer_loaded,
 )
-from kvloop.clients.bench.multiturn_plot import plot
-from kvloop.clients.bench.multiturn_setup import (
+from kvloop.clients.bench.multiturn.plot import plot
+from kvloop.clients.bench.multiturn.setup import (
     FLOOR_ARM,
     HOST_ARM,
     PAIRED_RATIOS,
@@ -48,7 +48,7 @@ from kvloop.clients.bench.multiturn_setup import (
     next_turn_messages,
     session_seed_base,
 )
-from kvloop.clients.bench.multiturn_summary import decode_steps_of, summarize, wrong_pulled_blocks
+from kvloop.clients.bench.multiturn.summary import decode_steps_of, summarize, wrong_pulled_blocks
 from kvloop.clients.fleet.model import REASONING_CHAT_TEMPLATE, build_tiny_llama
 
 if TYPE_CHECKING:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvloop.clients.bench.multiturn_setup import ARMS, FLOOR_ARM, HOST_ARM, ROUTING_ARMS, TurnSample
-from kvloop.clients.bench.multiturn_summary import by_cell
+from kvloop.clients.bench.multiturn.setup import ARMS, FLOOR_ARM, HOST_ARM, ROUTING_ARMS, TurnSample
+from kvloop.clients.bench.multiturn.summary import by_cell
 
 
 def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[str]:

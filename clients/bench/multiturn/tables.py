@@ -25,7 +25,7 @@ def _table(title: str, columns: tuple[str, ...] | list[str]) -> Table:
 
 
 def _print_continuation_turns(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn_setup import ROUTING_ARMS
+    from kvloop.clients.bench.multiturn.setup import ROUTING_ARMS
 
     routing = any(row["arm"] in ROUTING_ARMS and "route_outcomes" in row for row in summary["rows"])
     what = "first streamed token through the arm's proxy" if routing else "disaggregated prefill latency"
@@ -73,7 +73,7 @@ def _print_continuation_turns(summary: dict) -> None:
 
 
 def _print_ttft_by_context(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn_setup import ARMS, HOST_ARM, ROUTING_ARMS
+    from kvloop.clients.bench.multiturn.setup import ARMS, HOST_ARM, ROUTING_ARMS
 
     present = [
         a
@@ -135,7 +135,7 @@ def _print_turn_time_breakdown(summary: dict) -> None:
 
 
 def _print_decode_side(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn_arms import CPU_ROLES
+    from kvloop.clients.bench.multiturn.arms import CPU_ROLES
 
     decode_rows = [row for row in summary["rows"] if "decode_tpot_ms_mean" in row]
     if not decode_rows:

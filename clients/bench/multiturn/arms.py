@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvloop.clients.bench.multiturn_setup import FLOOR_ARM, MODEL, Session
+from kvloop.clients.bench.multiturn.setup import FLOOR_ARM, MODEL, Session
 from kvloop.clients.bench.steps import Stream
 
 if TYPE_CHECKING:

@@ -53,7 +53,7 @@ from kvloop.agents.sidecar.link import DirectoryLink
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.bench.common import rss_bytes
 from kvloop.clients.bench.cpu import CpuMeter
-from kvloop.clients.bench.replay_trace import TraceRequest
+from kvloop.clients.bench.replay.trace import TraceRequest
 from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.common.held_blocks import HeldBlocks
 from kvloop.common.host_names import HOST_SUFFIX

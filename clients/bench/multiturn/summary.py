@@ -10,8 +10,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 
-from kvloop.clients.bench.multiturn_arms import CPU_ROLES
-from kvloop.clients.bench.multiturn_setup import (
+from kvloop.clients.bench.multiturn.arms import CPU_ROLES
+from kvloop.clients.bench.multiturn.setup import (
     FLOOR_ARM,
     PAIRED_RATIOS,
     PAIRED_TPOT_RATIOS,

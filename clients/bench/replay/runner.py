@@ -2,8 +2,8 @@
 
 Replays a trace (Mooncake format, an OpenAI-style chat log, or a seeded synthetic one) through a real
 kvloopd process started for the purpose, with a simulated fleet speaking its gRPC protocol
-(`replay_fleet`), and reports token shares, missed pulls, estimated continuation TTFT and the
-daemon's figures (`replay_report`). `run_sweep` repeats it over retention settings and plots the
+(`fleet`), and reports token shares, missed pulls, estimated continuation TTFT and the
+daemon's figures (`report`). `run_sweep` repeats it over retention settings and plots the
 saving against them.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 from kvloop.clients.bench.common import start_daemon
 from kvloop.clients.bench.cpu import CpuMeter
-from kvloop.clients.bench.replay_fleet import Fleet, FleetConfig
-from kvloop.clients.bench.replay_report import CostModel, build_report
-from kvloop.clients.bench.replay_trace import TraceRequest
+from kvloop.clients.bench.replay.fleet import Fleet, FleetConfig
+from kvloop.clients.bench.replay.report import CostModel, build_report
+from kvloop.clients.bench.replay.trace import TraceRequest
 from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.common.processes import supervisor
 
@@ -63,13 +63,13 @@ def replay(
     trace: dict[str, Any],
     progress: Callable[[int], None] = lambda done: None,
 ) -> dict[str, Any]:
-    """One replay through a fresh kvloopd; the report (see `replay_report.build_report`)."""
+    """One replay through a fresh kvloopd; the report (see `report.build_report`)."""
     if not requests:
         raise ReplayError("the trace has no requests")
     workdir = Path(tempfile.mkdtemp(prefix="kvloop-replay-"))
     env = {
         **config.cost.daemon_env(config.fleet.kv_bytes_per_token),
-        # The puller's lease margin is applied in trace time by the fleet (replay_fleet docstring).
+        # The puller's lease margin is applied in trace time by the fleet (the fleet module's docstring).
         "KVLOOP_EXPIRY_MARGIN_S": "0",
     }
     if config.replicas > 1 and config.store == "memory":

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvloop.clients.bench.cpu import CpuMeter, per_request
-from kvloop.clients.bench.replay_fleet import TIERS, FleetConfig, FleetResult, RequestRecord
+from kvloop.clients.bench.replay.fleet import TIERS, FleetConfig, FleetResult, RequestRecord
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvloop.clients.bench.replay_trace import MOONCAKE_BLOCK_SIZE
+from kvloop.clients.bench.replay.trace import MOONCAKE_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
