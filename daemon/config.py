@@ -87,7 +87,7 @@ class StoreSettings(BaseModel):
 
     @field_serializer("url")
     def _redacted(self, value: str) -> str:
-        from kvloop.daemon.index.redis_store import redacted
+        from kvloop.daemon.index.redis_wire import redacted
 
         return redacted(value)
 

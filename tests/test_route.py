@@ -356,7 +356,7 @@ async def test_plans_go_over_redis_only_for_workers_another_replica_streams(redi
     relays a plan only for a worker announced lately, and stops once that stream ends."""
     import redis.asyncio as aioredis
 
-    from kvloop.daemon.index.redis_store import RedisChangeRelay
+    from kvloop.daemon.index.redis_wire import RedisChangeRelay
     from kvloop.daemon.plans import PlanBoard
 
     client = aioredis.from_url(redis_url)

@@ -17,7 +17,7 @@ from kvloop.clients.fleet.redis_local import local_redis, local_sentinel
 from kvloop.common.addresses import free_port
 from kvloop.common.block_keys import block_keys, packed_keys
 from kvloop.daemon.index import PackedHashes
-from kvloop.daemon.index.redis_store import _keys
+from kvloop.daemon.index.redis_wire import key_bytes
 from kvloop.v1 import directory_pb2 as pb
 from tests.conftest import KVLOOPD
 from tests.support import conversation, retained, running_agent, wait_until
@@ -331,7 +331,7 @@ def test_a_packed_prompt_gives_the_same_keys_as_its_hashes(width):
     hashes = [bytes([i % 251]) * width for i in range(2048)]
     packed = PackedHashes(b"".join(hashes) + b"\x00" * (width - 1), width)  # a stray tail is not a block
     assert list(packed) == hashes and len(packed) == 2048
-    assert _keys(packed) == _keys(hashes) == b"".join(h[:8] for h in hashes)
+    assert key_bytes(packed) == key_bytes(hashes) == b"".join(h[:8] for h in hashes)
     # what a client sends (kvloop.common.block_keys): the same keys, whatever the stray tail
     assert packed_keys(packed.data, width) == packed_keys(b"".join(hashes) + b"\x07" * (width - 1), width)
     assert packed_keys(packed.data, width) == b"".join(block_keys(hashes))
@@ -530,7 +530,7 @@ async def test_a_models_spec_past_its_second_is_refreshed_beside_the_lookup(redi
     """Every Lookup reads its model's spec. Past a second old the cached spec is still answered at once
     and refreshed in the background (a quiet model's Lookups each paid two round trips for it);
     past MODEL_SPEC_STALE_S it is fetched first."""
-    from kvloop.daemon.index import IndexConfig, redis_store
+    from kvloop.daemon.index import IndexConfig, redis_registry
     from kvloop.daemon.index.redis_store import RedisStore
     from tests.test_index import spec
 
@@ -545,12 +545,12 @@ async def test_a_models_spec_past_its_second_is_refreshed_beside_the_lookup(redi
         await store.register(spec("a", block_size=32), 0, store.clock())
         first = await store.model_spec("m")
         assert first is not None and first.block_size == 32
-        monkeypatch.setattr(redis_store, "MODEL_SPEC_FRESH_S", 0.0)  # every cached spec is past it
+        monkeypatch.setattr(redis_registry, "MODEL_SPEC_FRESH_S", 0.0)  # every cached spec is past it
         before = reads()
         assert await store.model_spec("m") == first  # answered from the cache, nothing sent first
         assert reads() == before
         await wait_for_async(lambda: reads() == before + 1)  # refreshed in the background
-        monkeypatch.setattr(redis_store, "MODEL_SPEC_STALE_S", 0.0)
+        monkeypatch.setattr(redis_registry, "MODEL_SPEC_STALE_S", 0.0)
         before = reads()
         assert await store.model_spec("m") == first
         assert reads() == before + 1  # too old to answer with: fetched first

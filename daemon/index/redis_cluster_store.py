@@ -44,9 +44,8 @@ from redis.crc import key_slot
 from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, TryAgainError
 
 from kvloop.common.block_keys import KEY_BYTES
-from kvloop.common.packed_ids import pack_u32
+from kvloop.daemon.index import redis_wire as wire
 from kvloop.daemon.index.model import (
-    BlockTier,
     Change,
     Cleared,
     Event,
@@ -61,23 +60,7 @@ from kvloop.daemon.index.model import (
     WorkerSpec,
     WorkerView,
 )
-from kvloop.daemon.index.redis_store import (
-    _EPOCH,
-    _PREFIX,
-    CLIENT_WAY,
-    LIBRARY,
-    POOL_CONNECTIONS,
-    RedisStore,
-    _changes,
-    _holding,
-    _keys,
-    _locations,
-    _reachable,
-    _store_counts,
-    _text,
-    exchange,
-    redacted,
-)
+from kvloop.daemon.index.redis_registry import SlotRegistry
 from kvloop.daemon.index.store import Applied, Fence, IndexConfig, StoreCounts
 
 log = structlog.get_logger("kvloop.daemon")
@@ -120,25 +103,40 @@ class _View:
     def not_live(self, now: float, lease_s: float) -> str:
         return "\n".join(w for w, worker in self.workers.items() if not worker.live(now, lease_s))
 
+    def current(self, worker_id: str, epoch: str) -> bool:
+        """A run retained under ``epoch`` is its worker's (not one of an epoch it has left)."""
+        worker = self.workers.get(worker_id)
+        return worker is not None and worker.epoch == epoch
 
-class RedisClusterStore(RedisStore):
+
+class RedisClusterStore:
     """The DirectoryStore on a Redis Cluster, sharded by each prompt's first block."""
 
     name = "redis-cluster"
+    in_process = False
     epoch: int
+    clock = staticmethod(time.time)  # wall time: replicas on different hosts agree on it (NTP)
 
     def __init__(
         self, client: RedisCluster, config: IndexConfig | None = None, buckets: int = DEFAULT_BUCKETS
     ):
-        super().__init__(client, config, lane=False)
         if not 1 <= buckets <= 16384:
             raise ValueError(f"buckets must be 1..16384, got {buckets}")
+        self.config = config or IndexConfig()
+        self._r = client
+        registry = self._registry = SlotRegistry(client, self.config, self._fcall)
+        # What the worker registry answers alone: all it reads and writes is in the model's slot.
+        self.last_sequence = wire.reachable(registry.last_sequence)
+        self.worker_spec = wire.reachable(registry.worker_spec)
+        self.model_spec = wire.reachable(registry.model_spec)
+        self.models = wire.reachable(registry.models)
+        self.epoch = 0  # the cluster's current epoch + 1, once checked
         self.buckets = buckets  # max_entries bounds each: a model holds up to buckets x max_entries
         self._views: dict[str, _View] = {}
         self._view_refreshes: dict[str, asyncio.Task] = {}
         # Calls in flight at once: redis-py's cluster client refuses a call outright when the node's
         # pool is exhausted (it has no blocking pool), so a burst (a find asks every bucket) waits here.
-        self._in_flight = asyncio.Semaphore(POOL_CONNECTIONS)
+        self._in_flight = asyncio.Semaphore(wire.POOL_CONNECTIONS)
         self._epoch_turn = 0  # the node asked for the cluster's epoch next
         self._reap_due: dict[str, list[float]] = {}  # model -> when each bucket is next reaped
 
@@ -149,14 +147,14 @@ class RedisClusterStore(RedisStore):
         """Connect through any node of the cluster (``redis://`` or ``rediss://``) and load the
         function library on every primary."""
         # room beyond the calls kvloopd bounds itself (see _in_flight) for pub/sub and topology reads
-        client = RedisCluster.from_url(url, max_connections=POOL_CONNECTIONS + 16, **options)
+        client = RedisCluster.from_url(url, max_connections=wire.POOL_CONNECTIONS + 16, **options)
         try:
             await client.initialize()
-            await client.function_load(LIBRARY, replace=True)  # sent to every primary
+            await client.function_load(wire.LIBRARY, replace=True)  # sent to every primary
         except Exception:
             await client.aclose()
             raise
-        log.info("directory store on a redis cluster", url=redacted(url), buckets=buckets)
+        log.info("directory store on a redis cluster", url=wire.redacted(url), buckets=buckets)
         store = cls(client, config, buckets)
         await store._check_epoch()  # record the epoch before this replica writes anything
         return store
@@ -166,12 +164,21 @@ class RedisClusterStore(RedisStore):
         for refresh in refreshes:
             refresh.cancel()
         await asyncio.gather(*refreshes, return_exceptions=True)
-        await super().close()
+        await self._registry.close()
+        await self._r.aclose()
+
+    def change_relay(self) -> wire.RedisChangeRelay:
+        return wire.RedisChangeRelay(self._r)
+
+    def plan_relay(self) -> wire.RedisChangeRelay:
+        return wire.RedisChangeRelay.of_plans(self._r)
 
     # ---- keys --------------------------------------------------------------------------------
 
+    _base = staticmethod(wire.model_base)
+
     def _bucket_base(self, model: str, bucket: int | str) -> str:
-        return f"{_PREFIX}:{{{hashlib.sha1(model.encode()).hexdigest()[:16]}.{bucket}}}:"
+        return f"{wire.PREFIX}:{{{hashlib.sha1(model.encode()).hexdigest()[:16]}.{bucket}}}:"
 
     def _bucket(self, lora_name: str, root: bytes) -> int:
         """The bucket of a chain whose first block is ``root`` (a hash or its key: the key decides)."""
@@ -183,7 +190,7 @@ class RedisClusterStore(RedisStore):
 
     async def _fcall(self, function: str, keys: Sequence[str], *args: Any) -> Any:
         async with self._in_flight:
-            return await super()._fcall(function, keys, *args)
+            return await wire.fcall(self._r, function, keys, *args)
 
     async def _fcall_direct(self, function: str, keys: Sequence[str], *args: Any) -> Any:
         """``_fcall`` on a connection of the node that owns the key's slot, sent and read directly:
@@ -193,7 +200,7 @@ class RedisClusterStore(RedisStore):
         client's way, which follows the cluster and retries."""
         async with self._in_flight:
             reply = await self._send_direct(function, keys, args)
-        if reply is CLIENT_WAY:
+        if reply is wire.CLIENT_WAY:
             return await self._fcall(function, keys, *args)
         return reply
 
@@ -202,13 +209,13 @@ class RedisClusterStore(RedisStore):
             node = self._r.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
             connection = node.acquire_connection()
         except Exception:  # no node known for the slot, or its pool is full
-            return CLIENT_WAY
+            return wire.CLIENT_WAY
 
         async def discard(connection: Any) -> None:
             await connection.disconnect()
             node.release(connection)
 
-        return await exchange(
+        return await wire.exchange(
             connection, function, keys, args, CALL_TIMEOUT_S, node.release, discard, _REFUSED_BEFORE_RUNNING
         )
 
@@ -243,7 +250,7 @@ class RedisClusterStore(RedisStore):
         base = self._base(model)
         reply = await self._fcall("kvl_view", [f"{base}workers"], base)
         workers = {
-            _text(w): _Worker(_text(epoch), int(state), float(seen), bool(alive))
+            wire.text(w): _Worker(wire.text(epoch), int(state), float(seen), bool(alive))
             for w, epoch, state, seen, alive in reply[1:]
         }
         view = self._views[model] = _View(fetched, int(reply[0]) > 0, workers)
@@ -257,7 +264,7 @@ class RedisClusterStore(RedisStore):
 
     def _heard(self, worker_id: str, now: float) -> None:
         """A message from the worker reached the registry through this replica: its view follows."""
-        view = self._views.get(self._model_of.get(worker_id, ""))
+        view = self._views.get(self._registry.model_of(worker_id) or "")
         worker = view.workers.get(worker_id) if view is not None else None
         if worker is not None:
             worker.seen, worker.alive = now, True
@@ -271,36 +278,43 @@ class RedisClusterStore(RedisStore):
         touched = await asyncio.gather(
             *(
                 self._fcall("kvl_bucket_purge", [f"{bb}stats"], bb, worker_id)
-                for bb in (self._bucket_base(model, _text(b)) for b in buckets)
+                for bb in (self._bucket_base(model, wire.text(b)) for b in buckets)
             )
         )
         return sum(int(t) for t in touched)
 
-    async def _register_call(self, base: str, spec: WorkerSpec, args: list[Any]) -> list[Any]:
-        reply = await self._fcall("kvl_register", [f"{base}w:{spec.worker_id}"], *args, "1")
-        if _text(reply[0]) == "ok":
+    @wire.reachable
+    async def register(self, spec: WorkerSpec, last_sequence: int, now: float) -> tuple[int, bool]:
+        reply = await self._registry.register_call(spec, last_sequence, now, "1")
+        if wire.text(reply[0]) == "ok":
             self._forget_view(spec.model)
             await self._purge(spec.model, spec.worker_id, reply[3])
-        return reply
+        return self._registry.registered(spec, reply)
 
-    @_reachable
+    @wire.reachable
     async def disconnect(self, worker_id: str, epoch: int, now: float) -> None:
-        await super().disconnect(worker_id, epoch, now)
-        self._forget_view(self._model_of.get(worker_id))
+        await self._registry.disconnect(worker_id, epoch, now)
+        self._forget_view(self._registry.model_of(worker_id))
 
-    @_reachable
+    @wire.reachable
     async def heartbeat(self, worker_id: str, now: float) -> None:
-        await super().heartbeat(worker_id, now)
+        await self._registry.heartbeat(worker_id, now)
         self._heard(worker_id, now)
 
-    async def _set_state(self, worker_id: str, state: LeaseState) -> bool:
-        changed = await super()._set_state(worker_id, state)
-        self._forget_view(self._model_of.get(worker_id))
-        return changed
+    @wire.reachable
+    async def mark_resyncing(self, worker_id: str) -> None:
+        await self._registry.mark_resyncing(worker_id)
+        self._forget_view(self._registry.model_of(worker_id))
 
-    @_reachable
+    @wire.reachable
+    async def set_draining(self, worker_id: str) -> bool:
+        draining = await self._registry.set_draining(worker_id)
+        self._forget_view(self._registry.model_of(worker_id))
+        return draining
+
+    @wire.reachable
     async def workers(self, now: float, model: str = "") -> list[WorkerView]:
-        views = await super().workers(now, model)
+        views = await self._registry.workers(now, model)
         await asyncio.gather(*(self._count_blocks(view) for view in views))
         return views
 
@@ -308,14 +322,14 @@ class RedisClusterStore(RedisStore):
         """A worker's block counts, which live in the buckets it wrote to (read side by side)."""
         worker, model = view.spec.worker_id, view.spec.model
         members = await self._bounded(self._r.smembers(f"{self._base(model)}wb:{worker}"))
-        bases = [self._bucket_base(model, _text(b)) for b in members]
+        bases = [self._bucket_base(model, wire.text(b)) for b in members]
         counters = await asyncio.gather(*(self._bounded(self._r.hgetall(f"{bb}wc:{worker}")) for bb in bases))
         runs = await asyncio.gather(*(self._bounded(self._r.hlen(f"{bb}wr:{worker}")) for bb in bases))
         totals = {"rblocks": 0, "sblocks": 0, "events": 0}
         for fields in counters:
             for field, value in fields.items():
-                if _text(field) in totals:
-                    totals[_text(field)] += int(value)
+                if wire.text(field) in totals:
+                    totals[wire.text(field)] += int(value)
         view.retained_blocks, view.stored_blocks = totals["rblocks"], totals["sblocks"]
         view.events_ingested, view.retained_runs = totals["events"], sum(runs)
 
@@ -342,7 +356,7 @@ class RedisClusterStore(RedisStore):
         epoch = await self.directory_epoch()
         if epoch is None:
             return []
-        previous = await self._fcall("kvl_epoch", [_EPOCH], epoch)
+        previous = await self._fcall("kvl_epoch", [wire.EPOCH], epoch)
         known, self.epoch = self.epoch, max(self.epoch, epoch + 1)
         if previous is None or int(previous) < 0:
             if not (known and self.epoch > known):
@@ -352,7 +366,7 @@ class RedisClusterStore(RedisStore):
             self._forget_view(None)
             log.warning("redis cluster epoch moved: this replica's agents resync", epoch=epoch)
             return [Change("primary_moved", "", "", 0, f"the cluster's epoch moved (epoch {epoch})")]
-        for base in (await self._bases()).values():
+        for base in (await self._registry.bases()).values():
             await self._fcall("kvl_resync_all", [f"{base}workers"], base)
         self._forget_view(None)
         log.warning(
@@ -370,10 +384,10 @@ class RedisClusterStore(RedisStore):
             due[b] = now + BUCKET_REAP_S
         return ready
 
-    @_reachable
+    @wire.reachable
     async def reap(self, now: float) -> list[Change]:
         changes: list[Change] = await self._check_epoch()
-        for model, base in sorted((await self._bases()).items()):
+        for model, base in sorted((await self._registry.bases()).items()):
             reply = await self._fcall(
                 "kvl_reap_workers",
                 [f"{base}workers"],
@@ -383,11 +397,13 @@ class RedisClusterStore(RedisStore):
                 repr(self.config.drop_after_s),
             )
             for kind, worker, blocks, detail, *buckets in reply:
-                dropped = _text(kind) == "dropped"
-                purged = await self._purge(model, _text(worker), buckets[0]) if dropped else 0
-                changes.append(Change(_text(kind), _text(worker), model, int(blocks) + purged, _text(detail)))
+                dropped = wire.text(kind) == "dropped"
+                purged = await self._purge(model, wire.text(worker), buckets[0]) if dropped else 0
+                changes.append(
+                    Change(wire.text(kind), wire.text(worker), model, int(blocks) + purged, wire.text(detail))
+                )
                 if dropped:
-                    self._model_specs.pop(model, None)
+                    self._registry.forget_model(model)
             if reply:
                 self._forget_view(model)
             expired = await asyncio.gather(
@@ -397,16 +413,16 @@ class RedisClusterStore(RedisStore):
                 )
             )
             for reaped in expired:
-                changes.extend(_changes(model, reaped))
+                changes.extend(wire.reap_changes(model, reaped))
         return changes
 
     # ---- block index -------------------------------------------------------------------------
 
-    @_reachable
+    @wire.reachable
     async def apply(
         self, worker_id: str, epoch: int, sequence: int, events: Sequence[Event], now: float
     ) -> Applied:
-        spec = self._specs.get((worker_id, str(epoch))) or await self.worker_spec(worker_id)
+        spec = await self._registry.spec_at(worker_id, epoch)
         if spec is None:
             return Applied(Fence.UNKNOWN_WORKER, 0)
         model, base = spec.model, self._base(spec.model)
@@ -427,18 +443,18 @@ class RedisClusterStore(RedisStore):
             str(epoch),
             sequence,
             repr(now),
-            self._lease_ms,
+            self._registry.lease_ms,
             generation,
             *sorted({bucket for where in placed for bucket, _ in where}),
             "|",
             *moves,
         )
-        status = _text(reply[0])
+        status = wire.text(reply[0])
         if status != "applied":
             return Applied(Fence(status), int(reply[1]), int(reply[2]))
         last, worker_generation, rose = int(reply[1]), int(reply[2]), bool(reply[3])
-        releases = iter([_text(b) for b in reply[4]])
-        written = [_text(b) for b in reply[5]]
+        releases = iter([wire.text(b) for b in reply[4]])
+        written = [wire.text(b) for b in reply[5]]
         per_bucket: dict[str, list[Any]] = {}
         if rose:  # a newer KV-cache registration: every older run of the worker is withdrawn
             for bucket in written:
@@ -473,7 +489,7 @@ class RedisClusterStore(RedisStore):
         except Exception:
             # Fenced but not (all) applied: nothing of the worker is served until its agent re-pushes
             # (its next registration finds the store ahead of it).
-            await asyncio.gather(self._set_state(worker_id, LeaseState.RESYNCING), return_exceptions=True)
+            await asyncio.gather(self.mark_resyncing(worker_id), return_exceptions=True)
             raise
         self._heard(worker_id, now)
         return Applied(Fence.APPLIED, last, sum(int(t) for t in touched))
@@ -482,9 +498,9 @@ class RedisClusterStore(RedisStore):
         """The buckets an event goes to, with its part there; none for the events whose buckets the
         fence call answers (releases, clears, removals of blocks of no known chain)."""
         if isinstance(event, Retained):
-            return [(str(self._bucket(event.lora_name, _keys(event.hashes[:1]))), event)]
+            return [(str(self._bucket(event.lora_name, wire.key_bytes(event.hashes[:1]))), event)]
         if isinstance(event, Stored):
-            root = event.root if event.root is not None else _keys(event.hashes[:1])
+            root = event.root if event.root is not None else wire.key_bytes(event.hashes[:1])
             return [(str(self._bucket(event.lora_name, root)), event)]
         if isinstance(event, Removed) and event.roots is not None:
             chains: dict[str, list[bytes]] = {}
@@ -500,43 +516,22 @@ class RedisClusterStore(RedisStore):
         if isinstance(event, Cleared):
             return ["C"]
         prefix = self._bucket_namespace(Namespace(model, event.lora_name), bucket)[1]
-        if isinstance(event, Retained):
-            return [
-                "R",
-                prefix,
-                KEY_BYTES,
-                _keys(event.hashes),
-                pack_u32(event.block_ids),
-                event.num_groups,
-                event.handle,
-                event.expires_in_ms,
-                int(event.single_use),
-                int(event.tier or BlockTier.DEVICE),  # redis-py sends an IntEnum by its repr
-                pack_u32(event.tail_token_ids),
-                pack_u32(event.tail_block_ids),
-                event.registration_generation,
-            ]
-        return ["S" if isinstance(event, Stored) else "D", prefix, KEY_BYTES, _keys(event.hashes)]
+        return wire.block_event_args(prefix, event)
 
-    @_reachable
+    @wire.reachable
     async def begin_snapshot(self, worker_id: str, now: float) -> None:
-        base = await self._worker_base(worker_id)
-        if base is None:
-            raise KeyError(worker_id)
-        reply = await self._fcall(
-            "kvl_snapshot", [f"{base}w:{worker_id}"], base, worker_id, "begin", repr(now), 0, "1"
-        )
-        model = self._model_of.get(worker_id, "")
+        reply = await self._registry.snapshot(worker_id, "begin", now, 0, "1")
+        model = self._registry.model_of(worker_id) or ""
         self._forget_view(model)
         if isinstance(reply, list):
             await self._purge(model, worker_id, reply)
 
-    @_reachable
+    @wire.reachable
     async def end_snapshot(self, worker_id: str, sequence: int, now: float) -> None:
-        await super().end_snapshot(worker_id, sequence, now)
-        self._forget_view(self._model_of.get(worker_id))
+        await self._registry.snapshot(worker_id, "end", now, sequence)
+        self._forget_view(self._registry.model_of(worker_id))
 
-    @_reachable
+    @wire.reachable
     async def lookup(
         self,
         namespace: Namespace,
@@ -552,7 +547,7 @@ class RedisClusterStore(RedisStore):
         if local_blocks >= len(hashes):
             return PrefixMatch(None, [])
         base = self._base(namespace.model)
-        packed = _keys(hashes)
+        packed = wire.key_bytes(hashes)
         bb, prefix = self._bucket_namespace(namespace, self._bucket(namespace.lora_name, packed[:KEY_BYTES]))
         floor = now + max(self.config.expiry_margin_s, margin_s)
         excluded: list[str] = []
@@ -577,47 +572,33 @@ class RedisClusterStore(RedisStore):
                 "\n".join(excluded),
                 view.not_live(now, self.config.lease_s),
             )
-            if _text(reply[0]) == "none":
-                return PrefixMatch(None, [], _text(reply[1]) or None)
-            matched = int(reply[1])
-            holdings = []
-            unknown = False
-            for entry in reply[2:]:
-                worker, epoch = _text(entry[0]), _text(entry[1])
-                known = view.workers.get(worker)
-                if known is None or known.epoch != epoch:
-                    unknown = unknown or known is None
-                    continue  # a run of an epoch its worker has left (or of a worker not yet seen)
-                spec = self._specs.get((worker, epoch)) or await self._spec_of(base, worker, epoch)
-                holdings.append(_holding(spec, matched, entry))
-            first = _text(reply[2][0])
-            best = holdings[0] if holdings and holdings[0].worker.worker_id == first else None
-            if best is not None and (accept is None or accept(best.worker)):
-                others = [h for h in holdings[1:] if accept is None or accept(h.worker)]
-                return PrefixMatch(best, others)
-            if claim and _text(reply[2][7]) == "1":  # the first entry was claimed: give it back
-                await self._release(bb, prefix, first, _text(reply[2][2]), requester)
-            if unknown and not refreshed:
+            answer = await self._registry.answer(base, reply, accept, view.current)
+            if isinstance(answer, PrefixMatch):
+                return answer
+            refused = wire.text(answer[0])
+            if claim and wire.text(answer[7]) == "1":  # the first entry was claimed: give it back
+                await self._release(bb, prefix, refused, wire.text(answer[2]), requester)
+            if not refreshed and any(wire.text(entry[0]) not in view.workers for entry in reply[2:]):
                 refreshed = True  # a worker registered since the view was read: read it again
                 self._forget_view(namespace.model)
                 continue
-            excluded.append(first)
+            excluded.append(refused)
 
     async def _release(self, bb: str, prefix: str, holder: str, handle: str, requester: str) -> bool:
         return bool(
             await self._fcall("kvl_release", [f"{bb}wr:{holder}"], bb, prefix, holder, handle, requester)
         )
 
-    @_reachable
+    @wire.reachable
     async def release_claim(self, namespace: Namespace, holder: str, handle: str, requester: str) -> bool:
         base = self._base(namespace.model)
         bucket = await self._bounded(self._r.hget(f"{base}wh:{holder}", handle))
         if bucket is None:
             return False
-        bb, prefix = self._bucket_namespace(namespace, _text(bucket))
+        bb, prefix = self._bucket_namespace(namespace, wire.text(bucket))
         return await self._release(bb, prefix, holder, handle, requester)
 
-    @_reachable
+    @wire.reachable
     async def stored_prefixes(
         self, namespace: Namespace, hashes: Sequence[bytes], workers: Sequence[str], now: float
     ) -> dict[str, int]:
@@ -630,7 +611,7 @@ class RedisClusterStore(RedisStore):
         ]
         if not live:
             return counts
-        packed = _keys(hashes)
+        packed = wire.key_bytes(hashes)
         bb, prefix = self._bucket_namespace(namespace, self._bucket(namespace.lora_name, packed[:KEY_BYTES]))
         reply = await self._fcall(
             "kvl_bucket_stored_prefixes", [f"{prefix}sto"], bb, packed, KEY_BYTES, repr(now), "0", *live
@@ -638,7 +619,7 @@ class RedisClusterStore(RedisStore):
         counts.update({w: int(n) for w, n in zip(live, reply, strict=True)})
         return counts
 
-    @_reachable
+    @wire.reachable
     async def find(self, namespace: Namespace, block_hash: bytes, now: float) -> list[Location]:
         view = await self._view(namespace.model)
         dead = view.not_live(now, self.config.lease_s)
@@ -649,7 +630,7 @@ class RedisClusterStore(RedisStore):
                     [f"{prefix}ret"],
                     bb,
                     prefix,
-                    _keys([block_hash]),
+                    wire.key_bytes([block_hash]),
                     repr(now),
                     repr(now + self.config.expiry_margin_s),
                     "0",
@@ -658,23 +639,21 @@ class RedisClusterStore(RedisStore):
                 for bb, prefix in (self._bucket_namespace(namespace, b) for b in range(self.buckets))
             )
         )
-        return [location for reply in replies for location in _locations(reply)]
+        return [location for reply in replies for location in wire.locations(reply)]
 
-    @_reachable
+    @wire.reachable
     async def counts(self) -> StoreCounts:
         stats = []
-        for model in await self._bases():
+        for model in await self._registry.bases():
             stats += await asyncio.gather(
                 *(
                     self._bounded(self._r.hgetall(f"{self._bucket_base(model, b)}stats"))
                     for b in range(self.buckets)
                 )
             )
-        return _store_counts(stats)
+        return wire.store_counts(stats)
 
     async def flush(self) -> None:
         await self._r.flushdb()  # sent to every primary
         self._views.clear()
-        self._model_specs.clear()
-        self._specs.clear()
-        self._model_of.clear()
+        self._registry.forget()
