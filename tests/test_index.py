@@ -225,6 +225,19 @@ async def test_single_use_claim_is_handed_out_once(make_store):
     assert second.best is None and second.unservable_reason == "claimed"
 
 
+async def test_a_single_use_run_the_puller_cannot_read_is_given_back(make_store):
+    """A single-use run the lookup's accept refuses (a layout the puller cannot READ into) is not
+    handed out, and its claim is given back: a puller that can read it still gets it."""
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
+    prompt = conversation("c", 4)
+    await store.apply("a", 1, 1, [retain(prompt, "h", single_use=True)], 0.0)
+    refused = await store.lookup(NS, prompt, 0, "p", 0.0, claim=True, accept=lambda worker: False)
+    assert refused.best is None
+    readable = await store.lookup(NS, prompt, 0, "p", 0.0, claim=True)
+    assert readable.best is not None and readable.best.handle == "h", readable
+
+
 async def test_memory_bound_evicts_oldest_runs(make_store):
     """The runs share their first block (one system prompt), so a sharded store bounds them together too
     (it bounds each bucket, and a run's bucket follows its first block)."""

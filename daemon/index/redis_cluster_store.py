@@ -576,7 +576,7 @@ class RedisClusterStore:
             if isinstance(answer, PrefixMatch):
                 return answer
             refused = wire.text(answer[0])
-            if claim and wire.text(answer[7]) == "1":  # the first entry was claimed: give it back
+            if claim and wire.text(answer[6]) == "1":  # the first entry was claimed: give it back
                 await self._release(bb, prefix, refused, wire.text(answer[2]), requester)
             if not refreshed and any(wire.text(entry[0]) not in view.workers for entry in reply[2:]):
                 refreshed = True  # a worker registered since the view was read: read it again
