@@ -31,6 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvloop.common.host_names import host_engine_id
 from kvloop.common.processes import ChildProcesses, supervisor
 
 CONNECTOR_MODULE = "kvloop.agents.connector.connector"
@@ -265,7 +266,7 @@ class EngineConfig:
             *(
                 [
                     "--host-engine-id",
-                    f"{self.worker_id}@host",
+                    host_engine_id(self.worker_id),
                     "--host-nixl-endpoint",
                     f"{self.host}:{self.host_nixl_port}",
                 ]
