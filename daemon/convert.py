@@ -1,7 +1,10 @@
 """Protocol <-> domain conversion for kvloopd, with the validation that refuses bad input.
 
-Everything that reads or builds a ``kvloop.v1`` message for the directory lives here, so the
-session, the service and the policy work on domain types only. A message that fails validation
+Every ``kvloop.v1`` message built from the directory's domain types (answers, plans, estimates,
+worker listings) is built here, and every request and event is read and checked here, so the policy,
+the cost model, the plans and the stores work on domain types only. The RPC handlers (service.py,
+session.py) put together their small replies and stream control messages themselves; the cost model
+reads the fields of a TransferReport this module's session has accepted. A message that fails validation
 raises :class:`BadInput` (INVALID_ARGUMENT) or :class:`Refused` (another status) and changes
 nothing.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 from msgspec import structs
@@ -20,7 +23,7 @@ from kvloop.common.addresses import parse_host_port
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.common.outcomes import tier_name
 from kvloop.common.packed_ids import pack_u32, unpack_u32
-from kvloop.daemon.cost_model import Cost
+from kvloop.daemon.cost_model import Cost, Estimates
 from kvloop.daemon.index import (
     BlockTier,
     Cleared,
@@ -656,6 +659,39 @@ def route_query(
         block_size=block_size,
         prompt_tokens=prompt_tokens,
         candidates=candidates,
+    )
+
+
+def plan_response(
+    score: RouteScore,
+    hashes: Sequence[bytes],
+    block_size: int,
+    continuation: bool,
+    directory_epoch: int,
+    read_window_ms: int,
+) -> pb.PlansResponse:
+    """A pull Route planned for one candidate, as its subscribed connector receives it."""
+    assert score.plan is not None
+    lookup = lookup_response(score.plan, block_size, pack_block_ids=True, read_window_ms=read_window_ms)
+    lookup.directory_epoch = directory_epoch
+    return pb.PlansResponse(
+        prompt_key=hashes[-1],
+        prompt_blocks=len(hashes),
+        local_blocks=score.local_blocks,
+        lookup=lookup,
+        continuation=continuation,
+    )
+
+
+def pairs_response(estimates: Estimates, keep: set[str] | None = None) -> pb.ListPairsResponse:
+    """The cost model's estimates; with ``keep``, only pairs and pullers of those workers."""
+    pairs = [
+        p for p in estimates.pairs if keep is None or p.holder_worker_id in keep or p.puller_worker_id in keep
+    ]
+    pullers = [p for p in estimates.pullers if keep is None or p.worker_id in keep]
+    return pb.ListPairsResponse(
+        pairs=[pb.PairEstimate(**asdict(p)) for p in pairs],
+        pullers=[pb.PullerEstimate(**asdict(p)) for p in pullers],
     )
 
 

@@ -29,6 +29,36 @@ from kvloop.v1 import directory_pb2 as pb
 log = structlog.get_logger("kvloop.daemon")
 
 
+@dataclass
+class PairEstimate:
+    """What the model has learnt of one (holder, puller, tier) pair, as ListPairs shows it."""
+
+    holder_worker_id: str
+    puller_worker_id: str
+    tier: int
+    transfer_gbytes_per_s: float
+    setup_ms: float
+    sample_gbytes_per_s: list[float]
+    verdicts: dict[str, int]
+    last_transfer_s_ago: float  # -1: never transferred
+    mean_wait_ms: float
+
+
+@dataclass
+class PullerEstimate:
+    """A puller's learnt prefill rate, as ListPairs shows it."""
+
+    worker_id: str
+    prefill_tokens_per_s: float
+    sample_tokens_per_s: list[float]
+
+
+@dataclass
+class Estimates:
+    pairs: list[PairEstimate]
+    pullers: list[PullerEstimate]
+
+
 class SampleWindow:
     """Recent samples of one quantity; its estimate is their median, the prior filling the gap.
 
@@ -248,7 +278,7 @@ class CostModel:
         self._prefill_rates[worker] = (config, rate, f"measured ({m} prefills)")
         return rate, f"measured ({m} prefills)"
 
-    def views(self) -> tuple[list[pb.PairEstimate], list[pb.PullerEstimate]]:
+    def views(self) -> Estimates:
         now = time.monotonic()
         pairs = []
         for (holder, puller, tier), pair in sorted(self.pairs.items()):
@@ -257,7 +287,7 @@ class CostModel:
                 config.default_transfer_gbytes_per_s * 1e9, config.min_samples
             )
             pairs.append(
-                pb.PairEstimate(
+                PairEstimate(
                     holder_worker_id=holder,
                     puller_worker_id=puller,
                     tier=tier,
@@ -271,11 +301,11 @@ class CostModel:
                 )
             )
         pullers = [
-            pb.PullerEstimate(
+            PullerEstimate(
                 worker_id=worker,
                 prefill_tokens_per_s=self.prefill_tokens_per_s(worker),
                 sample_tokens_per_s=list(window.samples),
             )
             for worker, window in sorted(self._prefill.items())
         ]
-        return pairs, pullers
+        return Estimates(pairs, pullers)

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import structlog
 
-from kvloop.daemon.convert import lookup_response
+from kvloop.daemon.convert import plan_response
 from kvloop.daemon.metrics import ROUTE_PLANS
 from kvloop.daemon.queries import RouteScore
 from kvloop.daemon.watch import ChangeRelay, listen
@@ -81,20 +81,8 @@ class PlanBoard:
             worker_id = score.candidate.worker_id
             if score.plan is None or not self.wants(worker_id):
                 continue
-            lookup = lookup_response(
-                score.plan, block_size, pack_block_ids=True, read_window_ms=read_window_ms
-            )
-            lookup.directory_epoch = directory_epoch
-            self.post(
-                worker_id,
-                pb.PlansResponse(
-                    prompt_key=hashes[-1],
-                    prompt_blocks=len(hashes),
-                    local_blocks=score.local_blocks,
-                    lookup=lookup,
-                    continuation=continuation,
-                ),
-            )
+            plan = plan_response(score, hashes, block_size, continuation, directory_epoch, read_window_ms)
+            self.post(worker_id, plan)
 
     def post(self, worker_id: str, plan: pb.PlansResponse) -> None:
         queues = self._queues.get(worker_id)

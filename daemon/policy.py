@@ -26,7 +26,7 @@ import msgspec
 import structlog
 
 from kvloop.common.route_estimate import queue_ms, tie_margin_ms
-from kvloop.daemon.cost_model import Cost, CostModel, PairState
+from kvloop.daemon.cost_model import Cost, CostModel, Estimates, PairState
 from kvloop.daemon.index.model import PrefixMatch
 from kvloop.daemon.index.store import BlockIndex
 from kvloop.daemon.layout import KvLayout, readable_into
@@ -355,6 +355,5 @@ class Policy:
         margin = tie_margin_ms(best, *self.tie_rule(model))
         return sum(1 for s in ranked if s.expected_ttft_ms - best <= margin)
 
-    def pairs(self) -> pb.ListPairsResponse:
-        pairs, pullers = self.cost.views()
-        return pb.ListPairsResponse(pairs=pairs, pullers=pullers)
+    def pairs(self) -> Estimates:
+        return self.cost.views()

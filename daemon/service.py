@@ -237,13 +237,10 @@ class DirectoryService(pb_grpc.DirectoryServicer):
     async def ListPairs(
         self, request: pb.ListPairsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListPairsResponse:
-        response = self.policy.pairs()
+        keep = None
         if request.model:
             keep = {w.spec.worker_id for w in await self.store.workers(self.store.clock(), request.model)}
-            pairs = [p for p in response.pairs if p.holder_worker_id in keep or p.puller_worker_id in keep]
-            pullers = [p for p in response.pullers if p.worker_id in keep]
-            response = pb.ListPairsResponse(pairs=pairs, pullers=pullers)
-        return response
+        return convert.pairs_response(self.policy.pairs(), keep)
 
     async def FindBlock(
         self, request: pb.FindBlockRequest, context: grpc.aio.ServicerContext

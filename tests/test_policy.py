@@ -94,7 +94,7 @@ def test_reads_from_a_holders_host_pool_are_learnt_apart_from_its_device_reads()
     read(policy, "prefill-0", 1 << 24, 2_000)  # a report naming no tier is a device READ
     assert policy.decide(Q100, match(100)).cost.transfer_basis == "measured (1 reads)"
     assert policy.decide(Q100, match(100, pb.BLOCK_TIER_HOST)).cost.transfer_basis == "measured (5 reads)"
-    pairs, _ = policy.cost.views()
+    pairs = policy.cost.views().pairs
     shown = {p.tier: (len(p.sample_gbytes_per_s), dict(p.verdicts)) for p in pairs}
     assert shown == {
         pb.BLOCK_TIER_DEVICE: (1, {"transfer_faster": 2}),
