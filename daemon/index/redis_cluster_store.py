@@ -575,14 +575,13 @@ class RedisClusterStore:
             answer = await self._registry.answer(base, reply, accept, view.current)
             if isinstance(answer, PrefixMatch):
                 return answer
-            refused = wire.text(answer[0])
-            if claim and wire.text(answer[6]) == "1":  # the first entry was claimed: give it back
-                await self._release(bb, prefix, refused, wire.text(answer[2]), requester)
+            if claim and answer.claimed:  # the first entry was claimed: give it back
+                await self._release(bb, prefix, answer.worker_id, answer.handle, requester)
             if not refreshed and any(wire.text(entry[0]) not in view.workers for entry in reply[2:]):
                 refreshed = True  # a worker registered since the view was read: read it again
                 self._forget_view(namespace.model)
                 continue
-            excluded.append(refused)
+            excluded.append(answer.worker_id)
 
     async def _release(self, bb: str, prefix: str, holder: str, handle: str, requester: str) -> bool:
         return bool(

@@ -18,7 +18,16 @@ import structlog
 from redis.exceptions import RedisError
 
 from kvloop.daemon.index.model import LeaseState, PrefixMatch, WorkerSpec, WorkerView
-from kvloop.daemon.index.redis_wire import MODELS, holding, model_base, spec_from_json, spec_json, text
+from kvloop.daemon.index.redis_wire import (
+    MODELS,
+    RefusedHolder,
+    holding,
+    model_base,
+    refused_holder,
+    spec_from_json,
+    spec_json,
+    text,
+)
 from kvloop.daemon.index.store import DirectoryError, IndexConfig
 
 log = structlog.get_logger("kvloop.daemon")
@@ -277,11 +286,11 @@ class SlotRegistry:
         reply: list,
         accept: Callable[[WorkerSpec], bool] | None,
         current: Callable[[str, str], bool] | None = None,
-    ) -> PrefixMatch | list:
+    ) -> PrefixMatch | RefusedHolder:
         """A lookup function's reply as a PrefixMatch; or, when its first holder is not to be handed
         out (``accept``, the caller's layout check, refuses it; or ``current(worker, epoch)`` says the
-        run's epoch is not its worker's), that holder's entry, for the caller to give its claim back
-        and exclude it before asking again."""
+        run's epoch is not its worker's), that holder, for the caller to give its claim back and
+        exclude it before asking again."""
         if text(reply[0]) == "none":
             return PrefixMatch(None, [], text(reply[1]) or None)
         matched = int(reply[1])
@@ -296,4 +305,4 @@ class SlotRegistry:
         best = holdings[0] if holdings and holdings[0].worker.worker_id == text(first[0]) else None
         if best is not None and (accept is None or accept(best.worker)):
             return PrefixMatch(best, [h for h in holdings[1:] if accept is None or accept(h.worker)])
-        return first
+        return refused_holder(first)

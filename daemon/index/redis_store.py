@@ -429,10 +429,9 @@ class RedisStore:
             answer = await self._registry.answer(base, reply, accept)
             if isinstance(answer, PrefixMatch):
                 return answer
-            refused = wire.text(answer[0])
-            if claim and wire.text(answer[6]) == "1":  # a single-use run is claimed as it is answered
-                await self.release_claim(namespace, refused, wire.text(answer[2]), requester)
-            excluded.append(refused)
+            if claim and answer.claimed:  # a single-use run is claimed as it is answered
+                await self.release_claim(namespace, answer.worker_id, answer.handle, requester)
+            excluded.append(answer.worker_id)
 
     @wire.reachable
     async def stored_prefixes(

@@ -11,7 +11,7 @@ import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -103,6 +103,21 @@ def spec_from_json(raw: bytes | str) -> WorkerSpec:
     fields = json.loads(raw)
     fields["parallel"] = tuple(fields["parallel"])
     return WorkerSpec(**fields)
+
+
+@dataclass(frozen=True)
+class RefusedHolder:
+    """A lookup function's first holder that is not to be handed out: the caller excludes it and asks
+    again, after giving back its claim if the function claimed it (a single-use run)."""
+
+    worker_id: str
+    handle: str
+    claimed: bool
+
+
+def refused_holder(entry: list) -> RefusedHolder:
+    """A lookup function's holder entry (see ``holding``) as a refused holder."""
+    return RefusedHolder(worker_id=text(entry[0]), handle=text(entry[2]), claimed=text(entry[6]) == "1")
 
 
 def holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
