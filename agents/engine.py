@@ -71,6 +71,8 @@ class EngineConfig:
     host_eviction: str = "lru"  # kvloop_host_eviction: which host copies go first (host/eviction.py)
     # kvloop_host_demote_after_s: give a run's KV-cache blocks up this long after its host copy exists
     host_demote_after_s: float | None = None
+    # Prefill: which pulls' READs are checked against the holder's digests (kvloop_verify).
+    verify: str = "all"
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -103,6 +105,7 @@ class EngineConfig:
             # The lookup runs off the engine loop (the scheduler asks again next step), so a loaded
             # host can afford a generous deadline; past it the turn recomputes.
             "kvloop_lookup_timeout_ms": 500,
+            "kvloop_verify": self.verify,
         }
         if self.host_retention_gib:
             extra.update(

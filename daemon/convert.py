@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from msgspec import structs
 
-from kvloop.common import block_hash
+from kvloop.common import block_digests, block_hash
 from kvloop.common.addresses import parse_host_port
 from kvloop.common.block_keys import KEY_BYTES, block_keys, packed_keys
 from kvloop.common.outcomes import tier_name
@@ -331,6 +331,12 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
             )
         if len(r.tail_block_ids) != groups:
             raise BadInput("tail", f"{where}: {len(r.tail_block_ids)} tail_block_ids for {groups} groups")
+    digests = r.block_digests
+    if digests:
+        try:
+            block_digests.check_run(digests, groups, keys.n, bool(r.tail_token_ids))
+        except ValueError as exc:
+            raise BadInput("block_digests", f"{where}: {exc}") from None
     tier = r.tier or BlockTier.DEVICE
     if tier == BlockTier.HOST and not spec.host_nixl_endpoint:
         raise EventRefused(
@@ -356,6 +362,7 @@ def _retained(r: pb.BlocksRetained, spec: WorkerSpec, max_hashes: int, where: st
         list(r.tail_token_ids),
         list(r.tail_block_ids),
         r.registration_generation,
+        digests,
     )
 
 
@@ -508,6 +515,8 @@ def _fill_holder(message: pb.Holder, holding: Holding, packed: bool, read_window
     message.epoch = spec.epoch
     if holding.registration_generation:
         message.registration_generation = holding.registration_generation
+    if holding.digests:
+        message.block_digests = holding.digests
     message.tensor_parallel_size = spec.parallel[0]
 
 

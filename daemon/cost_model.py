@@ -183,15 +183,22 @@ class CostModel:
         )
 
     def record_transfer(self, puller: str, holder: str, report: pb.TransferReport, model: str) -> None:
-        """Learn from a READ measured by NIXL itself; a failed READ says nothing about bandwidth, a
-        first READ includes the one-time handshake, and the engine's view includes step waits. The
-        report's source tier (UNSPECIFIED: device) selects the estimate it teaches."""
+        """Learn from a READ measured by NIXL itself; a failed READ says nothing about bandwidth (nor
+        does one whose blocks failed their digest check: what it moved was not the run), a first READ
+        includes the one-time handshake, and the engine's view includes step waits. The report's
+        source tier (UNSPECIFIED: device) selects the estimate it teaches."""
         pair = self.pair(holder, puller, model, report.source_tier or BlockTier.DEVICE)
         if not report.first_contact:  # a handshake's wait is paid once, and no longer at start-up
             pair.wait_s += report.wait_us / 1e6
             pair.waits += 1
             pair.recent_waits.append(report.wait_us / 1e6)
-        if not report.ok or report.duration_us <= 0 or report.first_contact or not report.nixl_measured:
+        if (
+            not report.ok
+            or report.verify_failed
+            or report.duration_us <= 0
+            or report.first_contact
+            or not report.nixl_measured
+        ):
             return
         pair.bandwidth.add(report.bytes / (report.duration_us / 1e6))
         pair.setup.add(report.setup_us / 1e6)

@@ -23,6 +23,12 @@ EXPIRED_RUNS = Counter("kvloop_expired_retentions_total", "Retained runs dropped
 TRANSFER_REPORTS = Counter(
     "kvloop_transfer_reports_total", "Transfer telemetry reports", ["ok", "first_contact"]
 )
+# Not labelled by holder: no kvloopd series is per worker (a label value per worker of the fleet);
+# each failure's log line names the holder and the puller.
+VERIFY_FAILED = Counter(
+    "kvloop_verify_failed_total",
+    "READs whose blocks failed the holder's digest check (its runs are withheld until it registers again)",
+)
 ENTRIES = Gauge("kvloop_directory_entries", "Block entries (hash x holder) in the directory")
 MAX_ENTRIES = Gauge(
     "kvloop_directory_max_entries",

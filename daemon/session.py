@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from kvloop.common.outcomes import tier_name
 from kvloop.common.security import TokenGrant
 from kvloop.common.version import VERSION
 from kvloop.daemon import metrics
@@ -201,7 +202,7 @@ class AgentSession:
                 "agent event left out", worker_id=spec.worker_id, reason=refused.reason, error=str(refused)
             )
         for event in validated.telemetry:
-            self._telemetry(event, spec)
+            await self._telemetry(event, spec)
         for kind, n in validated.counts.items():
             metrics.EVENTS_INGESTED.labels(kind).inc(n)
         metrics.BATCHES.labels("applied").inc()
@@ -242,14 +243,43 @@ class AgentSession:
         self.ctx.counters.resync("store_failover")
         self.send(pb.ConnectResponse(resync=pb.ResyncRequest(reason=reason)))
 
-    def _telemetry(self, event: pb.BlockEvent, spec: WorkerSpec) -> None:
+    async def _telemetry(self, event: pb.BlockEvent, spec: WorkerSpec) -> None:
         if event.HasField("transfer"):
             t = event.transfer
             self.ctx.cost.record_transfer(spec.worker_id, t.source_worker_id, t, spec.model)
             metrics.TRANSFER_REPORTS.labels(str(t.ok).lower(), str(t.first_contact).lower()).inc()
+            if t.verify_failed:
+                await self._verify_failed(t, spec)
         else:
             p = event.prefill
             self.ctx.cost.record_prefill(spec.worker_id, p.tokens, p.duration_us, spec.model)
+
+    async def _verify_failed(self, report: pb.TransferReport, puller: WorkerSpec) -> None:
+        """A READ brought blocks that are not what the holder digested: whatever the cause (a block
+        freed and reused early, a torn host copy), the holder's other runs may be as wrong, so none is
+        handed out until it registers again (a new stream, a restarted agent)."""
+        holder = report.source_worker_id
+        withheld = bool(holder) and await self.ctx.store.set_unverified(holder)
+        metrics.VERIFY_FAILED.inc()
+        log.warning(
+            "pulled blocks failed their digest check",
+            holder=holder,
+            puller=puller.worker_id,
+            model=puller.model,
+            blocks=report.blocks,
+            source_tier=tier_name(report.source_tier),
+            holder_withheld=withheld,
+        )
+        if withheld:
+            self.ctx.changes.publish(
+                Change(
+                    "unverified",
+                    holder,
+                    puller.model,
+                    0,
+                    f"a READ by {puller.worker_id} failed its digest check: runs withheld until it registers",
+                )
+            )
 
     async def read(self, requests: AsyncIterator[pb.ConnectRequest]) -> None:
         """Apply the agent's messages until the stream ends or one is refused."""

@@ -17,6 +17,7 @@ from kvloop.clients.directory_client import (
     KvloopError,
     holder_block_ids,
 )
+from kvloop.common import block_digests
 from kvloop.common.packed_ids import pack_u32
 from kvloop.v1 import directory_pb2 as pb
 from tests.support import conversation, registration, retained, running_agent
@@ -109,6 +110,73 @@ async def test_a_runs_partly_filled_last_block_is_served_with_a_whole_run_match(
     assert list(whole.holder.tail_block_ids) == [4242]
     # a prompt that ends inside the run matches only part of it: the tail is not its continuation
     assert part.matched_blocks == 6 and not part.holder.tail_token_ids and not part.holder.tail_block_ids
+
+
+async def test_a_runs_block_digests_reach_every_puller_of_it_whole(daemon):
+    """The digests a holder announces with a run are checked against the run and handed out whole
+    with it, to a lookup of all of it or of a prefix, packed or not; a run without any has none."""
+    model = "m-digests"
+    prompt, plain = conversation("digested", 12), conversation("undigested", 6)
+    blob = block_digests.pack([[[i + 1 for i in range(9)], [0] * 9]])  # 8 blocks and the tail, 2 groups
+    event = retained(prompt[:8], "req-digested", groups=2)
+    event.retained.tail_token_ids.extend([5, 6, 7])
+    event.retained.tail_block_ids.extend([4242, 4243])
+    event.retained.block_digests = blob
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-digests", model, event, retained(plain, "req-plain")):
+            whole = await client.lookup(model, prompt, requester="pre-digests")
+            part = await client.lookup(
+                model, b"".join(prompt[:6]), requester="pre-digests", pack_block_ids=True
+            )
+            none = await client.lookup(model, plain, requester="pre-digests")
+    assert whole.matched_blocks == 8 and list(whole.holder.tail_token_ids) == [5, 6, 7]
+    assert whole.holder.block_digests == blob
+    assert part.matched_blocks == 6 and not part.holder.tail_token_ids and part.holder.block_digests == blob
+    assert none.holder.retention_handle == "req-plain" and none.holder.block_digests == b""
+
+
+def verify_failures(daemon) -> float:
+    body = urllib.request.urlopen(f"http://{daemon.metrics_address}/metrics").read().decode()
+    (line,) = [line for line in body.splitlines() if line.startswith("kvloop_verify_failed_total ")]
+    return float(line.split()[1])
+
+
+async def test_a_holder_whose_blocks_failed_a_pullers_digest_check_is_withheld_until_it_registers(daemon):
+    """A puller reports a READ whose blocks did not match the holder's digests: kvloopd counts it,
+    learns no bandwidth from it and hands out none of the holder's runs (a peer unavailable) until
+    the holder's agent registers again, on a new stream."""
+    model = "m-verify"
+    prompt, later = conversation("verify", 48), conversation("verify-later", 48)
+    report = pb.BlockEvent(
+        transfer=pb.TransferReport(
+            source_worker_id="dec-verify",
+            bytes=48 * 65536,
+            blocks=48,
+            duration_us=2_000,
+            ok=True,
+            nixl_measured=True,
+            verify_failed=True,
+        )
+    )
+    before = verify_failures(daemon)
+    async with AsyncDirectoryClient(daemon.address) as client:
+        async with running_agent(client, "dec-verify", model, retained(prompt, "run-1"), epoch=9_001):
+            found = await client.lookup(model, prompt, requester="pre-verify")
+            assert found.decision == pb.DECISION_TRANSFER and found.holder.worker_id == "dec-verify"
+            async with running_agent(client, "pre-verify", model, report, role=pb.WORKER_ROLE_PREFILL):
+                pass
+            withheld = await client.lookup(model, prompt, requester="pre-verify")
+            assert withheld.decision == pb.DECISION_RECOMPUTE, withheld
+            assert withheld.reason == pb.DECISION_REASON_PEER_UNAVAILABLE
+            assert not withheld.HasField("holder")
+            pairs = await client.pairs(model)
+        assert verify_failures(daemon) == before + 1
+        (pair,) = [p for p in pairs.pairs if p.holder_worker_id == "dec-verify"]
+        assert pair.puller_worker_id == "pre-verify" and not pair.sample_gbytes_per_s
+        # the holder's agent connects again (same epoch: a new stream of the same agent)
+        async with running_agent(client, "dec-verify", model, retained(later, "run-2"), epoch=9_001):
+            again = await client.lookup(model, later, requester="pre-verify")
+    assert again.decision == pb.DECISION_TRANSFER and again.holder.retention_handle == "run-2"
 
 
 async def test_below_threshold_and_local_prefix_and_miss(daemon):
@@ -395,6 +463,47 @@ async def test_bad_registration_gets_precise_status(daemon, first, code, fragmen
                 )
             ),
             "not both",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 2),
+                    block_ids=[1, 2],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                    block_digests=block_digests.pack([[[1, 2]]])[:-1],
+                )
+            ),
+            "block_digests is 23 bytes; its header (1 ranks, 1 groups, 2 positions) says 24",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 2),
+                    block_ids=[1, 2],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                    block_digests=block_digests.pack([[[1, 2], [3, 4]]]),
+                )
+            ),
+            "block_digests covers 2 groups x 2 positions; the run has 1 groups x 2 positions",
+        ),
+        (
+            pb.BlockEvent(
+                retained=pb.BlocksRetained(
+                    block_hashes=conversation("x", 2),
+                    block_ids=[1, 2],
+                    num_groups=1,
+                    retention_handle="h",
+                    expires_in_ms=1,
+                    tail_token_ids=[7],
+                    tail_block_ids=[3],
+                    block_digests=block_digests.pack([[[1, 2]]]),  # the tail block has none
+                )
+            ),
+            "block_digests covers 1 groups x 2 positions; the run has 1 groups x 3 positions",
         ),
         (
             pb.BlockEvent(stored=pb.BlocksStored(packed_block_hashes=bytes(40))),

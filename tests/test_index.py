@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvloop.common import block_digests
 from kvloop.daemon.index import (
     BlockTier,
     Cleared,
@@ -604,3 +605,73 @@ async def test_memory_runs_are_paths_of_a_few_nodes_and_leave_nothing_behind():
     for n, handle in enumerate(handles):
         await store.apply("a", 1, 21 + n, [Released(handle)], 0.0)
     assert not chains.roots and (await store.counts()).entries == 0
+
+
+async def test_a_runs_digests_are_handed_out_whole_with_every_holding_of_it(make_store):
+    """A run's block digests are one opaque blob, stored with the run and handed out whole whatever
+    part of it a lookup matches (the puller indexes them by position); a run announced without any
+    hands out none."""
+    store = await make_store()
+    await store.register(spec("a"), 0, 0.0)
+    await store.register(spec("b"), 0, 0.0)
+    prompt, plain = conversation("digested", 12), conversation("plain", 4)
+    # 2 ranks x 2 groups x (8 blocks + the tail), zeros (no block) among them
+    blob = block_digests.pack(
+        [[[(r << 40) + (g << 20) + i if i % 3 else 0 for i in range(9)] for g in range(2)] for r in range(2)]
+    )
+    ids = [g * 100 + i for g in range(2) for i in range(8)]
+    run = Retained(prompt[:8], ids, 2, "hd", 60_000, False, "", 1, [5, 6], [70, 80], digests=blob)
+    await store.apply("a", 1, 1, [run], 0.0)
+    await store.apply("b", 1, 1, [retain(plain, "hp")], 0.0)
+
+    whole = (await store.lookup(NS, prompt, 0, "p", 0.0, claim=False)).best
+    assert whole is not None and whole.matched_blocks == 8 and list(whole.tail_token_ids) == [5, 6]
+    assert whole.digests == blob
+    prefix = (await store.lookup(NS, prompt[:5] + conversation("other", 2), 0, "p", 0.0, claim=False)).best
+    assert prefix is not None and prefix.matched_blocks == 5 and not prefix.tail_token_ids
+    assert prefix.digests == blob
+    past_local = (await store.lookup(NS, prompt, 3, "p", 0.0, claim=False)).best
+    assert past_local is not None and past_local.digests == blob
+    undigested = (await store.lookup(NS, plain, 0, "p", 0.0, claim=False)).best
+    assert undigested is not None and undigested.digests == b""
+    # announced again without digests, under the same handle: the old blob goes with the old run
+    await store.apply("a", 1, 2, [replace(run, digests=b"")], 0.0)
+    again = (await store.lookup(NS, prompt, 0, "p", 0.0, claim=False)).best
+    assert again is not None and again.handle == "hd" and again.digests == b""
+
+
+async def test_an_unverified_holders_runs_are_withheld_until_it_registers_again(make_store):
+    """A puller's READ from a holder failed its digest check: none of the holder's runs is handed out,
+    whatever its agent sends, until the agent registers again (a new stream, in its epoch or a new
+    one); the other holders serve as before."""
+    store = await make_store(IndexConfig(lease_s=5))
+    await store.register(spec("a"), 0, 0.0)
+    await store.register(spec("b"), 0, 0.0)
+    prompt, later = conversation("u", 6), conversation("u-later", 3)
+    await store.apply("a", 1, 1, [retain(prompt, "ha")], 0.0)
+    await store.apply("b", 1, 1, [retain(prompt[:4], "hb")], 0.0)
+    assert (await store.lookup(NS, prompt, 0, "p", 0.1, False)).best.worker.worker_id == "a"
+
+    assert await store.set_unverified("a") and not await store.set_unverified("nobody")
+    match = await store.lookup(NS, prompt, 0, "p", 0.2, False)
+    assert match.best is not None and (match.best.worker.worker_id, match.best.matched_blocks) == ("b", 4)
+    assert not match.others
+    await store.apply("b", 1, 2, [Released("hb")], 0.2)
+    assert (await store.lookup(NS, prompt, 0, "p", 0.3, False)).unservable_reason == "peer_unavailable"
+    assert [loc.servable for loc in await store.find(NS, prompt[0], 0.3)] == [False]
+    # its heartbeats and batches do not vouch for it
+    await store.heartbeat("a", 0.4)
+    await store.apply("a", 1, 2, [retain(later, "ha2")], 0.4)
+    assert (await store.lookup(NS, later, 0, "p", 0.5, False)).best is None
+
+    assert await store.register(spec("a"), 2, 0.6) == (2, False)  # its agent's next stream
+    assert (await store.lookup(NS, prompt, 0, "p", 0.7, False)).best.worker.worker_id == "a"
+    assert (await store.lookup(NS, later, 0, "p", 0.7, False)).best.handle == "ha2"
+
+    # a new agent (a new epoch) starts verified, its predecessor's runs gone
+    await store.set_unverified("a")
+    await store.disconnect("a", 1, 0.8)
+    await store.register(spec("a", epoch=2), 0, 0.9)
+    await store.apply("a", 2, 1, [retain(later, "n")], 0.9)
+    assert (await store.lookup(NS, later, 0, "p", 1.0, False)).best.handle == "n"
+    assert (await store.lookup(NS, prompt, 0, "p", 1.0, False)).best is None

@@ -15,6 +15,7 @@ from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopTransferR
 from kvloop.agents.sidecar.link import DirectoryLink, unpacked
 from kvloop.agents.sidecar.mirror import WorkerMirror
 from kvloop.clients.directory_client import AsyncDirectoryClient
+from kvloop.common import block_digests
 from kvloop.common.packed_ids import unpack_u32
 from kvloop.v1 import directory_pb2 as pb
 from kvloop.v1 import directory_pb2_grpc as pb_grpc
@@ -83,6 +84,21 @@ def test_a_runs_registration_generation_reaches_the_directory_event():
     assert mirror.convert_kvloop(run("z")).retained.registration_generation == 0
     resync = {e.retained.retention_handle: e.retained.registration_generation for e in mirror.snapshot()}
     assert resync["g"] == 3
+
+
+def test_a_runs_block_digests_reach_the_directory_event_in_either_form():
+    mirror = WorkerMirror(32)
+    blob = block_digests.pack([[[11, 0, 13]], [[21, 22, 23]]])  # 2 ranks, 1 group, 3 blocks
+    wire = msgspec.msgpack.encode([time.time(), [msgspec.to_builtins(run("d", block_digests=blob))], None])
+    (digested,) = decode_event_batch(wire).kvloop
+    assert mirror.convert_kvloop(digested).retained.block_digests == blob
+    (packed,) = mirror.convert_batch([], [run("p", block_digests=blob)])
+    assert packed.retained.packed_block_hashes and packed.retained.block_digests == blob
+    resync = {e.retained.retention_handle: e.retained.block_digests for e in mirror.snapshot()}
+    assert resync == {"d": blob, "p": blob}
+    # a worker that digests nothing sends no field
+    assert b"block_digests" not in msgspec.msgpack.encode(run("z"))
+    assert mirror.convert_kvloop(run("z")).retained.block_digests == b""
 
 
 def stored(hashes, parent=None) -> dict:

@@ -5,6 +5,7 @@ KV-cache run that kept only its last one)."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvloop.common.packed_ids import pack_u32
@@ -66,6 +67,16 @@ def test_a_cut_holding_keeps_each_groups_first_blocks_and_drops_the_tail():
     assert short.tail_token_ids == () and short.tail_block_ids == ()
     whole = holding(DEVICE_SW, RUN)
     assert cut(whole, RUN).tail_token_ids == () and cut(whole, RUN).matched_blocks == RUN
+
+
+def test_a_cut_holding_hands_out_its_whole_runs_digests():
+    """The digests cover the whole run (the tail block last): the puller indexes them by position, so
+    a holding cut to fewer blocks carries them unchanged."""
+    blob = b"whole run's digests"
+    host = msgspec.structs.replace(holding(HOST_SW, 25, BlockTier.HOST, "r@host"), digests=blob)
+    assert cut(host, 20).digests == blob
+    fitted = fit_windows(PrefixMatch(host, []), WINDOWS, BS, 0)
+    assert fitted.best is not None and fitted.best.matched_blocks == 20 and fitted.best.digests == blob
 
 
 def test_the_holder_serving_the_most_is_handed_out_first():

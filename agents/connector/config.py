@@ -113,6 +113,19 @@ class KvloopConfig(BaseModel):
     # NIXL progress-thread delay in microseconds (NIXL's Python API hard-codes 0 = busy spin).
     # None leaves NIXL alone.
     nixl_progress_delay_us: int | None = Field(default=1000, ge=0)
+    # Decode role: digest each retained run's blocks (digest.py) and announce the digests with it, so
+    # a puller can check what its READ brought. A run is announced one engine step after it is
+    # retained (the worker digests it at the next step). False: runs go out at once, unchecked.
+    digests: bool = True
+    # Prefill role: which pulls' READs are checked against the holder's digests before the prefill
+    # computes on them: "all", "off", or a share of pulls (0 to 1) for engines where checking every
+    # READ costs too much. A pull that fails its check is recomputed (verify_failed).
+    verify: str = "all"
+    # Fault injection, for tests and `kvloop bench chaos` only (never on by default): the share of
+    # retained runs whose tail block is overwritten right after the worker digests it, as a fence bug
+    # would. The tail block, because only pullers read it: a full block also serves the holder's own
+    # prefix cache, which no real reuse leaves pointing at overwritten memory.
+    fault_corrupt_retained: float = Field(default=0.0, ge=0, le=1)
     # The connector's own log lines in the engine process (vLLM's logging is vLLM's): "debug" adds a
     # line per retained run and per READ, on the engine loop's path. JSON unless stderr is a terminal.
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -124,6 +137,26 @@ class KvloopConfig(BaseModel):
             return daemon_addresses(v) if v else ""
         except ValueError as exc:
             raise ValueError(f"kvloop_daemon: {exc}") from None
+
+    @field_validator("verify", mode="before")
+    @classmethod
+    def _check_verify(cls, v: Any) -> str:
+        text = str(v).strip().lower()
+        if text in ("all", "off"):
+            return text
+        try:
+            share = float(text)
+        except ValueError:
+            share = -1.0
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"kvloop_verify {v!r}: 'all', 'off' or a share of pulls from 0 to 1")
+        return text
+
+    @property
+    def verify_share(self) -> float:
+        """The share of pulls whose READ is checked."""
+        named = {"all": 1.0, "off": 0.0}
+        return named[self.verify] if self.verify in named else float(self.verify)
 
     @field_validator("host_eviction")
     @classmethod

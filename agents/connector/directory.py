@@ -46,6 +46,8 @@ class HolderInfo:
     # The holder engine's KV-cache registration generation the run was retained under (vLLM >= 0.33;
     # forwarded to vLLM as remote_registration_generation).
     registration_generation: int = 0
+    # The run's block digests (common/block_digests.py), whole-run; empty when the holder sent none.
+    block_digests: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,7 @@ def holder_from_proto(h: pb.Holder, directory_epoch: int = 0) -> HolderInfo:
         holder_epoch=int(h.epoch),
         tier=tier_name(h.tier),
         registration_generation=int(h.registration_generation),
+        block_digests=bytes(h.block_digests),
     )
 
 

@@ -64,6 +64,9 @@ class KvloopBlocksRetained(KvloopEvent, tag=RETAINED_TAG):
     # The engine's KV-cache registration generation when it retained the run (vLLM >= 0.33 counts
     # re-registrations, e.g. after a sleep and wake; 0 before). Omitted from the wire when 0.
     registration_generation: int = 0
+    # The run's block digests (kvloop.common.block_digests' blob), for the puller to check its READ
+    # against. Omitted from the wire when empty (the worker digests no runs).
+    block_digests: bytes = b""
     # Who holds the run (engine id, NIXL endpoint, block size, layout) is not repeated here: the
     # sidecar's registration states it once for every event of its worker.
 
@@ -94,6 +97,8 @@ class KvloopTransferReport(KvloopEvent, tag=TRANSFER_TAG):
     nixl_measured: bool = False  # duration_us and bytes are NIXL's telemetry of the transfer
     wait_us: int = 0  # engine-step wait around the READ (reported apart, not learnt from)
     source_tier: str = "device"  # tier of the run read: "device" | "host" (the holder's tier)
+    # The READ ran but a block it brought failed its digest check: the puller recomputed.
+    verify_failed: bool = False
 
 
 PREFILL_TAG = "kvloop.prefill"

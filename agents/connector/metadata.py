@@ -25,7 +25,10 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
       when the worker may free each, in the scheduler's clock (a lease end brought forward);
     * ``host_copies``: retained runs to copy into the host pool this step (decode role, host/tier.py);
     * ``host_captures``: per request whose prompt KV is arriving, the sliding-window blocks to copy
-      into the host pool once it has arrived, before the request decodes (decode role, host/tier.py).
+      into the host pool once it has arrived, before the request decodes (decode role, host/tier.py);
+    * ``digest_runs``: retained runs to digest (decode role, digest.py);
+    * ``pull_checks``: for each pull this step whose READ is to be checked (prefill role), the
+      holder's digests and the run's block ids they are indexed by.
     """
 
     def __init__(self) -> None:
@@ -36,6 +39,8 @@ class KvloopConnectorMetadata(NixlConnectorMetadata):
         self.free_early: dict[str, float] = {}
         self.host_copies: list[HostCopy] = []
         self.host_captures: dict[str, HostCopy] = {}
+        self.digest_runs: dict[str, DigestAsk] = {}
+        self.pull_checks: dict[str, PullCheck] = {}
 
     @classmethod
     def extend(
@@ -64,6 +69,34 @@ class HostCopy:
     handle: str
     block_ids: list[list[int]]
     slots: list[list[int]]
+
+
+@dataclass(frozen=True)
+class DigestAsk:
+    """Digest a retained run: its block ids per group by position (complete blocks, then its tail
+    block when ``tail``)."""
+
+    block_ids: list[list[int]]
+    tail: bool
+
+
+@dataclass(frozen=True)
+class PullCheck:
+    """What a pull's READ is checked against: the holder's digest blob (common/block_digests.py)
+    and the holder's block ids per group it is indexed by (the answer's, tail block last)."""
+
+    digests: bytes
+    block_ids: tuple[tuple[int, ...], ...]
+    tail_block_ids: tuple[int, ...] = ()
+
+
+# What a pull's check found (KvloopWorkerMetadata.verified), worst first when ranks disagree.
+VERIFY_FAILED, VERIFY_UNCHECKED, VERIFY_PASSED = "failed", "unchecked", "passed"
+_VERIFY_ORDER = (VERIFY_FAILED, VERIFY_UNCHECKED, VERIFY_PASSED)
+
+
+def worse(a: str | None, b: str) -> str:
+    return b if a is None or _VERIFY_ORDER.index(b) < _VERIFY_ORDER.index(a) else a
 
 
 @dataclass(frozen=True)
@@ -96,6 +129,12 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
     # and how many worker ranks' parts that covers (a rank copies its own share of the KV heads).
     host_copied: dict[str, bool] = field(default_factory=dict)
     host_copy_ranks: dict[str, int] = field(default_factory=dict)
+    # Decode role: digests of runs retained since the last step, handle -> rank -> per group, per
+    # position (each rank digests its own share of the KV heads).
+    digests: dict[str, dict[int, list[list[int]]]] = field(default_factory=dict)
+    # Prefill role: pulls whose READ ended this step and was checked, request id -> what the check
+    # found (VERIFY_*; any rank's failure fails the pull).
+    verified: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvloopWorkerMetadata):
@@ -106,6 +145,10 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
                 self.host_copied[handle] = self.host_copied.get(handle, True) and ok
                 ranks = other.host_copy_ranks.get(handle, 1)
                 self.host_copy_ranks[handle] = self.host_copy_ranks.get(handle, 0) + ranks
+            for handle, by_rank in other.digests.items():
+                self.digests.setdefault(handle, {}).update(by_rank)
+            for req_id, found in other.verified.items():
+                self.verified[req_id] = worse(self.verified.get(req_id), found)
         return self
 
 

@@ -25,10 +25,11 @@ from kvloop.agents.connector.compute_time import ComputeTime
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.directory import DirectoryLookups, HolderInfo, LookupAnswer
 from kvloop.agents.connector.events import KvloopPrefillReport, KvloopTransferReport
-from kvloop.agents.connector.metadata import ReadTiming
+from kvloop.agents.connector.metadata import VERIFY_FAILED, PullCheck, ReadTiming
 from kvloop.agents.connector.outcome import Outcome, record
 from kvloop.agents.connector.plans import PlanInbox
 from kvloop.agents.connector.remote_groups import remote_groups
+from kvloop.agents.connector.verify import PullVerifier
 from kvloop.common.outcomes import path_name
 from kvloop.common.route_estimate import PULL_KEY, ROUTE_SETTLED_KEY, SETTLED_REASONS
 from kvloop.common.sliding_window import NULL_BLOCK, first_needed_block
@@ -127,6 +128,9 @@ class PrefillSide:
         self.pull_deadlines: dict[str, float] = {}
         # ... and the holder's registration epoch the run was announced under.
         self.pull_holder_epochs: dict[str, int] = {}
+        # ... and, for the pulls whose READ is checked, the holder's digests (verify.py).
+        self.verifier = PullVerifier(cfg.verify_share)
+        self.pull_checks: dict[str, PullCheck] = {}
 
     def wants(self, params: dict[str, Any] | None) -> bool:
         return params is not None and bool(params.get("do_remote_decode"))
@@ -278,6 +282,19 @@ class PrefillSide:
             and self.directory.stale(answer.holder)
         ):
             self._refuse_stale(outcome, answer.holder)
+        elif (
+            answer is not None
+            and answer.path == pb.TURN_PATH_TRANSFER
+            and answer.holder is not None
+            and (refused := self.verifier.refuses(answer.holder))
+        ):
+            outcome.path, outcome.reason, outcome.detail = (
+                pb.TURN_PATH_RECOMPUTE,
+                pb.DECISION_REASON_VERIFY_FAILED,
+                refused,
+            )
+            if answer.holder.single_use:
+                self._pool.submit(self.directory.release_claim, answer.holder)
         elif answer is not None and answer.path == pb.TURN_PATH_TRANSFER and answer.holder is not None:
             detail_before = outcome.detail
             count, is_async = self._pull(request, params, num_computed_tokens, answer, vllm_match, outcome)
@@ -330,6 +347,11 @@ class PrefillSide:
                 deadlines[request_id] = float("-inf")
         return deadlines, holder_epochs
 
+    def take_checks(self) -> dict[str, PullCheck]:
+        """This step's new pulls whose READ the worker checks, with what it checks them against."""
+        checks, self.pull_checks = self.pull_checks, {}
+        return checks
+
     def _pull(
         self,
         request: Request,
@@ -368,6 +390,9 @@ class PrefillSide:
             counted_from = answer.asked_at if answer.asked_at is not None else time.perf_counter()
             self.pull_deadlines[request.request_id] = counted_from + h.expires_in_ms / 1000.0
             self.pull_holder_epochs[request.request_id] = h.holder_epoch
+            check = self.verifier.check_for(h)
+            if check is not None:
+                self.pull_checks[request.request_id] = check
         else:
             for k in HANDLE_KEYS:
                 params.pop(k, None)
@@ -412,20 +437,37 @@ class PrefillSide:
         if pull is not None:
             pull.outcome.pulled_tokens = num_external_tokens
 
-    def reads_done(self, finished: set[str], failed: set[str], timings: dict[str, ReadTiming]) -> None:
-        """READs the worker saw end this step, with NIXL's own timing of each (when it had one)."""
+    def reads_done(
+        self,
+        finished: set[str],
+        failed: set[str],
+        timings: dict[str, ReadTiming],
+        verified: Mapping[str, str] | None = None,
+    ) -> None:
+        """READs the worker saw end this step, with NIXL's own timing of each (when it had one) and
+        what the check of each checked one found (metadata.VERIFY_*)."""
+        verified = verified or {}
         for rid in failed:
-            self._end_pull(rid, ok=False)
+            self._end_pull(rid, ok=False, timing=timings.get(rid), verified=verified.get(rid))
         for rid in finished - failed:
-            self._end_pull(rid, ok=True, timing=timings.get(rid))
+            self._end_pull(rid, ok=True, timing=timings.get(rid), verified=verified.get(rid))
 
-    def _end_pull(self, request_id: str, ok: bool, timing: ReadTiming | None = None) -> None:
+    def _end_pull(
+        self, request_id: str, ok: bool, timing: ReadTiming | None = None, verified: str | None = None
+    ) -> None:
         pull = self._pulls.pop(request_id, None)
         if pull is None:
             return
         done = time.perf_counter()  # one reading: the outcome, the report and the span agree
         outcome = pull.outcome
-        if not ok and pull.stale:
+        if verified is not None:
+            self.verifier.checked(pull.holder, verified)
+        if verified == VERIFY_FAILED:
+            # The READ ran, but a block it brought is not what the holder retained: recomputed.
+            outcome.path, outcome.reason = pb.TURN_PATH_FAILED, pb.DECISION_REASON_VERIFY_FAILED
+            outcome.detail = "a pulled block did not match the holder's digest; the prompt was recomputed"
+            outcome.pulled_tokens = 0
+        elif not ok and pull.stale:
             self._refuse_stale(outcome, pull.holder)
             outcome.pulled_tokens = 0
         elif not ok:
@@ -463,6 +505,7 @@ class PrefillSide:
                 nixl_measured=timing is not None,
                 wait_us=max(0, engine_us - xfer_us) if timing else 0,
                 source_tier=pull.holder.tier,
+                verify_failed=verified == VERIFY_FAILED,
             )
         )
         attributes: dict[str, Any] = {
@@ -471,10 +514,13 @@ class PrefillSide:
             "kvloop.holder": outcome.holder,
             "kvloop.ok": ok,
             "kvloop.first_contact": first_contact,
+            # passed | failed | unchecked, or not_checked (not sampled, no digests, READ not run)
+            "kvloop.verify": verified or "not_checked",
         }
         if timing is not None:
             attributes["kvloop.nixl_xfer_ms"] = round(timing.xfer_s * 1e3, 3)
         tm.child_span(pull.span, "kvloop.nixl_read", pull.read_started, done, attributes)
+        pull.span.set_attribute("kvloop.verify", attributes["kvloop.verify"])
         self._outcomes[request_id] = record(request_id, outcome, pull.span, done)
 
     def finished(self, request: Request) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from kvloop.agents.connector import compat, idle
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.decode import DecodeSide
+from kvloop.agents.connector.digest_gate import DigestGate
 from kvloop.agents.connector.directory import DirectoryLookups, PullerConstraints
 from kvloop.agents.connector.host.pool import pool_slots
 from kvloop.agents.connector.host.tier import HostTier
@@ -107,6 +108,12 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self._host_listener: threading.Thread | None = None
         # every worker rank copies its share of each run into its own pool (host/pool.py)
         self._host_reports = RankTally(vllm_config.parallel_config.world_size)
+        # retained runs are announced with their blocks' digests, which every worker rank reports
+        self.digests = (
+            DigestGate(self._events.append, vllm_config.parallel_config.world_size)
+            if cfg.digests and self.is_bidirectional_kv_xfer_enabled
+            else None
+        )
         self._init_decode(kv_cache_config)
         if cfg.idle_wait and self.is_bidirectional_kv_xfer_enabled:
             idle.install()
@@ -154,7 +161,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         self.decode = DecodeSide(
             cfg,
             self.block_size,
-            self._events.append,
+            self.digests.emit if self.digests is not None else self._events.append,
             kv_cache_config.num_blocks,
             confirmer,
             host,
@@ -271,7 +278,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
 
     def parked_until(self, request_id: str) -> float | None:
         """For the engine loop's idle wait (idle.py): until when the finished request
-        ``request_id``, whose blocks this connector holds, needs no engine step."""
+        ``request_id``, whose blocks this connector holds, needs no engine step (none while its
+        announcement waits for the worker's digests, made at an engine step)."""
+        if self.digests is not None and self.digests.holds(request_id):
+            return None
         return self.decode.parked_until(request_id)
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -306,13 +316,17 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
-        if isinstance(meta, KvloopWorkerMetadata) and meta.host_copied:
-            self.decode.host_copied(self._host_reports.add(meta))
+        ours = meta if isinstance(meta, KvloopWorkerMetadata) else KvloopWorkerMetadata()
+        if ours.host_copied:
+            self.decode.host_copied(self._host_reports.add(ours))
+        if ours.digests and self.digests is not None:
+            self.digests.digested(ours.digests)
         if self.prefill is not None:
             self.prefill.reads_done(
                 set(connector_output.finished_recving or ()),
                 set(connector_output.failed_recving or ()),
-                meta.reads if isinstance(meta, KvloopWorkerMetadata) else {},
+                ours.reads,
+                ours.verified,
             )
         self.decode.released(set(connector_output.finished_sending or ()))
 
@@ -332,6 +346,10 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         )
         meta.host_copies = self.decode.take_host_copies()
         meta.host_captures = self.decode.take_host_captures()
+        if self.digests is not None:
+            meta.digest_runs = self.digests.take_asks()
+        if self.prefill is not None:
+            meta.pull_checks = self.prefill.take_checks()
         return meta
 
     def reset_cache(self) -> None:

@@ -203,6 +203,19 @@ SPECS = (
     MetricSpec(
         "route_plans", "counter", "Route's pull plans for this prefill, by what became of them", ("outcome",)
     ),
+    # result: passed | failed (recomputed, verify_failed) | unchecked (this READ's layout is not one the
+    # check covers) | no_digests (the holder announced none)
+    MetricSpec(
+        "verified_pulls", "counter", "Pulls whose READ was checked against the holder's digests", ("result",)
+    ),
+    # blocks: retained (the holder digesting a run) | pulled (a puller checking its READ)
+    MetricSpec(
+        "digest_seconds",
+        "histogram",
+        "Time a worker spent digesting blocks, per run or per READ",
+        ("blocks",),
+        buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    ),
     MetricSpec(
         "idle_wakeups",
         "counter",
@@ -233,6 +246,8 @@ HOST_COPY_SECONDS = _METRICS["host_copy_seconds"]
 CLAIMS_RELEASED = _METRICS["claims_released"]
 IDLE_WAKEUPS = _METRICS["idle_wakeups"]
 ROUTE_PLANS = _METRICS["route_plans"]
+VERIFY = _METRICS["verified_pulls"]
+DIGEST_SECONDS = _METRICS["digest_seconds"]
 
 # A finished step recorded with child_span() also feeds its latency histogram (a failed step,
 # attribute kvloop.ok false, does not).

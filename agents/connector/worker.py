@@ -18,6 +18,10 @@ Data movement is vLLM's NixlConnector unchanged. kvloop adds:
   brings a new epoch the old agent is released (at once when nothing reads from it, else through
   vLLM's invalid-peer path) and the new process handshaken. Each pull carries its run's holder epoch;
   a run of an epoch seen replaced is never read (``_holder_epoch_veto``);
+* verified pulls: a retained run's blocks are digested at the step after it is retained (decode
+  role, ``start_load_kv``), and a pull's READ is checked against the holder's digests before vLLM
+  hears the KV arrived (prefill role, ``_pop_done_transfers``; read_check.py): a mismatch fails the
+  pull as a failed READ does, so vLLM recomputes;
 * the NIXL progress-thread fix: NIXL's Python API hard-codes the progress thread's delay to 0
   (a full core busy-spinning per agent); we give it ``kvloop_nixl_progress_delay_us``.
 
@@ -40,9 +44,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
+from kvloop.agents.connector.digest import BlockDigester
 from kvloop.agents.connector.host.pool import CAPTURE_WAIT_S, HostPool, pool_slots
-from kvloop.agents.connector.metadata import KvloopConnectorMetadata, KvloopWorkerMetadata, ReadTiming
+from kvloop.agents.connector.metadata import (
+    VERIFY_FAILED,
+    DigestAsk,
+    KvloopConnectorMetadata,
+    KvloopWorkerMetadata,
+    ReadTiming,
+)
 from kvloop.agents.connector.peers import Peer, PeerWarmer
+from kvloop.agents.connector.read_check import Pairs, ReadChecks
 from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
 from kvloop.common.vllm_compat import check_supported
 
@@ -139,9 +151,19 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             pool_slots(kv_cache_config, cfg.host_retention_gib) if cfg.host_retention_gib else 0
         )
         self.host_pool: HostPool | None = None
+        # Digests of this worker's blocks (once the KV cache is registered): retained runs' (decode
+        # role, reported to the scheduler) and pulled blocks' (prefill role, checked in read_checks).
+        self.digester: BlockDigester | None = None
+        self._digested: dict[str, list[list[int]]] = {}
+        self.read_checks = ReadChecks()
+        # Fault injection (kvloop_fault_corrupt_retained; tests may change it on a running engine).
+        self.fault_corrupt_share = cfg.fault_corrupt_retained
+        self._corrupt_credit = 0.0
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
+        if isinstance(kv_caches, dict):
+            self.digester = BlockDigester(kv_caches, self.kv_cache_config)
         if self._host_slots and self._bidirectional_kv_xfer_enabled:
             self.host_pool = HostPool(self, self._host_slots)
         # A handshake sends this engine's registered memory: start warming peers once it is registered.
@@ -288,6 +310,9 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 # rebase from the scheduler's clock onto ours (as vLLM does for reqs_to_send)
                 self._pull_deadlines[req_id] = now + (dl - sched_clock)
             self._pull_holder_epochs.update(metadata.pull_holder_epochs)
+            self.read_checks.expect(metadata.pull_checks)
+            for handle, ask in metadata.digest_runs.items():
+                self._digest_run(handle, ask)
         super().start_load_kv(metadata)
         if isinstance(metadata, KvloopConnectorMetadata) and metadata.free_early:
             self._bring_leases_forward(metadata.free_early, metadata.scheduler_clock)
@@ -295,6 +320,23 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             for copy in metadata.host_copies:
                 self.host_pool.start(copy)
             self.host_pool.expect_captures(metadata.host_captures)
+
+    def _digest_run(self, handle: str, ask: DigestAsk) -> None:
+        """Digest a retained run's blocks for its announcement (an empty report if this worker cannot:
+        the run then goes out unchecked)."""
+        if self.digester is None:
+            self._digested[handle] = []
+            return
+        started = time.perf_counter()
+        self._digested[handle] = self.digester.run(ask.block_ids)
+        tm.DIGEST_SECONDS.labels("retained").observe(time.perf_counter() - started)
+        if self.fault_corrupt_share and ask.tail:
+            self._corrupt_credit += self.fault_corrupt_share
+            if self._corrupt_credit >= 1.0:
+                self._corrupt_credit -= 1.0
+                group = len(ask.block_ids) - 1
+                self.digester.corrupt(group, ask.block_ids[group][-1])
+                tm.log.warning("kvloop.fault_corrupted_block", handle=handle, group=group)
 
     def _bring_leases_forward(self, free_at: dict[str, float], sched_clock: float | None) -> None:
         """Given-up runs (decode role) end their lease at ``free_at`` (scheduler clock) instead:
@@ -324,6 +366,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             )
             self._pull_deadlines.pop(req_id, None)
             self._pull_holder_epochs.pop(req_id, None)
+            self.read_checks.forget(req_id)
             self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
             return
         deadline = self._pull_deadlines.get(req_id)
@@ -333,6 +376,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 self._pull_deadlines.pop(req_id, None)
                 self.xfer_stats.record_kv_expired_req()
                 tm.log.warning("kvloop.read_declined_lease_ending", request_id=req_id)
+                self.read_checks.forget(req_id)
                 self._handle_failed_transfer(req_id, None, self._recv_failures, record_failed_transfer=False)
                 return
             assert meta.remote is not None
@@ -342,6 +386,42 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         if meta.remote is not None and meta.remote.engine_id not in self._remote_agents:
             self._handshake_reads.add(req_id)  # vLLM handshakes first, then calls here again
         super()._read_blocks_for_req(req_id, meta)
+
+    def _read_blocks(
+        self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any
+    ) -> bool:
+        """vLLM's READ, with its pairing of local and holder blocks kept for the pull's check."""
+        if self.read_checks.wants(request_id):
+            self.read_checks.paired(
+                request_id, read_spec.remote_rank, self._read_pairs(read_spec, dst_engine_id)
+            )
+        return super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs)
+
+    def _read_pairs(self, read_spec: Any, dst_engine_id: str) -> Pairs | None:
+        """(local, holder) block pairs per group, as vLLM's ``_read_blocks`` pairs them for a READ of
+        whole blocks straight into the KV cache; None for any other layout."""
+        assert self.transfer_topo is not None
+        remote = self.transfer_topo.get_engine_info(dst_engine_id)
+        if (
+            read_spec.block_ids_by_region
+            or self.transfer_topo.block_size_ratio(remote.remote_block_size) != 1
+            or self.dcp_size > 1
+            or remote.remote_dcp_size > 1
+            or remote.remote_tp_size != self.transfer_tp_size
+            or self._physical_blocks_per_logical_kv_block != 1
+            or remote.remote_physical_blocks_per_logical != 1
+            or self._mixed_mem_types
+            or self.use_host_buffer
+            or self._has_mamba
+        ):
+            return None
+        local, holder = self._apply_prefix_caching(
+            decode_block_ids=read_spec.local_block_ids,
+            prefill_block_ids=read_spec.remote_block_ids,
+            decode_physical_per_logical=1,
+            prefill_physical_per_logical=1,
+        )
+        return [list(zip(lg, hg, strict=False)) for lg, hg in zip(local, holder, strict=True)]
 
     def _get_new_notifs(self) -> set[str]:
         """vLLM's pull-mode notification handling, except multi-reader runs are not freed.
@@ -406,16 +486,32 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
 
         agent.get_xfer_telemetry = telemetry  # for this call only: the class's method shows again below
         try:
-            return super()._pop_done_transfers(transfers)
+            done, failed = super()._pop_done_transfers(transfers)
         finally:
             del agent.get_xfer_telemetry
+        if transfers is self._recving_transfers:
+            for req_id in done:
+                if req_id in failed:
+                    self.read_checks.forget(req_id)
+                elif self.read_checks.check(req_id, self.digester) == VERIFY_FAILED:
+                    failed.add(req_id)  # vLLM's failed-READ path: the blocks are recomputed
+        return done, failed
 
     def take_worker_meta(self) -> KvloopWorkerMetadata | None:
         copied = self.host_pool.take_done() if self.host_pool is not None else {}
-        if not self._read_timings and not copied:
+        verified = self.read_checks.take_found()
+        if not self._read_timings and not copied and not self._digested and not verified:
             return None
         reads, self._read_timings = self._read_timings, {}
-        return KvloopWorkerMetadata(reads, copied, dict.fromkeys(copied, 1))
+        digested, self._digested = self._digested, {}
+        rank = self.tp_rank
+        return KvloopWorkerMetadata(
+            reads,
+            copied,
+            dict.fromkeys(copied, 1),
+            digests={handle: {rank: groups} for handle, groups in digested.items()},
+            verified=verified,
+        )
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         if self.host_pool is not None:
@@ -431,6 +527,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         if self.host_pool is not None:
             self.host_pool.poll()
         results = super().get_transfer_results()
+        for req_id in results.failed_recving or ():
+            self.read_checks.forget(req_id)  # e.g. a failed handshake: never read, never checked
         for req_id in results.finished_recving or ():
             self._pull_deadlines.pop(req_id, None)  # e.g. a failed handshake never posted
             self._pull_holder_epochs.pop(req_id, None)

@@ -200,6 +200,7 @@ class WorkerMirror:
                     nixl_measured=event.nixl_measured,
                     wait_us=event.wait_us,
                     source_tier=source_tier,
+                    verify_failed=event.verify_failed,
                 )
             )
         if isinstance(event, KvloopRetentionReleased):
@@ -233,6 +234,7 @@ class WorkerMirror:
             tail_token_ids=event.tail_token_ids,
             tail_block_ids=event.tail_block_ids,
             registration_generation=event.registration_generation,
+            block_digests=event.block_digests,
         )
         ids = itertools.chain.from_iterable(event.block_ids)  # group-major
         if packed:

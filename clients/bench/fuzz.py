@@ -232,6 +232,7 @@ def block_events() -> st.SearchStrategy[pb.BlockEvent]:
         tier=st.integers(0, 4),
         tail_token_ids=st.lists(_u32, max_size=BLOCK_SIZE + 1),
         tail_block_ids=st.lists(_u32, max_size=3),
+        block_digests=st.one_of(st.just(b""), st.binary(max_size=48)),
     )
     return st.one_of(
         stored.map(lambda m: pb.BlockEvent(stored=m)),

@@ -209,13 +209,14 @@ def _arms_and_workloads(
         ARMS,
         DEFAULT_WORKLOADS,
         HOST_ARM,
+        NAMED_ARMS,
         ROUTING_ARMS,
         WORKLOADS,
     )
 
-    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else (*ARMS, HOST_ARM)
+    known_arms = ROUTING_ARMS if prefills > 1 or decodes > 1 else (*ARMS, *NAMED_ARMS)
     if arm is None:
-        arm = [a for a in known_arms if a != HOST_ARM or host_retention_gib]
+        arm = [a for a in known_arms if a not in NAMED_ARMS or (a == HOST_ARM and host_retention_gib)]
     if workload is None:
         workload = list(DEFAULT_WORKLOADS)
     for name, given, known in (("--arm", arm, known_arms), ("--workload", workload, WORKLOADS)):

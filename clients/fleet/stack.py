@@ -42,6 +42,7 @@ class StackConfig:
     # Decodes: GiB of host memory retained runs are copied into (see EngineConfig.host_retention_gib).
     host_retention_gib: float = 0.0
     host_demote_after_s: float | None = None  # see EngineConfig.host_demote_after_s
+    verify: str = "all"  # prefills: which pulls' READs are checked (see EngineConfig.verify)
     block_size: int = 32
     dtype: str = "bfloat16"
     retention_ttl_s: float = 480.0
@@ -205,6 +206,7 @@ class Stack:
                         host_retention_gib=cfg.host_retention_gib if role == "decode" else 0.0,
                         host_nixl_port=free_port() if role == "decode" and cfg.host_retention_gib else 0,
                         host_demote_after_s=cfg.host_demote_after_s,
+                        verify=cfg.verify,
                         retention_ttl_s=cfg.retention_ttl_s,
                         retention_max_share=cfg.retention_max_share,
                         retention_yield=cfg.retention_yield,

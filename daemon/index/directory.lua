@@ -4,7 +4,9 @@ kvloop's block directory on Redis (>= 7.0): every call that reads and changes th
 function, so it is atomic, replicated and persisted with the data (unlike EVALSHA's script cache).
 
 Keys of one model share the hash tag of `base` ("kvl:{<model tag>}:"), so one call touches one slot.
-Per model:  base.."w:"..W       hash  one worker: epoch, seq, state, seen, spec, layout, counters
+Per model:  base.."w:"..W       hash  one worker: epoch, seq, state, seen, spec, layout, counters, uv
+                                      ('1' while unverified: a puller's READ from it failed its digest
+                                      check since it registered; none of its runs is served)
             base.."alive:"..W   string its epoch while a stream is attached, PX = lease
             base.."workers"     set   worker ids
             base.."wr:"..W      hash  retention handle -> run key (the worker's runs: no SCAN to clear)
@@ -24,6 +26,9 @@ Per namespace P = base..<lora hex>..":":
                                       below; runs stored before had fields 'hs' and 'ids' instead)
             P.."run:"..id..":hs"  string  its blocks' keys, concatenated
             P.."run:"..id..":ids" string  its block ids (uint32 LE, group-major)
+            P.."run:"..id..":dg"  string  its block digests (kvloop.common.block_digests' blob), when
+                                          it has any: read only by a lookup that hands the run out,
+                                          which answers it whole
             The two strings stay out of Lua, where every string costs ~1 ns per byte to make: a lookup
             compares a run's keys with the prompt's in Redis (BITOP) and takes only the matched ids
             (GETRANGE).
@@ -176,8 +181,8 @@ end
 -- Whether a worker's blocks may be served now (active, heard from within the lease, its liveness
 -- key unexpired), and its epoch: the one rule for lookup, find and stored_prefixes.
 local function worker_live(base, w, now, lease_s)
-  local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen', 'epoch')
-  local live = f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s
+  local f = redis.call('HMGET', base .. 'w:' .. w, 'state', 'seen', 'epoch', 'uv')
+  local live = f[1] == ACTIVE and (now - tonumber(f[2])) <= lease_s and not f[4]
     and redis.call('EXISTS', base .. 'alive:' .. w) == 1
   return live, f[3]
 end
@@ -210,7 +215,7 @@ local function drop_run(ctx, runkey)
   redis.call('HINCRBY', ctx.counters(w), 'rblocks', -n)
   redis.call('ZREM', base .. 'exp', runkey)
   redis.call('ZREM', base .. 'age', runkey)
-  redis.call('DEL', runkey, runkey .. ':hs', runkey .. ':ids')
+  redis.call('DEL', runkey, runkey .. ':hs', runkey .. ':ids', runkey .. ':dg')
   stat(base, 'entries', -removed)
   stat(base, 'runs', -1)
   return n
@@ -276,6 +281,7 @@ local function register(keys, args)
     end
     if cur[1] == epoch then
       redis.call('HSET', wkey, 'spec', spec, 'layout', layout, 'seen', args[5])
+      redis.call('HDEL', wkey, 'uv')
       redis.call('SET', alive, epoch, 'PX', lease_ms)
       local seq = tonumber(cur[2])
       if last_sequence < seq then
@@ -374,7 +380,7 @@ end
 
 -- Apply the events args[i..] of worker w to ctx's keys, counting them on the worker's counters and
 -- the stats. `generation` reads and raises the worker's registration generation (see below).
---   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks generation
+--   'R' p hl hashes ids groups handle expires_ms single_use tier tail_tokens tail_blocks generation digests
 --   'S' p hl hashes | 'D' p hl hashes | 'L' handle | 'C' | 'G' generation (sharded: withdraw older runs)
 local function apply_events(ctx, w, epoch, now, args, i, max_entries, generation)
   local base = ctx.base
@@ -389,7 +395,7 @@ local function apply_events(ctx, w, epoch, now, args, i, max_entries, generation
     local wrg = 0
     if kind == 'R' then wrg = generation(nil) end
     if kind == 'R' and rg < wrg then
-      i = i + 13
+      i = i + 14
     elseif kind == 'R' then
       local p, hl, hs, handle = args[i + 1], tonumber(args[i + 2]), args[i + 3], args[i + 6]
       local n = #hs / hl
@@ -410,13 +416,14 @@ local function apply_events(ctx, w, epoch, now, args, i, max_entries, generation
       if ctx.sharded then redis.call('HSET', runkey, 'e', epoch) end
       redis.call('SET', runkey .. ':hs', hs)
       redis.call('SET', runkey .. ':ids', args[i + 4])
+      if args[i + 13] ~= '' then redis.call('SET', runkey .. ':dg', args[i + 13]) end
       redis.call('HSET', wr, handle, runkey)
       redis.call('ZADD', base .. 'exp', deadline, runkey)
       redis.call('ZADD', base .. 'age', tonumber(rid), runkey)
       retained_blocks = retained_blocks + n
       runs = runs + 1
       touched = touched + n
-      i = i + 13
+      i = i + 14
     elseif kind == 'S' or kind == 'D' then
       local p, hl, hs = args[i + 1], tonumber(args[i + 2]), args[i + 3]
       local ws, sto, n = p .. 'ws:' .. w, p .. 'sto', #hs / hl
@@ -674,7 +681,7 @@ local function lookup_in(ctx, keys, args)
         if #out == 2 and claim and r.su == '1' then redis.call('HSET', runkey, 'cl', requester) end
         local whole = matched == r.n
         out[#out + 1] = {r.w, r.e or epochs[r.w], r.h, math.max(0, math.floor((r.dl - now) * 1000)), ids, r.g, r.su,
-          whole and r.tt or '', whole and r.tb or '', r.tier, r.rg}
+          whole and r.tt or '', whole and r.tb or '', r.tier, r.rg, redis.call('GET', runkey .. ':dg') or ''}
       end
     end
     if #out > 2 then return out end
@@ -854,6 +861,14 @@ local function set_state(keys, args)
   return 1
 end
 
+-- set_unverified(keys: worker): none of the worker's runs is served until it registers again (its
+-- lease state, which its agent's messages change, is left as it is); 0 when no such worker
+local function set_unverified(keys, args)
+  if redis.call('EXISTS', keys[1]) == 0 then return 0 end
+  redis.call('HSET', keys[1], 'uv', '1')
+  return 1
+end
+
 -- epoch(keys: epoch key) sentinel epoch, then every model's base. Records the epoch; when it grew
 -- past the recorded one (a failover), marks every worker resyncing and returns the old epoch (0 when
 -- none was recorded although workers are: that record itself may be what the failover lost); -1 when
@@ -886,15 +901,15 @@ local function resync_all(keys, args)
 end
 
 -- view(keys: base.."workers") base: what a sharded store's lookups judge workers by, read in one call:
--- whether any worker is still to re-push its state, then each worker's id, epoch, state, last seen
--- and whether its liveness key is set.
+-- whether any worker is still to re-push its state, then each worker's id, epoch, state, last seen,
+-- whether its liveness key is set and whether it is unverified (1 or 0).
 local function view(keys, args)
   local base = args[1]
   local out = {redis.call('SCARD', base .. 'resync')}
   for _, w in ipairs(redis.call('SMEMBERS', keys[1])) do
-    local f = redis.call('HMGET', base .. 'w:' .. w, 'epoch', 'state', 'seen')
+    local f = redis.call('HMGET', base .. 'w:' .. w, 'epoch', 'state', 'seen', 'uv')
     if f[1] then
-      out[#out + 1] = {w, f[1], f[2], f[3], redis.call('EXISTS', base .. 'alive:' .. w)}
+      out[#out + 1] = {w, f[1], f[2], f[3], redis.call('EXISTS', base .. 'alive:' .. w), f[4] and 1 or 0}
     end
   end
   return out
@@ -914,6 +929,7 @@ redis.register_function{function_name = 'kvl_find', callback = find, flags = {'n
 redis.register_function('kvl_reap', reap)
 redis.register_function{function_name = 'kvl_stored_prefixes', callback = stored_prefixes, flags = {'no-writes'}}
 redis.register_function('kvl_set_state', set_state)
+redis.register_function('kvl_set_unverified', set_unverified)
 redis.register_function('kvl_fence', sharded_fence)
 redis.register_function('kvl_reap_workers', sharded_reap_workers)
 redis.register_function('kvl_bucket_apply', bucket_apply)

@@ -60,6 +60,7 @@ class InstrumentedStore:
                 "worker_spec",
                 "mark_resyncing",
                 "set_draining",
+                "set_unverified",
                 "workers",
                 "models",
                 "reap",
@@ -118,6 +119,11 @@ class InstrumentedStore:
         with self._span("set_draining"):
             with self._timers["set_draining"].time():
                 return await self.inner.set_draining(worker_id)
+
+    async def set_unverified(self, worker_id: str) -> bool:
+        with self._span("set_unverified"):
+            with self._timers["set_unverified"].time():
+                return await self.inner.set_unverified(worker_id)
 
     async def workers(self, now: float, model: str = "") -> list[WorkerView]:
         with self._timers["workers"].time():

@@ -57,6 +57,7 @@ class _Run:
         "blocks",
         "claimed_by",
         "deadline",
+        "digests",
         "generation",
         "handle",
         "keys",
@@ -84,6 +85,7 @@ class _Run:
         self.claimed_by: str | None = None  # the puller a single-use run was handed to
         self.tier = event.tier or BlockTier.DEVICE
         self.generation = event.registration_generation
+        self.digests = event.digests
         # (token ids, block id per group) of the partly filled last block; None for most runs' cost
         self.tail = (
             (array("I", event.tail_token_ids), array("I", event.tail_block_ids))
@@ -121,6 +123,7 @@ class _Worker:
         "spec",
         "state",
         "stored",
+        "unverified",
     )
 
     def __init__(self, spec: WorkerSpec, now: float):
@@ -135,6 +138,9 @@ class _Worker:
         self.resyncs = 0
         self.retained_blocks = 0
         self.generation = 0  # the highest registration generation its runs were announced under
+        # A puller's READ from it failed its digest check: none of its runs is handed out until it
+        # registers again.
+        self.unverified = False
 
 
 class MemoryStore:
@@ -199,6 +205,7 @@ class MemoryStore:
             worker.spec = spec
             worker.connected = True
             worker.last_seen = now
+            worker.unverified = False
             if last_sequence < worker.last_sequence:
                 # The agent lost batches we applied (it restarted without a new epoch): start over.
                 self._purge(worker)
@@ -270,6 +277,13 @@ class MemoryStore:
         if worker is None:
             return False
         worker.state = LeaseState.DRAINING
+        return True
+
+    async def set_unverified(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.unverified = True
         return True
 
     def _serving(self, worker: _Worker, now: float) -> bool:
@@ -427,6 +441,7 @@ class MemoryStore:
             run.deadline > floor
             and run.claimed_by is None
             and worker.connected
+            and not worker.unverified
             and worker.state == LeaseState.ACTIVE
             and now - worker.last_seen <= self.config.lease_s
             and worker.spec.worker_id != requester
@@ -557,6 +572,7 @@ class MemoryStore:
             run.single_use,
             tier=run.tier,
             registration_generation=run.generation,
+            digests=run.digests,
         )
         if run.tail is not None and matched == run.blocks:
             holding.tail_token_ids, holding.tail_block_ids = run.tail

@@ -158,6 +158,9 @@ class Retained:
     # The holder engine's KV-cache registration generation when it retained the run (vLLM >= 0.33;
     # BlocksRetained.registration_generation): a newer one withdraws the worker's older runs.
     registration_generation: int = 0
+    # The run's block digests (kvloop.common.block_digests' blob, its header checked against the
+    # run): stored with the run and handed out whole with every holding of it; b"": none sent.
+    digests: bytes = b""
 
 
 @dataclass(slots=True)
@@ -199,6 +202,9 @@ class Holding(msgspec.Struct, gc=False):
     # Where the run lives (BlockTier): a HOST run is read from the worker's host pool.
     tier: int = BlockTier.DEVICE
     registration_generation: int = 0  # the run's (Retained.registration_generation)
+    # The whole run's digests (Retained.digests), however few of its blocks this holding serves: the
+    # puller indexes them by position.
+    digests: bytes = b""
 
     @property
     def block_ids(self) -> array:
@@ -211,8 +217,9 @@ class PrefixMatch(msgspec.Struct, gc=False):
     best: Holding | None
     others: list[Holding]
     # Set when blocks beyond the caller's local prefix exist but none is servable:
-    # "expired", "claimed", "peer_unavailable", "incompatible_layout", "directory_resyncing" or
-    # "window_not_held" (daemon/windows.py).
+    # "expired", "claimed", "peer_unavailable" (a holder not live, or unverified: a puller's READ
+    # from it failed its digest check since it registered), "incompatible_layout",
+    # "directory_resyncing" or "window_not_held" (daemon/windows.py).
     unservable_reason: str | None = None
     # What exactly is not servable, when the reason alone does not say (the answer's detail).
     unservable_detail: str = ""

@@ -89,9 +89,15 @@ class _Worker:
     state: int
     seen: float
     alive: bool
+    unverified: bool = False  # a READ from it failed its digest check since it registered
 
     def live(self, now: float, lease_s: float) -> bool:
-        return self.state == LeaseState.ACTIVE and self.alive and now - self.seen <= lease_s
+        fresh = now - self.seen <= lease_s
+        return self.state == LeaseState.ACTIVE and self.alive and fresh and not self.unverified
+
+
+def _marked(fields: list[Any]) -> bool:
+    return bool(fields) and int(fields[0]) == 1
 
 
 @dataclass(slots=True)
@@ -249,9 +255,10 @@ class RedisClusterStore:
         fetched = time.monotonic()
         base = self._base(model)
         reply = await self._fcall("kvl_view", [f"{base}workers"], base)
+        # the sixth field (its unverified mark) is absent from a library an older replica loaded
         workers = {
-            wire.text(w): _Worker(wire.text(epoch), int(state), float(seen), bool(alive))
-            for w, epoch, state, seen, alive in reply[1:]
+            wire.text(w): _Worker(wire.text(epoch), int(state), float(seen), bool(alive), _marked(marked))
+            for w, epoch, state, seen, alive, *marked in reply[1:]
         }
         view = self._views[model] = _View(fetched, int(reply[0]) > 0, workers)
         return view
@@ -311,6 +318,12 @@ class RedisClusterStore:
         draining = await self._registry.set_draining(worker_id)
         self._forget_view(self._registry.model_of(worker_id))
         return draining
+
+    @wire.reachable
+    async def set_unverified(self, worker_id: str) -> bool:
+        marked = await self._registry.set_unverified(worker_id)
+        self._forget_view(self._registry.model_of(worker_id))
+        return marked
 
     @wire.reachable
     async def workers(self, now: float, model: str = "") -> list[WorkerView]:

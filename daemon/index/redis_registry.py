@@ -165,6 +165,12 @@ class SlotRegistry:
     async def set_draining(self, worker_id: str) -> bool:
         return await self._set_state(worker_id, LeaseState.DRAINING)
 
+    async def set_unverified(self, worker_id: str) -> bool:
+        base = await self._worker_base(worker_id)
+        if base is None:
+            return False
+        return bool(await self._fcall("kvl_set_unverified", [f"{base}w:{worker_id}"]))
+
     async def _set_state(self, worker_id: str, state: LeaseState) -> bool:
         base = await self._worker_base(worker_id)
         if base is None:

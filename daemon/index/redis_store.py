@@ -140,6 +140,7 @@ class RedisStore:
         self.model_spec = wire.reachable(registry.model_spec)
         self.mark_resyncing = wire.reachable(registry.mark_resyncing)
         self.set_draining = wire.reachable(registry.set_draining)
+        self.set_unverified = wire.reachable(registry.set_unverified)
         self.workers = wire.reachable(registry.workers)
         self.models = wire.reachable(registry.models)
         self._sentinel: tuple[Any, str] | None = None

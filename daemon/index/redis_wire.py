@@ -84,6 +84,7 @@ def block_event_args(prefix: str, event: Retained | Stored | Removed) -> list[An
             pack_u32(event.tail_token_ids),
             pack_u32(event.tail_block_ids),
             event.registration_generation,
+            event.digests,
         ]
     return ["S" if isinstance(event, Stored) else "D", prefix, KEY_BYTES, key_bytes(event.hashes)]
 
@@ -122,11 +123,12 @@ def refused_holder(entry: list) -> RefusedHolder:
 
 def holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
     """One holder of a lookup function's answer: (worker, epoch, handle, expires_ms, ids, groups,
-    single_use, tail_tokens, tail_blocks, tier, generation)."""
+    single_use, tail_tokens, tail_blocks, tier, generation, digests)."""
     handle, expires_ms, ids, groups, single_use, tail_tokens, tail_blocks = entry[2:9]
     # the run's tier (absent from a library an older replica loaded: its runs are device runs)
     tier = entry[9] if len(entry) > 9 else BlockTier.DEVICE
     generation = entry[10] if len(entry) > 10 else 0
+    digests = entry[11] if len(entry) > 11 else b""
     return Holding(
         worker=spec,
         matched_blocks=matched,
@@ -139,6 +141,7 @@ def holding(spec: WorkerSpec, matched: int, entry: list) -> Holding:
         tail_block_ids=unpack_u32(tail_blocks),
         tier=int(tier),
         registration_generation=int(generation),
+        digests=bytes(digests),
     )
 
 

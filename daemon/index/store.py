@@ -117,6 +117,11 @@ class WorkerRegistry(Protocol):
 
     async def set_draining(self, worker_id: str) -> bool: ...
 
+    async def set_unverified(self, worker_id: str) -> bool:
+        """A puller's READ from the worker failed its digest check: none of its runs is handed out
+        (lookups answer "peer_unavailable") until it registers again, in any epoch. False when no such
+        worker is registered."""
+
     async def workers(self, now: float, model: str = "") -> list[WorkerView]: ...
 
     async def models(self) -> list[str]: ...

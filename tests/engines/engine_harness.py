@@ -116,6 +116,12 @@ def _connector_state(worker: Any) -> dict[str, Any]:
     return {"steps": w.kvloop_steps, "leases": dict(w._reqs_to_send), "reads": dict(w.kvloop_reads)}
 
 
+def _set_fault_corrupt_retained(worker: Any, share: float) -> None:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    get_kv_transfer_group().connector_worker.fault_corrupt_share = share  # type: ignore[attr-defined]
+
+
 def _host_pool_diff(worker: Any, block_ids: list[int], slots: list[int]) -> list[int]:
     """Per (block, slot) pair, how many bytes of the host pool's slot differ from the KV-cache
     block's, over every region (the pool mirrors the connector's registered KV caches, in order)."""
@@ -178,6 +184,20 @@ def _result(res: Any, elapsed: float) -> dict[str, Any]:
         "num_cached_tokens": res.num_cached_tokens,
         "elapsed_s": elapsed,
     }
+
+
+def _step_for_announcements(llm: Any, spec: EngineSpec) -> None:
+    """Step an in-process engine until its retained runs are announced: an announcement waits for the
+    worker's digests of the run, made at the next engine step, which a serving engine's loop takes
+    (it steps while it holds retained runs) and ``LLM.generate`` does not once its requests end."""
+    if spec.multiprocessing:
+        return  # vLLM's engine-core loop steps by itself
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    gate = getattr(getattr(connector, "connector_scheduler", None), "digests", None)
+    for _ in range(4):  # one step digests every run held; a TP engine's ranks report in one step too
+        if gate is None or not gate.held:
+            return
+        llm.llm_engine.step()
 
 
 def _serve(conn: Any, spec: EngineSpec) -> None:
@@ -285,13 +305,17 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
             if cmd == "generate":
                 t = time.perf_counter()
                 (res,) = llm.generate([_prompt(args)], _sampling(args), use_tqdm=False)
-                conn.send(("ok", _result(res, time.perf_counter() - t)))
+                elapsed = time.perf_counter() - t
+                _step_for_announcements(llm, spec)
+                conn.send(("ok", _result(res, elapsed)))
             elif cmd == "generate_many":  # several requests in one batch, side by side
                 t = time.perf_counter()
                 results = llm.generate(
                     [_prompt(a) for a in args], [_sampling(a) for a in args], use_tqdm=False
                 )
-                conn.send(("ok", [_result(res, time.perf_counter() - t) for res in results]))
+                elapsed = time.perf_counter() - t
+                _step_for_announcements(llm, spec)
+                conn.send(("ok", [_result(res, elapsed) for res in results]))
             elif cmd == "block_hashes":  # this engine's chained hashes of the full blocks
                 from vllm.utils.hashing import sha256_cbor
                 from vllm.v1.core import kv_cache_utils
@@ -350,6 +374,8 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 tier = connector.connector_scheduler.decode._host
                 tier._release(args, tier._copies[args], "evicted")
                 conn.send(("ok", None))
+            elif cmd == "fault_corrupt_retained":  # the share of retained runs whose tail is overwritten
+                conn.send(("ok", llm.collective_rpc(_set_fault_corrupt_retained, args=(args,))))
             elif cmd == "connector_state":
                 conn.send(("ok", llm.collective_rpc(_connector_state)[0]))
             elif cmd == "sleep":  # let the engine idle without stepping

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvloop.clients.bench.multiturn.setup import ARMS, FLOOR_ARM, HOST_ARM, ROUTING_ARMS, TurnSample
+from kvloop.clients.bench.multiturn.setup import ARMS, FLOOR_ARM, NAMED_ARMS, ROUTING_ARMS, TurnSample
 from kvloop.clients.bench.multiturn.summary import by_cell
 
 
@@ -21,7 +21,7 @@ def plot(samples: list[TurnSample], by_context: list[dict], out: Path) -> list[s
     groups = sorted({(workload, concurrency) for workload, concurrency, _ in cells})
     if not groups:
         return []
-    every = tuple(dict.fromkeys((*ARMS, HOST_ARM, *ROUTING_ARMS)))
+    every = tuple(dict.fromkeys((*ARMS, *NAMED_ARMS, *ROUTING_ARMS)))
     arms = [arm for arm in every if any(a == arm for _, _, a in cells)]
     colors = {arm: f"C{i}" for i, arm in enumerate(every)}
     labels = {arm: f"{arm} (ideal: own cache kept)" if arm == FLOOR_ARM else arm for arm in arms}

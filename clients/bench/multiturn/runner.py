@@ -38,9 +38,11 @@ from kvloop.clients.bench.multiturn.plot import plot
 from kvloop.clients.bench.multiturn.setup import (
     FLOOR_ARM,
     HOST_ARM,
+    NAMED_ARMS,
     PAIRED_RATIOS,
     ROUTING_PAIRED_RATIOS,
     ROUTING_PROXY_OPTIONS,
+    UNVERIFIED_ARM,
     MultiturnConfig,
     TurnSample,
     arm_order,
@@ -239,7 +241,8 @@ def _stack_configs(config: MultiturnConfig, model: Path) -> dict[str, StackConfi
             workdir=config.workdir / arm,
             host_retention_gib=config.host_retention_gib if arm == HOST_ARM else 0.0,
             prefill_prefix_caching=floor or config.prefill_prefix_caching,
-            mode="recompute" if floor else "kvloop" if arm == HOST_ARM else arm,
+            mode="recompute" if floor else "kvloop" if arm in NAMED_ARMS else arm,
+            verify="off" if arm == UNVERIFIED_ARM else "all",
             decode_servers=0 if floor else 1,
             **shared,
         )

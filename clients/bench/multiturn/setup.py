@@ -36,9 +36,14 @@ DEFAULT_WORKLOADS = ("plain", "shared_prefix", "edited")
 FLOOR_ARM = "local"
 # kvloop with a host retention pool on the decode (--host-retention-gib): asked for by name.
 HOST_ARM = "kvloop_host"
+# kvloop with its prefill checking no READ (kvloop_verify off): what checking each pulled block costs,
+# paired with the kvloop arm. Asked for by name.
+UNVERIFIED_ARM = "kvloop_unverified"
+# Arms run only when asked for by name.
+NAMED_ARMS = (HOST_ARM, UNVERIFIED_ARM)
 MODEL = "kvloop-tiny"
 # Paired per-turn ratios reported (numerator arm, denominator arm): same prompt, adjacent in time.
-PAIRED_RATIOS = (("kvloop", "builtin"), ("kvloop", "local"), ("builtin", "local"))
+PAIRED_RATIOS = (("kvloop", "builtin"), ("kvloop", "local"), ("builtin", "local"), ("kvloop", UNVERIFIED_ARM))
 # The decode's time per output token, same turn in two arms: a decode that retains runs and serves
 # READs (kvloop) against one that does neither (recompute).
 PAIRED_TPOT_RATIOS = (("kvloop", "recompute"), ("builtin", "recompute"))

@@ -73,11 +73,11 @@ def _print_continuation_turns(summary: dict) -> None:
 
 
 def _print_ttft_by_context(summary: dict) -> None:
-    from kvloop.clients.bench.multiturn.setup import ARMS, HOST_ARM, ROUTING_ARMS
+    from kvloop.clients.bench.multiturn.setup import ARMS, NAMED_ARMS, ROUTING_ARMS
 
     present = [
         a
-        for a in dict.fromkeys((*ARMS, HOST_ARM, *ROUTING_ARMS))
+        for a in dict.fromkeys((*ARMS, *NAMED_ARMS, *ROUTING_ARMS))
         if any(r["arm"] == a for r in summary["rows"])
     ]
     table = _table(

@@ -50,6 +50,7 @@ class DecisionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECISION_REASON_DIRECTORY_RESYNCING: _ClassVar[DecisionReason]
     DECISION_REASON_STALE_EPOCH: _ClassVar[DecisionReason]
     DECISION_REASON_WINDOW_NOT_HELD: _ClassVar[DecisionReason]
+    DECISION_REASON_VERIFY_FAILED: _ClassVar[DecisionReason]
 
 class TurnPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -99,6 +100,7 @@ DECISION_REASON_ENGINE_DECLINED: DecisionReason
 DECISION_REASON_DIRECTORY_RESYNCING: DecisionReason
 DECISION_REASON_STALE_EPOCH: DecisionReason
 DECISION_REASON_WINDOW_NOT_HELD: DecisionReason
+DECISION_REASON_VERIFY_FAILED: DecisionReason
 TURN_PATH_UNSPECIFIED: TurnPath
 TURN_PATH_TRANSFER: TurnPath
 TURN_PATH_RECOMPUTE: TurnPath
@@ -192,7 +194,7 @@ class BlocksStored(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., root_block_hash: _Optional[bytes] = ..., packed_block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class BlocksRetained(_message.Message):
-    __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids", "registration_generation", "packed_block_hashes", "packed_block_ids")
+    __slots__ = ("block_hashes", "block_ids", "num_groups", "retention_handle", "expires_in_ms", "single_use", "lora_name", "tier", "tail_token_ids", "tail_block_ids", "registration_generation", "packed_block_hashes", "packed_block_ids", "block_digests")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +208,7 @@ class BlocksRetained(_message.Message):
     REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PACKED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_groups: int
@@ -219,7 +222,8 @@ class BlocksRetained(_message.Message):
     registration_generation: int
     packed_block_hashes: bytes
     packed_block_ids: bytes
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., registration_generation: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
+    block_digests: bytes
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., single_use: _Optional[bool] = ..., lora_name: _Optional[str] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., registration_generation: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., packed_block_ids: _Optional[bytes] = ..., block_digests: _Optional[bytes] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
     __slots__ = ("block_hashes", "lora_name", "root_block_hashes", "packed_block_hashes", "packed_root_block_hashes")
@@ -246,7 +250,7 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferReport(_message.Message):
-    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact", "nixl_measured", "wait_us", "source_tier")
+    __slots__ = ("source_worker_id", "bytes", "blocks", "duration_us", "setup_us", "ok", "first_contact", "nixl_measured", "wait_us", "source_tier", "verify_failed")
     SOURCE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +261,7 @@ class TransferReport(_message.Message):
     NIXL_MEASURED_FIELD_NUMBER: _ClassVar[int]
     WAIT_US_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TIER_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FAILED_FIELD_NUMBER: _ClassVar[int]
     source_worker_id: str
     bytes: int
     blocks: int
@@ -267,7 +272,8 @@ class TransferReport(_message.Message):
     nixl_measured: bool
     wait_us: int
     source_tier: BlockTier
-    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ..., nixl_measured: _Optional[bool] = ..., wait_us: _Optional[int] = ..., source_tier: _Optional[_Union[BlockTier, str]] = ...) -> None: ...
+    verify_failed: bool
+    def __init__(self, source_worker_id: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., duration_us: _Optional[int] = ..., setup_us: _Optional[int] = ..., ok: _Optional[bool] = ..., first_contact: _Optional[bool] = ..., nixl_measured: _Optional[bool] = ..., wait_us: _Optional[int] = ..., source_tier: _Optional[_Union[BlockTier, str]] = ..., verify_failed: _Optional[bool] = ...) -> None: ...
 
 class PrefillReport(_message.Message):
     __slots__ = ("tokens", "duration_us")
@@ -426,7 +432,7 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora_name: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., local_blocks: _Optional[int] = ..., requester_worker_id: _Optional[str] = ..., claim: _Optional[bool] = ..., block_size: _Optional[int] = ..., packed_block_hashes: _Optional[bytes] = ..., pack_block_ids: _Optional[bool] = ..., min_pull_tokens: _Optional[int] = ..., lease_margin_ms: _Optional[int] = ..., parallel: _Optional[_Union[ParallelLayout, _Mapping]] = ..., kv_dtype: _Optional[str] = ..., kv_bytes_per_block: _Optional[int] = ..., kv_group_windows: _Optional[_Iterable[int]] = ..., packed_hash_bytes: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size", "tier", "registration_generation")
+    __slots__ = ("worker_id", "engine_id", "nixl_endpoint", "http_endpoint", "matched_blocks", "retention_handle", "expires_in_ms", "block_ids", "num_groups", "single_use", "kv_bytes_per_block", "epoch", "packed_block_ids", "tail_token_ids", "tail_block_ids", "tensor_parallel_size", "tier", "registration_generation", "block_digests")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NIXL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +451,7 @@ class Holder(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     engine_id: str
     nixl_endpoint: str
@@ -463,7 +470,8 @@ class Holder(_message.Message):
     tensor_parallel_size: int
     tier: BlockTier
     registration_generation: int
-    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., registration_generation: _Optional[int] = ...) -> None: ...
+    block_digests: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., nixl_endpoint: _Optional[str] = ..., http_endpoint: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., retention_handle: _Optional[str] = ..., expires_in_ms: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_groups: _Optional[int] = ..., single_use: _Optional[bool] = ..., kv_bytes_per_block: _Optional[int] = ..., epoch: _Optional[int] = ..., packed_block_ids: _Optional[bytes] = ..., tail_token_ids: _Optional[_Iterable[int]] = ..., tail_block_ids: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., tier: _Optional[_Union[BlockTier, str]] = ..., registration_generation: _Optional[int] = ..., block_digests: _Optional[bytes] = ...) -> None: ...
 
 class CostEstimate(_message.Message):
     __slots__ = ("transfer_ms", "recompute_ms", "transfer_bytes", "transfer_basis", "recompute_basis")

@@ -1,0 +1,83 @@
+"""Retained runs wait for their digests before they are announced (decode role, scheduler side).
+
+A run's blocks are digested where they live, by the worker (digest.py), at the engine step after
+vLLM retains the run; the announcement then carries the digests (common/block_digests.py), so every
+puller the directory hands the run to can check its READ. The gate sits between the decode side
+and the event stream: a device run's announcement is held until every worker rank has reported its
+digests; a run released before that was never announced, and its release is not sent either.
+Host-copy announcements pass through as they are (their copies carry no digests yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvloop.agents.connector import telemetry as tm
+from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.metadata import DigestAsk
+from kvloop.common import block_digests
+
+
+def positions(event: KvloopBlocksRetained) -> list[list[int]]:
+    """The run's block ids per group by position: its complete blocks, then its tail block."""
+    tail = event.tail_block_ids
+    return [list(ids) + ([tail[g]] if tail else []) for g, ids in enumerate(event.block_ids)]
+
+
+class DigestGate:
+    def __init__(self, emit: Callable[[Any], None], ranks: int) -> None:
+        self._emit = emit
+        self.ranks = max(1, ranks)
+        self._held: dict[str, KvloopBlocksRetained] = {}
+        self._reported: dict[str, dict[int, list[list[int]]]] = {}
+        self._asks: dict[str, DigestAsk] = {}
+
+    def emit(self, event: Any) -> None:
+        if isinstance(event, KvloopBlocksRetained) and event.tier == "device" and event.block_hashes:
+            handle = event.retention_handle
+            self._held[handle] = event
+            self._asks[handle] = DigestAsk(positions(event), bool(event.tail_block_ids))
+            return
+        if isinstance(event, KvloopRetentionReleased) and event.retention_handle in self._held:
+            # never announced: nothing to withdraw
+            self._drop(event.retention_handle)
+            return
+        self._emit(event)
+
+    def take_asks(self) -> dict[str, DigestAsk]:
+        """The runs for the worker to digest this step."""
+        asks, self._asks = self._asks, {}
+        return asks
+
+    def digested(self, reports: dict[str, dict[int, list[list[int]]]]) -> None:
+        """Digests the worker ranks reported; a run every rank has reported is announced with them."""
+        for handle, by_rank in reports.items():
+            event = self._held.get(handle)
+            if event is None:
+                continue
+            got = self._reported.setdefault(handle, {})
+            got.update(by_rank)
+            if len(got) < self.ranks:
+                continue
+            self._drop(handle)
+            try:
+                blob = block_digests.pack([got[r] for r in range(self.ranks)])
+            except (KeyError, ValueError) as exc:  # a rank's report does not fit: announce unchecked
+                tm.log.warning("kvloop.digests_unusable", handle=handle, error=str(exc))
+                blob = b""
+            event.block_digests = blob
+            self._emit(event)
+
+    def _drop(self, handle: str) -> None:
+        self._held.pop(handle, None)
+        self._reported.pop(handle, None)
+        self._asks.pop(handle, None)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def holds(self, handle: str) -> bool:
+        """The run's announcement waits for its digests (the engine must step for them)."""
+        return handle in self._held
