@@ -126,6 +126,9 @@ class KvloopConfig(BaseModel):
     # would. The tail block, because only pullers read it: a full block also serves the holder's own
     # prefix cache, which no real reuse leaves pointing at overwritten memory.
     fault_corrupt_retained: float = Field(default=0.0, ge=0, le=1)
+    # ... and the share of host copies (decode role, host pool) whose last slot is overwritten once the
+    # copy is made.
+    fault_corrupt_host: float = Field(default=0.0, ge=0, le=1)
     # The connector's own log lines in the engine process (vLLM's logging is vLLM's): "debug" adds a
     # line per retained run and per READ, on the engine loop's path. JSON unless stderr is a terminal.
     log_level: Literal["debug", "info", "warning", "error"] = "info"

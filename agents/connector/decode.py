@@ -299,6 +299,10 @@ class DecodeSide:
         if self._host is not None:
             self._host.forget_capture(request_id)
 
+    def host_digested(self, reports: dict[str, dict[int, list[list[int]]]]) -> None:
+        if self._host is not None:
+            self._host.digests.reported(reports)
+
     def host_copied(self, done: dict[str, bool]) -> None:
         if self._host is not None:
             self._host.copied(done)

@@ -132,6 +132,9 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
     # Decode role: digests of runs retained since the last step, handle -> rank -> per group, per
     # position (each rank digests its own share of the KV heads).
     digests: dict[str, dict[int, list[list[int]]]] = field(default_factory=dict)
+    # Decode role: digests of the blocks each host copy wrote, handle -> rank -> per group, aligned
+    # with the copy's slots (host/slot_digests.py).
+    host_digests: dict[str, dict[int, list[list[int]]]] = field(default_factory=dict)
     # Prefill role: pulls whose READ ended this step and was checked, request id -> what the check
     # found (VERIFY_*; any rank's failure fails the pull).
     verified: dict[str, str] = field(default_factory=dict)
@@ -147,6 +150,8 @@ class KvloopWorkerMetadata(KVConnectorWorkerMetadata):
                 self.host_copy_ranks[handle] = self.host_copy_ranks.get(handle, 0) + ranks
             for handle, by_rank in other.digests.items():
                 self.digests.setdefault(handle, {}).update(by_rank)
+            for handle, by_rank in other.host_digests.items():
+                self.host_digests.setdefault(handle, {}).update(by_rank)
             for req_id, found in other.verified.items():
                 self.verified[req_id] = worse(self.verified.get(req_id), found)
         return self

@@ -154,6 +154,7 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
                 self._events.append,
                 confirmer,
                 cfg.host_eviction,
+                ranks=self._host_reports.ranks,
             )
             if host_slots and self.is_bidirectional_kv_xfer_enabled
             else None
@@ -317,6 +318,8 @@ class KvloopConnectorScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
         meta = connector_output.kv_connector_worker_meta
         ours = meta if isinstance(meta, KvloopWorkerMetadata) else KvloopWorkerMetadata()
+        if ours.host_digests:
+            self.decode.host_digested(ours.host_digests)
         if ours.host_copied:
             self.decode.host_copied(self._host_reports.add(ours))
         if ours.digests and self.digests is not None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
@@ -49,12 +49,14 @@ from kvloop.agents.connector.host.pool import CAPTURE_WAIT_S, HostPool, pool_slo
 from kvloop.agents.connector.metadata import (
     VERIFY_FAILED,
     DigestAsk,
+    HostCopy,
     KvloopConnectorMetadata,
     KvloopWorkerMetadata,
     ReadTiming,
 )
 from kvloop.agents.connector.peers import Peer, PeerWarmer
 from kvloop.agents.connector.read_check import Pairs, ReadChecks
+from kvloop.common.host_names import HOST_SUFFIX
 from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
 from kvloop.common.vllm_compat import check_supported
 
@@ -75,6 +77,8 @@ def check_vllm_version(installed: str | None = None) -> None:
 check_vllm_version()
 
 _PATCHED_DELAY: list[int] = []
+# Retained runs whose digests a worker keeps for their host copies (the most recent ones).
+RUN_DIGESTS_KEPT = 4096
 
 
 def apply_nixl_progress_delay(delay_us: int) -> bool:
@@ -155,9 +159,13 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         # role, reported to the scheduler) and pulled blocks' (prefill role, checked in read_checks).
         self.digester: BlockDigester | None = None
         self._digested: dict[str, list[list[int]]] = {}
+        # Each recently retained run's digests by (group, block id), for its host copy: the copy's
+        # slots are meant to hold what the run held when it was announced.
+        self._run_digests: OrderedDict[str, dict[tuple[int, int], int]] = OrderedDict()
         self.read_checks = ReadChecks()
         # Fault injection (kvloop_fault_corrupt_retained; tests may change it on a running engine).
         self.fault_corrupt_share = cfg.fault_corrupt_retained
+        self.fault_corrupt_host_share = cfg.fault_corrupt_host
         self._corrupt_credit = 0.0
 
     def register_kv_caches(self, kv_caches: Any) -> None:
@@ -328,8 +336,15 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             self._digested[handle] = []
             return
         started = time.perf_counter()
-        self._digested[handle] = self.digester.run(ask.block_ids)
+        digests = self._digested[handle] = self.digester.run(ask.block_ids)
         tm.DIGEST_SECONDS.labels("retained").observe(time.perf_counter() - started)
+        self._run_digests[handle] = {
+            (g, b): d
+            for g, (ids, ds) in enumerate(zip(ask.block_ids, digests, strict=True))
+            for b, d in zip(ids, ds, strict=True)
+        }
+        while len(self._run_digests) > RUN_DIGESTS_KEPT:
+            self._run_digests.popitem(last=False)
         if self.fault_corrupt_share and ask.tail:
             self._corrupt_credit += self.fault_corrupt_share
             if self._corrupt_credit >= 1.0:
@@ -337,6 +352,19 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
                 group = len(ask.block_ids) - 1
                 self.digester.corrupt(group, ask.block_ids[group][-1])
                 tm.log.warning("kvloop.fault_corrupted_block", handle=handle, group=group)
+
+    def copy_digests(self, copy: HostCopy) -> list[list[int]] | None:
+        """The digests of a host copy's source blocks, aligned with its slots: the run's, as digested
+        when it was retained, else (a window capture, a run never announced from here) taken now."""
+        if self.digester is None:
+            return None
+        known = self._run_digests.get(copy.handle.removesuffix(HOST_SUFFIX), {})
+        out = []
+        for g, ids in enumerate(copy.block_ids):
+            missing = [b for b in ids if (g, b) not in known]
+            fresh = dict(zip(missing, self.digester.group(g, missing), strict=True))
+            out.append([known[(g, b)] if (g, b) in known else fresh[b] for b in ids])
+        return out
 
     def _bring_leases_forward(self, free_at: dict[str, float], sched_clock: float | None) -> None:
         """Given-up runs (decode role) end their lease at ``free_at`` (scheduler clock) instead:
@@ -499,6 +527,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
 
     def take_worker_meta(self) -> KvloopWorkerMetadata | None:
         copied = self.host_pool.take_done() if self.host_pool is not None else {}
+        host_digests = self.host_pool.take_digests() if self.host_pool is not None else {}
         verified = self.read_checks.take_found()
         if not self._read_timings and not copied and not self._digested and not verified:
             return None
@@ -510,6 +539,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             copied,
             dict.fromkeys(copied, 1),
             digests={handle: {rank: groups} for handle, groups in digested.items()},
+            host_digests={handle: {rank: groups} for handle, groups in host_digests.items()},
             verified=verified,
         )
 

@@ -116,10 +116,11 @@ def _connector_state(worker: Any) -> dict[str, Any]:
     return {"steps": w.kvloop_steps, "leases": dict(w._reqs_to_send), "reads": dict(w.kvloop_reads)}
 
 
-def _set_fault_corrupt_retained(worker: Any, share: float) -> None:
+def _set_fault_corrupt(worker: Any, where: str, share: float) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    get_kv_transfer_group().connector_worker.fault_corrupt_share = share  # type: ignore[attr-defined]
+    w = get_kv_transfer_group().connector_worker
+    setattr(w, "fault_corrupt_host_share" if where == "host" else "fault_corrupt_share", share)
 
 
 def _host_pool_diff(worker: Any, block_ids: list[int], slots: list[int]) -> list[int]:
@@ -374,8 +375,10 @@ def _serve(conn: Any, spec: EngineSpec) -> None:
                 tier = connector.connector_scheduler.decode._host
                 tier._release(args, tier._copies[args], "evicted")
                 conn.send(("ok", None))
-            elif cmd == "fault_corrupt_retained":  # the share of retained runs whose tail is overwritten
-                conn.send(("ok", llm.collective_rpc(_set_fault_corrupt_retained, args=(args,))))
+            elif (
+                cmd == "fault_corrupt"
+            ):  # the share of retained runs (device) or host copies (host) overwritten
+                conn.send(("ok", llm.collective_rpc(_set_fault_corrupt, args=(args["where"], args["share"]))))
             elif cmd == "connector_state":
                 conn.send(("ok", llm.collective_rpc(_connector_state)[0]))
             elif cmd == "sleep":  # let the engine idle without stepping

@@ -12,6 +12,7 @@ import pytest
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.connector.host.tier import HostTier
 from kvloop.agents.connector.yielding import Confirmed, GivenUp
+from kvloop.common import block_digests
 
 if TYPE_CHECKING:
     from kvloop.agents.connector.decode import DecodeSide
@@ -759,3 +760,33 @@ def test_an_idle_decode_is_woken_to_give_up_a_run_whose_copy_is_old_enough():
     without = DecodeSide(KvloopConfig(retention_max_share=0.5), 4, events.append, num_kv_blocks=100)
     assert _finish(without, "b", list(range(20, 28)))
     assert without.parked_until("b") is not None and without.parked_until("b") > announced + 30  # its lease
+
+
+def test_a_host_run_is_announced_with_its_slots_digests_wherever_they_were_written():
+    tier, events = _tier(16)
+    tier.plan(_device("r1", 3, tail=True))
+    (copy,) = tier.take_copies()
+    digest_of = {b: 1000 + b for b in copy.block_ids[0]}  # the worker's digests of the source blocks
+    tier.digests.reported({"r1@host": {0: [[digest_of[b] for b in copy.block_ids[0]]]}})
+    tier.copied({"r1@host": True})
+    (first,) = events
+    digests = block_digests.unpack(first.block_digests)
+    assert [digests.of(0, 0, p) for p in range(4)] == [1010, 1011, 1012, 1013]  # the tail block last
+    # a later turn names the slots the pool holds already: their digests come from the first copy
+    tier.plan(_device("r2", 5, tail=False))
+    (second,) = tier.take_copies()
+    assert second.block_ids == [[13, 14]]  # only blocks 3 and 4 are written
+    tier.digests.reported({"r2@host": {0: [[2013, 2014]]}})
+    tier.copied({"r2@host": True})
+    later = next(e for e in events if e.retention_handle == "r2@host")
+    digests = block_digests.unpack(later.block_digests)
+    assert [digests.of(0, 0, p) for p in range(5)] == [1010, 1011, 1012, 2013, 2014]
+
+
+def test_a_host_run_whose_slots_digests_are_not_all_known_goes_out_unchecked():
+    tier, events = _tier(16)
+    tier.plan(_device("r1", 3))
+    tier.take_copies()
+    tier.copied({"r1@host": True})  # the worker reported no digests (it has none)
+    (host,) = events
+    assert host.block_digests == b""

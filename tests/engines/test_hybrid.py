@@ -216,3 +216,25 @@ def test_shared_prefix_read_by_two_conversations(hybrid):
         _out, span = prefill_and_check(hybrid, branch)
         assert span["kvloop.path"] == "transfer", span
         assert span["kvloop.pulled_tokens"] >= (len(shared) - 1) // BS * BS
+
+
+def test_a_corrupted_block_of_one_group_is_detected_and_recomputed(hybrid):
+    """The decode overwrote one byte of its run's last block in the full-attention group only, after
+    digesting it (``kvloop_fault_corrupt_retained``): the pull's check fails on that group, the turn
+    recomputes, and both groups' KV and the token equal a recompute's."""
+    rnd = random.Random(29)
+    prompt = rand_tokens(rnd, 1200)
+    hybrid.decode.call("fault_corrupt", {"where": "device", "share": 1.0})
+    try:
+        d = first_turn(hybrid, prompt, 100)
+    finally:
+        hybrid.decode.call("fault_corrupt", {"where": "device", "share": 0.0})
+    prompt = prompt + d["token_ids"] + rand_tokens(rnd, 150)
+    _out, span = prefill_and_check(hybrid, prompt)
+    assert span["kvloop.path"] == "failed" and span["kvloop.reason"] == "verify_failed", span
+    assert span["kvloop.verify"] == "failed", span
+    # the holder registers anew (its agent restarts): the module's other tests read from it again
+    k = hybrid.kvloop
+    assert k.stop_agent() == 0
+    k.start_agent()
+    k.wait_agent_connected()

@@ -120,6 +120,11 @@ class HostPool:
         self.handshake = self._handshake_payload(bases, rows)
         self._copies: dict[str, int] = {}  # handle -> NIXL transfer handle
         self._done: dict[str, bool] = {}
+        # Each copy's digests (its source blocks', slot_digests.py) and slots, until it is reported.
+        self._copy_digests: dict[str, list[list[int]]] = {}
+        self._copy_slots: dict[str, list[list[int]]] = {}
+        self._digests_done: dict[str, list[list[int]]] = {}
+        self._corrupt_credit = 0.0
         # Window captures (host/tier.py) by request id, posted when the request's prompt KV has
         # arrived; the requests whose capture is being written, held back from vLLM until it is.
         self._captures: dict[str, HostCopy] = {}
@@ -183,6 +188,7 @@ class HostPool:
         """Post the WRITE of a run's blocks into its slots."""
         w = self.worker
         try:
+            digests = w.copy_digests(copy)  # before the WRITE: what the slots are meant to hold
             src = self._desc_ids(copy.block_ids, w.num_blocks, list(w.region_num_blocks))
             dst = self._desc_ids(copy.slots, self.slots + 1, self.region_num_blocks)
             assert len(src) == len(dst)
@@ -195,6 +201,9 @@ class HostPool:
             self._done[copy.handle] = False
             return
         self._copies[copy.handle] = handle
+        if digests is not None:
+            self._copy_digests[copy.handle] = digests
+            self._copy_slots[copy.handle] = copy.slots
 
     def expect_captures(self, captures: dict[str, HostCopy]) -> None:
         self._captures.update(captures)
@@ -241,6 +250,10 @@ class HostPool:
             wrapper.release_xfer_handle(handle)
             self._done[run] = state == "DONE" and run not in self._abandoned
             self._abandoned.discard(run)
+            digests, slots = self._copy_digests.pop(run, None), self._copy_slots.pop(run, None)
+            if self._done[run] and digests is not None and slots is not None:
+                self._digests_done[run] = digests
+                self._fault_corrupt(run, slots)
             if state != "DONE":
                 tm.log.warning("kvloop.host_copy_failed", handle=run, state=state)
 
@@ -265,6 +278,27 @@ class HostPool:
     def take_done(self) -> dict[str, bool]:
         done, self._done = self._done, {}
         return done
+
+    def take_digests(self) -> dict[str, list[list[int]]]:
+        """The digests of each copy made since the last call, aligned with its slots."""
+        digests, self._digests_done = self._digests_done, {}
+        return digests
+
+    def _fault_corrupt(self, handle: str, slots: list[list[int]]) -> None:
+        """Fault injection (``kvloop_fault_corrupt_host``): overwrite a byte of the copy's last slot
+        once the copy is made, as a slot reused too early would."""
+        share = self.worker.fault_corrupt_host_share
+        written = [s for g in slots for s in g]
+        if not share or not written:
+            return
+        self._corrupt_credit += share
+        if self._corrupt_credit < 1.0:
+            return
+        self._corrupt_credit -= 1.0
+        slot = written[-1]
+        n = self.worker.block_len_per_layer[0]
+        self._buffers[0].view(-1, n)[slot, 0] ^= 0xFF
+        tm.log.warning("kvloop.fault_corrupted_slot", handle=handle, slot=slot)
 
     def read_slots(self, slots: list[int]) -> list[torch.Tensor]:
         """The pool's bytes of ``slots`` per region (tests compare them with the KV cache's)."""

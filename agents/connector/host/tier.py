@@ -51,6 +51,7 @@ import msgspec
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
 from kvloop.agents.connector.host.eviction import LRU, eviction_policy, room_wanted
+from kvloop.agents.connector.host.slot_digests import SlotDigests
 from kvloop.agents.connector.metadata import HostCopy
 from kvloop.agents.connector.yielding import Confirmed, GivenUp, ReleaseConfirmer
 from kvloop.common.held_blocks import HeldBlocks
@@ -97,8 +98,11 @@ class HostTier:
         emit: Callable[[Any], None],
         confirmer: ReleaseConfirmer | None,
         eviction: str = LRU,
+        ranks: int = 1,
     ) -> None:
         self.slots = slots
+        # what each slot holds, as digests: a host run is announced with its slots' (slot_digests.py)
+        self.digests = SlotDigests(ranks)
         self.ttl_s = ttl_s
         self.read_margin_s = read_margin_s
         self._emit = emit
@@ -245,7 +249,9 @@ class HostTier:
         if shared:
             tm.HOST_SHARED_BLOCKS.inc(shared)
         if slot_of:
-            self._pending.append(HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied]))
+            write = HostCopy(handle, copied, [[slot_of[b] for b in g] for g in copied])
+            self.digests.expect(write)
+            self._pending.append(write)
         else:  # the pool holds every block already: nothing to write
             self.copied({handle: True})
 
@@ -294,7 +300,9 @@ class HostTier:
             block_ids[g].append(block)
             slots[g].append(slot_at[(g, p)])
         self._captures[request_id] = _Capture(slot_at)
-        self._pending_captures[request_id] = HostCopy(request_id + WINDOW_SUFFIX, block_ids, slots)
+        write = HostCopy(request_id + WINDOW_SUFFIX, block_ids, slots)
+        self.digests.expect(write)
+        self._pending_captures[request_id] = write
 
     def take_captures(self) -> dict[str, HostCopy]:
         out, self._pending_captures = self._pending_captures, {}
@@ -341,6 +349,7 @@ class HostTier:
         """The worker's report: announce each copy made; give back the slots of each that failed."""
         now = time.perf_counter()
         for handle, ok in done.items():
+            self.digests.done(handle)
             if handle.endswith(WINDOW_SUFFIX):
                 self._captured(handle, ok)
                 continue
@@ -356,6 +365,7 @@ class HostTier:
             copy.state, copy.deadline = "announced", now + self.ttl_s
             self._hold_by_content(handle, copy)
             superseded = self._superseded_by(handle, copy)
+            copy.event.block_digests = self.digests.blob(copy.event)
             self._emit(_with_ts(copy.event))
             for older, old in superseded:
                 self._release(older, old, "superseded")
