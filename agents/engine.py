@@ -73,6 +73,9 @@ class EngineConfig:
     host_demote_after_s: float | None = None
     # Prefill: which pulls' READs are checked against the holder's digests (kvloop_verify).
     verify: str = "all"
+    # Decode: a file that turns the corruption faults of verified pulls on and off (kvloop_fault_file;
+    # `kvloop bench chaos`). Empty: none.
+    fault_file: str = ""
     agent_health_port: int = 0
     prefix_caching: bool = True
     # "kvloop": reverse pulls found through kvloopd; "builtin": vLLM's own reverse mode (single-use
@@ -107,6 +110,8 @@ class EngineConfig:
             "kvloop_lookup_timeout_ms": 500,
             "kvloop_verify": self.verify,
         }
+        if self.fault_file:
+            extra["kvloop_fault_file"] = self.fault_file
         if self.host_retention_gib:
             extra.update(
                 {

@@ -80,7 +80,8 @@ def test_schedule_is_seeded_and_covers_every_kind():
     assert schedule(quick) == schedule(ChaosConfig(workdir=Path("unused"), quick=True, seed=3))
     redis = ChaosConfig(workdir=Path("unused"), store="redis", duration_s=600, fault_interval_s=20)
     order = schedule(redis)
-    assert len(order) == len(REDIS_FAULTS) * 4 and set(order) == set(REDIS_FAULTS)
+    cycles = int(600 // (20 * len(REDIS_FAULTS)))  # every kind once per cycle, as many as fit
+    assert cycles > 1 and len(order) == len(REDIS_FAULTS) * cycles and set(order) == set(REDIS_FAULTS)
 
 
 def test_summary_counts_failures_and_recovery_from_the_worker_the_fault_hit():

@@ -129,6 +129,8 @@ class KvloopConfig(BaseModel):
     # ... and the share of host copies (decode role, host pool) whose last slot is overwritten once the
     # copy is made.
     fault_corrupt_host: float = Field(default=0.0, ge=0, le=1)
+    # ... and a file that sets both shares while the engine runs (faults.py; `kvloop bench chaos`).
+    fault_file: str = ""
     # The connector's own log lines in the engine process (vLLM's logging is vLLM's): "debug" adds a
     # line per retained run and per READ, on the engine loop's path. JSON unless stderr is a terminal.
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -45,6 +45,7 @@ from kvloop.agents.connector import compat
 from kvloop.agents.connector import telemetry as tm
 from kvloop.agents.connector.config import KvloopConfig
 from kvloop.agents.connector.digest import BlockDigester
+from kvloop.agents.connector.faults import FaultSwitch
 from kvloop.agents.connector.host.pool import CAPTURE_WAIT_S, HostPool, pool_slots
 from kvloop.agents.connector.metadata import (
     VERIFY_FAILED,
@@ -163,10 +164,8 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         # slots are meant to hold what the run held when it was announced.
         self._run_digests: OrderedDict[str, dict[tuple[int, int], int]] = OrderedDict()
         self.read_checks = ReadChecks()
-        # Fault injection (kvloop_fault_corrupt_retained; tests may change it on a running engine).
-        self.fault_corrupt_share = cfg.fault_corrupt_retained
-        self.fault_corrupt_host_share = cfg.fault_corrupt_host
-        self._corrupt_credit = 0.0
+        # Fault injection (faults.py): never on unless configured.
+        self.faults = FaultSwitch(cfg.fault_corrupt_retained, cfg.fault_corrupt_host, cfg.fault_file)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
@@ -345,13 +344,10 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         }
         while len(self._run_digests) > RUN_DIGESTS_KEPT:
             self._run_digests.popitem(last=False)
-        if self.fault_corrupt_share and ask.tail:
-            self._corrupt_credit += self.fault_corrupt_share
-            if self._corrupt_credit >= 1.0:
-                self._corrupt_credit -= 1.0
-                group = len(ask.block_ids) - 1
-                self.digester.corrupt(group, ask.block_ids[group][-1])
-                tm.log.warning("kvloop.fault_corrupted_block", handle=handle, group=group)
+        if ask.tail and self.faults.fires("device"):
+            group = len(ask.block_ids) - 1
+            self.digester.corrupt(group, ask.block_ids[group][-1])
+            tm.log.warning("kvloop.fault_corrupted_block", handle=handle, group=group)
 
     def copy_digests(self, copy: HostCopy) -> list[list[int]] | None:
         """The digests of a host copy's source blocks, aligned with its slots: the run's, as digested

@@ -14,7 +14,12 @@ through the proxy as users would, while a seeded schedule injects faults:
 - ``decode_stop``: SIGSTOP the decode that served the latest turn (the holder the next continuation
   READs from) for ``stop_s``, then SIGCONT;
 - ``stream_reset``: reset (TCP RST) every connection between the agents / proxy and kvloopd;
-- ``network_drop``: the same, and every new connection refused for ``drop_s``.
+- ``network_drop``: the same, and every new connection refused for ``drop_s``;
+- ``corrupt_block``: for ``corrupt_s``, every decode overwrites one byte of each run it retains
+  (its partly filled last block, right after digesting it) and of each host copy it makes, as a
+  fence bug would (``kvloop_fault_file``): each pull of such a block fails its digest check and
+  recomputes (``verify_failed``), and its holder is withheld until it registers again; after the
+  window the decodes' agents restart, so they do.
 
 With ``host_retention_gib`` the decodes copy retained runs into a host pool of that size (and give
 up a run's KV-cache blocks once its copy is announced, so continuations read the pools), two
@@ -63,7 +68,15 @@ from kvloop.clients.fleet.stack import Stack, StackConfig
 from kvloop.common.addresses import free_port, free_port_pair
 from kvloop.common.host_names import HOST_SUFFIX
 
-MEMORY_FAULTS = ("decode_kill", "sidecar_kill", "daemon_kill", "decode_stop", "stream_reset", "network_drop")
+MEMORY_FAULTS = (
+    "decode_kill",
+    "sidecar_kill",
+    "daemon_kill",
+    "decode_stop",
+    "stream_reset",
+    "network_drop",
+    "corrupt_block",
+)
 REDIS_FAULTS = (*MEMORY_FAULTS, "redis_primary_kill")
 HOST_FAULTS = ("pool_holder_kill", "pool_exhausted", "prefill_kill")
 
@@ -82,6 +95,7 @@ class ChaosConfig:
     fault_interval_s: float = 20.0
     stop_s: float = 2.0
     drop_s: float = 2.0
+    corrupt_s: float = 10.0
     logprob_bound: float = 1e-3
     tie_bound: float = 1e-4
     request_timeout_s: float = 180.0
@@ -335,6 +349,23 @@ class Injector:
         engine = self._decode()
         fault.target = f"{engine.config.worker_id} agent"
         fault.worker = engine.config.worker_id
+        self._restart_agent(engine, fault, clock)
+
+    def corrupt_block(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
+        fault.target = "every decode's retained runs and host copies"
+        decodes = self.stack.decodes
+        for engine in decodes:
+            Path(engine.config.fault_file).write_text("device=1 host=1\n")
+        try:
+            time.sleep(self.config.corrupt_s)  # the fault itself: memory is overwritten this long
+        finally:
+            for engine in decodes:
+                Path(engine.config.fault_file).write_text("device=0 host=0\n")
+        for engine in decodes:  # a holder that served a corrupted block is withheld until it registers
+            self._restart_agent(engine, fault, clock)
+        fault.note = f"corrupted for {self.config.corrupt_s:.0f}s; the decodes' agents registered again"
+
+    def _restart_agent(self, engine: Engine, fault: Fault, clock: Callable[[], float]) -> None:
         engine.kill(vllm=False, agent=True)
         engine.launch(vllm=False, agent=True)
         # serving again: the new agent streams to kvloopd (its /healthz answers 200)
@@ -348,6 +379,7 @@ class Injector:
             except (urllib.error.URLError, OSError):
                 time.sleep(0.05)  # polling the new agent's health while it starts and registers
         fault.error = f"{engine.config.worker_id}'s agent not streaming to kvloopd 60s after restart"
+        return
 
     def daemon_kill(self, fault: Fault, conversations: Conversations, clock: Callable[[], float]) -> None:
         worker = self.stack.decodes[0].config.worker_id
@@ -549,6 +581,8 @@ def summarize(
         "logprob_bound": config.logprob_bound,
         "tie_bound": config.tie_bound,
         "paths": dict(Counter(t.path or "error" for t in turns)),
+        # turns whose pulled blocks failed their digest check and were recomputed
+        "verify_failed": sum(1 for t in turns if t.reason == "verify_failed"),
         "pulled_from": dict(Counter(t.tier for t in turns if t.path == "transfer" and not t.error)),
         "continuation_ttft_p50_ms": statistics.median(ttft) if ttft else None,
         "faults": fault_records,
@@ -580,6 +614,7 @@ def run_chaos(config: ChaosConfig, progress: Callable[[str], None] = lambda line
         host_demote_after_s=0 if config.host_retention_gib else None,  # continuations read the pools
         # with the pools' faults a prefill is killed too: the proxy sends its turns to the other
         prefill_servers=2 if config.host_retention_gib else 1,
+        fault_files=True,  # corrupt_block
     )
     stack = Stack(stack_config)
     rnd = random.Random(config.seed)

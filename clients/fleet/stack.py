@@ -43,6 +43,8 @@ class StackConfig:
     host_retention_gib: float = 0.0
     host_demote_after_s: float | None = None  # see EngineConfig.host_demote_after_s
     verify: str = "all"  # prefills: which pulls' READs are checked (see EngineConfig.verify)
+    # Decodes: a fault file each (EngineConfig.fault_file, `<workdir>/faults-<worker>`), for bench chaos.
+    fault_files: bool = False
     block_size: int = 32
     dtype: str = "bfloat16"
     retention_ttl_s: float = 480.0
@@ -207,6 +209,9 @@ class Stack:
                         host_nixl_port=free_port() if role == "decode" and cfg.host_retention_gib else 0,
                         host_demote_after_s=cfg.host_demote_after_s,
                         verify=cfg.verify,
+                        fault_file=str(cfg.workdir / f"faults-{name}")
+                        if cfg.fault_files and role == "decode"
+                        else "",
                         retention_ttl_s=cfg.retention_ttl_s,
                         retention_max_share=cfg.retention_max_share,
                         retention_yield=cfg.retention_yield,

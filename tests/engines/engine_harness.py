@@ -119,8 +119,7 @@ def _connector_state(worker: Any) -> dict[str, Any]:
 def _set_fault_corrupt(worker: Any, where: str, share: float) -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    w = get_kv_transfer_group().connector_worker
-    setattr(w, "fault_corrupt_host_share" if where == "host" else "fault_corrupt_share", share)
+    get_kv_transfer_group().connector_worker.faults.shares[where] = share  # type: ignore[attr-defined]
 
 
 def _host_pool_diff(worker: Any, block_ids: list[int], slots: list[int]) -> list[int]:

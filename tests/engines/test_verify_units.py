@@ -4,6 +4,7 @@ puller's choice of what to check (verify.py)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from kvloop.agents.connector.digest import BlockDigester, layer_weights
 from kvloop.agents.connector.digest_gate import DigestGate
 from kvloop.agents.connector.directory import HolderInfo
 from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetentionReleased
+from kvloop.agents.connector.faults import FaultSwitch
 from kvloop.agents.connector.metadata import VERIFY_FAILED, VERIFY_PASSED, VERIFY_UNCHECKED, PullCheck
 from kvloop.agents.connector.read_check import ReadChecks
 from kvloop.agents.connector.verify import PullVerifier
@@ -209,3 +211,25 @@ def test_a_holder_that_failed_a_check_is_not_read_until_it_registers_anew():
 
 def test_a_holder_without_digests_is_pulled_unchecked():
     assert PullVerifier(1.0).check_for(_holder(b"")) is None
+
+
+def test_a_fault_fires_for_its_share_of_runs_taken_evenly():
+    switch = FaultSwitch(device=0.5)
+    assert [switch.fires("device") for _ in range(4)] == [False, True, False, True]
+    assert not any(switch.fires("host") for _ in range(4))
+
+
+def test_a_fault_file_turns_faults_on_and_off_in_a_running_engine(tmp_path, monkeypatch):
+    from kvloop.agents.connector import faults
+
+    monkeypatch.setattr(faults, "_RECHECK_S", 0.0)
+    path = tmp_path / "faults"
+    switch = FaultSwitch(path=str(path))
+    assert not switch.fires("device")  # no file yet: nothing fires
+    path.write_text("device=1 host=0.5\n")
+    assert switch.fires("device") and switch.fires("device")
+    assert [switch.fires("host") for _ in range(2)] == [False, True]
+    path.write_text("device=0 host=bogus\n")
+    os.utime(path, (1, 1))  # a new mtime, however fast the rewrite
+    assert not switch.fires("device")
+    assert switch.shares["host"] == 0.5  # an unreadable share leaves the last one

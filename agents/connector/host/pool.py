@@ -124,7 +124,6 @@ class HostPool:
         self._copy_digests: dict[str, list[list[int]]] = {}
         self._copy_slots: dict[str, list[list[int]]] = {}
         self._digests_done: dict[str, list[list[int]]] = {}
-        self._corrupt_credit = 0.0
         # Window captures (host/tier.py) by request id, posted when the request's prompt KV has
         # arrived; the requests whose capture is being written, held back from vLLM until it is.
         self._captures: dict[str, HostCopy] = {}
@@ -287,14 +286,9 @@ class HostPool:
     def _fault_corrupt(self, handle: str, slots: list[list[int]]) -> None:
         """Fault injection (``kvloop_fault_corrupt_host``): overwrite a byte of the copy's last slot
         once the copy is made, as a slot reused too early would."""
-        share = self.worker.fault_corrupt_host_share
         written = [s for g in slots for s in g]
-        if not share or not written:
+        if not written or not self.worker.faults.fires("host"):
             return
-        self._corrupt_credit += share
-        if self._corrupt_credit < 1.0:
-            return
-        self._corrupt_credit -= 1.0
         slot = written[-1]
         n = self.worker.block_len_per_layer[0]
         self._buffers[0].view(-1, n)[slot, 0] ^= 0xFF
