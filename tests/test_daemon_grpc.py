@@ -376,6 +376,21 @@ async def test_bad_registration_gets_precise_status(daemon, first, code, fragmen
         await expect_abort(call, code, fragment)
 
 
+def _two_block_run(digests: bytes, **fields) -> pb.BlockEvent:
+    """A retained run of two blocks in one group, with ``digests`` (and ``fields``) as given."""
+    return pb.BlockEvent(
+        retained=pb.BlocksRetained(
+            block_hashes=conversation("x", 2),
+            block_ids=[1, 2],
+            num_groups=1,
+            retention_handle="h",
+            expires_in_ms=1,
+            block_digests=digests,
+            **fields,
+        )
+    )
+
+
 @pytest.mark.parametrize(
     "event, fragment",
     [
@@ -465,44 +480,16 @@ async def test_bad_registration_gets_precise_status(daemon, first, code, fragmen
             "not both",
         ),
         (
-            pb.BlockEvent(
-                retained=pb.BlocksRetained(
-                    block_hashes=conversation("x", 2),
-                    block_ids=[1, 2],
-                    num_groups=1,
-                    retention_handle="h",
-                    expires_in_ms=1,
-                    block_digests=block_digests.pack([[[1, 2]]])[:-1],
-                )
-            ),
+            _two_block_run(block_digests.pack([[[1, 2]]])[:-1]),
             "block_digests is 23 bytes; its header (1 ranks, 1 groups, 2 positions) says 24",
         ),
         (
-            pb.BlockEvent(
-                retained=pb.BlocksRetained(
-                    block_hashes=conversation("x", 2),
-                    block_ids=[1, 2],
-                    num_groups=1,
-                    retention_handle="h",
-                    expires_in_ms=1,
-                    block_digests=block_digests.pack([[[1, 2], [3, 4]]]),
-                )
-            ),
+            _two_block_run(block_digests.pack([[[1, 2], [3, 4]]])),
             "block_digests covers 2 groups x 2 positions; the run has 1 groups x 2 positions",
         ),
         (
-            pb.BlockEvent(
-                retained=pb.BlocksRetained(
-                    block_hashes=conversation("x", 2),
-                    block_ids=[1, 2],
-                    num_groups=1,
-                    retention_handle="h",
-                    expires_in_ms=1,
-                    tail_token_ids=[7],
-                    tail_block_ids=[3],
-                    block_digests=block_digests.pack([[[1, 2]]]),  # the tail block has none
-                )
-            ),
+            # the tail block has no digest
+            _two_block_run(block_digests.pack([[[1, 2]]]), tail_token_ids=[7], tail_block_ids=[3]),
             "block_digests covers 1 groups x 2 positions; the run has 1 groups x 3 positions",
         ),
         (

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
@@ -49,15 +49,13 @@ from kvloop.agents.connector.faults import FaultSwitch
 from kvloop.agents.connector.host.pool import CAPTURE_WAIT_S, HostPool, pool_slots
 from kvloop.agents.connector.metadata import (
     VERIFY_FAILED,
-    DigestAsk,
-    HostCopy,
     KvloopConnectorMetadata,
     KvloopWorkerMetadata,
     ReadTiming,
 )
 from kvloop.agents.connector.peers import Peer, PeerWarmer
 from kvloop.agents.connector.read_check import Pairs, ReadChecks
-from kvloop.common.host_names import HOST_SUFFIX
+from kvloop.agents.connector.retained_digests import RetainedDigests
 from kvloop.common.vllm_compat import SUPPORTED_VLLM as SUPPORTED_VLLM
 from kvloop.common.vllm_compat import check_supported
 
@@ -78,8 +76,6 @@ def check_vllm_version(installed: str | None = None) -> None:
 check_vllm_version()
 
 _PATCHED_DELAY: list[int] = []
-# Retained runs whose digests a worker keeps for their host copies (the most recent ones).
-RUN_DIGESTS_KEPT = 4096
 
 
 def apply_nixl_progress_delay(delay_us: int) -> bool:
@@ -159,18 +155,15 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         # Digests of this worker's blocks (once the KV cache is registered): retained runs' (decode
         # role, reported to the scheduler) and pulled blocks' (prefill role, checked in read_checks).
         self.digester: BlockDigester | None = None
-        self._digested: dict[str, list[list[int]]] = {}
-        # Each recently retained run's digests by (group, block id), for its host copy: the copy's
-        # slots are meant to hold what the run held when it was announced.
-        self._run_digests: OrderedDict[str, dict[tuple[int, int], int]] = OrderedDict()
         self.read_checks = ReadChecks()
         # Fault injection (faults.py): never on unless configured.
         self.faults = FaultSwitch(cfg.fault_corrupt_retained, cfg.fault_corrupt_host, cfg.fault_file)
+        self.retained_digests = RetainedDigests(self.faults)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)
         if isinstance(kv_caches, dict):
-            self.digester = BlockDigester(kv_caches, self.kv_cache_config)
+            self.digester = self.retained_digests.digester = BlockDigester(kv_caches, self.kv_cache_config)
         if self._host_slots and self._bidirectional_kv_xfer_enabled:
             self.host_pool = HostPool(self, self._host_slots)
         # A handshake sends this engine's registered memory: start warming peers once it is registered.
@@ -319,7 +312,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             self._pull_holder_epochs.update(metadata.pull_holder_epochs)
             self.read_checks.expect(metadata.pull_checks)
             for handle, ask in metadata.digest_runs.items():
-                self._digest_run(handle, ask)
+                self.retained_digests.run(handle, ask)
         super().start_load_kv(metadata)
         if isinstance(metadata, KvloopConnectorMetadata) and metadata.free_early:
             self._bring_leases_forward(metadata.free_early, metadata.scheduler_clock)
@@ -327,40 +320,6 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             for copy in metadata.host_copies:
                 self.host_pool.start(copy)
             self.host_pool.expect_captures(metadata.host_captures)
-
-    def _digest_run(self, handle: str, ask: DigestAsk) -> None:
-        """Digest a retained run's blocks for its announcement (an empty report if this worker cannot:
-        the run then goes out unchecked)."""
-        if self.digester is None:
-            self._digested[handle] = []
-            return
-        started = time.perf_counter()
-        digests = self._digested[handle] = self.digester.run(ask.block_ids)
-        tm.DIGEST_SECONDS.labels("retained").observe(time.perf_counter() - started)
-        self._run_digests[handle] = {
-            (g, b): d
-            for g, (ids, ds) in enumerate(zip(ask.block_ids, digests, strict=True))
-            for b, d in zip(ids, ds, strict=True)
-        }
-        while len(self._run_digests) > RUN_DIGESTS_KEPT:
-            self._run_digests.popitem(last=False)
-        if ask.tail and self.faults.fires("device"):
-            group = len(ask.block_ids) - 1
-            self.digester.corrupt(group, ask.block_ids[group][-1])
-            tm.log.warning("kvloop.fault_corrupted_block", handle=handle, group=group)
-
-    def copy_digests(self, copy: HostCopy) -> list[list[int]] | None:
-        """The digests of a host copy's source blocks, aligned with its slots: the run's, as digested
-        when it was retained, else (a window capture, a run never announced from here) taken now."""
-        if self.digester is None:
-            return None
-        known = self._run_digests.get(copy.handle.removesuffix(HOST_SUFFIX), {})
-        out = []
-        for g, ids in enumerate(copy.block_ids):
-            missing = [b for b in ids if (g, b) not in known]
-            fresh = dict(zip(missing, self.digester.group(g, missing), strict=True))
-            out.append([known[(g, b)] if (g, b) in known else fresh[b] for b in ids])
-        return out
 
     def _bring_leases_forward(self, free_at: dict[str, float], sched_clock: float | None) -> None:
         """Given-up runs (decode role) end their lease at ``free_at`` (scheduler clock) instead:
@@ -525,10 +484,10 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         copied = self.host_pool.take_done() if self.host_pool is not None else {}
         host_digests = self.host_pool.take_digests() if self.host_pool is not None else {}
         verified = self.read_checks.take_found()
-        if not self._read_timings and not copied and not self._digested and not verified:
+        digested = self.retained_digests.take()
+        if not self._read_timings and not copied and not digested and not verified:
             return None
         reads, self._read_timings = self._read_timings, {}
-        digested, self._digested = self._digested, {}
         rank = self.tp_rank
         return KvloopWorkerMetadata(
             reads,

@@ -187,7 +187,7 @@ class HostPool:
         """Post the WRITE of a run's blocks into its slots."""
         w = self.worker
         try:
-            digests = w.copy_digests(copy)  # before the WRITE: what the slots are meant to hold
+            digests = w.retained_digests.of_copy(copy)  # before the WRITE: what the slots are meant to hold
             src = self._desc_ids(copy.block_ids, w.num_blocks, list(w.region_num_blocks))
             dst = self._desc_ids(copy.slots, self.slots + 1, self.region_num_blocks)
             assert len(src) == len(dst)
