@@ -10,6 +10,7 @@ Host-copy announcements pass through as they are (their copies carry no digests 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +26,18 @@ def positions(event: KvloopBlocksRetained) -> list[list[int]]:
     return [list(ids) + ([tail[g]] if tail else []) for g, ids in enumerate(event.block_ids)]
 
 
+# A run whose digests have not come this long after it was retained is announced without them: a
+# worker that cannot digest (or whose report was lost) never keeps a run from being pulled.
+DIGEST_WAIT_S = 5.0
+
+
 class DigestGate:
-    def __init__(self, emit: Callable[[Any], None], ranks: int) -> None:
+    def __init__(self, emit: Callable[[Any], None], ranks: int, wait_s: float = DIGEST_WAIT_S) -> None:
         self._emit = emit
         self.ranks = max(1, ranks)
+        self.wait_s = wait_s
         self._held: dict[str, KvloopBlocksRetained] = {}
+        self._since: dict[str, float] = {}
         self._reported: dict[str, dict[int, list[list[int]]]] = {}
         self._asks: dict[str, DigestAsk] = {}
 
@@ -37,6 +45,7 @@ class DigestGate:
         if isinstance(event, KvloopBlocksRetained) and event.tier == "device" and event.block_hashes:
             handle = event.retention_handle
             self._held[handle] = event
+            self._since[handle] = time.monotonic()
             self._asks[handle] = DigestAsk(positions(event), bool(event.tail_block_ids))
             return
         if isinstance(event, KvloopRetentionReleased) and event.retention_handle in self._held:
@@ -46,7 +55,15 @@ class DigestGate:
         self._emit(event)
 
     def take_asks(self) -> dict[str, DigestAsk]:
-        """The runs for the worker to digest this step."""
+        """The runs for the worker to digest this step (once a step: runs waiting too long for their
+        digests are announced without them here)."""
+        now = time.monotonic()
+        for handle, since in list(self._since.items()):
+            if handle not in self._asks and now - since >= self.wait_s:  # asked, and waited
+                tm.log.warning("kvloop.digests_overdue", handle=handle, after_s=self.wait_s)
+                event = self._held[handle]
+                self._drop(handle)
+                self._emit(event)
         asks, self._asks = self._asks, {}
         return asks
 
@@ -71,6 +88,7 @@ class DigestGate:
 
     def _drop(self, handle: str) -> None:
         self._held.pop(handle, None)
+        self._since.pop(handle, None)
         self._reported.pop(handle, None)
         self._asks.pop(handle, None)
 

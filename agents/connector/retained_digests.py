@@ -31,7 +31,13 @@ class RetainedDigests:
             self._digested[handle] = []
             return
         started = time.perf_counter()
-        digests = self._digested[handle] = self.digester.run(ask.block_ids)
+        try:
+            digests = self.digester.run(ask.block_ids)
+        except Exception as exc:  # never the engine's failure: the run goes out unchecked
+            tm.log.warning("kvloop.digest_failed", handle=handle, error=repr(exc))
+            self._digested[handle] = []
+            return
+        self._digested[handle] = digests
         tm.DIGEST_SECONDS.labels("retained").observe(time.perf_counter() - started)
         self._runs[handle] = {
             (g, b): d
@@ -52,10 +58,14 @@ class RetainedDigests:
             return None
         known = self._runs.get(copy.handle.removesuffix(HOST_SUFFIX), {})
         out = []
-        for g, ids in enumerate(copy.block_ids):
-            missing = [b for b in ids if (g, b) not in known]
-            fresh = dict(zip(missing, self.digester.group(g, missing), strict=True))
-            out.append([known[(g, b)] if (g, b) in known else fresh[b] for b in ids])
+        try:
+            for g, ids in enumerate(copy.block_ids):
+                missing = [b for b in ids if (g, b) not in known]
+                fresh = dict(zip(missing, self.digester.group(g, missing), strict=True))
+                out.append([known[(g, b)] if (g, b) in known else fresh[b] for b in ids])
+        except Exception as exc:  # the copy is made all the same; its host run goes out unchecked
+            tm.log.warning("kvloop.digest_failed", handle=copy.handle, error=repr(exc))
+            return None
         return out
 
     def take(self) -> dict[str, list[list[int]]]:

@@ -233,3 +233,14 @@ def test_a_fault_file_turns_faults_on_and_off_in_a_running_engine(tmp_path, monk
     os.utime(path, (1, 1))  # a new mtime, however fast the rewrite
     assert not switch.fires("device")
     assert switch.shares["host"] == 0.5  # an unreadable share leaves the last one
+
+
+def test_a_run_whose_digests_never_come_is_announced_unchecked():
+    sent: list = []
+    gate = DigestGate(sent.append, ranks=1, wait_s=0.0)
+    gate.emit(_retained("r1"))
+    assert gate.take_asks()  # the first step asks the worker
+    assert sent == []
+    gate.take_asks()  # the next step: overdue
+    (event,) = sent
+    assert event.retention_handle == "r1" and event.block_digests == b"" and gate.held == 0
