@@ -474,7 +474,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
             del agent.get_xfer_telemetry
         if transfers is self._recving_transfers:
             for req_id in done:
-                if req_id in failed:
+                if req_id in failed or req_id in self._recv_failures:  # not read: a failed READ
                     self.read_checks.forget(req_id)
                 elif self.read_checks.check(req_id, self.digester) == VERIFY_FAILED:
                     failed.add(req_id)  # vLLM's failed-READ path: the blocks are recomputed
