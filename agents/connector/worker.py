@@ -165,7 +165,7 @@ class KvloopConnectorWorker(NixlPullConnectorWorker):
         if isinstance(kv_caches, dict):
             self.digester = self.retained_digests.digester = BlockDigester(kv_caches, self.kv_cache_config)
         if self._host_slots and self._bidirectional_kv_xfer_enabled:
-            self.host_pool = HostPool(self, self._host_slots)
+            self.host_pool = HostPool(self, self._host_slots, self.retained_digests, self.faults)
         # A handshake sends this engine's registered memory: start warming peers once it is registered.
         cfg = self.cfg
         if cfg.daemon and cfg.lookup and cfg.warm_peers_s and self._bidirectional_kv_xfer_enabled:

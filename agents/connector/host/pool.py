@@ -39,6 +39,8 @@ from kvloop.common.host_pool_support import PoolLayout, pool_verdict, refusal
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from kvloop.agents.connector.faults import FaultSwitch
+    from kvloop.agents.connector.retained_digests import RetainedDigests
     from kvloop.agents.connector.worker import KvloopConnectorWorker
 
 
@@ -91,9 +93,18 @@ class UnsupportedLayout(ValueError):
 class HostPool:
     """The pool's memory, its NIXL agent and the copies into it (one per worker rank)."""
 
-    def __init__(self, worker: KvloopConnectorWorker, slots: int) -> None:
+    def __init__(
+        self,
+        worker: KvloopConnectorWorker,
+        slots: int,
+        digests: RetainedDigests | None = None,
+        faults: FaultSwitch | None = None,
+    ) -> None:
         self._check(worker)
         self.worker = worker
+        # the source blocks' digests each copy's slots are announced with, and the slot fault hook
+        self._digests = digests
+        self._faults = faults
         self.slots = slots  # usable; ids 1..slots
         rows = slots + 1
         self.engine_id = host_engine_id(worker.engine_id)
@@ -187,7 +198,8 @@ class HostPool:
         """Post the WRITE of a run's blocks into its slots."""
         w = self.worker
         try:
-            digests = w.retained_digests.of_copy(copy)  # before the WRITE: what the slots are meant to hold
+            # before the WRITE: what the slots are meant to hold
+            digests = self._digests.of_copy(copy) if self._digests is not None else None
             src = self._desc_ids(copy.block_ids, w.num_blocks, list(w.region_num_blocks))
             dst = self._desc_ids(copy.slots, self.slots + 1, self.region_num_blocks)
             assert len(src) == len(dst)
@@ -287,7 +299,7 @@ class HostPool:
         """Fault injection (``kvloop_fault_corrupt_host``): overwrite a byte of the copy's last slot
         once the copy is made, as a slot reused too early would."""
         written = [s for g in slots for s in g]
-        if not written or not self.worker.faults.fires("host"):
+        if not written or self._faults is None or not self._faults.fires("host"):
             return
         slot = written[-1]
         n = self.worker.block_len_per_layer[0]
