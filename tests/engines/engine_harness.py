@@ -194,9 +194,10 @@ def _step_for_announcements(llm: Any, spec: EngineSpec) -> None:
         return  # vLLM's engine-core loop steps by itself
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     gate = getattr(getattr(connector, "connector_scheduler", None), "digests", None)
-    for _ in range(4):  # one step digests every run held; a TP engine's ranks report in one step too
-        if gate is None or not gate.held:
-            return
+    # A step asks the worker for the digests and a later one brings them; with vLLM's async scheduling
+    # a step may return before its batch ran, so the steps are counted by the gate, not by number.
+    deadline = time.monotonic() + 60
+    while gate is not None and gate.held and time.monotonic() < deadline:
         llm.llm_engine.step()
 
 
