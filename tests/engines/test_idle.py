@@ -103,7 +103,9 @@ def test_engine_loop_sleeps_while_it_only_holds_retained_runs_and_wakes_at_lease
     # a few steps per lease end (the worker's lease clock is rebased a little later), then rest: the
     # loop would keep stepping if the scheduler still held any of the runs
     after = wait_quiet(idle_decode, "the engine loop to rest again after the releases")
-    assert after["steps"] - rest["steps"] <= 10 * len(runs), after["steps"] - rest["steps"]
+    # (a bound on steps, not a count: a loaded host takes more steps per lease end; a loop that never
+    # rested would take a thousand a second)
+    assert after["steps"] - rest["steps"] <= 50 * len(runs), after["steps"] - rest["steps"]
     # and it still serves
     assert len(idle_decode.generate([5] * 40, 3)["token_ids"]) == 3
 
