@@ -571,7 +571,8 @@ def test_retention_stops_at_its_share_of_the_kv_cache(engines):
     announced: its next turn misses and recomputes, with the same answer as a recompute, while the
     first conversation's next turn still transfers."""
     share = 0.03
-    info = relaunch_decode(engines, kvloop_retention_max_share=share)
+    # leases far longer than the test, however slow the host: a's run must still be held at its next turn
+    info = relaunch_decode(engines, kvloop_retention_max_share=share, kvloop_retention_ttl_s=600)
     max_pinned = int(share * info["kv_shapes"][0][0])  # KV layout [blocks, heads, bs, 2 * head_dim]
     tokens = int(0.6 * max_pinned) * BS  # one such run fits, two do not
     rnd = random.Random(31)
