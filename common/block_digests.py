@@ -98,6 +98,12 @@ def unpack(blob: bytes) -> RunDigests:
     return RunDigests(ranks, groups, positions, values)
 
 
+def positions(block_ids: Sequence[Sequence[int]], tail_block_ids: Sequence[int] = ()) -> list[list[int]]:
+    """A run's block ids per group by position, as its digests are laid out: its complete blocks,
+    then its tail block when it has one."""
+    return [list(ids) + ([tail_block_ids[g]] if tail_block_ids else []) for g, ids in enumerate(block_ids)]
+
+
 def by_block_id(
     digests: RunDigests,
     rank: int,
@@ -110,8 +116,7 @@ def by_block_id(
     if rank >= digests.ranks or len(block_ids) != digests.groups:
         return None
     out: list[dict[int, int]] = []
-    for g, ids in enumerate(block_ids):
-        by_position = list(ids) + ([tail_block_ids[g]] if tail_block_ids else [])
+    for g, by_position in enumerate(positions(block_ids, tail_block_ids)):
         if len(by_position) > digests.positions:
             return None
         out.append(

@@ -19,13 +19,6 @@ from kvloop.agents.connector.events import KvloopBlocksRetained, KvloopRetention
 from kvloop.agents.connector.metadata import DigestAsk
 from kvloop.common import block_digests
 
-
-def positions(event: KvloopBlocksRetained) -> list[list[int]]:
-    """The run's block ids per group by position: its complete blocks, then its tail block."""
-    tail = event.tail_block_ids
-    return [list(ids) + ([tail[g]] if tail else []) for g, ids in enumerate(event.block_ids)]
-
-
 # A run whose digests have not come this long after it was retained is announced without them: a
 # worker that cannot digest (or whose report was lost) never keeps a run from being pulled.
 DIGEST_WAIT_S = 5.0
@@ -46,7 +39,8 @@ class DigestGate:
             handle = event.retention_handle
             self._held[handle] = event
             self._since[handle] = time.monotonic()
-            self._asks[handle] = DigestAsk(positions(event), bool(event.tail_block_ids))
+            tail = event.tail_block_ids
+            self._asks[handle] = DigestAsk(block_digests.positions(event.block_ids, tail), bool(tail))
             return
         if isinstance(event, KvloopRetentionReleased) and event.retention_handle in self._held:
             # never announced: nothing to withdraw

@@ -48,10 +48,8 @@ class SlotDigests:
     def blob(self, event: KvloopBlocksRetained) -> bytes:
         """The digests of a host run's slots by position (common/block_digests.py), or b"" when a
         slot's digest is not known on every rank (the run then goes out unchecked)."""
-        tail = event.tail_block_ids
         per_rank: list[list[list[int]]] = [[] for _ in range(self.ranks)]
-        for g, slots in enumerate(event.block_ids):
-            by_position = list(slots) + ([tail[g]] if tail else [])
+        for g, by_position in enumerate(block_digests.positions(event.block_ids, event.tail_block_ids)):
             for rank in range(self.ranks):
                 row = []
                 for slot in by_position:
