@@ -512,3 +512,66 @@ def test_the_arms_order_balances_positions_and_predecessors(n):
     assert set(positions.values()) == {cycle // n}  # every arm in every position equally often
     follows = Counter(pair for row in rows for pair in itertools.pairwise(row))
     assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1  # every ordered pair alike
+
+
+def _span(trace: str, name: str, start_ms: float, end_ms: float, **attributes) -> dict:
+    return {
+        "trace_id": trace,
+        "name": name,
+        "start_unix_nano": int(start_ms * 1e6),
+        "end_unix_nano": int(end_ms * 1e6),
+        "attributes": attributes,
+    }
+
+
+def _traced_sample(arm: str, turn: int, trace: str, ttft_ms: float) -> TurnSample:
+    sample = TurnSample(arm, "plain", 4, 0, turn, 1000, ttft_ms, 0, "transfer", "")
+    sample.trace_id = trace
+    return sample
+
+
+def test_a_turns_time_is_split_into_queue_lookup_read_steps_compute_and_outside(tmp_path: Path):
+    from kvloop.clients.bench.multiturn.breakdown import breakdown
+
+    queue, compute, first = (
+        f"gen_ai.latency.{x}" for x in ("time_in_queue", "time_in_model_prefill", "time_to_first_token")
+    )
+    lines = [
+        # kvloop turn: 40 ms in vLLM's queue, of which a 4 ms lookup and a 30 ms READ; 200 ms compute
+        _span("a", "llm_request", 0, 260, **{queue: 0.040, compute: 0.2}),
+        _span("a", "kvloop.lookup", 1, 5),
+        _span("a", "kvloop.nixl_read", 5, 35, **{"kvloop.nixl_xfer_ms": 12.5}),
+        # its decode, later: its first token 50 ms after it arrived
+        _span("a", "llm_request", 300, 900, **{first: 0.05}),
+        # builtin turn: no kvloop spans; its READ is part of the queue
+        _span("b", "llm_request", 0, 280, **{queue: 0.030, compute: 0.22}),
+    ]
+    (tmp_path / "kvloop.jsonl").write_text("\n".join(json.dumps(x) for x in lines[:4]) + "\n{cut short")
+    (tmp_path / "builtin.jsonl").write_text(json.dumps(lines[4]))
+    samples = [
+        _traced_sample("kvloop", 2, "a", 270.0),
+        _traced_sample("builtin", 2, "b", 265.0),
+        _traced_sample("builtin", 3, "gone", 300.0),  # its spans never arrived: counted apart
+        _traced_sample("builtin", 1, "b", 999.0),  # a first turn: not a continuation
+    ]
+    rows = {r["arm"]: r for r in breakdown(samples, [tmp_path / "kvloop.jsonl", tmp_path / "builtin.jsonl"])}
+    k, b = rows["kvloop"], rows["builtin"]
+    assert (k["queue_ms"], k["lookup_ms"], k["read_ms"], k["xfer_ms"]) == (40.0, 4.0, 30.0, 12.5)
+    assert k["steps_ms"] == 6.0 and k["compute_ms"] == 200.0 and k["outside_ms"] == 30.0
+    assert k["decode_first_ms"] == 50.0 and k["turns"] == 1
+    assert (b["lookup_ms"], b["read_ms"], b["steps_ms"], b["outside_ms"]) == (0.0, 0.0, 30.0, 15.0)
+    assert b["decode_first_ms"] is None and b["turns"] == 1 and b["turns_without_spans"] == 1
+
+
+@pytest.mark.parametrize(
+    ("arms", "asked", "streamed"),
+    [
+        (("recompute", "kvloop"), None, True),
+        (("builtin", "kvloop"), None, False),  # builtin answers whole: so does every arm
+        (("builtin", "kvloop"), True, True),
+        (("recompute", "kvloop"), False, False),
+    ],
+)
+def test_decode_legs_are_answered_whole_when_the_builtin_arm_runs_unless_asked(arms, asked, streamed):
+    config = MultiturnConfig(workdir=Path("."), arms=arms, stream_decodes=asked)
+    assert config.streams_decodes is streamed

@@ -105,6 +105,23 @@ _Dtype = Annotated[
         "random-weight model's greedy near-ties"
     ),
 ]
+_Spans = Annotated[
+    bool,
+    typer.Option(
+        "--spans",
+        help="each turn a trace; every process's spans to WORKDIR/ARM/spans.jsonl, and a table of "
+        "where each arm's turns spent their time (queue, lookup, READ, steps, compute, outside)",
+    ),
+]
+_StreamDecodes = Annotated[
+    Optional[bool],
+    typer.Option(
+        "--stream-decodes/--whole-decodes",
+        help="the direct arms' decode legs streamed (per-turn TPOT) or answered whole; default: whole "
+        "when the builtin arm runs (vLLM gives it its handle only in a whole answer), so every arm's "
+        "decode costs the host the same",
+    ),
+]
 _Output = Annotated[
     Optional[Path],
     typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
@@ -137,6 +154,8 @@ def bench_multiturn(
     warmup_turns: Annotated[int, typer.Option(min=0, help="throwaway turns per arm before measuring")] = 2,
     workdir: Annotated[Path, typer.Option(help="engines' logs, results and plots")] = Path(".kvloop-bench"),
     output: _Output = None,
+    spans: _Spans = False,
+    stream_decodes: _StreamDecodes = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
@@ -173,6 +192,8 @@ def bench_multiturn(
         dtype=dtype,
         warmup_turns=warmup_turns,
         ucx_tls=ucx_tls,
+        spans=spans,
+        stream_decodes=stream_decodes,
     )
     with supervisor().stop_on_signals():
         result = run_multiturn(config)  # progress on stderr (a line per stage off a terminal)

@@ -53,3 +53,46 @@ def test_a_decode_request_can_decline_retention(served_stack, tmp_path):
         assert len(ids) == driver.cfg.answer_tokens and len(stream.times) == len(stream.tokens)
     wait_until(lambda: retained() > before, timeout=15)
     assert retained() == before + 1
+
+
+def test_a_traced_turn_is_taken_apart_from_the_spans_of_every_process_that_served_it(
+    served_stack, otlp_receiver
+):
+    """`bench multiturn --spans`: each turn sends a trace context of its own, and its parts come from
+    the spans the prefill's vLLM, its connector and the decode exported under it."""
+    from kvloop.clients.bench.multiturn.arms import ArmClient
+    from kvloop.clients.bench.multiturn.breakdown import turn_parts
+    from kvloop.clients.bench.multiturn.setup import Session, TurnSample
+    from tests.support import wait_until
+
+    client = ArmClient(
+        "kvloop",
+        served_stack.prefill.config.url,
+        served_stack.decodes[0].config.url,
+        traced=True,
+        stream_decodes=False,
+    )
+    history = "the agent's tools answered " + " ".join(f"result {i} of the span test" for i in range(60))
+    session = Session(seed=9071, messages=[{"role": "user", "content": history}])
+    first = client.turn(session, max_tokens=8)
+    assert served_stack.wait_turn_retained(session.messages)
+    session.messages += [
+        {"role": "assistant", "content": first.answer},
+        {"role": "user", "content": "and then " + " ".join(f"more output {i}" for i in range(20))},
+    ]
+    second = client.turn(session, max_tokens=8)
+    assert second.path == "transfer" and second.trace_id and second.trace_id != first.trace_id
+
+    def traced() -> list[dict]:
+        return [s for s in otlp_receiver.spans() if s.get("trace_id") == second.trace_id]
+
+    # the prefill's and the decode's request spans, and the connector's READ (each exported in batches)
+    wait_until(lambda: {"kvloop.nixl_read", "kvloop.lookup"} <= {s["name"] for s in traced()})
+    wait_until(lambda: sum(s["name"] == "llm_request" for s in traced()) == 2)
+    sample = TurnSample("kvloop", "plain", 1, 0, 2, second.prompt_tokens, second.ttft_ms, 0, second.path, "")
+    sample.trace_id = second.trace_id
+    parts = turn_parts(sample, traced())
+    assert parts is not None and "decode_first" in parts
+    assert parts["lookup"] > 0 and parts["read"] > 0 and parts["compute"] > 0
+    # the READ and the lookup happen while the request waits in vLLM's queue
+    assert parts["queue"] >= parts["read"] and parts["ttft"] >= parts["queue"] + parts["compute"] - 1.0

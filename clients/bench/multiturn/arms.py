@@ -5,6 +5,7 @@ own `kvloop proxy` (the routing bench); and what they read from the engines (vLL
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.request
@@ -79,13 +80,22 @@ class StreamedAnswer:
     headers: dict[str, str] = field(default_factory=dict)  # the response's, names in lower case
 
 
-def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
+def new_trace_context() -> tuple[str, dict[str, str]]:
+    """A fresh sampled W3C trace context: the trace id, and the header that makes a request's spans
+    (the proxy's, vLLM's, the connector's, kvloopd's) part of that trace."""
+    trace_id, span_id = os.urandom(16).hex(), os.urandom(8).hex()
+    return trace_id, {"traceparent": f"00-{trace_id}-{span_id}-01"}
+
+
+def _stream_chat(
+    url: str, body: dict, timeout: float = 600, headers: dict[str, str] | None = None
+) -> StreamedAnswer:
     """A streamed chat completion: its answer, and its time per output token from the arrival of each
     chunk's tokens (vLLM sends one chunk per engine step, with that step's token ids)."""
     request = urllib.request.Request(
         url,
         data=json.dumps({**body, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     content: list[str] = []
     token_ids: list[int] = []
@@ -114,9 +124,9 @@ def _stream_chat(url: str, body: dict, timeout: float = 600) -> StreamedAnswer:
     return StreamedAnswer("".join(content), token_ids, prompt_ids, tpot, stream, headers)
 
 
-def _post(url: str, body: dict, timeout: float = 600) -> dict:
+def _post(url: str, body: dict, timeout: float = 600, headers: dict[str, str] | None = None) -> dict:
     request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})}
     )
     with urllib.request.urlopen(request, timeout=timeout) as r:
         return json.loads(r.read())
@@ -142,6 +152,7 @@ class TurnOutcome:
     tier: str | None = None
     prefill_leg_ms: float | None = None
     burst_wait_ms: float | None = None
+    trace_id: str | None = None
 
 
 class ArmClient:
@@ -153,9 +164,15 @@ class ArmClient:
         prefill_url: str,
         decode_url: str,
         processes: list[tuple[str, subprocess.Popen]] | None = None,
+        traced: bool = False,
+        stream_decodes: bool = True,
     ) -> None:
         self.arm = arm
+        # the decode leg streamed, or answered whole (MultiturnConfig.stream_decodes); builtin's is whole
+        self.stream_decodes = stream_decodes
         self.processes = processes or []
+        # each turn a trace of its own (its prefill and decode requests carry its traceparent)
+        self.traced = traced
         self.prefill_url = prefill_url
         self.decode_url = decode_url
         self.handles: dict[int, dict] = {}
@@ -213,10 +230,12 @@ class ArmClient:
         if self.arm == "builtin":
             kv.update(self.handles.pop(session.seed, {}))  # single use, like vLLM's proxy
         body = {"model": MODEL, "messages": session.messages, "temperature": 0.0, "return_token_ids": True}
+        trace_id, headers = new_trace_context() if self.traced else (None, {})
         t0 = time.perf_counter()
         pre = _post(
             f"{self.prefill_url}/v1/chat/completions",
             {**body, "max_tokens": 1, "max_completion_tokens": 1, "kv_transfer_params": kv},
+            headers=headers,
         )
         ttft = (time.perf_counter() - t0) * 1e3
         details = (pre.get("usage") or {}).get("prompt_tokens_details") or {}
@@ -228,17 +247,17 @@ class ArmClient:
         prompt_ids = list(pre.get("prompt_token_ids") or [])
         tpot = None
         decode_stream = None
-        if self.arm == "builtin":
+        if self.arm == "builtin" or not self.stream_decodes:
             # vLLM returns the decode's retention handle only in a whole (not streamed) response
-            dec = _post(f"{self.decode_url}/v1/chat/completions", decode_body)
+            dec = _post(f"{self.decode_url}/v1/chat/completions", decode_body, headers=headers)
             choice = dec["choices"][0]
             answer = choice["message"]["content"] or ""
-            if dec.get("kv_transfer_params"):
+            if self.arm == "builtin" and dec.get("kv_transfer_params"):
                 self.handles[session.seed] = dec["kv_transfer_params"]
             decode_prompt = list(dec.get("prompt_token_ids") or prompt_ids)
             answer_ids = list(choice.get("token_ids") or [])
         else:
-            streamed = _stream_chat(f"{self.decode_url}/v1/chat/completions", decode_body)
+            streamed = _stream_chat(f"{self.decode_url}/v1/chat/completions", decode_body, headers=headers)
             answer, answer_ids, tpot = streamed.content, streamed.token_ids, streamed.tpot_ms
             decode_stream = streamed.stream
             decode_prompt = streamed.prompt_token_ids or prompt_ids
@@ -256,6 +275,7 @@ class ArmClient:
             tpot,
             decode_stream=decode_stream,
             tier=params.get("kvloop_tier") or None,
+            trace_id=trace_id,
         )
 
     def _local_turn(self, session: Session) -> TurnOutcome:
@@ -296,8 +316,8 @@ class ProxiedArmClient(ArmClient):
     chooses the prefill (by its routing options), runs the prefill leg and streams the answer from a
     decode. Every arm's requests carry the arm's own cache_salt: the fleet is shared, the caches are not."""
 
-    def __init__(self, arm: str, proxy_url: str) -> None:
-        super().__init__(arm, "", "")
+    def __init__(self, arm: str, proxy_url: str, traced: bool = False) -> None:
+        super().__init__(arm, "", "", traced=traced)
         self.proxy_url = proxy_url
         self.salt = f"kvloop-bench-{arm}"
 
@@ -305,6 +325,7 @@ class ProxiedArmClient(ArmClient):
         return {}  # every arm runs on the same engines: their counters cannot be told apart per arm
 
     def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
+        trace_id, trace_headers = new_trace_context() if self.traced else (None, {})
         streamed = _stream_chat(
             f"{self.proxy_url}/v1/chat/completions",
             {
@@ -315,6 +336,7 @@ class ProxiedArmClient(ArmClient):
                 "cache_salt": self.salt,
                 "max_tokens": max_tokens,
             },
+            headers=trace_headers,
         )
         stream, headers = streamed.stream, streamed.headers
         if stream is None or not stream.times:
@@ -343,6 +365,7 @@ class ProxiedArmClient(ArmClient):
             tier=headers.get("x-kvloop-tier") or None,
             prefill_leg_ms=_header_ms(headers, "x-kvloop-prefill-ms"),
             burst_wait_ms=_header_ms(headers, "x-kvloop-burst-wait-ms"),
+            trace_id=trace_id,
         )
 
 

@@ -34,6 +34,7 @@ from kvloop.clients.bench.multiturn.arms import (
     stack_processes,
     wait_tokenizer_loaded,
 )
+from kvloop.clients.bench.multiturn.breakdown import SPAN_FILE, breakdown
 from kvloop.clients.bench.multiturn.plot import plot
 from kvloop.clients.bench.multiturn.setup import (
     FLOOR_ARM,
@@ -134,6 +135,7 @@ def run_workload(
                         r.burst_wait_ms,
                         decode_steps=decode_steps_of(r.decode_stream, streams),
                         tier=r.tier,
+                        trace_id=r.trace_id,
                     )
                 )
                 client.latest[session.seed] = r.computed_ids
@@ -196,6 +198,13 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
             },
             "wall_s": round(time.monotonic() - started, 1),
         }
+        if config.spans:
+            # the receivers write what the processes exported; the stacks stop (flushing) first
+            for stack in stacks.values():
+                stack.stop()
+            summary["span_breakdown"] = breakdown(
+                samples, [config.workdir / name / SPAN_FILE for name in stacks]
+            )
         result["plots"] = plot(samples, summary["by_context"], config.workdir)
         return result
     finally:
@@ -227,6 +236,7 @@ def _stack_configs(config: MultiturnConfig, model: Path) -> dict[str, StackConfi
             mode="kvloop",
             prefill_servers=config.prefills,
             decode_servers=config.decodes,
+            span_file=config.workdir / "fleet" / SPAN_FILE if config.spans else None,
             # four engines starting at once on a small shared host take several minutes
             start_timeout_s=900,
             **shared,
@@ -244,6 +254,7 @@ def _stack_configs(config: MultiturnConfig, model: Path) -> dict[str, StackConfi
             mode="recompute" if floor else "kvloop" if arm in NAMED_ARMS else arm,
             verify="off" if arm == UNVERIFIED_ARM else "all",
             decode_servers=0 if floor else 1,
+            span_file=config.workdir / arm / SPAN_FILE if config.spans else None,
             **shared,
         )
     return configs
@@ -255,7 +266,12 @@ def _arm_clients(config: MultiturnConfig, stacks: dict[str, Stack], say) -> dict
     if not config.routing:
         return {
             arm: ArmClient(
-                arm, s.prefill.config.url, s.decodes[0].config.url if s.decodes else "", stack_processes(s)
+                arm,
+                s.prefill.config.url,
+                s.decodes[0].config.url if s.decodes else "",
+                stack_processes(s),
+                traced=config.spans,
+                stream_decodes=config.streams_decodes,
             )
             for arm, s in stacks.items()
         }
@@ -268,7 +284,7 @@ def _arm_clients(config: MultiturnConfig, stacks: dict[str, Stack], say) -> dict
         if "--route" in ROUTING_PROXY_OPTIONS[arm]:
             say(f"proxy-{arm}: loading the model's tokenizer")
             wait_tokenizer_loaded(url)
-        clients[arm] = ProxiedArmClient(arm, url)
+        clients[arm] = ProxiedArmClient(arm, url, traced=config.spans)
     return clients
 
 

@@ -101,6 +101,15 @@ class MultiturnConfig:
     # Throwaway turns per arm before measuring: fresh engines run their first requests much slower
     # (allocator, kernel and cache warm-up), which would land on whichever workload comes first.
     warmup_turns: int = 2
+    # Every process of every arm exports its spans to a receiver of the arm's (WORKDIR/ARM/spans.jsonl),
+    # each turn is one trace, and the results carry where each turn's time went (breakdown.py).
+    spans: bool = False
+    # The decode leg of the direct arms streamed (each turn's TPOT from its chunks) or answered whole.
+    # vLLM hands the builtin arm its retention handle only in a whole answer, and on a small host a
+    # streamed answer's per-token work (the API server's chunks, the client's parsing) takes CPU from
+    # the other sessions' prefills: so with the builtin arm in the run every arm answers whole, unless
+    # this says otherwise (None).
+    stream_decodes: bool | None = None
     # More than one of either: the routing bench (ROUTING_ARMS on one shared fleet).
     prefills: int = 1
     decodes: int = 1
@@ -113,6 +122,12 @@ class MultiturnConfig:
     @property
     def routing(self) -> bool:
         return self.prefills > 1 or self.decodes > 1
+
+    @property
+    def streams_decodes(self) -> bool:
+        if self.stream_decodes is not None:
+            return self.stream_decodes
+        return "builtin" not in self.arms
 
 
 @dataclass
@@ -149,6 +164,8 @@ class TurnSample:
     decode_steps: list[list] = field(default_factory=list)
     # kvloop arms: where the pulled run lived on its holder ("device" or "host"; None without a pull).
     tier: str | None = None
+    # The turn's trace (with --spans): its prefill, lookup, READ and decode spans share it.
+    trace_id: str | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ def print_multiturn(summary: dict) -> None:
     _print_continuation_turns(summary)
     _print_ttft_by_context(summary)
     _print_turn_time_breakdown(summary)
+    _print_span_breakdown(summary)
     _print_decode_side(summary)
     _print_paired_ratios(summary)
     _print_one_line_findings(summary)
@@ -131,6 +132,22 @@ def _print_turn_time_breakdown(summary: dict) -> None:
                 f"{ttft - row['engine_e2e_ms_mean']:.0f}",
                 _blank(row.get("decode_tpot_ms_mean")),
             )
+    console.print(table)
+
+
+def _print_span_breakdown(summary: dict) -> None:
+    from kvloop.clients.bench.multiturn.breakdown import PARTS
+
+    rows = summary.get("span_breakdown")
+    if not rows:
+        return
+    table = _table(
+        "where a continuation turn's time goes, from its spans (means, ms; see breakdown.py)",
+        ["workload", "sessions", "arm", "turns", *PARTS],
+    )
+    for row in rows:
+        cells = ["" if row[f"{part}_ms"] is None else f"{row[f'{part}_ms']:.1f}" for part in PARTS]
+        table.add_row(row["workload"], str(row["concurrency"]), row["arm"], str(row["turns"]), *cells)
     console.print(table)
 
 
