@@ -48,9 +48,13 @@ class StoreSettings(BaseModel):
     sentinels: list[HostPort] = []
     sentinel_master: str = "kvloop"
     # A Redis Cluster: ``url`` names any of its nodes, and each model's index is spread over
-    # ``cluster_buckets`` hash tags, placed by each prompt's first block (a Lookup is one node's call).
+    # ``cluster_buckets`` hash tags, in columns of ``cluster_spread`` that a chain's first block picks
+    # (see kvloop.daemon.index.cluster_layout): a Lookup or a Route asks a column's buckets side by
+    # side. 1 keeps a chain in one bucket: one call each, but conversations that share a system
+    # prompt share a primary.
     cluster: bool = False
     cluster_buckets: int = Field(default=64, ge=1, le=16384)
+    cluster_spread: int = Field(default=3, ge=1, le=16384)
     # ACL user and password; kept out of the URL so they stay out of process listings.
     username: str | None = None
     password: SecretStr | None = None

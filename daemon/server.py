@@ -60,6 +60,7 @@ async def open_store(settings: DaemonSettings) -> DirectoryStore:
                 settings.store.url,
                 settings.index_config(),
                 settings.store.cluster_buckets,
+                settings.store.cluster_spread,
                 **settings.store.redis_options(),
             )
         if settings.store.sentinels:

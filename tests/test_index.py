@@ -240,19 +240,20 @@ async def test_a_single_use_run_the_puller_cannot_read_is_given_back(make_store)
 
 
 async def test_memory_bound_evicts_oldest_runs(make_store):
-    """The runs share their first block (one system prompt), so a sharded store bounds them together too
-    (it bounds each bucket, and a run's bucket follows its first block)."""
+    """The runs share their first block (one system prompt). A sharded store bounds each bucket and
+    spreads one chain's runs over ``spread`` buckets, so there the runs are that many times as many."""
     store = await make_store(IndexConfig(max_entries=100))
+    spread = getattr(store, "spread", 1)
     await store.register(spec("a"), 0, 0.0)
     system = conversation("system", 1)
-    prompts = [system + conversation(f"c{i}", 29) for i in range(5)]
+    prompts = [system + conversation(f"c{i}", 29) for i in range(5 * spread * spread)]
     for i, prompt in enumerate(prompts):
         await store.apply("a", 1, i + 1, [retain(prompt, f"h{i}")], 0.0)
-    assert (await store.counts()).entries <= 100
+    assert (await store.counts()).entries <= 100 * spread
     assert (await store.counts()).evictions >= 2
     oldest = await store.lookup(NS, prompts[0], 0, "p", 0.0, False)
     assert oldest.best is None or oldest.best.matched_blocks == 1  # at most the shared block, elsewhere
-    assert (await store.lookup(NS, prompts[4], 0, "p", 0.0, False)).best.matched_blocks == 30
+    assert (await store.lookup(NS, prompts[-1], 0, "p", 0.0, False)).best.matched_blocks == 30
 
 
 async def test_stored_removed_cleared_and_released(make_store):

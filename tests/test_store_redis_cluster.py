@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis
 
 from kvloop.agents.sidecar.mirror import WorkerMirror
@@ -15,8 +16,10 @@ from kvloop.clients.directory_client import AsyncDirectoryClient
 from kvloop.clients.fleet.redis_local import local_redis_cluster
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.convert import events_from_batch
-from kvloop.daemon.index import IndexConfig, Namespace, Retained, WorkerSpec
+from kvloop.daemon.index import IndexConfig, Namespace, Removed, Retained, Stored, WorkerSpec
+from kvloop.daemon.index.cluster_layout import LAYOUT, LAYOUT_KEY, OtherLayout, merged_lookup
 from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
+from kvloop.daemon.index.redis_wire import key_bytes
 from kvloop.v1 import directory_pb2 as pb
 from tests.store_backends import CLUSTER_BUCKETS
 from tests.support import conversation, retained, running_agent, wait_until
@@ -109,6 +112,99 @@ async def test_an_agents_chain_roots_keep_a_prompts_cached_blocks_together(redis
         assert (await store.counts()).entries == 30
     finally:
         await store.close()
+
+
+async def test_conversations_sharing_a_system_prompt_spread_over_every_primary(redis_cluster_url):
+    """Every conversation starts with the same system prompt: its runs and cached blocks still spread
+    over the primaries (a column's buckets, one on each), and Lookups and Routes answer as one bucket."""
+    store = await open_cluster(redis_cluster_url)
+    try:
+        await store.register(spec("d"), 0, 0.0)
+        system = conversation("system", 20)
+        prompts = [system + conversation(f"c{i}", 10) for i in range(30)]
+        root = key_bytes(system[:1])
+        events: list = [Retained(p, list(range(30)), 1, f"h{i}", 60_000) for i, p in enumerate(prompts)]
+        events += [Stored(p, root=root) for p in prompts]
+        await store.apply("d", 1, 1, events, 0.0)
+        cluster = redis.RedisCluster.from_url(redis_cluster_url)
+        try:
+            runs = [len(cluster.keys("kvl:*run:*:hs", target_nodes=n)) for n in cluster.get_primaries()]
+        finally:
+            cluster.close()
+        assert sorted(runs)[0] >= 5 and sum(runs) == 30, runs  # 30 runs: about 10 on each primary
+        for i, prompt in enumerate(prompts):
+            match = await store.lookup(NS, prompt + conversation("next", 3), 0, "p", 1.0, claim=False)
+            assert match.best is not None and match.best.handle == f"h{i}" and match.best.matched_blocks == 30
+        fresh = system + conversation("fresh", 5)
+        match = await store.lookup(NS, fresh, 0, "p", 1.0, claim=False)
+        assert match.best is not None and match.best.matched_blocks == 20
+        assert await store.stored_prefixes(NS, fresh, ["d", "other"], 1.0) == {"d": 20, "other": 0}
+        assert await store.stored_prefixes(NS, prompts[7], ["d"], 1.0) == {"d": 30}
+        await store.apply("d", 1, 2, [Removed(prompts[7][25:], roots=[root] * 5)], 1.0)
+        assert await store.stored_prefixes(NS, prompts[7], ["d"], 1.0) == {"d": 25}
+    finally:
+        await store.close()
+
+
+async def test_a_single_use_run_is_claimed_once_whichever_bucket_holds_it(redis_cluster_url):
+    store = await open_cluster(redis_cluster_url)
+    try:
+        await store.register(spec("d"), 0, 0.0)
+        system = conversation("system", 4)
+        runs = [
+            Retained(system + conversation(f"c{i}", i + 1), list(range(5 + i)), 1, f"h{i}", 60_000, True)
+            for i in range(6)
+        ]
+        await store.apply("d", 1, 1, runs, 0.0)
+        prompt = system + conversation("c5", 6)
+        first = await store.lookup(NS, prompt, 0, "p", 1.0, claim=True)
+        assert first.best is not None and first.best.handle == "h5" and first.best.matched_blocks == 10
+        # the buckets whose shorter runs were claimed for the answer gave them back
+        for i in range(5):
+            match = await store.lookup(NS, system + conversation(f"c{i}", i + 1), 0, "q", 1.0, claim=True)
+            assert match.best is not None and match.best.handle == f"h{i}", (i, match)
+        again = await store.lookup(NS, prompt, 4, "p", 1.0, claim=True)
+        assert again.best is None and again.unservable_reason == "claimed"
+    finally:
+        await store.close()
+
+
+async def test_a_cluster_holding_a_directory_of_an_older_layout_is_refused(redis_cluster_url):
+    """Block keys of another layout would be neither found nor removed: kvloopd does not start on it."""
+    cluster = redis.RedisCluster.from_url(redis_cluster_url)
+    try:
+        cluster.flushall()
+        cluster.hset("kvl:models", "m", "kvl:{tag}:")  # a directory, without the layout's record
+        with pytest.raises(OtherLayout, match="older key layout"):
+            await RedisClusterStore.connect_cluster(redis_cluster_url, buckets=CLUSTER_BUCKETS)
+        cluster.set(LAYOUT_KEY, "9")
+        with pytest.raises(OtherLayout, match="layout"):
+            await RedisClusterStore.connect_cluster(redis_cluster_url, buckets=CLUSTER_BUCKETS)
+        cluster.flushall()  # a new store takes this layout
+        store = await open_cluster(redis_cluster_url)
+        await store.close()
+        assert cluster.get(LAYOUT_KEY) == LAYOUT.encode()
+    finally:
+        cluster.close()
+
+
+def test_a_columns_answers_merge_as_one_buckets():
+    def entry(worker: str, expires_ms: int, tier: int = 1, single_use: str = "0") -> list:
+        return [worker, "1", f"h-{worker}", expires_ms, b"", 1, single_use, b"", b"", tier, 0, b""]
+
+    none = [["none", ""], ["none", "peer_unavailable"], ["none", "claimed"]]
+    assert merged_lookup(none, claim=True) == (["none", "claimed"], -1, [])
+    replies = [
+        ["found", 5, entry("a", 100, single_use="1")],
+        ["none", "expired"],
+        ["found", 7, entry("b", 50, tier=2, single_use="1"), entry("c", 10)],
+        ["found", 7, entry("d", 20, single_use="1")],
+    ]
+    reply, winner, claimed = merged_lookup(replies, claim=True)
+    # the longest match, device runs first, then the longest-lived; the other buckets' claims go back
+    assert reply[:2] == ["found", 7] and [e[0] for e in reply[2:]] == ["d", "c", "b"]
+    assert winner == 3 and claimed == [0, 2]
+    assert merged_lookup(replies, claim=False)[2] == []
 
 
 async def test_a_run_of_an_epoch_its_worker_left_is_never_handed_out(redis_cluster_url):
@@ -228,7 +324,7 @@ async def test_a_call_sent_to_a_node_that_no_longer_owns_its_slot_follows_the_re
         await store.register(spec("d"), 0, 0.0)
         prompt = conversation("moved", 5)
         await store.apply("d", 1, 1, [retained_run(prompt, "h")], 0.0)
-        bucket = store._bucket("", prompt[0])
+        bucket = store._layout.of_run("", key_bytes(prompt[:1]), "h")
         _, prefix = store._bucket_namespace(NS, bucket)
         slot = key_slot(f"{prefix}ret".encode())
         manager = store._r.nodes_manager

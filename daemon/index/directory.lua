@@ -36,11 +36,12 @@ Per namespace P = base..<lora hex>..":":
 States: 1 active, 2 resyncing, 3 expired, 4 draining (kvloop.v1.LeaseState).
 
 Sharded (a Redis Cluster, kvloop.daemon.index.redis_cluster_store): the registry keys above stay in
-the model's slot, and every block key moves to one of the model's buckets B = "kvl:{<tag>.<n>}:",
-chosen by the run's first block (a prompt's candidates all hold its first block, so a lookup is one
-bucket's call). A bucket has the per-model block keys above (wr:W, wns:W, exp, age, stats, next and
-the namespaces) and, in place of the worker hash, B.."wc:"..W (the worker's counters there) and
-B.."bw" (workers with stored blocks there). Runs carry their worker's epoch (field e). The model's
+the model's slot, and every block key moves to one of the model's buckets B = "kvl:{<tag>.<n>.<s>}:"
+(kvloop.daemon.index.cluster_layout: a chain's first block picks a column of buckets, a run's handle
+or a stored block's hash the bucket in it; a lookup asks each bucket of the column). A bucket has
+the per-model block keys above (wr:W, wns:W, exp, age, stats, next and the namespaces) and, in
+place of the worker hash, B.."wc:"..W (the worker's counters there) and B.."bw" (workers with
+stored blocks there). Runs carry their worker's epoch (field e). The model's
 slot adds base.."wb:"..W (buckets the worker wrote to) and base.."wh:"..W (handle -> bucket).
 Bucket calls never read the registry: the caller passes the workers its view holds not live.
 --]]

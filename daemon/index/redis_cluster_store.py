@@ -2,10 +2,11 @@
 
 On one Redis server (:mod:`.redis_store`) a model's whole index shares one hash tag, so one model's
 traffic lands on one node however large the cluster is. Here a model's block keys are spread over
-``buckets`` hash tags ("kvl:{<model tag>.<n>}:"), and a run's bucket is chosen by its first block
-(with its LoRA): every run that can answer a prompt holds the prompt's first block, so a Lookup is
-still one call to one node. Prefix-cache blocks go to the bucket of their chain's first block (the
-agent names it in each event), so a Route's count of cached blocks is one call too.
+``buckets`` hash tags, in columns (:mod:`.cluster_layout`): a chain's first block (with its LoRA;
+the agent names it in each event) picks a column, a retained run's handle and a prefix-cache block's
+own key pick a bucket in it, so conversations that share a system prompt still spread over the
+column's buckets. A Lookup or a Route asks the column's buckets side by side and merges their
+answers.
 
 The registry (worker hashes, fences, liveness) stays in the model's own slot, as on one server. A
 bucket call never reads it: the caller passes the workers its *view* of the registry holds not live
@@ -25,15 +26,15 @@ holding whose epoch is not its worker's current one is never handed out. So:
   writes. It is noticed by the periodic reap (``reap_interval_s``), well within the read window.
 
 Where it differs from one server: ``max_entries`` bounds each bucket (a model holds up to
-``buckets`` times as many); ``find`` asks every bucket (an operator's command, not a request path).
+``buckets`` times as many); ``find`` asks every bucket (an operator's command, not a request path);
+a Lookup that claims a single-use run may claim one in each bucket of the column for a moment (the
+ones not handed out are given back at once).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,14 @@ from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, TryAgain
 
 from kvloop.common.block_keys import KEY_BYTES
 from kvloop.daemon.index import redis_wire as wire
+from kvloop.daemon.index.cluster_layout import (
+    DEFAULT_SPREAD,
+    LAYOUT,
+    LAYOUT_KEY,
+    Layout,
+    claim_layout,
+    merged_lookup,
+)
 from kvloop.daemon.index.model import (
     Change,
     Cleared,
@@ -96,6 +105,11 @@ class _Worker:
         return self.state == LeaseState.ACTIVE and self.alive and fresh and not self.unverified
 
 
+def _holder(reply: list[Any]) -> tuple[str, str]:
+    """The worker and handle of a lookup reply's first holder."""
+    return wire.text(reply[2][0]), wire.text(reply[2][2])
+
+
 def _marked(fields: list[Any]) -> bool:
     return bool(fields) and int(fields[0]) == 1
 
@@ -115,8 +129,17 @@ class _View:
         return worker is not None and worker.epoch == epoch
 
 
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    """Prefix-cache blocks of one event that go to one bucket: 'S' stored, 'D' removed."""
+
+    kind: str
+    lora_name: str
+    keys: bytes
+
+
 class RedisClusterStore:
-    """The DirectoryStore on a Redis Cluster, sharded by each prompt's first block."""
+    """The DirectoryStore on a Redis Cluster, sharded by columns of buckets (see cluster_layout)."""
 
     name = "redis-cluster"
     in_process = False
@@ -124,10 +147,13 @@ class RedisClusterStore:
     clock = staticmethod(time.time)  # wall time: replicas on different hosts agree on it (NTP)
 
     def __init__(
-        self, client: RedisCluster, config: IndexConfig | None = None, buckets: int = DEFAULT_BUCKETS
+        self,
+        client: RedisCluster,
+        config: IndexConfig | None = None,
+        buckets: int = DEFAULT_BUCKETS,
+        spread: int = DEFAULT_SPREAD,
     ):
-        if not 1 <= buckets <= 16384:
-            raise ValueError(f"buckets must be 1..16384, got {buckets}")
+        self._layout = Layout(buckets, min(spread, buckets))
         self.config = config or IndexConfig()
         self._r = client
         registry = self._registry = SlotRegistry(client, self.config, self._fcall)
@@ -137,7 +163,9 @@ class RedisClusterStore:
         self.model_spec = wire.reachable(registry.model_spec)
         self.models = wire.reachable(registry.models)
         self.epoch = 0  # the cluster's current epoch + 1, once checked
-        self.buckets = buckets  # max_entries bounds each: a model holds up to buckets x max_entries
+        # max_entries bounds each: a model holds up to buckets x max_entries
+        self.buckets = self._layout.buckets
+        self.spread = self._layout.spread  # the buckets one chain's runs and blocks spread over
         self._views: dict[str, _View] = {}
         self._view_refreshes: dict[str, asyncio.Task] = {}
         # Calls in flight at once: redis-py's cluster client refuses a call outright when the node's
@@ -148,20 +176,26 @@ class RedisClusterStore:
 
     @classmethod
     async def connect_cluster(
-        cls, url: str, config: IndexConfig | None = None, buckets: int = DEFAULT_BUCKETS, **options: Any
+        cls,
+        url: str,
+        config: IndexConfig | None = None,
+        buckets: int = DEFAULT_BUCKETS,
+        spread: int = DEFAULT_SPREAD,
+        **options: Any,
     ) -> RedisClusterStore:
-        """Connect through any node of the cluster (``redis://`` or ``rediss://``) and load the
-        function library on every primary."""
+        """Connect through any node of the cluster (``redis://`` or ``rediss://``), check the key
+        layout it holds and load the function library on every primary."""
         # room beyond the calls kvloopd bounds itself (see _in_flight) for pub/sub and topology reads
         client = RedisCluster.from_url(url, max_connections=wire.POOL_CONNECTIONS + 16, **options)
         try:
             await client.initialize()
+            await claim_layout(client)
             await client.function_load(wire.LIBRARY, replace=True)  # sent to every primary
         except Exception:
             await client.aclose()
             raise
-        log.info("directory store on a redis cluster", url=wire.redacted(url), buckets=buckets)
-        store = cls(client, config, buckets)
+        log.info("directory store on a redis cluster", url=wire.redacted(url), buckets=buckets, spread=spread)
+        store = cls(client, config, buckets, spread)
         await store._check_epoch()  # record the epoch before this replica writes anything
         return store
 
@@ -183,12 +217,8 @@ class RedisClusterStore:
 
     _base = staticmethod(wire.model_base)
 
-    def _bucket_base(self, model: str, bucket: int | str) -> str:
-        return f"{wire.PREFIX}:{{{hashlib.sha1(model.encode()).hexdigest()[:16]}.{bucket}}}:"
-
-    def _bucket(self, lora_name: str, root: bytes) -> int:
-        """The bucket of a chain whose first block is ``root`` (a hash or its key: the key decides)."""
-        return zlib.crc32(root[:KEY_BYTES], zlib.crc32(lora_name.encode())) % self.buckets
+    def _bucket_base(self, model: str, bucket: int | str | bytes) -> str:
+        return self._layout.base(model, bucket)
 
     async def _bounded(self, call: Awaitable[Any]) -> Any:
         async with self._in_flight:
@@ -507,28 +537,43 @@ class RedisClusterStore:
         self._heard(worker_id, now)
         return Applied(Fence.APPLIED, last, sum(int(t) for t in touched))
 
-    def _place(self, event: Event) -> list[tuple[str, Event]]:
+    def _place(self, event: Event) -> list[tuple[str, Event | _Blocks]]:
         """The buckets an event goes to, with its part there; none for the events whose buckets the
         fence call answers (releases, clears, removals of blocks of no known chain)."""
+        layout = self._layout
         if isinstance(event, Retained):
-            return [(str(self._bucket(event.lora_name, wire.key_bytes(event.hashes[:1]))), event)]
+            root = wire.key_bytes(event.hashes[:1])
+            return [(str(layout.of_run(event.lora_name, root, event.handle)), event)]
         if isinstance(event, Stored):
-            root = event.root if event.root is not None else wire.key_bytes(event.hashes[:1])
-            return [(str(self._bucket(event.lora_name, root)), event)]
+            keys = wire.key_bytes(event.hashes)
+            column = layout.column(event.lora_name, event.root if event.root is not None else keys)
+            return [
+                (str(bucket), _Blocks("S", event.lora_name, part))
+                for bucket, (part, _) in layout.split(column, keys).items()
+            ]
         if isinstance(event, Removed) and event.roots is not None:
-            chains: dict[str, list[bytes]] = {}
-            for h, root in zip(event.hashes, event.roots, strict=True):
-                chains.setdefault(str(self._bucket(event.lora_name, root)), []).append(h)
-            return [(b, Removed(hs, event.lora_name)) for b, hs in chains.items()]
+            keys = wire.key_bytes(event.hashes)
+            chains: dict[int, bytearray] = {}
+            for i, root in enumerate(event.roots):  # removals span chains: each block by its own root
+                chains.setdefault(layout.column(event.lora_name, root), bytearray()).extend(
+                    keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+                )
+            return [
+                (str(bucket), _Blocks("D", event.lora_name, part))
+                for column, chain in chains.items()
+                for bucket, (part, _) in layout.split(column, bytes(chain)).items()
+            ]
         return []
 
-    def _args(self, model: str, bucket: str, event: Event) -> list[Any]:
+    def _args(self, model: str, bucket: str, event: Event | _Blocks) -> list[Any]:
         """An event as kvl_bucket_apply takes it in ``bucket`` (see directory.lua)."""
         if isinstance(event, Released):
             return ["L", event.handle]
         if isinstance(event, Cleared):
             return ["C"]
         prefix = self._bucket_namespace(Namespace(model, event.lora_name), bucket)[1]
+        if isinstance(event, _Blocks):
+            return [event.kind, prefix, KEY_BYTES, event.keys]
         return wire.block_event_args(prefix, event)
 
     @wire.reachable
@@ -561,7 +606,11 @@ class RedisClusterStore:
             return PrefixMatch(None, [])
         base = self._base(namespace.model)
         packed = wire.key_bytes(hashes)
-        bb, prefix = self._bucket_namespace(namespace, self._bucket(namespace.lora_name, packed[:KEY_BYTES]))
+        # every run that can answer the prompt holds its first block: it is in one of these buckets
+        spaces = [
+            self._bucket_namespace(namespace, b)
+            for b in self._layout.chain(namespace.lora_name, packed[:KEY_BYTES])
+        ]
         floor = now + max(self.config.expiry_margin_s, margin_s)
         excluded: list[str] = []
         refreshed = False
@@ -569,26 +618,41 @@ class RedisClusterStore:
             view = await self._view(namespace.model)
             if view.resyncing:
                 return PrefixMatch(None, [], "directory_resyncing")
-            reply = await self._fcall_direct(
-                "kvl_bucket_lookup",
-                [f"{prefix}ret"],
-                bb,
-                prefix,
-                packed,
-                KEY_BYTES,
-                local_blocks,
-                requester,
-                repr(now),
-                repr(floor),
-                repr(self.config.lease_s),
-                int(claim),
-                "\n".join(excluded),
-                view.not_live(now, self.config.lease_s),
+            not_live = view.not_live(now, self.config.lease_s)
+            replies = await asyncio.gather(
+                *(
+                    self._fcall_direct(
+                        "kvl_bucket_lookup",
+                        [f"{prefix}ret"],
+                        bb,
+                        prefix,
+                        packed,
+                        KEY_BYTES,
+                        local_blocks,
+                        requester,
+                        repr(now),
+                        repr(floor),
+                        repr(self.config.lease_s),
+                        int(claim),
+                        "\n".join(excluded),
+                        not_live,
+                    )
+                    for bb, prefix in spaces
+                )
             )
+            reply, winner, losers = merged_lookup(replies, claim)
+            if losers:  # single-use runs claimed by the buckets whose answer is not handed out
+                await asyncio.gather(
+                    *(
+                        self._release(spaces[i][0], spaces[i][1], *_holder(replies[i]), requester)
+                        for i in losers
+                    )
+                )
             answer = await self._registry.answer(base, reply, accept, view.current)
             if isinstance(answer, PrefixMatch):
                 return answer
             if claim and answer.claimed:  # the first entry was claimed: give it back
+                bb, prefix = spaces[winner]
                 await self._release(bb, prefix, answer.worker_id, answer.handle, requester)
             if not refreshed and any(wire.text(entry[0]) not in view.workers for entry in reply[2:]):
                 refreshed = True  # a worker registered since the view was read: read it again
@@ -624,11 +688,34 @@ class RedisClusterStore:
         if not live:
             return counts
         packed = wire.key_bytes(hashes)
-        bb, prefix = self._bucket_namespace(namespace, self._bucket(namespace.lora_name, packed[:KEY_BYTES]))
-        reply = await self._fcall(
-            "kvl_bucket_stored_prefixes", [f"{prefix}sto"], bb, packed, KEY_BYTES, repr(now), "0", *live
+        n = len(packed) // KEY_BYTES
+        layout = self._layout
+        parts = layout.split(layout.column(namespace.lora_name, packed[:KEY_BYTES]), packed)
+        # Each bucket counts the leading blocks it holds of its own share of the prompt, in order: a
+        # worker's cached prefix ends at the first block that any bucket finds it lacks.
+        replies = await asyncio.gather(
+            *(
+                self._fcall_direct(
+                    "kvl_bucket_stored_prefixes",
+                    [f"{prefix}sto"],
+                    bb,
+                    keys,
+                    KEY_BYTES,
+                    repr(now),
+                    "0",
+                    *live,
+                )
+                for (bb, prefix), keys in (
+                    (self._bucket_namespace(namespace, b), keys) for b, (keys, _) in parts.items()
+                )
+            )
         )
-        counts.update({w: int(n) for w, n in zip(live, reply, strict=True)})
+        ends = dict.fromkeys(live, n)
+        for (_, positions), reply in zip(parts.values(), replies, strict=True):
+            for w, held in zip(live, reply, strict=True):
+                if int(held) < len(positions):
+                    ends[w] = min(ends[w], positions[int(held)])
+        counts.update(ends)
         return counts
 
     @wire.reachable
@@ -667,5 +754,6 @@ class RedisClusterStore:
 
     async def flush(self) -> None:
         await self._r.flushdb()  # sent to every primary
+        await self._r.set(LAYOUT_KEY, LAYOUT)  # what remains is an empty store of this layout
         self._views.clear()
         self._registry.forget()

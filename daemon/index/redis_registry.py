@@ -1,7 +1,8 @@
 """The worker registry of both Redis stores: each model's workers (their specs, fences, leases and
 liveness) in the model's own slot (``model_base``), changed only by the functions of
 ``directory.lua``. A cluster spreads a model's blocks over buckets but never its registry, so a
-worker's fence stays one key, on one server or many.
+worker's fence stays one key, on one server or many (a call per event batch, in the model's slot:
+a few percent of that node's work in the replay, against the buckets' ingest).
 
 This process keeps caches beside it: a worker's spec under one epoch never changes, a worker id keeps
 its model, and a model's block layout holds while any of its workers is registered.
