@@ -17,7 +17,7 @@ from kvloop.clients.fleet.redis_local import local_redis_cluster
 from kvloop.daemon.config import DaemonSettings
 from kvloop.daemon.convert import events_from_batch
 from kvloop.daemon.index import IndexConfig, Namespace, Removed, Retained, Stored, WorkerSpec
-from kvloop.daemon.index.cluster_layout import LAYOUT, LAYOUT_KEY, OtherLayout, merged_lookup
+from kvloop.daemon.index.cluster_layout import LAYOUT_KEY, OtherLayout, merged_lookup
 from kvloop.daemon.index.redis_cluster_store import RedisClusterStore
 from kvloop.daemon.index.redis_wire import key_bytes
 from kvloop.v1 import directory_pb2 as pb
@@ -169,22 +169,27 @@ async def test_a_single_use_run_is_claimed_once_whichever_bucket_holds_it(redis_
         await store.close()
 
 
-async def test_a_cluster_holding_a_directory_of_an_older_layout_is_refused(redis_cluster_url):
-    """Block keys of another layout would be neither found nor removed: kvloopd does not start on it."""
+async def test_a_cluster_holding_a_directory_of_another_layout_is_refused(redis_cluster_url):
+    """Block keys of another layout (an older release's, or other bucket counts) would be neither found
+    nor removed: kvloopd does not start on it."""
     cluster = redis.RedisCluster.from_url(redis_cluster_url)
     try:
         cluster.flushall()
         cluster.hset("kvl:models", "m", "kvl:{tag}:")  # a directory, without the layout's record
         with pytest.raises(OtherLayout, match="older key layout"):
             await RedisClusterStore.connect_cluster(redis_cluster_url, buckets=CLUSTER_BUCKETS)
-        cluster.set(LAYOUT_KEY, "9")
-        with pytest.raises(OtherLayout, match="layout"):
-            await RedisClusterStore.connect_cluster(redis_cluster_url, buckets=CLUSTER_BUCKETS)
-        cluster.flushall()  # a new store takes this layout
-        store = await open_cluster(redis_cluster_url)
+        cluster.flushall()
+        store = await open_cluster(redis_cluster_url)  # a new cluster takes this store's layout
+        await store.register(spec("d"), 0, 0.0)
         await store.close()
-        assert cluster.get(LAYOUT_KEY) == LAYOUT.encode()
+        assert cluster.get(LAYOUT_KEY) == f"2:{CLUSTER_BUCKETS}:3".encode()
+        for other in ({"buckets": 2 * CLUSTER_BUCKETS}, {"buckets": CLUSTER_BUCKETS, "spread": 1}):
+            with pytest.raises(OtherLayout, match="same cluster_buckets"):
+                await RedisClusterStore.connect_cluster(redis_cluster_url, **other)
+        store = await RedisClusterStore.connect_cluster(redis_cluster_url, buckets=CLUSTER_BUCKETS)
+        await store.close()
     finally:
+        cluster.flushall()
         cluster.close()
 
 

@@ -54,9 +54,11 @@ class OtherLayout(RedisError):
     as a store it cannot use)."""
 
 
-async def claim_layout(client: Any) -> None:
-    """Record this code's key layout in a new store; refuse one that holds another (an older kvloopd's
-    directory: its block keys would be neither found nor removed here)."""
+async def claim_layout(client: Any, layout: Layout) -> None:
+    """Record this store's key layout in a new cluster; refuse one that holds a directory in another:
+    an older kvloopd's, or one placed with other bucket counts (its block keys would be neither found
+    nor removed here, and a removed run could still be handed out)."""
+    mine = layout.record()
     found = await client.get(LAYOUT_KEY)
     if found is None:
         if await client.hlen(MODELS):
@@ -64,11 +66,13 @@ async def claim_layout(client: Any) -> None:
                 "the cluster holds a directory in an older key layout: stop the kvloopd replicas using "
                 "it and flush it (the agents re-push their state), or run the kvloopd release that wrote it"
             )
-        await client.set(LAYOUT_KEY, LAYOUT, nx=True)
+        await client.set(LAYOUT_KEY, mine, nx=True)
         found = await client.get(LAYOUT_KEY)
-    if found is None or text(found) != LAYOUT:
+    if found is None or text(found) != mine:
         raise OtherLayout(
-            f"the cluster holds a directory in key layout {found!r}; this kvloopd writes {LAYOUT!r}"
+            f"the cluster holds a directory in key layout {text(found or '')!r} (layout:buckets:spread); "
+            f"this kvloopd writes {mine!r}: run every replica with the same cluster_buckets and "
+            "cluster_spread, or flush the cluster (the agents re-push their state)"
         )
 
 
@@ -100,6 +104,10 @@ class Layout:
         self.buckets = buckets
         self.columns = buckets // spread
         self._in_columns = self.columns * spread  # a remainder would unbalance them: left unused
+
+    def record(self) -> str:
+        """What the cluster records of this layout (LAYOUT_KEY): replicas must agree on all of it."""
+        return f"{LAYOUT}:{self.buckets}:{self.spread}"
 
     def base(self, model: str, bucket: int | str | bytes) -> str:
         number = bucket if isinstance(bucket, int) else int(text(bucket))

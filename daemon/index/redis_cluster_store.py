@@ -48,7 +48,6 @@ from kvloop.common.block_keys import KEY_BYTES
 from kvloop.daemon.index import redis_wire as wire
 from kvloop.daemon.index.cluster_layout import (
     DEFAULT_SPREAD,
-    LAYOUT,
     LAYOUT_KEY,
     Layout,
     claim_layout,
@@ -189,7 +188,7 @@ class RedisClusterStore:
         client = RedisCluster.from_url(url, max_connections=wire.POOL_CONNECTIONS + 16, **options)
         try:
             await client.initialize()
-            await claim_layout(client)
+            await claim_layout(client, Layout(buckets, min(spread, buckets)))
             await client.function_load(wire.LIBRARY, replace=True)  # sent to every primary
         except Exception:
             await client.aclose()
@@ -754,6 +753,6 @@ class RedisClusterStore:
 
     async def flush(self) -> None:
         await self._r.flushdb()  # sent to every primary
-        await self._r.set(LAYOUT_KEY, LAYOUT)  # what remains is an empty store of this layout
+        await self._r.set(LAYOUT_KEY, self._layout.record())  # an empty store of this layout remains
         self._views.clear()
         self._registry.forget()
