@@ -329,6 +329,16 @@ class Engine:
                     self.config.agent_command(), stdout=log, stderr=subprocess.STDOUT
                 )
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the vLLM server's process group; the sidecar runs on.
+        A benchmark whose stacks share a host pauses the stacks not being measured, so that what
+        one does while idle does not land on another's turns."""
+        if self.vllm is not None and self.vllm.poll() is None:
+            try:
+                os.killpg(self.vllm.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def kill(self, vllm: bool = True, agent: bool = False) -> None:
         """SIGKILL the named process group(s) at once, as a crash would, and reap them."""
         for proc in (self.vllm if vllm else None, self.agent if agent else None):

@@ -575,3 +575,46 @@ def test_a_turns_time_is_split_into_queue_lookup_read_steps_compute_and_outside(
 def test_decode_legs_are_answered_whole_when_the_builtin_arm_runs_unless_asked(arms, asked, streamed):
     config = MultiturnConfig(workdir=Path("."), arms=arms, stream_decodes=asked)
     assert config.streams_decodes is streamed
+
+
+class _PausableEngine:
+    def __init__(self, arm: str, events: list[tuple]) -> None:
+        self.arm, self.events, self.paused = arm, events, False
+
+    def pause(self, paused: bool) -> None:
+        self.paused = paused
+        self.events.append(("paused" if paused else "resumed", self.arm))
+
+
+def test_each_arms_turns_run_with_the_others_paused_and_settled_before_they_pause():
+    events: list[tuple] = []
+    log: list[tuple[int, str, list[str]]] = []
+    engines = {arm: _PausableEngine(arm, events) for arm in ("recompute", "builtin", "kvloop")}
+
+    class Arm(RecordingArm):
+        def turn(self, session: Session, max_tokens: int) -> TurnOutcome:
+            running = [a for a, e in engines.items() if not e.paused]
+            assert running == [self.arm], f"{self.arm}'s turn ran beside {running}"
+            events.append(("turn", self.arm))
+            return super().turn(session, max_tokens)
+
+    clients = {}
+    for arm in engines:
+        clients[arm] = Arm(arm, log)
+        clients[arm].engines = [engines[arm]]
+        clients[arm]._settle = lambda sessions, arm=arm: events.append(("settled", arm, len(sessions)))
+    config = MultiturnConfig(
+        workdir=Path("."), turns=3, system_tokens=5, tool_tokens=3, pause_other_arms=True
+    )
+    run_workload(clients, "plain", 2, config, lambda: None)
+    assert not any(e.paused for e in engines.values())  # all running again once the workload is over
+    settled = [e for e in events if e[0] == "settled"]
+    assert len(settled) == 3 * 3 and all(e[2] == 2 for e in settled)
+    unsettled: set[str] = set()  # an arm is paused only once what its turn left is in place
+    for event in events:
+        if event[0] == "turn":
+            unsettled.add(event[1])
+        elif event[0] == "settled":
+            unsettled.discard(event[1])
+        elif event[0] == "paused":
+            assert event[1] not in unsettled, events

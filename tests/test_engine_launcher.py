@@ -89,3 +89,37 @@ def test_an_unsupported_vllm_is_refused_in_one_line(tmp_path: Path):
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "kvloop's connector supports vLLM 0.32.0, 0.33.0; vLLM 0.31.0 is installed." in lines[0]
     assert not (tmp_path / ".kvloop-engine-logs").exists()  # nothing was started
+
+
+def test_a_paused_engine_stops_its_whole_process_group_until_it_continues(tmp_path: Path):
+    """What `bench multiturn --pause-other-arms` does to the arms not taking their turn."""
+    from kvloop.agents.engine import Engine
+    from kvloop.common.processes import supervisor
+    from tests.support import wait_until
+
+    engine = Engine(config(), tmp_path)
+    # a leader and a child of its group, as `vllm serve` and its engine core are
+    engine.vllm = supervisor().spawn(["bash", "-c", "sleep 60 & wait"])
+    try:
+        wait_until(lambda: _children(engine.vllm.pid))
+
+        def states() -> set[str]:
+            pids = [engine.vllm.pid, *_children(engine.vllm.pid)]
+            return {Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] for pid in pids}
+
+        engine.pause(True)
+        wait_until(lambda: states() == {"T"})
+        engine.pause(False)
+        wait_until(lambda: "T" not in states())
+    finally:
+        engine.pause(False)
+        os.killpg(engine.vllm.pid, 9)
+        engine.vllm.wait()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        found += [int(c) for c in children]
+    return found

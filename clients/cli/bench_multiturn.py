@@ -122,6 +122,14 @@ _StreamDecodes = Annotated[
         "decode costs the host the same",
     ),
 ]
+_PauseOtherArms = Annotated[
+    bool,
+    typer.Option(
+        "--pause-other-arms/--no-pause-other-arms",
+        help="each arm's turns with the other arms' vLLM servers paused, as if it had the host to "
+        "itself (builtin's decode steps without pause while it holds a handle)",
+    ),
+]
 _Output = Annotated[
     Optional[Path],
     typer.Option("--output", "-o", help="write the results JSON here [default: WORKDIR/multiturn.json]"),
@@ -156,6 +164,7 @@ def bench_multiturn(
     output: _Output = None,
     spans: _Spans = False,
     stream_decodes: _StreamDecodes = None,
+    pause_other_arms: _PauseOtherArms = True,
     json_output: JsonFlag = False,
 ) -> None:
     """Continuation TTFT: recompute vs vLLM's built-in reverse mode vs kvloop (and the local-cache
@@ -194,6 +203,7 @@ def bench_multiturn(
         ucx_tls=ucx_tls,
         spans=spans,
         stream_decodes=stream_decodes,
+        pause_other_arms=pause_other_arms,
     )
     with supervisor().stop_on_signals():
         result = run_multiturn(config)  # progress on stderr (a line per stage off a terminal)

@@ -18,6 +18,9 @@ from kvloop.clients.bench.multiturn.setup import FLOOR_ARM, MODEL, Session
 from kvloop.clients.bench.steps import Stream
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvloop.agents.engine import Engine
     from kvloop.clients.fleet.stack import Stack
 
 
@@ -166,10 +169,16 @@ class ArmClient:
         processes: list[tuple[str, subprocess.Popen]] | None = None,
         traced: bool = False,
         stream_decodes: bool = True,
+        engines: list[Engine] | None = None,
+        settle: Callable[[list[Session]], None] | None = None,
     ) -> None:
         self.arm = arm
         # the decode leg streamed, or answered whole (MultiturnConfig.stream_decodes); builtin's is whole
         self.stream_decodes = stream_decodes
+        # the arm's own engines, paused while other arms take their turns (pause_other_arms), and
+        # what waits, after a turn, until what the turn left is in place (a kvloop decode's runs announced)
+        self.engines = engines or []
+        self._settle = settle
         self.processes = processes or []
         # each turn a trace of its own (its prefill and decode requests carry its traceparent)
         self.traced = traced
@@ -180,6 +189,14 @@ class ArmClient:
         # handle's), and all of them (any may be a kvloop holder's).
         self.latest: dict[int, list[int]] = {}
         self.computed: list[list[int]] = []
+
+    def pause(self, paused: bool) -> None:
+        for engine in self.engines:
+            engine.pause(paused)
+
+    def settle(self, sessions: list[Session]) -> None:
+        if self._settle is not None:
+            self._settle(sessions)
 
     def forget(self) -> None:
         """Drop what earlier (warm-up) turns left: handles and the sequences pulls may come from."""

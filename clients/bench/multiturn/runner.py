@@ -45,6 +45,7 @@ from kvloop.clients.bench.multiturn.setup import (
     ROUTING_PROXY_OPTIONS,
     UNVERIFIED_ARM,
     MultiturnConfig,
+    Session,
     TurnSample,
     arm_order,
     build_sessions,
@@ -85,6 +86,9 @@ def run_workload(
         order = arm_order(arms, turn)
         for arm in order:
             client = clients[arm]
+            if config.pause_other_arms:
+                for other, other_client in clients.items():
+                    other_client.pause(other != arm)
             sessions = [per_arm[arm][i] for i in active]
             # shared_prefix: the arriving conversation's first turn runs alone, then the others together,
             # so its TTFT shows what its shared prefix saves rather than the other sessions' load.
@@ -103,6 +107,8 @@ def run_workload(
                     + results
                 )
             answers[arm] = [r.answer for r in results]
+            if config.pause_other_arms:
+                client.settle(sessions)  # before another arm's turn pauses it
             # Checked once the turn is over: a concurrent session's run may have been the one pulled.
             client.computed.extend(r.computed_ids for r in results)
             streams = [r.decode_stream for r in results if r.decode_stream and r.decode_stream.times]
@@ -146,6 +152,8 @@ def run_workload(
                 next_turn_messages(
                     session, answer, turn - i if stagger else turn, workload, config.tool_tokens
                 )
+    for client in clients.values():
+        client.pause(False)
     return samples
 
 
@@ -209,6 +217,8 @@ def run_multiturn(config: MultiturnConfig, progress: bool = True) -> dict:
         return result
     finally:
         for stack in stacks.values():
+            for engine in stack.engines:
+                engine.pause(False)  # a stopped process group takes no SIGTERM
             stack.stop()
 
 
@@ -272,6 +282,8 @@ def _arm_clients(config: MultiturnConfig, stacks: dict[str, Stack], say) -> dict
                 stack_processes(s),
                 traced=config.spans,
                 stream_decodes=config.streams_decodes,
+                engines=list(s.engines),
+                settle=_announced(s) if s.config.mode == "kvloop" and s.decodes else None,
             )
             for arm, s in stacks.items()
         }
@@ -286,6 +298,17 @@ def _arm_clients(config: MultiturnConfig, stacks: dict[str, Stack], say) -> dict
             wait_tokenizer_loaded(url)
         clients[arm] = ProxiedArmClient(arm, url, traced=config.spans)
     return clients
+
+
+def _announced(stack: Stack):
+    """After a turn: wait until the arm's decode has announced each session's run (at most a few
+    seconds each: a run the decode declined never is)."""
+
+    def settle(sessions: list[Session]) -> None:
+        for session in sessions:
+            stack.wait_turn_retained(session.messages, timeout_s=5.0)
+
+    return settle
 
 
 def _run_rounds(

@@ -110,6 +110,12 @@ class MultiturnConfig:
     # the other sessions' prefills: so with the builtin arm in the run every arm answers whole, unless
     # this says otherwise (None).
     stream_decodes: bool | None = None
+    # Each arm's turns run with the other arms' vLLM servers paused (SIGSTOP; their sidecars and kvloopd
+    # run on), as if every arm had the host to itself: what an arm's engines do while idle (vLLM's
+    # built-in reverse mode steps its loop while it holds a handle) then costs only its own turns.
+    # Before an arm is paused, its decode's retained runs are announced. Not with the routing arms,
+    # which share one fleet.
+    pause_other_arms: bool = True
     # More than one of either: the routing bench (ROUTING_ARMS on one shared fleet).
     prefills: int = 1
     decodes: int = 1
