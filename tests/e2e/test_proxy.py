@@ -132,11 +132,16 @@ def test_one_trace_spans_proxy_prefill_and_decode(served_stack, otlp_receiver):
         r.read()
 
     def complete(spans):
-        services = {s["service"] for s in spans}
-        names = {s["name"] for s in spans}
-        return {"kvloop-proxy", "vllm-prefill", "vllm-decode", "kvloopd"} <= services and {
-            "kvloop.prefill",
-            "kvloop.nixl_read",
+        # every span the checks below read: each process exports in batches of its own, and the
+        # proxy's root span ends (and is exported) only after the client has read the answer
+        names = {(s["service"], s["name"]) for s in spans}
+        return {
+            ("kvloop-proxy", "kvloop.proxy /v1/chat/completions"),
+            ("vllm-prefill", "llm_request"),
+            ("vllm-decode", "llm_request"),
+            ("vllm-prefill", "kvloop.prefill"),
+            ("vllm-prefill", "kvloop.nixl_read"),
+            ("kvloopd", "/kvloop.v1.Directory/Lookup"),
         } <= names
 
     deadline = time.monotonic() + 30
