@@ -517,6 +517,7 @@ def test_the_arms_order_balances_positions_and_predecessors(n):
 def _span(trace: str, name: str, start_ms: float, end_ms: float, **attributes) -> dict:
     return {
         "trace_id": trace,
+        "span_id": f"{trace}-{name}-{start_ms}",
         "name": name,
         "start_unix_nano": int(start_ms * 1e6),
         "end_unix_nano": int(end_ms * 1e6),

@@ -21,13 +21,13 @@ vLLM's queue time, and there is no lookup):
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
 from kvloop.clients.bench.multiturn.setup import TurnSample
+from kvloop.clients.cli.trace import SpanFileError, read_span_file
 
 SPAN_FILE = "spans.jsonl"
 PARTS = ("ttft", "queue", "lookup", "read", "xfer", "steps", "compute", "outside", "decode_first")
@@ -38,18 +38,16 @@ _TTFT = "gen_ai.latency.time_to_first_token"
 
 
 def read_spans(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
-    """Span records of these span files by trace id (lines a killed process cut short are skipped)."""
+    """Span records of these span files by trace id (`kvloop trace`'s reader: lines a killed process
+    cut short are skipped); a stack that exported nothing has no file, or an empty one."""
     by_trace: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for path in paths:
-        if not path.exists():
+        try:
+            spans = read_span_file(path)
+        except SpanFileError:
             continue
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "trace_id" in record:
-                by_trace[str(record["trace_id"])].append(record)
+        for span in spans:
+            by_trace[span["trace_id"]].append(span)
     return by_trace
 
 
