@@ -14,26 +14,21 @@ turns, which is what this shows.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from kvloop.clients.bench.multiturn.arms import _post
+from kvloop.clients.bench.multiturn.setup import MODEL
 from kvloop.clients.fleet.model import build_tiny_llama
 from kvloop.clients.fleet.stack import Stack, StackConfig
 
-MODEL = "kvloop-tiny"
 ANSWER_TOKENS = 128
 
 
 def _chat(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=600) as answer:
-        return json.loads(answer.read())
+    return _post(f"{url}/v1/chat/completions", body)
 
 
 def decode_ms_per_token(stack: Stack, turn: int) -> float:
